@@ -1,0 +1,46 @@
+"""gradtrace's recording side: ``tracer.trace()`` around a training step, ``tracer.load()``.
+
+    import tracer
+    with tracer.trace() as t:
+        loss = model(x).loss
+        loss.backward()
+    t.save("step.gtrace")
+    print(t["linear3"].stack[-1])
+"""
+
+from __future__ import annotations
+
+from tracer.fileformat import TruncatedTraceWarning, load
+from tracer.hashing import md5_of
+from tracer.model import (
+    SCHEMA_VERSION,
+    BackwardRun,
+    Call,
+    Frame,
+    GradNode,
+    NodeRun,
+    Stats,
+    TensorRecord,
+    Trace,
+    TraceFormatError,
+)
+from tracer.session import TraceError, __version__, trace
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "BackwardRun",
+    "Call",
+    "Frame",
+    "GradNode",
+    "NodeRun",
+    "Stats",
+    "TensorRecord",
+    "Trace",
+    "TraceError",
+    "TraceFormatError",
+    "TruncatedTraceWarning",
+    "__version__",
+    "load",
+    "md5_of",
+    "trace",
+]

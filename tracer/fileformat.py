@@ -1,0 +1,233 @@
+"""Reading and writing ``.gtrace`` files: JSON lines, optionally gzip, never executed.
+
+A file is a ``header`` record, then any mix of ``meta``, ``frame``, ``stack``, ``module``,
+``tensor``, ``call``, ``node`` and ``backward`` records, then an ``end`` record. Records may come
+in any order after the header because a streamed file writes each one as soon as it is final
+(a tensor when its checksum is ready, a backward run when it ends). A file without its ``end``
+record was cut short (a crash): it loads with a warning and ``status == "truncated"``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import os
+import warnings
+from typing import IO, Any
+
+from tracer.model import (
+    FORMAT,
+    SCHEMA_VERSION,
+    BackwardRun,
+    Call,
+    Frame,
+    GradNode,
+    TensorRecord,
+    Trace,
+    TraceFormatError,
+)
+
+GZIP_MAGIC = b"\x1f\x8b"
+
+
+class TruncatedTraceWarning(UserWarning):
+    """The trace file ended before its end record; what was written is returned."""
+
+
+def _open_write(path: str) -> IO[str]:
+    if str(path).endswith(".gz"):
+        return io.TextIOWrapper(gzip.open(path, "wb"), encoding="utf-8")
+    return open(path, "w", encoding="utf-8")
+
+
+def _dumps(record: dict[str, Any]) -> str:
+    # allow_nan: stats of tensors full of Inf are real data; JSON's NaN/Infinity extension is
+    # what Python reads back, and the loader accepts nothing else beyond strict JSON.
+    return json.dumps(record, separators=(",", ":"), ensure_ascii=False)
+
+
+def write_trace(trace: Trace, path: str) -> None:
+    """Write a complete trace in canonical record order."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with _open_write(tmp) as fh:
+        for rec in trace.records():
+            fh.write(_dumps(rec))
+            fh.write("\n")
+    os.replace(tmp, path)
+
+
+class StreamWriter:
+    """Appends records to a trace file as recording goes, flushing so a crash loses little."""
+
+    def __init__(self, path: str) -> None:
+        self.path = str(path)
+        self._fh: IO[str] | None = _open_write(self.path)
+
+    def write(self, records: list[dict[str, Any]]) -> None:
+        if self._fh is None or not records:
+            return
+        self._fh.write("".join(_dumps(r) + "\n" for r in records))
+        self._fh.flush()
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+def _read_lines(path: str) -> list[str]:
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(2)
+    except FileNotFoundError:
+        raise TraceFormatError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise TraceFormatError(f"{path}: is a directory, not a trace file") from None
+    if head == GZIP_MAGIC:
+        try:
+            with gzip.open(path, "rb") as gz:
+                raw = gz.read()
+        except EOFError:  # a gzip stream cut short: keep what decompressed
+            raw = _read_partial_gzip(path)
+        except (OSError, gzip.BadGzipFile) as exc:
+            raise TraceFormatError(f"{path}: corrupt gzip data ({exc})") from None
+    else:
+        with open(path, "rb") as fh:
+            raw = fh.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise TraceFormatError(f"{path}: not a gradtrace file (not UTF-8 text)") from None
+    return text.split("\n")
+
+
+def _read_partial_gzip(path: str) -> bytes:
+    out = bytearray()
+    with gzip.open(path, "rb") as gz:
+        try:
+            while chunk := gz.read(1 << 16):
+                out += chunk
+        except EOFError:
+            pass
+    return bytes(out)
+
+
+def _parse_constant(name: str) -> float:
+    # JSON's NaN/Infinity extension, used by stats; anything else stays refused.
+    return float(name)
+
+
+def load(path: str | os.PathLike[str]) -> Trace:
+    """Load a trace file. Raises ``TraceFormatError`` with a one-line reason if it can't."""
+    path = os.fspath(path)
+    lines = _read_lines(path)
+    # A final empty string after the last newline is normal; an unterminated last line means
+    # the writer was cut off mid-record.
+    trace = Trace()
+    seen_header = False
+    ended = False
+    frames: dict[int, Frame] = {}
+    stacks: dict[int, tuple[int, ...]] = {}
+    last = len(lines) - 1
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line, parse_constant=_parse_constant)
+        except json.JSONDecodeError as exc:
+            if lineno - 1 == last and seen_header:  # a cut-off last line: truncated, not corrupt
+                break
+            if not seen_header:
+                raise TraceFormatError(f"{path}: not a gradtrace file (line 1 is not JSON)") from None
+            raise TraceFormatError(f"{path}: corrupt record at line {lineno}: {exc.msg}") from None
+        if not isinstance(rec, dict) or not isinstance(rec.get("t"), str):
+            raise TraceFormatError(f"{path}: corrupt record at line {lineno}: not a typed JSON object")
+        kind = rec["t"]
+        if not seen_header:
+            _check_header(path, rec)
+            trace.header = {k: v for k, v in rec.items() if k != "t"}
+            seen_header = True
+            continue
+        try:
+            _apply(trace, kind, rec, frames, stacks)
+        except TraceFormatError as exc:
+            raise TraceFormatError(f"{path}: line {lineno}: {exc}") from None
+        except (TypeError, ValueError, KeyError) as exc:
+            raise TraceFormatError(f"{path}: line {lineno}: malformed {kind} record ({exc})") from None
+        if kind == "end":
+            ended = True
+    if not seen_header:
+        raise TraceFormatError(f"{path}: empty file, not a gradtrace trace")
+    trace.frames = [frames[i] if i in frames else Frame("?", 0, "?", "") for i in range(_span(frames))]
+    trace.stacks = [stacks.get(i, ()) for i in range(_span(stacks))]
+    for sid in stacks.values():
+        for fid in sid:
+            if fid >= len(trace.frames):
+                raise TraceFormatError(f"{path}: stack refers to missing frame {fid}")
+    if not ended:
+        trace.status = "truncated"
+        warnings.warn(f"{path}: trace ends before its end record (recording was cut off); "
+                      f"loaded {len(trace.calls)} calls that were written", TruncatedTraceWarning, stacklevel=2)
+    trace.calls.sort(key=lambda c: c.seq)
+    trace.grad_nodes.sort(key=lambda n: n.seq)
+    trace.backward_runs.sort(key=lambda b: b.seq)
+    trace.resolve()
+    return trace
+
+
+def _span(d: dict[int, Any]) -> int:
+    return max(d) + 1 if d else 0
+
+
+def _check_header(path: str, rec: dict[str, Any]) -> None:
+    if rec.get("t") != "header" or rec.get("format") != FORMAT:
+        raise TraceFormatError(f"{path}: not a gradtrace file (no gradtrace header on line 1)")
+    version = rec.get("version")
+    if not isinstance(version, int):
+        raise TraceFormatError(f"{path}: header has no integer format version")
+    if version > SCHEMA_VERSION:
+        raise TraceFormatError(f"{path}: trace format version {version} is newer than this gradtrace "
+                               f"reads (version {SCHEMA_VERSION}); upgrade gradtrace")
+    if version < 1:
+        raise TraceFormatError(f"{path}: unknown trace format version {version} (this gradtrace reads "
+                               f"version {SCHEMA_VERSION})")
+
+
+def _apply(trace: Trace, kind: str, rec: dict[str, Any], frames: dict[int, Frame],
+           stacks: dict[int, tuple[int, ...]]) -> None:
+    if kind == "call":
+        trace.calls.append(Call.from_json(rec))
+    elif kind == "node":
+        trace.grad_nodes.append(GradNode.from_json(rec))
+    elif kind == "tensor":
+        t = TensorRecord.from_json(rec)
+        trace.tensors[t.name] = t
+    elif kind == "backward":
+        trace.backward_runs.append(BackwardRun.from_json(rec))
+    elif kind == "frame":
+        fid = rec["id"]
+        if not isinstance(fid, int) or fid < 0 or fid > 10_000_000:
+            raise TraceFormatError(f"bad frame id {fid!r}")
+        frames[fid] = Frame(str(rec.get("file", "?")), int(rec.get("line", 0)),
+                            str(rec.get("function", "?")), str(rec.get("code", "")))
+    elif kind == "stack":
+        sid, fids = rec["id"], rec["frames"]
+        if not isinstance(sid, int) or sid < 0 or sid > 10_000_000 or not isinstance(fids, list) \
+                or not all(isinstance(f, int) and f >= 0 for f in fids):
+            raise TraceFormatError(f"bad stack record {sid!r}")
+        stacks[sid] = tuple(fids)
+    elif kind == "module":
+        trace.modules[str(rec["path"])] = str(rec["class"])
+    elif kind == "meta":
+        trace.meta.update({k: v for k, v in rec.items() if k != "t"})
+    elif kind == "end":
+        trace.status = str(rec.get("status", "ok"))
+        err = rec.get("error")
+        trace.error = {str(k): str(v) for k, v in err.items()} if isinstance(err, dict) else None
+        notes = rec.get("notes") or []
+        trace.notes = [str(n) for n in notes] if isinstance(notes, list) else []
+    elif kind == "header":
+        raise TraceFormatError("a second header record")
+    # Unknown record types from the same major version are skipped: readers stay forward
+    # compatible with additive changes, which is what a version bump is reserved against.

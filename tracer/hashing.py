@@ -1,0 +1,250 @@
+"""Checksums and stats of tensors, kept off the training thread's critical path where possible.
+
+MD5 is of the tensor's logical contents in its own dtype, row-major, as bytes: equal to
+``hashlib.md5(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()).hexdigest()``.
+Shape and dtype are recorded beside the hash, not in it.
+
+How the bytes get hashed:
+- CPU, small tensors: hashed at once (cheaper than any hand-off).
+- CPU, large tensors: the bytes are snapshotted (a copy, so a later in-place change cannot alter
+  what gets hashed) and MD5 runs on a pool of worker threads (``hashlib`` releases the GIL).
+- CUDA: the bytes are copied on a side stream into pinned host memory, an event marks the copy,
+  and a worker thread waits on that event and hashes. The training thread never synchronises.
+In-flight bytes are bounded (back-pressure): when the budget is used, ``submit`` waits for the
+oldest job, so memory stays bounded on a step that makes many gigabytes of tensors.
+
+Stats (min, max, mean, absmax over finite values; NaN and Inf counts) are computed on the
+tensor's own device as one small tensor each and fetched in one batch per device at ``drain``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from tracer.model import Stats, TensorRecord
+
+HASH_ALGORITHMS = ("md5", "none")
+INLINE_BYTES = 256 * 1024
+DEFAULT_INFLIGHT_BYTES = 512 * 1024 * 1024
+
+_FLOAT8 = tuple(getattr(torch, n) for n in (
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, n))
+_ALLOWED_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def unhashable_reason(t: torch.Tensor) -> str | None:
+    """Why a tensor's bytes cannot be hashed, or None when they can."""
+    if type(t) not in _ALLOWED_TYPES:
+        name = type(t).__name__
+        if name == "FakeTensor":
+            return "fake tensor (no data)"
+        if name == "FunctionalTensor":
+            return "functional tensor (no data)"
+        return f"tensor subclass {name}"
+    if t.is_meta:
+        return "meta tensor (no data)"
+    if t.layout != torch.strided:
+        return f"{str(t.layout).replace('torch.', '')} layout"
+    if t.is_quantized:
+        return "quantized tensor"
+    if getattr(t, "is_nested", False):
+        return "nested tensor"
+    if t.device.type not in ("cpu", "cuda"):
+        return f"device {t.device.type} not supported for hashing"
+    return None
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's logical contents as a flat contiguous uint8 tensor on its own device."""
+    x = t.detach()
+    if x.is_conj():
+        x = x.resolve_conj()
+    if x.is_neg():
+        x = x.resolve_neg()
+    return x.contiguous().reshape(-1).view(torch.uint8)
+
+
+def md5_of(t: torch.Tensor) -> str:
+    """Synchronous reference MD5 of a tensor (copies to host)."""
+    b = as_bytes(t)
+    if b.device.type != "cpu":
+        b = b.cpu()
+    return hashlib.md5(b.numpy().data).hexdigest()
+
+
+def stats_tensor(t: torch.Tensor) -> torch.Tensor | None:
+    """[min, max, mean, absmax, nan, inf] as one float64 tensor on t's device (None if empty)."""
+    x = t.detach()
+    if x.numel() == 0:
+        return None
+    if x.is_complex():
+        x = torch.view_as_real(x.resolve_conj())
+    if x.dtype == torch.bool:
+        x = x.to(torch.uint8)
+    x = x.reshape(-1)
+    if x.is_floating_point():
+        if x.dtype in _FLOAT8 or x.dtype in (torch.float16, torch.bfloat16):
+            x = x.float()
+        finite = torch.isfinite(x)
+        nan = torch.isnan(x).sum()
+        inf = x.numel() - finite.sum() - nan
+        n_fin = finite.sum()
+        lo = torch.where(finite, x, torch.inf).amin()
+        hi = torch.where(finite, x, -torch.inf).amax()
+        zero = torch.zeros((), dtype=x.dtype, device=x.device)
+        mean = torch.where(finite, x, zero).sum(dtype=torch.float64) / n_fin.clamp(min=1)
+        absmax = torch.where(finite, x.abs(), zero).amax()
+        return torch.stack([lo.double(), hi.double(), mean.double(), absmax.double(),
+                            nan.double(), inf.double(), n_fin.double()])
+    x = x.double() if x.dtype != torch.uint64 else x.to(torch.float64)
+    zero = torch.zeros((), dtype=torch.float64, device=x.device)
+    n = torch.full((), float(x.numel()), dtype=torch.float64, device=x.device)
+    return torch.stack([x.amin(), x.amax(), x.mean(), x.abs().amax(), zero, zero, n])
+
+
+def _stats_from_row(row: list[float]) -> Stats:
+    lo, hi, mean, absmax, nan, inf, n_fin = row
+    if n_fin == 0:  # no finite value at all: min/max/mean have no meaning
+        return Stats(None, None, None, None, int(nan), int(inf))
+    return Stats(lo, hi, mean, absmax, int(nan), int(inf))
+
+
+class Hasher:
+    """Queues checksum and stats work for tensor records and fills the records in when done."""
+
+    def __init__(self, algorithm: str = "md5", stats: bool = True, workers: int | None = None,
+                 max_inflight_bytes: int = DEFAULT_INFLIGHT_BYTES) -> None:
+        if algorithm not in HASH_ALGORITHMS:
+            raise ValueError(f"hash must be one of {', '.join(HASH_ALGORITHMS)}, got {algorithm!r}")
+        self.algorithm = algorithm
+        self.want_stats = stats
+        self.max_inflight = max_inflight_bytes
+        self._workers = workers or max(1, (os.cpu_count() or 1))
+        self._pool: ThreadPoolExecutor | None = None
+        self._jobs: deque[tuple[TensorRecord, Future[str], int]] = deque()
+        self._inflight = 0
+        self._stats: list[tuple[TensorRecord, torch.Tensor]] = []
+        self._lock = threading.Lock()
+        self._side_streams: dict[int, Any] = {}
+        self.capturing_skipped = 0
+        self.hashed_bytes = 0
+
+    # ---- submission (training thread or autograd threads) ---------------------------------------
+    def submit(self, rec: TensorRecord, t: torch.Tensor) -> None:
+        reason = unhashable_reason(t)
+        if reason is not None:
+            rec.hash_note = f"not hashed: {reason}"
+            return
+        if t.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            rec.hash_note = "not hashed: CUDA graph capture in progress"
+            self.capturing_skipped += 1
+            return
+        with torch._C.DisableTorchFunction():
+            if self.want_stats:
+                st = stats_tensor(t)
+                if st is not None:
+                    with self._lock:
+                        self._stats.append((rec, st))
+            if self.algorithm == "md5":
+                self._submit_md5(rec, t)
+
+    def _pool_get(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="gradtrace-md5")
+        return self._pool
+
+    def _submit_md5(self, rec: TensorRecord, t: torch.Tensor) -> None:
+        b = as_bytes(t)
+        n = b.numel()
+        self.hashed_bytes += n
+        if b.device.type == "cpu":
+            if n <= INLINE_BYTES:
+                rec.md5 = hashlib.md5(b.numpy().data).hexdigest()
+                return
+            # Snapshot: the caller may change the tensor in place right after this call.
+            shares = b.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+            snap = b.clone() if shares else b
+            self._reserve(n)
+            fut = self._pool_get().submit(_md5_host, snap, None)
+        else:
+            host, event = self._copy_to_host(b)
+            self._reserve(n)
+            fut = self._pool_get().submit(_md5_host, host, event)
+        with self._lock:
+            self._jobs.append((rec, fut, n))
+            self._inflight += n
+
+    def _copy_to_host(self, b: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        dev = b.device
+        key = dev.index if dev.index is not None else torch.cuda.current_device()
+        stream = self._side_streams.get(key)
+        if stream is None:
+            stream = self._side_streams[key] = torch.cuda.Stream(device=dev)
+        current = torch.cuda.current_stream(dev)
+        stream.wait_stream(current)
+        host = torch.empty(b.numel(), dtype=torch.uint8, pin_memory=True)
+        with torch.cuda.stream(stream):
+            host.copy_(b, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        # The device bytes must outlive the copy even if the training thread frees them.
+        b.record_stream(stream)
+        return host, event
+
+    def _reserve(self, n: int) -> None:
+        # Back-pressure: wait for the oldest jobs until the new one fits in the budget.
+        while True:
+            with self._lock:
+                if self._inflight + n <= self.max_inflight or not self._jobs:
+                    return
+                rec, fut, size = self._jobs.popleft()
+                self._inflight -= size
+            rec.md5 = fut.result()
+
+    # ---- completion ---------------------------------------------------------------------------
+    def drain(self, wait: bool = False) -> None:
+        """Fill in finished checksums (all of them if ``wait``) and every pending stat."""
+        with self._lock:
+            stats, self._stats = self._stats, []
+        if stats:
+            by_device: dict[torch.device, list[tuple[TensorRecord, torch.Tensor]]] = {}
+            for rec, st in stats:
+                by_device.setdefault(st.device, []).append((rec, st))
+            with torch._C.DisableTorchFunction():
+                for items in by_device.values():
+                    rows = torch.stack([st for _, st in items]).cpu().tolist()  # one sync per device
+                    for (rec, _), row in zip(items, rows):
+                        rec.stats = _stats_from_row(row)
+        while True:
+            with self._lock:
+                if not self._jobs:
+                    return
+                rec, fut, size = self._jobs[0]
+                if not wait and not fut.done():
+                    return
+                self._jobs.popleft()
+                self._inflight -= size
+            rec.md5 = fut.result()
+
+    def pending(self) -> set[int]:
+        with self._lock:
+            return {id(r) for r, _, _ in self._jobs} | {id(r) for r, _ in self._stats}
+
+    def close(self) -> None:
+        self.drain(wait=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def _md5_host(buf: torch.Tensor, event: Any) -> str:
+    if event is not None:
+        event.synchronize()
+    return hashlib.md5(buf.numpy().data).hexdigest()

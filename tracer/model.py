@@ -1,0 +1,428 @@
+"""The trace data model: plain, versioned records shared by ``tracer`` and ``export``.
+
+Everything here is data. Nothing holds a tensor, a frame or a module; a trace that was just
+recorded and a trace loaded from disk are the same kind of object, so every exporter renders
+both alike. The on-disk form of each record is its ``to_json()`` dict, one JSON object per line
+(see ``docs/trace-format.md``); ``from_json`` is its inverse and validates what it reads.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+FORMAT = "gradtrace"
+SCHEMA_VERSION = 1
+
+
+class TraceFormatError(ValueError):
+    """A trace file or record that cannot be read: corrupt, foreign, or from a newer version."""
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One Python frame of a call stack, symbolised (file, line, function, source text)."""
+
+    file: str
+    line: int
+    function: str
+    code: str
+
+    def __str__(self) -> str:
+        return f'File "{self.file}", line {self.line}, in {self.function}\n    {self.code}'
+
+    def to_json(self, frame_id: int) -> dict[str, Any]:
+        return {"t": "frame", "id": frame_id, "file": self.file, "line": self.line,
+                "function": self.function, "code": self.code}
+
+
+@dataclass
+class Stats:
+    """Summary of a tensor's values. min/max/mean/absmax are over finite values only."""
+
+    min: float | None
+    max: float | None
+    mean: float | None
+    absmax: float | None
+    nan: int = 0
+    inf: int = 0
+
+    def to_json(self) -> list[Any]:
+        return [self.min, self.max, self.mean, self.absmax, self.nan, self.inf]
+
+    @classmethod
+    def from_json(cls, data: list[Any]) -> Stats:
+        if not isinstance(data, list) or len(data) != 6:
+            raise TraceFormatError(f"stats must be a list of 6 numbers, got {data!r}")
+        return cls(*data)
+
+    @property
+    def finite(self) -> bool:
+        return self.nan == 0 and self.inf == 0
+
+
+@dataclass
+class TensorRecord:
+    """One tensor value (a version of a tensor) seen by the trace.
+
+    ``role`` says where it came from: ``output`` of a forward call, ``param``/``buffer`` of a
+    module, ``input`` from outside the traced block, ``grad`` made by a backward run, ``state``
+    of an optimizer. ``md5`` is the hex MD5 of the contiguous bytes in the tensor's own dtype;
+    when a tensor could not be hashed ``md5`` is None and ``hash_note`` says why.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+    role: str
+    producer: str | None = None
+    stride: tuple[int, ...] | None = None
+    contiguous: bool = True
+    requires_grad: bool = False
+    version: int = 0
+    seq: int = 0
+    md5: str | None = None
+    fingerprint: str | None = None
+    hash_note: str | None = None
+    stats: Stats | None = None
+    previous: str | None = None  # the name of the value this one replaced (in-place change)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "t": "tensor", "name": self.name, "shape": list(self.shape), "dtype": self.dtype,
+            "device": self.device, "role": self.role, "producer": self.producer,
+            "stride": None if self.stride is None else list(self.stride),
+            "contiguous": self.contiguous, "requires_grad": self.requires_grad,
+            "version": self.version, "seq": self.seq, "md5": self.md5,
+            "fingerprint": self.fingerprint, "hash_note": self.hash_note,
+            "stats": None if self.stats is None else self.stats.to_json(),
+            "previous": self.previous,
+        }
+        return out
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> TensorRecord:
+        _require(d, "name", "shape", "dtype", "device", "role")
+        return cls(
+            name=_str(d, "name"), shape=tuple(_ints(d, "shape")), dtype=_str(d, "dtype"),
+            device=_str(d, "device"), role=_str(d, "role"), producer=d.get("producer"),
+            stride=None if d.get("stride") is None else tuple(_ints(d, "stride")),
+            contiguous=bool(d.get("contiguous", True)), requires_grad=bool(d.get("requires_grad", False)),
+            version=int(d.get("version", 0)), seq=int(d.get("seq", 0)), md5=d.get("md5"),
+            fingerprint=d.get("fingerprint"), hash_note=d.get("hash_note"),
+            stats=None if d.get("stats") is None else Stats.from_json(d["stats"]),
+            previous=d.get("previous"),
+        )
+
+
+@dataclass
+class Call:
+    """One forward API call (or custom Function / custom op) as the user wrote it.
+
+    ``kind`` is ``op`` (torch function, tensor method or operator), ``function`` (a custom
+    ``torch.autograd.Function``), ``custom_op`` (``torch.library``) or ``compiled`` (an opaque
+    torch.compile region). ``phase`` is ``backward`` for calls made while a backward ran (a custom
+    Function applied inside another one's backward). ``parent`` names the enclosing custom
+    Function call or grad node, which is how nesting is shown.
+    """
+
+    name: str
+    api: str
+    module: str
+    inputs: list[str]
+    outputs: list[str]
+    args: str = ""
+    grad_nodes: list[str] = field(default_factory=list)
+    stack_id: int | None = None
+    parent: str | None = None
+    kind: str = "op"
+    phase: str = "forward"
+    seq: int = 0
+    mutated: list[str] = field(default_factory=list)
+    error: str | None = None
+    stack: tuple[Frame, ...] = field(default=(), compare=False, repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"t": "call", "name": self.name, "api": self.api, "module": self.module,
+                "inputs": self.inputs, "outputs": self.outputs, "args": self.args,
+                "grad_nodes": self.grad_nodes, "stack": self.stack_id, "parent": self.parent,
+                "kind": self.kind, "phase": self.phase, "seq": self.seq, "mutated": self.mutated,
+                "error": self.error}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Call:
+        _require(d, "name", "api", "module", "inputs", "outputs")
+        return cls(name=_str(d, "name"), api=_str(d, "api"), module=_str(d, "module"),
+                   inputs=_strs(d, "inputs"), outputs=_strs(d, "outputs"), args=str(d.get("args", "")),
+                   grad_nodes=_strs(d, "grad_nodes"), stack_id=_opt_int(d, "stack"),
+                   parent=d.get("parent"), kind=str(d.get("kind", "op")),
+                   phase=str(d.get("phase", "forward")), seq=int(d.get("seq", 0)),
+                   mutated=_strs(d, "mutated"), error=d.get("error"))
+
+
+@dataclass
+class GradNode:
+    """One autograd node created by the traced code, linked to the call that created it.
+
+    ``kind`` is PyTorch's class name (``AddmmBackward0``, ``AccumulateGrad``, ``MyFnBackward``).
+    A leaf accumulator has ``param`` set to the name of the tensor it accumulates into.
+    ``next`` lists, for each of the node's outputs, the name of the node the gradient flows to
+    (None where PyTorch has no edge). ``external`` nodes were created before the traced block.
+    """
+
+    name: str
+    kind: str
+    call: str | None
+    param: str | None = None
+    next: list[str | None] = field(default_factory=list)
+    stack_id: int | None = None
+    seq: int = 0
+    external: bool = False
+    stack: tuple[Frame, ...] = field(default=(), compare=False, repr=False)
+    grads_in: list[str | None] = field(default_factory=list, compare=False, repr=False)
+    grads_out: list[str | None] = field(default_factory=list, compare=False, repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"t": "node", "name": self.name, "kind": self.kind, "call": self.call,
+                "param": self.param, "next": self.next, "stack": self.stack_id, "seq": self.seq,
+                "external": self.external}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> GradNode:
+        _require(d, "name", "kind")
+        nxt = d.get("next", [])
+        if not isinstance(nxt, list) or not all(n is None or isinstance(n, str) for n in nxt):
+            raise TraceFormatError(f"node {d.get('name')!r}: 'next' must be a list of names")
+        return cls(name=_str(d, "name"), kind=_str(d, "kind"), call=d.get("call"), param=d.get("param"),
+                   next=list(nxt), stack_id=_opt_int(d, "stack"), seq=int(d.get("seq", 0)),
+                   external=bool(d.get("external", False)))
+
+
+@dataclass
+class NodeRun:
+    """One execution of a grad node in a backward run: the gradients it received and produced."""
+
+    node: str
+    grads_in: list[str | None]
+    grads_out: list[str | None]
+
+
+@dataclass
+class BackwardRun:
+    """One call of ``Tensor.backward`` / ``torch.autograd.backward`` / ``torch.autograd.grad``."""
+
+    name: str
+    api: str
+    roots: list[str]
+    stack_id: int | None = None
+    steps: list[NodeRun] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+    status: str = "ok"
+    error: str | None = None
+    seq: int = 0
+    stack: tuple[Frame, ...] = field(default=(), compare=False, repr=False)
+
+    @property
+    def order(self) -> list[str]:
+        """Grad node names in the order the engine ran them."""
+        return [s.node for s in self.steps]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"t": "backward", "name": self.name, "api": self.api, "roots": self.roots,
+                "stack": self.stack_id, "outputs": self.outputs, "status": self.status,
+                "error": self.error, "seq": self.seq,
+                "steps": [[s.node, s.grads_in, s.grads_out] for s in self.steps]}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> BackwardRun:
+        _require(d, "name", "api", "roots")
+        steps = []
+        for s in d.get("steps", []):
+            if not (isinstance(s, list) and len(s) == 3 and isinstance(s[0], str)):
+                raise TraceFormatError(f"backward {d.get('name')!r}: malformed step {s!r}")
+            steps.append(NodeRun(s[0], list(s[1]), list(s[2])))
+        return cls(name=_str(d, "name"), api=_str(d, "api"), roots=_strs(d, "roots"),
+                   stack_id=_opt_int(d, "stack"), steps=steps, outputs=_strs(d, "outputs"),
+                   status=str(d.get("status", "ok")), error=d.get("error"), seq=int(d.get("seq", 0)))
+
+
+Record = Call | GradNode | TensorRecord | BackwardRun
+
+
+@dataclass
+class Trace:
+    """A recorded step: calls, grad nodes, tensors and backward runs, linked by unified names.
+
+    ``header`` holds what makes two traces comparable (format version, hash algorithm, torch
+    version, settings); ``meta`` holds what does not (host, time, paths, argv) and is ignored by
+    ``diff``. ``status`` is ``ok``, ``failed`` (the traced block raised: ``error`` says what) or
+    ``truncated`` (the file ended before its end record).
+    """
+
+    header: dict[str, Any] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+    calls: list[Call] = field(default_factory=list)
+    grad_nodes: list[GradNode] = field(default_factory=list)
+    tensors: dict[str, TensorRecord] = field(default_factory=dict)
+    backward_runs: list[BackwardRun] = field(default_factory=list)
+    modules: dict[str, str] = field(default_factory=dict)
+    frames: list[Frame] = field(default_factory=list)
+    stacks: list[tuple[int, ...]] = field(default_factory=list)
+    status: str = "ok"
+    error: dict[str, str] | None = None
+    notes: list[str] = field(default_factory=list)
+    _index: dict[str, Record] | None = field(default=None, compare=False, repr=False)
+
+    # ---- look-up -------------------------------------------------------------------------
+    @property
+    def index(self) -> dict[str, Record]:
+        if self._index is None:
+            idx: dict[str, Record] = {}
+            for rec in [*self.tensors.values(), *self.grad_nodes, *self.backward_runs, *self.calls]:
+                idx[rec.name] = rec
+            self._index = idx
+        return self._index
+
+    def __getitem__(self, name: str) -> Record:
+        try:
+            return self.index[name]
+        except KeyError:
+            close = difflib.get_close_matches(name, list(self.index), n=5, cutoff=0.6)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise KeyError(f"no call, tensor, grad node or backward run named {name!r} in this trace{hint}") from None
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name in self.index
+
+    def get(self, name: str) -> Record | None:
+        return self.index.get(name)
+
+    @property
+    def hash_algorithm(self) -> str:
+        return str(self.header.get("hash", "none"))
+
+    def stack_of(self, stack_id: int | None) -> tuple[Frame, ...]:
+        if stack_id is None or stack_id >= len(self.stacks):
+            return ()
+        return tuple(self.frames[i] for i in self.stacks[stack_id])
+
+    def tensors_in_order(self) -> list[TensorRecord]:
+        return sorted(self.tensors.values(), key=lambda t: t.seq)
+
+    def invalidate(self) -> None:
+        """Drop cached look-ups after the lists were changed."""
+        self._index = None
+
+    def resolve(self) -> None:
+        """Attach stacks and per-node gradient names to records (after load or recording)."""
+        for c in self.calls:
+            c.stack = self.stack_of(c.stack_id)
+        for n in self.grad_nodes:
+            n.stack = self.stack_of(n.stack_id)
+            n.grads_in, n.grads_out = [], []
+        for b in self.backward_runs:
+            b.stack = self.stack_of(b.stack_id)
+        by_name = {n.name: n for n in self.grad_nodes}
+        for b in self.backward_runs:
+            for s in b.steps:
+                node = by_name.get(s.node)
+                if node is not None:  # the last run that executed a node wins
+                    node.grads_in, node.grads_out = list(s.grads_in), list(s.grads_out)
+        self.invalidate()
+
+    # ---- records -------------------------------------------------------------------------
+    def header_record(self) -> dict[str, Any]:
+        return {"t": "header", "format": FORMAT, "version": SCHEMA_VERSION, **{
+            k: v for k, v in self.header.items() if k not in ("t", "format", "version")}}
+
+    def end_record(self) -> dict[str, Any]:
+        return {"t": "end", "status": self.status, "error": self.error, "notes": self.notes,
+                "counts": {"calls": len(self.calls), "grad_nodes": len(self.grad_nodes),
+                           "tensors": len(self.tensors), "backward_runs": len(self.backward_runs)}}
+
+    def records(self) -> Iterator[dict[str, Any]]:
+        """Every record of the trace in canonical order (what ``save`` writes)."""
+        yield self.header_record()
+        yield {"t": "meta", **self.meta}
+        for i, f in enumerate(self.frames):
+            yield f.to_json(i)
+        for i, s in enumerate(self.stacks):
+            yield {"t": "stack", "id": i, "frames": list(s)}
+        for path, cls in self.modules.items():
+            yield {"t": "module", "path": path, "class": cls}
+        for t in self.tensors_in_order():
+            yield t.to_json()
+        for c in self.calls:
+            yield c.to_json()
+        for n in self.grad_nodes:
+            yield n.to_json()
+        for b in self.backward_runs:
+            yield b.to_json()
+        yield self.end_record()
+
+    def save(self, path: str) -> None:
+        """Write the whole trace as JSON lines (gzip when the path ends in ``.gz``)."""
+        from tracer.fileformat import write_trace
+
+        write_trace(self, path)
+
+    # ---- display -------------------------------------------------------------------------
+    def __repr__(self) -> str:
+        return (f"<Trace {self.status}: {len(self.calls)} calls, {len(self.grad_nodes)} grad nodes, "
+                f"{len(self.tensors)} tensors, {len(self.backward_runs)} backward runs, hash={self.hash_algorithm}>")
+
+    def _repr_html_(self) -> str:
+        try:
+            from export.html import notebook_html
+        except ImportError:  # export is optional at runtime; fall back to the plain summary
+            import html
+
+            return f"<pre>{html.escape(repr(self))}</pre>"
+        return notebook_html(self)
+
+
+# ---- validation helpers (loading must never trust the file) ------------------------------------
+def _require(d: dict[str, Any], *keys: str) -> None:
+    missing = [k for k in keys if k not in d]
+    if missing:
+        raise TraceFormatError(f"{d.get('t', 'record')} record is missing {', '.join(missing)}")
+
+
+def _str(d: dict[str, Any], key: str) -> str:
+    v = d[key]
+    if not isinstance(v, str):
+        raise TraceFormatError(f"{d.get('t')} record: {key!r} must be a string, got {type(v).__name__}")
+    return v
+
+
+def _strs(d: dict[str, Any], key: str) -> list[str]:
+    v = d.get(key, [])
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise TraceFormatError(f"{d.get('t')} record: {key!r} must be a list of strings")
+    return list(v)
+
+
+def _ints(d: dict[str, Any], key: str) -> list[int]:
+    v = d[key]
+    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+        raise TraceFormatError(f"{d.get('t')} record: {key!r} must be a list of integers")
+    return list(v)
+
+
+def _opt_int(d: dict[str, Any], key: str) -> int | None:
+    v = d.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise TraceFormatError(f"{d.get('t')} record: {key!r} must be an integer")
+    return v

@@ -1,0 +1,199 @@
+"""The unified naming system: API names, call names, tensor names, grad node names.
+
+Names are deterministic (counters start fresh in every trace, so the same program gives the
+same names twice), readable, and linked:
+
+- call ``linear3``: the fourth ``linear`` call of the trace (counters count from 0; a short
+  name ending in a digit gets an underscore, ``conv2d_0``, so names never run together);
+- its output tensor ``linear3:out`` (``split2:out0``, ``split2:out1`` when it has several);
+- a tensor changed in place gets a new version ``linear3:out@v1`` (``...weight@v1``);
+- parameters and buffers by module path ``transformer.h.0.attn.c_attn.weight``; other tensors
+  from outside the block ``input0``, ``input1``...;
+- its grad node ``linear3/AddmmBackward0``, showing the API call and PyTorch's class
+  (``linear3/ViewBackward0#1`` when one call creates two nodes of a class); a leaf accumulator
+  ``<param>/AccumulateGrad``;
+- a gradient ``linear3:out@grad`` (the gradient of that tensor), ``<param>@grad``; a gradient
+  that a node sends along one of several incoming edges ``<node>:grad<j>``; in the k-th backward
+  run of a trace (k >= 1) gradient names end in ``#k``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# Tensor methods and torch functions that only read metadata or convert to Python: never
+# recorded (they make no tensor). The general rule in the recorder also drops any call that
+# neither returns a tensor nor changes one; this set only saves the cost of checking.
+NOISE = frozenset({
+    "size", "dim", "numel", "stride", "storage_offset", "is_contiguous", "data_ptr", "element_size",
+    "nelement", "ndimension", "__len__", "__repr__", "__format__", "__str__", "__bool__", "__int__",
+    "__float__", "__index__", "__complex__", "item", "tolist", "numpy", "__hash__", "__iter__",
+    "__array__", "__reduce_ex__", "__deepcopy__", "__setstate__", "__getstate__", "_typed_storage",
+    "untyped_storage", "storage", "is_floating_point", "is_complex", "get_device", "has_names",
+    "__contains__", "__dlpack__", "__dlpack_device__", "register_hook",
+    "register_post_accumulate_grad_hook", "retain_grad", "_is_view", "is_set_to", "requires_grad_",
+    "is_pinned", "is_shared", "is_signed", "is_inference", "is_nonzero", "__array_wrap__",
+    "_make_subclass", "as_subclass", "__torch_function__", "__reversed__", "type", "__dir__",
+    "__sizeof__", "_fix_weakref", "is_same_size",
+})
+# Properties that are real tensor operations (a transpose, a real/imag view) stay recorded;
+# every other property read (.shape, .grad, .data, .device, ...) is noise.
+TENSOR_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
+BACKWARD_APIS = frozenset({"Tensor.backward", "torch.autograd.backward", "torch.autograd.grad"})
+
+_MODULE_ALIASES = {
+    "torch._C._nn": "torch.nn.functional",
+    "torch._C._VariableFunctions": "torch",
+    "torch._C._fft": "torch.fft",
+    "torch._C._linalg": "torch.linalg",
+    "torch._C._special": "torch.special",
+    "torch._C._nested": "torch.nested",
+    "torch._C._sparse": "torch.sparse",
+}
+_PREFIXES = {"torch.fft": "fft_", "torch.linalg": "linalg_", "torch.special": "special_"}
+_DUNDER_INPLACE = {"iadd": "add_", "isub": "sub_", "imul": "mul_", "itruediv": "div_", "idiv": "div_",
+                   "ifloordiv": "floor_divide_", "imod": "remainder_", "ipow": "pow_", "iand": "and_",
+                   "ior": "or_", "ixor": "xor_", "ilshift": "lshift_", "irshift": "rshift_",
+                   "imatmul": "matmul_"}
+_DUNDER_REFLECTED = {"radd": "add", "rsub": "rsub", "rmul": "mul", "rtruediv": "div", "rdiv": "div",
+                     "rfloordiv": "floor_divide", "rmod": "remainder", "rpow": "pow", "rmatmul": "matmul",
+                     "rand": "and", "ror": "or", "rxor": "xor", "truediv": "div"}
+
+SKIP = ("", "", "skip")
+
+
+def _describe(func: Any) -> tuple[str, str, str]:
+    """(qualified API name, short name for counters, kind) for a function the mode saw.
+
+    kind is ``op``, ``custom_op``, ``backward`` or ``skip``.
+    """
+    # Property access arrives as the descriptor's bound __get__/__set__.
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__", "__delete__"):
+        owner = getattr(func, "__self__", None)
+        prop = getattr(owner, "__name__", "")
+        if name == "__get__" and prop in TENSOR_PROPERTIES:
+            return f"Tensor.{prop}", prop, "op"
+        return SKIP
+    if isinstance(func, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
+        ns = getattr(func, "namespace", "aten")
+        opname = getattr(func, "_opname", name) or name
+        full = str(func)
+        kind = "op" if ns in ("aten", "prim", "prims", "_c10d_functional", "c10d") else "custom_op"
+        return f"torch.ops.{full}", opname, kind
+    qual = getattr(func, "__qualname__", name) or name
+    module = getattr(func, "__module__", None)
+    if (module is None and qual.startswith(("TensorBase.", "Tensor."))) or module == "torch._tensor":
+        attr = qual.split(".", 1)[1]
+        api = f"Tensor.{attr}"
+        if api in BACKWARD_APIS:
+            return api, "backward", "backward"
+        if attr in NOISE:
+            return SKIP
+        return api, _short(attr), "op"
+    if module is None:
+        module = "torch"
+    module = _MODULE_ALIASES.get(module, module)
+    short = name
+    prefix = _PREFIXES.get(module)
+    if prefix and short.startswith(prefix):
+        short = short[len(prefix):]
+    api = f"{module}.{short}"
+    if api in BACKWARD_APIS:
+        return api, "grad" if short == "grad" else "backward", "backward"
+    if short in NOISE:
+        return SKIP
+    return api, _short(short), "op"
+
+
+def _short(attr: str) -> str:
+    if attr.startswith("__") and attr.endswith("__"):
+        core = attr[2:-2]
+        if core in _DUNDER_INPLACE:
+            return _DUNDER_INPLACE[core]
+        return _DUNDER_REFLECTED.get(core, core)
+    return attr
+
+
+class ApiNames:
+    """Caches ``_describe`` per function object (a dict hit on the hot path)."""
+
+    def __init__(self) -> None:
+        self._cache: dict[Any, tuple[str, str, str]] = {}
+
+    def describe(self, func: Any) -> tuple[str, str, str]:
+        try:
+            hit = self._cache.get(func)
+        except TypeError:  # an unhashable callable
+            return _describe(func)
+        if hit is None:
+            hit = self._cache[func] = _describe(func)
+        return hit
+
+
+class Counters:
+    """Per-trace counters: ``next("linear") -> "linear0"``, then ``"linear1"``..."""
+
+    def __init__(self) -> None:
+        self._n: dict[str, int] = {}
+
+    def next(self, short: str) -> str:
+        n = self._n.get(short, 0)
+        self._n[short] = n + 1
+        sep = "_" if short[-1:].isdigit() else ""
+        return f"{short}{sep}{n}"
+
+
+def output_name(call: str, index: int, count: int) -> str:
+    return f"{call}:out" if count == 1 else f"{call}:out{index}"
+
+
+def version_name(base: str, version: int) -> str:
+    """``x`` changed in place for the n-th time in this trace -> ``x@v<n>``."""
+    root = base.rsplit("@v", 1)[0] if "@v" in base else base
+    return f"{root}@v{version}"
+
+
+def grad_suffix(run_index: int) -> str:
+    return "@grad" if run_index == 0 else f"@grad#{run_index}"
+
+
+def short_args(args: tuple[Any, ...], kwargs: dict[str, Any], limit: int = 120) -> str:
+    """A short text of the non-tensor arguments (tensors are listed as inputs by name)."""
+    parts: list[str] = []
+    for a in args:
+        s = _short_value(a)
+        if s is not None:
+            parts.append(s)
+    for k, v in kwargs.items():
+        s = _short_value(v)
+        if s is not None:
+            parts.append(f"{k}={s}")
+    text = ", ".join(parts)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _short_value(v: Any, depth: int = 0) -> str | None:
+    if isinstance(v, torch.Tensor):
+        return None
+    if v is None or isinstance(v, bool | int | float | str | torch.dtype | torch.device | torch.memory_format
+                                 | torch.layout):
+        r = repr(v)
+        return r if len(r) <= 40 else r[:39] + "…"
+    if isinstance(v, list | tuple):
+        if depth > 1:
+            return "…"
+        inner = [_short_value(x, depth + 1) for x in v[:8]]
+        if all(x is None for x in inner) and v:
+            return None  # a list of tensors: they are inputs
+        body = ", ".join("T" if x is None else x for x in inner)
+        if len(v) > 8:
+            body += ", …"
+        return f"[{body}]" if isinstance(v, list) else f"({body})"
+    if isinstance(v, torch.Size):
+        return str(tuple(v))
+    if callable(v):
+        return getattr(v, "__name__", type(v).__name__)
+    return type(v).__name__

@@ -1,0 +1,669 @@
+"""The recorder: observes forward API calls, custom Functions, modules and grad nodes.
+
+Hook points (see docs/design notes in DESIGN.md for why each one):
+- a ``TorchFunctionMode`` (thread-local) sees the public API calls the user wrote;
+- ``autograd.Function.apply`` is wrapped while a trace is active, since Functions do not go
+  through ``__torch_function__`` (the wrapper checks the owning thread);
+- global module forward pre/post hooks give the module path of every call (owning thread only);
+- each grad node a call creates gets a pre-hook and a hook, which record the backward order and
+  the gradients each node received and produced; the hooks hold only a weak reference to the
+  recorder and a node name, never a tensor;
+- ``Tensor.backward`` / ``torch.autograd.backward`` / ``torch.autograd.grad`` arrive through the
+  mode and delimit backward runs.
+
+Nodes are attributed to calls by bracketing each call with autograd's sequence number: nodes
+whose number falls inside the bracket were created by that call (``F.linear`` on 3-D input makes
+several). Where the private counter is missing, a node is attributed to the first call whose
+outputs reach it (documented in the trace header as ``node_attribution``).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+from tracer import naming
+from tracer.hashing import Hasher
+from tracer.model import BackwardRun, Call, GradNode, NodeRun, TensorRecord, Trace
+from tracer.stacks import StackTable
+
+_get_seq: Callable[[], int] | None = getattr(torch._C._autograd, "_get_sequence_nr", None)
+_ACCUMULATE = "AccumulateGrad"
+_UINT64_MAX = 2**64 - 1
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    n = _DTYPE_NAMES.get(dt)
+    if n is None:
+        n = _DTYPE_NAMES[dt] = str(dt).replace("torch.", "")
+    return n
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors have no version counter
+        return 0
+
+
+def flat_tensors(obj: Any, out: list[torch.Tensor] | None = None, depth: int = 0) -> list[torch.Tensor]:
+    """Tensors inside an argument or result (tuples, lists, dicts, a few levels deep)."""
+    if out is None:
+        out = []
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif depth < 3:
+        if isinstance(obj, tuple | list):
+            for x in obj:
+                if isinstance(x, torch.Tensor):
+                    out.append(x)
+                elif isinstance(x, tuple | list | dict):
+                    flat_tensors(x, out, depth + 1)
+        elif isinstance(obj, dict):
+            for x in obj.values():
+                flat_tensors(x, out, depth + 1)
+    return out
+
+
+def _unique(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    seen: set[int] = set()
+    res = []
+    for t in ts:
+        if id(t) not in seen:
+            seen.add(id(t))
+            res.append(t)
+    return res
+
+
+class _Mode(TorchFunctionMode):
+    def __init__(self, recorder: Recorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        if kwargs is None:
+            kwargs = {}
+        rec = self.recorder
+        api, short, kind = rec.api.describe(func)
+        if kind == "skip" or rec.paused:
+            return func(*args, **kwargs)
+        if kind == "backward":
+            return rec.record_backward(func, api, args, kwargs)
+        return rec.record_call(func, api, short, kind, args, kwargs)
+
+
+class Recorder:
+    """Owns every hook of one active trace and turns what they see into trace records."""
+
+    def __init__(self, trace: Trace, *, hash_algorithm: str = "md5", stacks: bool = True,
+                 stats: bool = True, on_records: Callable[[], None] | None = None) -> None:
+        self.trace = trace
+        self.owner = threading.get_ident()
+        self.lock = threading.RLock()
+        self.api = naming.ApiNames()
+        self.counters = naming.Counters()
+        self.stack_table: StackTable | None = StackTable() if stacks else None
+        self.hasher = Hasher(hash_algorithm, stats=stats)
+        self.on_records = on_records
+        self.paused = False
+        self.closed = False
+        self._in_backward = 0
+        self._tensor_names: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> (name, version)
+        self._named: WeakIdKeyDictionary = WeakIdKeyDictionary()  # param/buffer/state -> (name, role)
+        self._module_paths: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+        self._module_stack: list[str] = []
+        self._parents: list[str] = []  # enclosing custom Function calls
+        self._running: list[str] = []  # grad nodes running now (nesting in backward)
+        self._node_by_seq: dict[tuple[int, str], str] = {}
+        self._acc_by_var: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._edges: dict[str, list[tuple[str | None, int]]] = {}
+        self._node_recs: dict[str, GradNode] = {}
+        self._slot_tensor: dict[tuple[str, int], str] = {}
+        self._indegree: dict[tuple[str, int], int] = {}
+        self._versions: dict[str, int] = {}
+        self._handles: list[Any] = []
+        self._opaque: list[tuple[torch.nn.Module, Any, int | None, list[str], int]] = []
+        self._run: BackwardRun | None = None
+        self._run_index = -1
+        self._open_steps: dict[str, NodeRun] = {}
+        self._call_seq = 0
+        self._tensor_seq = 0
+        self._node_seq = 0
+        self._inputs = 0
+        self._mode = _Mode(self)
+        self._self_ref = weakref.ref(self)
+        self.node_attribution = "sequence-number" if _get_seq is not None else "first-seen"
+
+    # ---- installation -------------------------------------------------------------------------
+    def install(self) -> None:
+        from torch.nn.modules import module as nn_module
+
+        kw = {"always_call": True}
+        try:
+            post = nn_module.register_module_forward_hook(self._module_post, **kw)
+        except TypeError:  # older torch without always_call
+            post = nn_module.register_module_forward_hook(self._module_post)
+        self._handles.append(nn_module.register_module_forward_pre_hook(self._module_pre))
+        self._handles.append(post)
+        try:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            self._handles.append(register_optimizer_step_pre_hook(self._optimizer_pre))
+        except ImportError:
+            pass
+        _install_apply_wrapper(self)
+        self._mode.__enter__()
+
+    def uninstall(self) -> None:
+        """Remove every mode, hook and wrapper. Safe to call twice."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._mode.__exit__(None, None, None)
+        finally:
+            _uninstall_apply_wrapper(self)
+            for h in self._handles:
+                try:
+                    h.remove()
+                except Exception:  # a handle whose owner is gone already
+                    pass
+            self._handles.clear()
+            while self._opaque:
+                _, ctx, *_ = self._opaque.pop()
+                ctx.__exit__(None, None, None)
+
+    # ---- tensors ------------------------------------------------------------------------------
+    def _new_tensor(self, t: torch.Tensor, name: str, role: str, producer: str | None,
+                    previous: str | None = None) -> str:
+        if name in self.trace.tensors:  # never overwrite: disambiguate deterministically
+            k = 1
+            while f"{name}#{k}" in self.trace.tensors:
+                k += 1
+            name = f"{name}#{k}"
+        try:
+            stride: tuple[int, ...] | None = tuple(t.stride())
+            contiguous = t.is_contiguous()
+        except RuntimeError:  # sparse and other layouts have no strides
+            stride, contiguous = None, False
+        ver = _version(t)
+        rec = TensorRecord(name=name, shape=tuple(t.shape), dtype=_dtype_name(t.dtype), device=str(t.device),
+                           role=role, producer=producer, stride=stride, contiguous=contiguous,
+                           requires_grad=t.requires_grad, version=ver, seq=self._tensor_seq, previous=previous)
+        self._tensor_seq += 1
+        self.trace.tensors[name] = rec
+        self._tensor_names[t] = (name, ver)
+        self.hasher.submit(rec, t)
+        return name
+
+    def name_of(self, t: torch.Tensor) -> str:
+        """The current name of a tensor, registering it (and hashing it) on first sight."""
+        hit = self._tensor_names.get(t)
+        if hit is not None:
+            name, ver = hit
+            if _version(t) == ver:
+                return name
+            # Changed in place where the trace could not see it (untraced code, through .data).
+            base = self._base_name(name)
+            role = self.trace.tensors[name].role if name in self.trace.tensors else "input"
+            return self._new_tensor(t, self._bump(base), role, None, previous=name)
+        named = self._named.get(t)
+        if named is not None:
+            return self._new_tensor(t, named[0], named[1], None)
+        self._inputs += 1
+        return self._new_tensor(t, f"input{self._inputs - 1}", "input", None)
+
+    @staticmethod
+    def _base_name(name: str) -> str:
+        return name.rsplit("@v", 1)[0] if "@v" in name else name
+
+    def _bump(self, base: str) -> str:
+        n = self._versions.get(base, 0) + 1
+        self._versions[base] = n
+        return naming.version_name(base, n)
+
+    # ---- forward calls ------------------------------------------------------------------------
+    def record_call(self, func: Any, api: str, short: str, kind: str, args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> Any:
+        ins = _unique(flat_tensors(args) + (flat_tensors(kwargs) if kwargs else []))
+        vers = [_version(t) for t in ins]
+        with self.lock:
+            in_names = [self.name_of(t) for t in ins]
+            seq = self._call_seq
+            self._call_seq += 1
+        seq0 = _get_seq() if _get_seq is not None else None
+        try:
+            out = func(*args, **kwargs)
+        except BaseException as exc:
+            self._record_failed(api, short, kind, args, kwargs, in_names, seq, exc)
+            raise
+        outs = _unique(flat_tensors(out))
+        mutated = [t for t, v in zip(ins, vers) if _version(t) != v]
+        if not outs and not mutated:
+            return out  # metadata queries and conversions: noise, not a call
+        self._finish_call(api, short, kind, args, kwargs, ins, in_names, outs, mutated, seq, seq0,
+                          stack_skip=4)
+        return out
+
+    def _finish_call(self, api: str, short: str, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                     ins: list[torch.Tensor], in_names: list[str], outs: list[torch.Tensor],
+                     mutated: list[torch.Tensor], seq: int, seq0: int | None, stack_skip: int,
+                     name: str | None = None) -> Call:
+        # Read grad_fn inside the bracket: an in-place change through a view regenerates the
+        # base's grad_fn lazily (CopySlices), and it must land on this call.
+        produced = outs + [t for t in mutated if all(t is not o for o in outs)]
+        grad_fns = [t.grad_fn for t in produced]
+        seq1 = _get_seq() if _get_seq is not None else None
+        with self.lock, torch._C.DisableTorchFunction():
+            stack_id = self.stack_table.capture(skip=stack_skip) if self.stack_table is not None else None
+            if name is None:
+                name = self.counters.next(short)
+            in_pos = {id(t): i for i, t in enumerate(ins)}
+            names_of: dict[int, str] = {}
+            mutated_names = []
+            for t in mutated:
+                old = in_names[in_pos[id(t)]]
+                old_rec = self.trace.tensors.get(old)
+                role = old_rec.role if old_rec is not None and old_rec.role in ("param", "buffer", "state") \
+                    else "output"
+                names_of[id(t)] = self._new_tensor(t, self._bump(self._base_name(old)), role, name, previous=old)
+                mutated_names.append(names_of[id(t)])
+            out_names = []
+            for i, t in enumerate(outs):
+                known = names_of.get(id(t))
+                if known is None and id(t) in in_pos:
+                    known = in_names[in_pos[id(t)]]  # returned an input unchanged (x.to(x.dtype))
+                if known is None:
+                    hit = self._tensor_names.get(t)
+                    if hit is not None and hit[1] == _version(t):
+                        known = hit[0]
+                if known is None:
+                    known = self._new_tensor(t, naming.output_name(name, i, len(outs)), "output", name)
+                names_of[id(t)] = known
+                out_names.append(known)
+            node_names: list[str] = []
+            local_kinds: dict[str, int] = {}
+            for t, gf in zip(produced, grad_fns):
+                if gf is None:
+                    continue
+                root = self._collect_nodes(gf, seq0, seq1, name, stack_id, node_names, local_kinds)
+                if root is not None:
+                    self._slot_tensor[(root, t.output_nr)] = names_of[id(t)]
+            call = Call(name=name, api=api, module=self._module_stack[-1] if self._module_stack else "",
+                        inputs=in_names, outputs=out_names, args=naming.short_args(args, kwargs),
+                        grad_nodes=node_names, stack_id=stack_id,
+                        parent=self._parents[-1] if self._parents else (self._running[-1] if self._running else None),
+                        kind=kind, phase="backward" if self._in_backward else "forward", seq=seq,
+                        mutated=mutated_names)
+            self.trace.calls.append(call)
+        if self.on_records is not None:
+            self.on_records()
+        return call
+
+    def _record_failed(self, api: str, short: str, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                       in_names: list[str], seq: int, exc: BaseException) -> None:
+        with self.lock, torch._C.DisableTorchFunction():
+            stack_id = self.stack_table.capture(skip=4) if self.stack_table is not None else None
+            call = Call(name=self.counters.next(short), api=api,
+                        module=self._module_stack[-1] if self._module_stack else "", inputs=in_names,
+                        outputs=[], args=naming.short_args(args, kwargs), stack_id=stack_id,
+                        parent=self._parents[-1] if self._parents else None, kind=kind,
+                        phase="backward" if self._in_backward else "forward", seq=seq,
+                        error=f"{type(exc).__name__}: {exc}")
+            self.trace.calls.append(call)
+
+    # ---- grad nodes ---------------------------------------------------------------------------
+    def _node_key(self, node: Any) -> tuple[int, str]:
+        return (node._sequence_nr(), type(node).__name__)
+
+    def _collect_nodes(self, root: Any, seq0: int | None, seq1: int | None, call: str, stack_id: int | None,
+                       out: list[str], local_kinds: dict[str, int]) -> str | None:
+        """Name the nodes this call created, reachable from ``root``; returns root's name."""
+        new: list[tuple[int, Any]] = []
+        todo = [root]
+        seen: set[int] = set()
+        while todo:
+            node = todo.pop()
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            if type(node).__name__ == _ACCUMULATE or self._node_by_seq.get(self._node_key(node)) is not None:
+                continue
+            sn = node._sequence_nr()
+            ours = (seq0 <= sn < seq1) if seq0 is not None and seq1 is not None else True
+            if not ours:
+                continue
+            new.append((sn, node))
+            for nxt, _ in node.next_functions:
+                if nxt is not None:
+                    todo.append(nxt)
+        new.sort(key=lambda p: p[0])
+        for _, node in new:
+            kind = type(node).__name__
+            k = local_kinds.get(kind, 0)
+            local_kinds[kind] = k + 1
+            nname = f"{call}/{kind}" if k == 0 else f"{call}/{kind}#{k}"
+            self._register_node(node, nname, kind, call, None, stack_id, external=False)
+            out.append(nname)
+        for _, node in new:
+            self._link_edges(node)
+        return self._node_name(root)
+
+    def _node_name(self, node: Any) -> str | None:
+        if type(node).__name__ == _ACCUMULATE:
+            var = getattr(node, "variable", None)
+            return self._acc_by_var.get(var) if var is not None else None
+        return self._node_by_seq.get(self._node_key(node))
+
+    def _register_node(self, node: Any, name: str, kind: str, call: str | None, param: str | None,
+                       stack_id: int | None, external: bool) -> None:
+        if kind != _ACCUMULATE:
+            self._node_by_seq[self._node_key(node)] = name
+        rec = GradNode(name=name, kind=kind, call=call, param=param, stack_id=stack_id, seq=self._node_seq,
+                       external=external)
+        self._node_seq += 1
+        self.trace.grad_nodes.append(rec)
+        self._node_recs[name] = rec
+        self._edges[name] = []
+        ref = self._self_ref
+        self._handles.append(node.register_prehook(functools.partial(_node_pre, ref, name)))
+        self._handles.append(node.register_hook(functools.partial(_node_post, ref, name)))
+
+    def _link_edges(self, node: Any) -> None:
+        name = self._node_name(node)
+        assert name is not None
+        rec_next: list[str | None] = []
+        edges = self._edges[name]
+        for nxt, k in node.next_functions:
+            dest = None if nxt is None else self._dest_name(nxt)
+            rec_next.append(dest)
+            edges.append((dest, k))
+            if dest is not None:
+                self._indegree[(dest, k)] = self._indegree.get((dest, k), 0) + 1
+        self._node_recs[name].next = rec_next
+
+    def _dest_name(self, node: Any) -> str:
+        known = self._node_name(node)
+        if known is not None:
+            return known
+        kind = type(node).__name__
+        if kind == _ACCUMULATE:
+            var = node.variable
+            tname = self._base_name(self.name_of(var))
+            name = f"{tname}/AccumulateGrad"
+            self._acc_by_var[var] = name
+            self._register_node(node, name, kind, None, tname, None, external=False)
+            self._slot_tensor[(name, 0)] = tname
+            return name
+        # Created before the traced block (or by code the trace could not see).
+        name = self.counters.next(f"external/{kind}")
+        self._register_node(node, name, kind, None, None, None, external=True)
+        self._link_edges(node)
+        return name
+
+    # ---- backward -----------------------------------------------------------------------------
+    def record_backward(self, func: Any, api: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        with self.lock, torch._C.DisableTorchFunction():
+            first = args[0] if args else kwargs.get("tensors", kwargs.get("outputs"))
+            roots = [self.name_of(t) for t in _unique(flat_tensors(first))]
+            stack_id = self.stack_table.capture(skip=4) if self.stack_table is not None else None
+            run = BackwardRun(name=self.counters.next("grad" if api.endswith(".grad") else "backward"),
+                              api=api, roots=roots, stack_id=stack_id, seq=len(self.trace.backward_runs))
+            self._run_index += 1
+            self._run = run
+            self.trace.backward_runs.append(run)
+        self._in_backward += 1
+        try:
+            out = func(*args, **kwargs)
+        except BaseException as exc:
+            run.status = "failed"
+            run.error = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            self._in_backward -= 1
+            self._run = None
+            self._running.clear()
+            self._open_steps.clear()
+        if api.endswith(".grad"):
+            with self.lock, torch._C.DisableTorchFunction():
+                results = flat_tensors(out)
+                run.outputs = [self._new_tensor(t, naming.output_name(run.name, i, len(results)), "grad", run.name)
+                               for i, t in enumerate(results)]
+        if self.on_records is not None:
+            self.on_records()
+        return out
+
+    def _grad_name(self, node: str, slot: int, fallback: str) -> str:
+        base = self._slot_tensor.get((node, slot))
+        suffix = naming.grad_suffix(max(self._run_index, 0))
+        return f"{base}{suffix}" if base is not None else f"{fallback}{'' if self._run_index <= 0 else f'#{self._run_index}'}"
+
+    def _register_grad(self, g: torch.Tensor, name: str, producer: str | None) -> str:
+        hit = self._tensor_names.get(g)
+        if hit is not None and hit[1] == _version(g):
+            return hit[0]
+        return self._new_tensor(g, name, "grad", producer)
+
+    def node_begin(self, node: str, grad_outputs: tuple[Any, ...]) -> None:
+        with self.lock, torch._C.DisableTorchFunction():
+            if self._run is None:  # backward started where the trace could not see it
+                self._run_index += 1
+                self._run = BackwardRun(name=self.counters.next("backward"), api="(engine)", roots=[],
+                                        seq=len(self.trace.backward_runs))
+                self.trace.backward_runs.append(self._run)
+            names: list[str | None] = []
+            for i, g in enumerate(grad_outputs):
+                if isinstance(g, torch.Tensor):
+                    names.append(self._register_grad(g, self._grad_name(node, i, f"{node}:gin{i}"), None))
+                else:
+                    names.append(None)
+            step = NodeRun(node, names, [])
+            self._run.steps.append(step)
+            self._open_steps[node] = step
+            self._running.append(node)
+
+    def node_end(self, node: str, grad_inputs: tuple[Any, ...]) -> None:
+        with self.lock, torch._C.DisableTorchFunction():
+            step = self._open_steps.pop(node, None)
+            if self._running and self._running[-1] == node:
+                self._running.pop()
+            elif node in self._running:
+                self._running.remove(node)
+            edges = self._edges.get(node, [])
+            names: list[str | None] = []
+            for j, g in enumerate(grad_inputs):
+                if not isinstance(g, torch.Tensor):
+                    names.append(None)
+                    continue
+                dest, k = edges[j] if j < len(edges) else (None, 0)
+                if dest is not None and self._indegree.get((dest, k), 0) == 1:
+                    gname = self._grad_name(dest, k, f"{node}:grad{j}")
+                else:
+                    gname = f"{node}:grad{j}" + ("" if self._run_index <= 0 else f"#{self._run_index}")
+                names.append(self._register_grad(g, gname, node))
+            if step is not None:
+                step.grads_out = names
+
+    # ---- modules ------------------------------------------------------------------------------
+    def _module_pre(self, module: torch.nn.Module, args: Any) -> None:
+        if threading.get_ident() != self.owner or self._in_backward or self.closed:
+            return
+        path = self._module_paths.get(module)
+        if path is None:
+            path = self._register_module(module)
+        self._module_stack.append(path)
+        if type(module).__name__ == "OptimizedModule" and not self.paused:
+            self._enter_opaque(module, args)
+
+    def _module_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if threading.get_ident() != self.owner or self._in_backward or self.closed:
+            return
+        if self._opaque and self._opaque[-1][0] is module:
+            self._exit_opaque(output)
+        path = self._module_paths.get(module)
+        stack = self._module_stack
+        if stack and stack[-1] == path:
+            stack.pop()
+        elif path in stack:
+            del stack[len(stack) - 1 - stack[::-1].index(path):]
+
+    def _register_module(self, module: torch.nn.Module) -> str:
+        cls = type(module).__name__
+        if self._module_stack:  # a module not reachable from any root seen so far
+            parent = self._module_stack[-1]
+            path = f"{parent}.<{cls}>" if parent else f"<{cls}>"
+            self._module_paths[module] = path
+            self.trace.modules[path] = cls
+            return path
+        prefix = "" if "" not in self.trace.modules else cls
+        k = 1
+        while prefix in self.trace.modules and prefix:
+            prefix = f"{cls}#{k}"
+            k += 1
+        for sub_path, sub in module.named_modules():
+            full = ".".join(p for p in (prefix, sub_path) if p)
+            if sub not in self._module_paths:
+                self._module_paths[sub] = full
+                self.trace.modules[full] = type(sub).__name__
+        for pname, p in module.named_parameters():
+            if p not in self._named:
+                self._named[p] = (".".join(x for x in (prefix, pname) if x), "param")
+        for bname, b in module.named_buffers():
+            if b not in self._named:
+                self._named[b] = (".".join(x for x in (prefix, bname) if x), "buffer")
+        return self._module_paths[module]
+
+    def _enter_opaque(self, module: torch.nn.Module, args: Any) -> None:
+        # A TorchFunctionMode inside a compiled region makes Dynamo graph-break and recompile;
+        # the region runs with torch functions undisturbed and is recorded as one call.
+        ins = _unique(flat_tensors(args))
+        with self.lock, torch._C.DisableTorchFunction():
+            in_names = [self.name_of(t) for t in ins]
+        seq = self._call_seq
+        self._call_seq += 1
+        ctx = torch._C.DisableTorchFunction()
+        ctx.__enter__()
+        self.paused = True
+        self._opaque.append((module, ctx, _get_seq() if _get_seq else None, in_names, seq))
+        note = "torch.compile regions are recorded as one opaque call each; the calls inside them were not seen"
+        if note not in self.trace.notes:
+            self.trace.notes.append(note)
+
+    def _exit_opaque(self, output: Any) -> None:
+        _module, ctx, seq0, in_names, seq = self._opaque.pop()
+        ctx.__exit__(None, None, None)
+        self.paused = bool(self._opaque)
+        outs = _unique(flat_tensors(output))
+        self._finish_call("torch.compile", "compiled", "compiled", (), {}, [], in_names, outs, [], seq, seq0,
+                          stack_skip=5)
+
+    # ---- optimizers ---------------------------------------------------------------------------
+    def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if threading.get_ident() != self.owner or self.closed:
+            return
+        with self.lock, torch._C.DisableTorchFunction():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    named = self._named.get(p)
+                    if named is None:
+                        continue
+                    pname = named[0]
+                    g = p.grad
+                    if g is not None and g not in self._tensor_names:
+                        self._new_tensor(g, f"{pname}.grad", "grad", None)
+                    for key, v in optimizer.state.get(p, {}).items():
+                        if isinstance(v, torch.Tensor) and v not in self._named:
+                            self._named[v] = (f"{pname}.{key}", "state")
+
+    # ---- custom autograd Functions ------------------------------------------------------------
+    def record_function(self, cls: type, apply: Callable[..., Any], args: tuple[Any, ...],
+                        kwargs: dict[str, Any]) -> Any:
+        with torch._C.DisableTorchFunction():
+            ins = _unique(flat_tensors(args) + (flat_tensors(kwargs) if kwargs else []))
+            vers = [_version(t) for t in ins]
+            with self.lock:
+                in_names = [self.name_of(t) for t in ins]
+                seq = self._call_seq
+                self._call_seq += 1
+                name = self.counters.next(cls.__name__)
+        api = f"{cls.__module__}.{cls.__qualname__}.apply"
+        self._parents.append(name)
+        seq0 = _get_seq() if _get_seq is not None else None
+        try:
+            out = apply(cls, *args, **kwargs)
+        except BaseException as exc:
+            self._parents.pop()
+            self._record_failed_named(name, api, args, kwargs, in_names, seq, exc)
+            raise
+        self._parents.pop()
+        with torch._C.DisableTorchFunction():
+            outs = _unique(flat_tensors(out))
+            mutated = [t for t, v in zip(ins, vers) if _version(t) != v]
+            self._finish_call(api, cls.__name__, "function", args, kwargs, ins, in_names, outs, mutated, seq,
+                              seq0, stack_skip=5, name=name)
+        return out
+
+    def _record_failed_named(self, name: str, api: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                             in_names: list[str], seq: int, exc: BaseException) -> None:
+        with self.lock, torch._C.DisableTorchFunction():
+            stack_id = self.stack_table.capture(skip=5) if self.stack_table is not None else None
+            self.trace.calls.append(Call(
+                name=name, api=api, module=self._module_stack[-1] if self._module_stack else "",
+                inputs=in_names, outputs=[], args=naming.short_args(args, kwargs), stack_id=stack_id,
+                parent=self._parents[-1] if self._parents else None, kind="function",
+                phase="backward" if self._in_backward else "forward", seq=seq,
+                error=f"{type(exc).__name__}: {exc}"))
+
+
+# ---- node hooks: module-level functions so they capture no tensor and no recorder ------------------
+def _node_pre(ref: weakref.ref[Recorder], name: str, grad_outputs: tuple[Any, ...]) -> None:
+    rec = ref()
+    if rec is not None and not rec.closed:
+        rec.node_begin(name, grad_outputs)
+
+
+def _node_post(ref: weakref.ref[Recorder], name: str, grad_inputs: tuple[Any, ...],
+               grad_outputs: tuple[Any, ...]) -> None:
+    rec = ref()
+    if rec is not None and not rec.closed:
+        rec.node_end(name, grad_inputs)
+
+
+# ---- the autograd.Function.apply wrapper, installed while a trace is active ------------------------
+_FunctionBase = torch.autograd.function.Function
+_ORIGINAL_APPLY = _FunctionBase.__dict__["apply"]
+_ACTIVE: Recorder | None = None
+
+
+def _traced_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+    rec = _ACTIVE
+    original = _ORIGINAL_APPLY.__func__
+    if rec is None or rec.closed or rec.paused or threading.get_ident() != rec.owner:
+        return original(cls, *args, **kwargs)
+    return rec.record_function(cls, original, args, kwargs)
+
+
+def _install_apply_wrapper(rec: Recorder) -> None:
+    global _ACTIVE
+    _ACTIVE = rec
+    _FunctionBase.apply = classmethod(_traced_apply)  # type: ignore[method-assign,assignment]
+
+
+def _uninstall_apply_wrapper(rec: Recorder) -> None:
+    global _ACTIVE
+    if _ACTIVE is rec:
+        _ACTIVE = None
+        _FunctionBase.apply = _ORIGINAL_APPLY  # type: ignore[method-assign]
+
+
+def active_recorder() -> Recorder | None:
+    return _ACTIVE

@@ -1,0 +1,157 @@
+"""``tracer.trace()``: the context manager users put around a training step."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import platform
+import socket
+import sys
+import time
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from tracer import recorder as _recorder
+from tracer.fileformat import StreamWriter
+from tracer.model import Trace
+
+__version__ = "0.1.0"
+
+
+class TraceError(RuntimeError):
+    """Misuse of the tracer (an accidental nested trace, bad options)."""
+
+
+class trace:
+    """Record forward API calls, grad nodes, call stacks and tensor checksums of a block.
+
+    ``hash``: ``"md5"`` (exact MD5 of every tensor, the default) or ``"none"``.
+    ``stacks``: capture the user's call stack of every call (cheap, on by default).
+    ``stats``: min/max/mean/absmax/NaN/Inf of every tensor (default: on when hashing).
+    ``out``: stream the trace to this file while recording (a crash keeps what was flushed).
+    ``flush_every``: calls between two flushes of the streamed file.
+
+    Only the thread that enters the block is traced. Nothing stays installed after the block,
+    also when it raises; then the trace is marked ``failed`` and the exception propagates.
+    """
+
+    def __init__(self, *, hash: str = "md5", stacks: bool = True, stats: bool | None = None,
+                 out: str | os.PathLike[str] | None = None, flush_every: int = 1024) -> None:
+        if hash not in ("md5", "none"):
+            raise TraceError(f"hash must be 'md5' or 'none', got {hash!r}")
+        self.hash = hash
+        self.stacks = stacks
+        self.stats = (hash != "none") if stats is None else stats
+        self.out = None if out is None else os.fspath(out)
+        self.flush_every = max(1, int(flush_every))
+        self.trace: Trace | None = None
+        self._recorder: _recorder.Recorder | None = None
+        self._writer: StreamWriter | None = None
+        self._written = {"frames": 0, "stacks": 0, "modules": 0, "tensors": 0, "calls": 0, "nodes": 0, "runs": 0}
+        self._held_tensors: list[Any] = []
+        self._last_flush_calls = 0
+        self._seqs_written: set[int] = set()
+
+    # ---- enter / exit -------------------------------------------------------------------------
+    def __enter__(self) -> Trace:
+        active = _recorder.active_recorder()
+        if active is not None and not active.closed:
+            raise TraceError("tracer.trace() is already active in this process; traces do not nest. "
+                             "Close the outer `with tracer.trace()` block first, or trace the outer block only.")
+        t = Trace(header={"hash": self.hash, "stacks": self.stacks, "stats": self.stats,
+                          "torch": torch.__version__, "gradtrace": __version__,
+                          "python": platform.python_version()},
+                  meta={"host": socket.gethostname(), "pid": os.getpid(), "cwd": os.getcwd(),
+                        "argv": list(sys.argv), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                        "out": self.out})
+        self.trace = t
+        rec = _recorder.Recorder(t, hash_algorithm=self.hash, stacks=self.stacks, stats=self.stats,
+                                 on_records=self._maybe_flush if self.out else None)
+        t.header["node_attribution"] = rec.node_attribution
+        self._recorder = rec
+        if self.out:
+            self._writer = StreamWriter(self.out)
+            self._writer.write([t.header_record(), {"t": "meta", **t.meta}])
+        self._t0 = time.perf_counter()
+        rec.install()
+        return t
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> bool:
+        rec, t = self._recorder, self.trace
+        assert rec is not None and t is not None
+        rec.uninstall()  # first: whatever happens below, nothing stays installed
+        try:
+            self._finalize(rec, t, exc)
+        finally:
+            if self._writer is not None:
+                self._writer.close()
+        return False
+
+    def _finalize(self, rec: _recorder.Recorder, t: Trace, exc: BaseException | None) -> None:
+        rec.hasher.close()
+        if rec.stack_table is not None:
+            t.frames = rec.stack_table.symbolize()
+            t.stacks = list(rec.stack_table.stacks)
+        t.calls.sort(key=lambda c: c.seq)
+        t.meta["seconds"] = round(time.perf_counter() - self._t0, 6)
+        if rec.hasher.capturing_skipped:
+            t.notes.append(f"{rec.hasher.capturing_skipped} tensors were not hashed during CUDA graph capture")
+        if exc is not None:
+            t.status = "failed"
+            t.error = {"type": type(exc).__name__, "message": str(exc),
+                       "last_call": t.calls[-1].name if t.calls else ""}
+        t.resolve()
+        if self._writer is not None:
+            self._flush(final=True)
+            self._writer.write([{"t": "meta", "seconds": t.meta["seconds"]}, t.end_record()])
+
+    # ---- streaming ----------------------------------------------------------------------------
+    def _maybe_flush(self) -> None:
+        t = self.trace
+        assert t is not None
+        if len(t.calls) - self._last_flush_calls >= self.flush_every or (
+                t.backward_runs and self._written["runs"] < len(t.backward_runs) and self._recorder is not None
+                and self._recorder._run is None):
+            self._flush(final=False)
+
+    def _flush(self, final: bool) -> None:
+        t, rec, w = self.trace, self._recorder, self._writer
+        assert t is not None and rec is not None and w is not None
+        with rec.lock:
+            rec.hasher.drain(wait=final)
+            pending = set() if final else rec.hasher.pending()
+            out: list[dict[str, Any]] = []
+            n = self._written
+            if rec.stack_table is not None:
+                frames = t.frames[n["frames"]:] if final else rec.stack_table.symbolize(n["frames"])
+                out += [f.to_json(n["frames"] + i) for i, f in enumerate(frames)]
+                n["frames"] += len(frames)
+                stacks = rec.stack_table.stacks[n["stacks"]:]
+                out += [{"t": "stack", "id": n["stacks"] + i, "frames": list(s)} for i, s in enumerate(stacks)]
+                n["stacks"] += len(stacks)
+            mods = list(itertools.islice(t.modules.items(), n["modules"], None))
+            out += [{"t": "module", "path": p, "class": c} for p, c in mods]
+            n["modules"] += len(mods)
+            new_tensors = list(itertools.islice(t.tensors.values(), n["tensors"], None))
+            n["tensors"] += len(new_tensors)
+            waiting = self._held_tensors + new_tensors
+            self._held_tensors = [r for r in waiting if id(r) in pending]
+            out += [r.to_json() for r in waiting if id(r) not in pending]
+            # The live list is appended in completion order and sorted only at the end.
+            calls = t.calls[n["calls"]:] if not final else [c for c in t.calls if c.seq not in self._seqs_written]
+            out += [c.to_json() for c in calls]
+            n["calls"] = len(t.calls)
+            self._last_flush_calls = len(t.calls)
+            nodes = t.grad_nodes[n["nodes"]:]
+            out += [g.to_json() for g in nodes]
+            n["nodes"] += len(nodes)
+            done_runs = len(t.backward_runs) if (final or rec._run is None) else len(t.backward_runs) - 1
+            out += [b.to_json() for b in t.backward_runs[n["runs"]:done_runs]]
+            n["runs"] = max(n["runs"], done_runs)
+        w.write(out)
+        if not final:
+            self._seqs_written.update(c["seq"] for c in out if c.get("t") == "call")
+

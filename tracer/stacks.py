@@ -1,0 +1,100 @@
+"""Call-stack capture on the hot path, symbolised later.
+
+Per call we walk ``sys._getframe()`` and keep ``(code object, f_lasti)`` pairs, interned so a
+distinct frame is stored once and a distinct stack once; file names, line numbers and source
+text are looked up only when the trace is finalised (``symbolize``). Frames inside torch and
+inside gradtrace itself are library internals and are dropped by default, so the last frame of
+a stack is the user's line that made the call.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import sys
+from types import CodeType, FrameType
+
+import torch
+
+from tracer.model import Frame
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_OWN_DIRS = tuple(os.path.dirname(os.path.abspath(p)) + os.sep for p in (
+    __file__, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "export", "x")))
+_INTERNAL_PREFIXES = (_TORCH_DIR, *_OWN_DIRS)
+# Frames of Python's own machinery (contextlib's __exit__, threading) are never the user's line.
+# The bundled demo model lives inside the package but is user code for the purpose of stacks.
+_DEMO_SUFFIX = os.path.join("tracer", "demo.py")
+_STDLIB_NOISE = ("<frozen ", os.path.join("lib", "python3") + os.sep + "contextlib.py")
+
+
+class StackTable:
+    """Interns frames and stacks. Not thread-safe by itself: the recorder holds its lock."""
+
+    def __init__(self, keep_internal: bool = False) -> None:
+        self.keep_internal = keep_internal
+        self._frame_ids: dict[tuple[CodeType, int], int] = {}
+        self._frame_keys: list[tuple[CodeType, int]] = []
+        self._stack_ids: dict[tuple[int, ...], int] = {}
+        self.stacks: list[tuple[int, ...]] = []
+        self._internal: dict[CodeType, bool] = {}
+
+    def _is_internal(self, code: CodeType) -> bool:
+        hit = self._internal.get(code)
+        if hit is None:
+            fn = code.co_filename
+            hit = fn.startswith(_INTERNAL_PREFIXES) or any(n in fn for n in _STDLIB_NOISE)
+            if self.keep_internal or fn.endswith(_DEMO_SUFFIX):
+                hit = False
+            self._internal[code] = hit
+        return hit
+
+    def capture(self, skip: int = 2, frame: FrameType | None = None) -> int:
+        """Intern the current user stack (outermost first) and return its id."""
+        f: FrameType | None = frame if frame is not None else sys._getframe(skip)
+        ids: list[int] = []
+        frame_ids = self._frame_ids
+        internal = self._internal
+        while f is not None:
+            code = f.f_code
+            is_int = internal.get(code)
+            if is_int is None:
+                is_int = self._is_internal(code)
+            if not is_int:
+                key = (code, f.f_lasti)
+                fid = frame_ids.get(key)
+                if fid is None:
+                    fid = frame_ids[key] = len(self._frame_keys)
+                    self._frame_keys.append(key)
+                ids.append(fid)
+            f = f.f_back
+        ids.reverse()
+        stack = tuple(ids)
+        sid = self._stack_ids.get(stack)
+        if sid is None:
+            sid = self._stack_ids[stack] = len(self.stacks)
+            self.stacks.append(stack)
+        return sid
+
+    @property
+    def frame_count(self) -> int:
+        return len(self._frame_keys)
+
+    def symbolize(self, start: int = 0) -> list[Frame]:
+        """Turn interned frames ``start..`` into ``Frame`` records (file, line, function, code)."""
+        out = []
+        for code, lasti in self._frame_keys[start:]:
+            line = _line_of(code, lasti)
+            src = linecache.getline(code.co_filename, line).strip() if line else ""
+            out.append(Frame(code.co_filename, line, code.co_qualname if hasattr(code, "co_qualname")
+                             else code.co_name, src))
+        return out
+
+
+def _line_of(code: CodeType, lasti: int) -> int:
+    # f_lasti is the offset of the instruction being executed; co_lines maps offset ranges to
+    # lines. An offset of -1 (a frame not started) falls back to the first line.
+    for start, end, line in code.co_lines():
+        if start <= lasti < end and line is not None:
+            return line
+    return code.co_firstlineno
