@@ -73,6 +73,22 @@ def flat_tensors(obj: Any, out: list[torch.Tensor] | None = None, depth: int = 0
     return out
 
 
+def _hidden_mutations(api: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """Tensors an op changes in place without bumping their version counter.
+
+    Batch norm updates its running statistics inside the kernel, invisibly to ``_version``;
+    the trace still has to show them as new versions, or a diff would miss drifting stats.
+    """
+    if api != "torch.nn.functional.batch_norm":
+        return []
+    training = kwargs.get("training", args[5] if len(args) > 5 else False)
+    if not training:
+        return []
+    stats = [kwargs.get("running_mean", args[1] if len(args) > 1 else None),
+             kwargs.get("running_var", args[2] if len(args) > 2 else None)]
+    return [s for s in stats if isinstance(s, torch.Tensor)]
+
+
 def _unique(ts: list[torch.Tensor]) -> list[torch.Tensor]:
     seen: set[int] = set()
     res = []
@@ -117,6 +133,9 @@ class Recorder:
         self.paused = False
         self.closed = False
         self._in_backward = 0
+        # >0 while a recorded op runs: a Function applied inside an op (a torch.library custom
+        # op's generated autograd Function) is that op's implementation, not a call of its own.
+        self.op_depth = 0
         self._tensor_names: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> (name, version)
         self._named: WeakIdKeyDictionary = WeakIdKeyDictionary()  # param/buffer/state -> (name, role)
         self._module_paths: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
@@ -241,13 +260,18 @@ class Recorder:
             seq = self._call_seq
             self._call_seq += 1
         seq0 = _get_seq() if _get_seq is not None else None
+        self.op_depth += 1
         try:
             out = func(*args, **kwargs)
         except BaseException as exc:
             self._record_failed(api, short, kind, args, kwargs, in_names, seq, exc)
             raise
+        finally:
+            self.op_depth -= 1
         outs = _unique(flat_tensors(out))
         mutated = [t for t, v in zip(ins, vers) if _version(t) != v]
+        if short == "batch_norm":
+            mutated += [t for t in _hidden_mutations(api, args, kwargs) if all(t is not m for m in mutated)]
         if not outs and not mutated:
             return out  # metadata queries and conversions: noise, not a call
         self._finish_call(api, short, kind, args, kwargs, ins, in_names, outs, mutated, seq, seq0,
@@ -647,7 +671,7 @@ _ACTIVE: Recorder | None = None
 def _traced_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
     rec = _ACTIVE
     original = _ORIGINAL_APPLY.__func__
-    if rec is None or rec.closed or rec.paused or threading.get_ident() != rec.owner:
+    if rec is None or rec.closed or rec.paused or rec.op_depth or threading.get_ident() != rec.owner:
         return original(cls, *args, **kwargs)
     return rec.record_function(cls, original, args, kwargs)
 

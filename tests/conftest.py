@@ -1,0 +1,53 @@
+"""Shared fixtures. Every test is checked for leftovers: no mode, hook or wrapper may remain."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--update-golden", action="store_true", default=False,
+                     help="rewrite golden files under tests/golden from the current output")
+
+
+@pytest.fixture
+def update_golden(request: pytest.FixtureRequest) -> bool:
+    return bool(request.config.getoption("--update-golden"))
+
+
+def _installed_state() -> tuple[int, int, int, object]:
+    from torch.nn.modules import module as nn_module
+    from torch.overrides import _get_current_function_mode_stack
+
+    return (len(nn_module._global_forward_pre_hooks), len(nn_module._global_forward_hooks),
+            len(_get_current_function_mode_stack()),
+            torch.autograd.function.Function.__dict__["apply"])
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_installed():
+    """After each test: no TorchFunctionMode, global module hook or apply wrapper remains."""
+    before = _installed_state()
+    yield
+    after = _installed_state()
+    assert after == before, f"tracer left something installed: before={before} after={after}"
+    from tracer.recorder import active_recorder
+
+    assert active_recorder() is None, "a recorder is still active after the test"
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield
+
+
+@pytest.fixture
+def tmp_trace(tmp_path):
+    return os.fspath(tmp_path / "step.gtrace")
+
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
