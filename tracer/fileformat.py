@@ -35,8 +35,8 @@ class TruncatedTraceWarning(UserWarning):
     """The trace file ended before its end record; what was written is returned."""
 
 
-def _open_write(path: str) -> IO[str]:
-    if str(path).endswith(".gz"):
+def _open_write(path: str, gz: bool | None = None) -> IO[str]:
+    if str(path).endswith(".gz") if gz is None else gz:
         return io.TextIOWrapper(gzip.open(path, "wb"), encoding="utf-8")
     return open(path, "w", encoding="utf-8")
 
@@ -50,7 +50,7 @@ def _dumps(record: dict[str, Any]) -> str:
 def write_trace(trace: Trace, path: str) -> None:
     """Write a complete trace in canonical record order."""
     tmp = f"{path}.tmp-{os.getpid()}"
-    with _open_write(tmp) as fh:
+    with _open_write(tmp, gz=str(path).endswith(".gz")) as fh:
         for rec in trace.records():
             fh.write(_dumps(rec))
             fh.write("\n")

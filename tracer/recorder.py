@@ -150,7 +150,8 @@ class Recorder:
         self._indegree: dict[tuple[str, int], int] = {}
         self._versions: dict[str, int] = {}
         self._handles: list[Any] = []
-        self._opaque: list[tuple[torch.nn.Module, Any, int | None, list[str], int]] = []
+        self._opaque: list[tuple[torch.nn.Module, Any, int | None, list[str], int, Any]] = []
+        self._module_handles: list[Any] = []
         self._run: BackwardRun | None = None
         self._run_index = -1
         self._open_steps: dict[str, NodeRun] = {}
@@ -164,15 +165,7 @@ class Recorder:
 
     # ---- installation -------------------------------------------------------------------------
     def install(self) -> None:
-        from torch.nn.modules import module as nn_module
-
-        kw = {"always_call": True}
-        try:
-            post = nn_module.register_module_forward_hook(self._module_post, **kw)
-        except TypeError:  # older torch without always_call
-            post = nn_module.register_module_forward_hook(self._module_post)
-        self._handles.append(nn_module.register_module_forward_pre_hook(self._module_pre))
-        self._handles.append(post)
+        self._install_module_hooks()
         try:
             from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -181,6 +174,20 @@ class Recorder:
             pass
         _install_apply_wrapper(self)
         self._mode.__enter__()
+
+    def _install_module_hooks(self) -> None:
+        from torch.nn.modules import module as nn_module
+
+        try:
+            post = nn_module.register_module_forward_hook(self._module_post, always_call=True)
+        except TypeError:  # older torch without always_call
+            post = nn_module.register_module_forward_hook(self._module_post)
+        self._module_handles = [nn_module.register_module_forward_pre_hook(self._module_pre), post]
+
+    def _remove_module_hooks(self) -> None:
+        for h in self._module_handles:
+            h.remove()
+        self._module_handles = []
 
     def uninstall(self) -> None:
         """Remove every mode, hook and wrapper. Safe to call twice."""
@@ -198,8 +205,10 @@ class Recorder:
                     pass
             self._handles.clear()
             while self._opaque:
-                _, ctx, *_ = self._opaque.pop()
+                _, ctx, *_rest, local = self._opaque.pop()
                 ctx.__exit__(None, None, None)
+                local.remove()
+            self._remove_module_hooks()
 
     # ---- tensors ------------------------------------------------------------------------------
     def _new_tensor(self, t: torch.Tensor, name: str, role: str, producer: str | None,
@@ -531,8 +540,6 @@ class Recorder:
     def _module_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if threading.get_ident() != self.owner or self._in_backward or self.closed:
             return
-        if self._opaque and self._opaque[-1][0] is module:
-            self._exit_opaque(output)
         path = self._module_paths.get(module)
         stack = self._module_stack
         if stack and stack[-1] == path:
@@ -567,28 +574,42 @@ class Recorder:
         return self._module_paths[module]
 
     def _enter_opaque(self, module: torch.nn.Module, args: Any) -> None:
-        # A TorchFunctionMode inside a compiled region makes Dynamo graph-break and recompile;
-        # the region runs with torch functions undisturbed and is recorded as one call.
+        # A compiled region runs with no trace machinery in its way: torch functions undisturbed
+        # (a mode inside makes Dynamo graph-break and recompile) and our global module hooks
+        # removed (Dynamo would inline them into the compiled frame). A one-shot hook on the
+        # compiled module itself ends the region and puts everything back.
         ins = _unique(flat_tensors(args))
         with self.lock, torch._C.DisableTorchFunction():
             in_names = [self.name_of(t) for t in ins]
         seq = self._call_seq
         self._call_seq += 1
+        self._remove_module_hooks()
+        try:
+            local = module.register_forward_hook(self._opaque_post, always_call=True)
+        except TypeError:
+            local = module.register_forward_hook(self._opaque_post)
         ctx = torch._C.DisableTorchFunction()
         ctx.__enter__()
         self.paused = True
-        self._opaque.append((module, ctx, _get_seq() if _get_seq else None, in_names, seq))
+        self._opaque.append((module, ctx, _get_seq() if _get_seq else None, in_names, seq, local))
         note = "torch.compile regions are recorded as one opaque call each; the calls inside them were not seen"
         if note not in self.trace.notes:
             self.trace.notes.append(note)
 
-    def _exit_opaque(self, output: Any) -> None:
-        _module, ctx, seq0, in_names, seq = self._opaque.pop()
+    def _opaque_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if not self._opaque or self._opaque[-1][0] is not module:
+            return
+        _module, ctx, seq0, in_names, seq, local = self._opaque.pop()
         ctx.__exit__(None, None, None)
+        local.remove()
         self.paused = bool(self._opaque)
+        if not self._opaque:
+            self._install_module_hooks()
         outs = _unique(flat_tensors(output))
         self._finish_call("torch.compile", "compiled", "compiled", (), {}, [], in_names, outs, [], seq, seq0,
-                          stack_skip=5)
+                          stack_skip=4)
+        if self._module_stack:
+            self._module_stack.pop()
 
     # ---- optimizers ---------------------------------------------------------------------------
     def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:

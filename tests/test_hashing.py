@@ -1,0 +1,110 @@
+"""Checksums equal hashlib on the same bytes, for every dtype and layout the tracer meets."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+import tracer
+from tracer.hashing import Hasher, stats_tensor
+from tracer.model import TensorRecord
+
+
+def reference_md5(t: torch.Tensor) -> str:
+    """Independent of the tracer: numpy bytes of the contiguous tensor in its own dtype."""
+    x = t.detach().resolve_conj().resolve_neg().contiguous().cpu().reshape(-1)
+    return hashlib.md5(x.view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+CASES = {
+    "float32": lambda: torch.randn(5, 7),
+    "view_slice": lambda: torch.randn(6, 6)[1:4, ::2],
+    "transposed": lambda: torch.randn(3, 5).t(),
+    "expanded": lambda: torch.randn(3, 1).expand(3, 4),
+    "zero_dim": lambda: torch.tensor(3.25),
+    "empty": lambda: torch.empty(0, 4),
+    "bool": lambda: torch.randn(9) > 0,
+    "int64": lambda: torch.arange(-5, 5),
+    "uint8": lambda: torch.randint(0, 255, (17,), dtype=torch.uint8),
+    "complex64": lambda: torch.randn(4, dtype=torch.complex64),
+    "conj_view": lambda: torch.randn(4, dtype=torch.complex64).conj(),
+    "bfloat16": lambda: torch.randn(8).to(torch.bfloat16),
+    "float16": lambda: torch.randn(8).half(),
+    "float8_e4m3fn": lambda: torch.randn(8).to(torch.float8_e4m3fn),
+    "float64_large": lambda: torch.randn(300, 300, dtype=torch.float64),  # > inline size: worker threads
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_md5_equals_hashlib(case):
+    src = CASES[case]()
+    with tracer.trace() as t:
+        out = src.clone()
+        view = out[..., :] if out.dim() else out * 1
+    for tensor, name in ((out, t.calls[0].outputs[0]), (view, t.calls[1].outputs[0])):
+        rec = t.tensors[name]
+        assert rec.md5 == reference_md5(tensor), (case, name)
+        assert rec.shape == tuple(tensor.shape) and rec.dtype == str(tensor.dtype).replace("torch.", "")
+    # the input, seen from outside the block, is hashed as it was on entry
+    assert t.tensors["input0"].md5 == reference_md5(src)
+
+
+def test_snapshot_taken_before_a_later_in_place_change():
+    big = torch.randn(512, 512)  # large: hashed on a worker thread from a snapshot
+    with tracer.trace() as t:
+        y = big * 2
+        expected = reference_md5(y)
+        y.add_(1)  # must not leak into the hash of mul0:out
+    assert t.tensors["mul0:out"].md5 == expected
+    assert t.tensors["mul0:out@v1"].md5 == reference_md5(y)
+
+
+def test_unhashable_tensors_are_recorded_with_a_reason():
+    rec = TensorRecord("x", (2,), "float32", "meta", "input")
+    h = Hasher("md5")
+    h.submit(rec, torch.empty(2, device="meta"))
+    assert rec.md5 is None and rec.hash_note == "not hashed: meta tensor (no data)"
+    sparse = TensorRecord("s", (3, 3), "float32", "cpu", "input")
+    h.submit(sparse, torch.eye(3).to_sparse())
+    assert sparse.hash_note == "not hashed: sparse_coo layout"
+    q = TensorRecord("q", (4,), "quint8", "cpu", "input")
+    h.submit(q, torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.quint8))
+    assert q.hash_note == "not hashed: quantized tensor"
+
+    class MyTensor(torch.Tensor):
+        pass
+
+    sub = TensorRecord("m", (2,), "float32", "cpu", "input")
+    h.submit(sub, torch.randn(2).as_subclass(MyTensor))
+    assert sub.hash_note == "not hashed: tensor subclass MyTensor"
+    h.close()
+
+
+def test_meta_and_sparse_inside_a_trace():
+    with tracer.trace() as t:
+        m = torch.empty(3, 3, device="meta") + 1
+        s = torch.eye(3).to_sparse() * 2
+    assert t.tensors["add0:out"].hash_note == "not hashed: meta tensor (no data)"
+    assert t.tensors["mul0:out"].hash_note == "not hashed: sparse_coo layout"
+    del m, s
+
+
+def test_stats_over_finite_values_count_nan_and_inf():
+    x = torch.tensor([1.0, -3.0, float("nan"), float("inf"), 2.0, float("-inf")])
+    lo, hi, mean, absmax, nan, inf, n_fin = stats_tensor(x).tolist()
+    assert (lo, hi, mean, absmax, nan, inf, n_fin) == (-3.0, 2.0, 0.0, 3.0, 1.0, 2.0, 3.0)
+    with tracer.trace() as t:
+        y = torch.log(torch.tensor([1.0, -1.0, 0.0]))
+    st = t.tensors["log0:out"].stats
+    assert (st.nan, st.inf, st.min, st.max) == (1, 1, 0.0, 0.0)
+    assert not st.finite
+    del y
+
+
+def test_hash_none_records_no_checksums():
+    with tracer.trace(hash="none") as t:
+        torch.randn(3).exp()
+    assert all(r.md5 is None and r.stats is None for r in t.tensors.values())
+    assert t.hash_algorithm == "none"

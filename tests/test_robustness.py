@@ -1,0 +1,215 @@
+"""The tracer under real-world conditions: failures, threads, grad modes, autocast, checkpointing."""
+
+from __future__ import annotations
+
+import gc
+import sys
+import threading
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.checkpoint as checkpoint
+
+import tracer
+from tests.models import MLP
+
+
+def test_exception_in_block_leaves_a_failed_readable_trace(tmp_trace):
+    model = MLP()
+    boom = ValueError("boom at step 3")
+    with pytest.raises(ValueError) as info, tracer.trace(out=tmp_trace) as t:
+        y = model(torch.randn(2, 8))
+        y.sum().backward()
+        raise boom
+    assert info.value is boom  # the very same exception propagates
+    assert t.status == "failed" and t.error == {"type": "ValueError", "message": "boom at step 3",
+                                                "last_call": t.calls[-1].name}
+    loaded = tracer.load(tmp_trace)
+    assert loaded.status == "failed"
+    assert [c.name for c in loaded.calls] == [c.name for c in t.calls]
+    assert loaded.backward_runs[0].order == t.backward_runs[0].order
+
+
+def test_failing_op_is_recorded_with_its_error():
+    a, b = torch.randn(2, 3), torch.randn(4, 5)
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"), tracer.trace() as t:
+        torch.matmul(a, b)
+    (call,) = t.calls
+    assert call.name == "matmul0" and call.outputs == [] and call.error.startswith("RuntimeError: ")
+    assert call.stack[-1].code == "torch.matmul(a, b)"
+
+
+def test_nested_trace_is_refused_clearly():
+    with tracer.trace() as outer:
+        torch.ones(2) + 1
+        with pytest.raises(tracer.TraceError, match="already active"), tracer.trace():
+            pass
+        torch.ones(2) * 3
+    assert [c.name for c in outer.calls] == ["ones0", "add0", "ones1", "mul0"]
+
+
+def test_other_threads_are_not_traced():
+    model = MLP()
+    stop = threading.Event()
+
+    def busy() -> None:
+        while not stop.is_set():
+            model(torch.randn(1, 8)).sum()
+
+    th = threading.Thread(target=busy)
+    th.start()
+    try:
+        with tracer.trace() as t:
+            x = torch.randn(2, 8)
+            y = torch.tanh(x)
+            z = y * 2
+    finally:
+        stop.set()
+        th.join()
+    assert [c.name for c in t.calls] == ["randn0", "tanh0", "mul0"]
+    assert not t.grad_nodes and not t.modules
+    del z
+
+
+def test_no_tensor_is_kept_alive_by_the_trace():
+    model = MLP()
+    refs = []
+    with tracer.trace() as t:
+        x = torch.randn(4, 8, requires_grad=True)
+        h = model(x)
+        loss = h.pow(2).mean()
+        refs += [weakref.ref(h), weakref.ref(loss), weakref.ref(x)]
+        loss.backward()
+        refs.append(weakref.ref(x.grad))
+    del x, h, loss
+    gc.collect()
+    assert [r() for r in refs] == [None] * len(refs)
+    assert len(t.calls) > 5  # and the trace is still whole
+
+
+def test_stack_points_at_the_users_line():
+    w = torch.randn(3, 3)
+    with tracer.trace() as t:
+        line = sys._getframe().f_lineno + 1
+        out = torch.matmul(w, w)  # the line the stack must end at
+    frame = t["matmul0"].stack[-1]
+    assert (frame.file, frame.line, frame.function) == (__file__, line, "test_stack_points_at_the_users_line")
+    assert frame.code == "out = torch.matmul(w, w)  # the line the stack must end at"
+    assert all("site-packages/torch" not in f.file and "/tracer/" not in f.file for f in t["matmul0"].stack)
+    del out
+
+
+def test_module_stack_line_is_inside_the_model():
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return F.relu(self.fc(x))
+
+    net = Net()
+    with tracer.trace() as t:
+        net(torch.randn(2, 4))
+    assert t["linear0"].module == "fc" and t["relu0"].module == ""
+    assert t["linear0"].stack[-1].code == "return F.relu(self.fc(x))"
+    assert t["linear0"].stack[-1].function.endswith("Net.forward")
+
+
+def test_no_grad_inference_mode_and_autocast():
+    model = MLP()
+    with tracer.trace() as t:
+        with torch.no_grad():
+            a = model(torch.randn(2, 8))
+        with torch.inference_mode():
+            b = model(torch.randn(2, 8)) + 1
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            c = model(torch.randn(2, 8))
+        c.float().sum().backward()
+    assert a.grad_fn is None and b.is_inference()
+    no_grad_calls = [c for c in t.calls if c.name in ("linear0", "linear3")]
+    assert all(not c.grad_nodes for c in no_grad_calls)
+    bf16 = [t.tensors[c.outputs[0]] for c in t.calls if c.api == "torch.nn.functional.linear"][-3:]
+    assert {r.dtype for r in bf16} == {"bfloat16"}
+    # autocast's casts are grad nodes of the linear call that made them
+    assert any(n.endswith("ToCopyBackward0") for n in t["linear6"].grad_nodes)
+    assert t.backward_runs[0].status == "ok" and all(r.md5 for r in bf16)
+
+
+def test_retain_graph_double_backward_and_autograd_grad():
+    x = torch.randn(3, requires_grad=True)
+    with tracer.trace() as t:
+        y = (x * x).sum()
+        y.backward(retain_graph=True)
+        y.backward()
+        (gx,) = torch.autograd.grad((x ** 3).sum(), x)
+    b0, b1, g0 = t.backward_runs
+    assert (b0.name, b1.name, g0.name) == ("backward0", "backward1", "grad0")
+    assert b0.order == b1.order == ["sum0/SumBackward0", "mul0/MulBackward0", "input0/AccumulateGrad"]
+    assert "input0@grad" in t.tensors and "input0@grad#1" in t.tensors
+    assert g0.outputs == ["grad0:out"] and g0.api == "torch.autograd.grad"
+    assert t.tensors["grad0:out"].md5 == tracer.md5_of(gx)
+    assert torch.equal(x.grad, 4 * x.detach())
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing(reentrant):
+    model = MLP(depth=2)
+    x = torch.randn(2, 8, requires_grad=True)
+    with tracer.trace() as t:
+        y = checkpoint.checkpoint(model, x, use_reentrant=reentrant)
+        y.sum().backward()
+    assert t.status == "ok" and len(t.backward_runs) == 1
+    assert x.grad is not None and model.layers[0].weight.grad is not None
+    assert [c.name for c in t.calls if c.api == "torch.nn.functional.linear"][:2] == ["linear0", "linear1"]
+    if reentrant:
+        assert any(c.kind == "function" and c.api.endswith("CheckpointFunction.apply") for c in t.calls)
+
+
+def test_compiled_submodule_is_one_opaque_call():
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pre = nn.Linear(4, 4)
+            self.body = torch.compile(nn.Sequential(nn.Linear(4, 4), nn.Tanh()), backend="aot_eager")
+
+        def forward(self, x):
+            return self.body(self.pre(x)).sum()
+
+    net = Net()
+    x = torch.randn(2, 4)
+    net(x)  # compile outside the trace, as a warm training loop would have
+    with tracer.trace() as t:
+        loss = net(x)
+        loss.backward()
+    compiled = [c for c in t.calls if c.kind == "compiled"]
+    assert len(compiled) == 1 and compiled[0].module == "body"
+    assert compiled[0].inputs == ["linear0:out"] and compiled[0].outputs
+    assert any("torch.compile" in n for n in t.notes)
+    assert net.pre.weight.grad is not None
+    assert t.backward_runs[0].status == "ok"
+
+
+def test_views_and_in_place_changes_get_versions():
+    x = torch.randn(4, 4, requires_grad=True)
+    with tracer.trace() as t:
+        y = x * 1
+        row = y[0]
+        row.mul_(2)
+        y.add_(1)
+        y.sum().backward()
+    assert t["mul_0"].mutated == ["getitem0:out@v1"]
+    assert t["add_0"].inputs[0] == "mul0:out@v1"  # the base changed through its view
+    assert t["add_0"].outputs == ["mul0:out@v2"]
+    assert t.tensors["mul0:out@v2"].previous == "mul0:out@v1"
+    assert any(n.endswith("CopySlices") for n in t["mul_0"].grad_nodes)
+
+
+def test_lookup_suggests_close_names():
+    with tracer.trace() as t:
+        torch.ones(3).exp()
+    with pytest.raises(KeyError, match="did you mean exp0"):
+        t["exp1"]
