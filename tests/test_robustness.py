@@ -213,3 +213,39 @@ def test_lookup_suggests_close_names():
         torch.ones(3).exp()
     with pytest.raises(KeyError, match="did you mean exp0"):
         t["exp1"]
+
+
+def test_max_calls_stops_recording_cleanly_and_says_so(tmp_trace):
+    model = MLP(depth=4)
+    with pytest.warns(RuntimeWarning, match="max_calls=5"), tracer.trace(max_calls=5, out=tmp_trace) as t:
+        loss = model(torch.randn(2, 8)).sum()
+        loss.backward()
+    assert len(t.calls) == 5 and not t.backward_runs
+    assert any("max_calls=5" in n for n in t.notes)
+    assert tracer.load(tmp_trace).notes[0].startswith("recording stopped at max_calls=5")
+    assert model.layers[0].weight.grad is not None  # the program itself ran on unchanged
+
+
+def test_listeners_see_calls_and_nodes():
+    from tracer.listeners import Listener
+
+    class Tap(Listener):
+        def __init__(self) -> None:
+            self.events: list[str] = []
+
+        def on_call(self, trace, call, token, outputs):
+            self.events.append(f"call {call.name} {[tuple(o.shape) for o in outputs]}")
+
+        def on_node_begin(self, trace, node, step, grads):
+            self.events.append(f"begin {node}")
+
+        def on_node_end(self, trace, node, step, grads):
+            self.events.append(f"end {node}")
+
+    tap = Tap()
+    x = torch.randn(3, requires_grad=True)
+    with tracer.trace(listeners=[tap]):
+        (x * 2).sum().backward()
+    assert tap.events == ["call mul0 [(3,)]", "call sum0 [()]", "begin sum0/SumBackward0", "end sum0/SumBackward0",
+                          "begin mul0/MulBackward0", "end mul0/MulBackward0", "begin input0/AccumulateGrad",
+                          "end input0/AccumulateGrad"]

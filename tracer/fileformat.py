@@ -227,6 +227,8 @@ def _apply(trace: Trace, kind: str, rec: dict[str, Any], frames: dict[int, Frame
         trace.error = {str(k): str(v) for k, v in err.items()} if isinstance(err, dict) else None
         notes = rec.get("notes") or []
         trace.notes = [str(n) for n in notes] if isinstance(notes, list) else []
+    elif kind == "memory":
+        trace.memory.append({k: v for k, v in rec.items() if k != "t"})
     elif kind == "header":
         raise TraceFormatError("a second header record")
     # Unknown record types from the same major version are skipped: readers stay forward

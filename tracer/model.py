@@ -281,6 +281,9 @@ class Trace:
     status: str = "ok"
     error: dict[str, str] | None = None
     notes: list[str] = field(default_factory=list)
+    # Allocation/free events of a memory record (``trace(memory=True)``): plain dicts whose
+    # fields tracer/memory.py defines and docs/trace-format.md documents.
+    memory: list[dict[str, Any]] = field(default_factory=list)
     _index: dict[str, Record] | None = field(default=None, compare=False, repr=False)
 
     # ---- look-up -------------------------------------------------------------------------
@@ -368,6 +371,8 @@ class Trace:
             yield n.to_json()
         for b in self.backward_runs:
             yield b.to_json()
+        for m in self.memory:
+            yield {"t": "memory", **m}
         yield self.end_record()
 
     def save(self, path: str) -> None:

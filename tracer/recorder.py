@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +32,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from tracer import naming
 from tracer.hashing import Hasher
+from tracer.listeners import Listener
 from tracer.model import BackwardRun, Call, GradNode, NodeRun, TensorRecord, Trace
 from tracer.stacks import StackTable
 
@@ -110,7 +112,7 @@ class _Mode(TorchFunctionMode):
             kwargs = {}
         rec = self.recorder
         api, short, kind = rec.api.describe(func)
-        if kind == "skip" or rec.paused:
+        if kind == "skip" or rec.paused or rec.stopped:
             return func(*args, **kwargs)
         if kind == "backward":
             return rec.record_backward(func, api, args, kwargs)
@@ -130,8 +132,12 @@ class Recorder:
         self.stack_table: StackTable | None = StackTable() if stacks else None
         self.hasher = Hasher(hash_algorithm, stats=stats)
         self.on_records = on_records
+        self.listeners: list[Listener] = []
         self.paused = False
         self.closed = False
+        # Set when a bound (max_calls) is reached: from then on nothing more is recorded.
+        self.stopped = False
+        self.max_calls: int | None = None
         self._in_backward = 0
         # >0 while a recorded op runs: a Function applied inside an op (a torch.library custom
         # op's generated autograd Function) is that op's implementation, not a call of its own.
@@ -210,6 +216,14 @@ class Recorder:
                 local.remove()
             self._remove_module_hooks()
 
+    def stop(self, reason: str) -> None:
+        """Stop recording cleanly (a bound was reached); the trace and the console say why."""
+        if self.stopped:
+            return
+        self.stopped = True
+        self.trace.notes.append(reason)
+        warnings.warn(f"gradtrace: {reason}", RuntimeWarning, stacklevel=2)
+
     # ---- tensors ------------------------------------------------------------------------------
     def _new_tensor(self, t: torch.Tensor, name: str, role: str, producer: str | None,
                     previous: str | None = None) -> str:
@@ -268,6 +282,7 @@ class Recorder:
             in_names = [self.name_of(t) for t in ins]
             seq = self._call_seq
             self._call_seq += 1
+        tokens = [li.before_call() for li in self.listeners] if self.listeners else None
         seq0 = _get_seq() if _get_seq is not None else None
         self.op_depth += 1
         try:
@@ -284,13 +299,13 @@ class Recorder:
         if not outs and not mutated:
             return out  # metadata queries and conversions: noise, not a call
         self._finish_call(api, short, kind, args, kwargs, ins, in_names, outs, mutated, seq, seq0,
-                          stack_skip=4)
+                          stack_skip=4, tokens=tokens)
         return out
 
     def _finish_call(self, api: str, short: str, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any],
                      ins: list[torch.Tensor], in_names: list[str], outs: list[torch.Tensor],
                      mutated: list[torch.Tensor], seq: int, seq0: int | None, stack_skip: int,
-                     name: str | None = None) -> Call:
+                     name: str | None = None, tokens: list[Any] | None = None) -> Call:
         # Read grad_fn inside the bracket: an in-place change through a view regenerates the
         # base's grad_fn lazily (CopySlices), and it must land on this call.
         produced = outs + [t for t in mutated if all(t is not o for o in outs)]
@@ -338,6 +353,12 @@ class Recorder:
                         kind=kind, phase="backward" if self._in_backward else "forward", seq=seq,
                         mutated=mutated_names)
             self.trace.calls.append(call)
+            if self.listeners:
+                for li, tok in zip(self.listeners, tokens or [None] * len(self.listeners)):
+                    li.on_call(self.trace, call, tok, produced)
+            if self.max_calls is not None and len(self.trace.calls) >= self.max_calls:
+                self.stop(f"recording stopped at max_calls={self.max_calls}: later calls, grad nodes "
+                          "and backward runs were not recorded")
         if self.on_records is not None:
             self.on_records()
         return call
@@ -454,14 +475,20 @@ class Recorder:
             self._run_index += 1
             self._run = run
             self.trace.backward_runs.append(run)
+        for li in self.listeners:
+            li.on_backward_begin(self.trace, run)
         self._in_backward += 1
+        error: BaseException | None = None
         try:
             out = func(*args, **kwargs)
         except BaseException as exc:
             run.status = "failed"
             run.error = f"{type(exc).__name__}: {exc}"
+            error = exc
             raise
         finally:
+            for li in self.listeners:
+                li.on_backward_end(self.trace, run, error)
             self._in_backward -= 1
             self._run = None
             self._running.clear()
@@ -487,6 +514,8 @@ class Recorder:
         return self._new_tensor(g, name, "grad", producer)
 
     def node_begin(self, node: str, grad_outputs: tuple[Any, ...]) -> None:
+        if self.stopped:
+            return
         with self.lock, torch._C.DisableTorchFunction():
             if self._run is None:  # backward started where the trace could not see it
                 self._run_index += 1
@@ -503,8 +532,12 @@ class Recorder:
             self._run.steps.append(step)
             self._open_steps[node] = step
             self._running.append(node)
+            for li in self.listeners:
+                li.on_node_begin(self.trace, node, step, grad_outputs)
 
     def node_end(self, node: str, grad_inputs: tuple[Any, ...]) -> None:
+        if self.stopped:
+            return
         with self.lock, torch._C.DisableTorchFunction():
             step = self._open_steps.pop(node, None)
             if self._running and self._running[-1] == node:
@@ -525,6 +558,8 @@ class Recorder:
                 names.append(self._register_grad(g, gname, node))
             if step is not None:
                 step.grads_out = names
+                for li in self.listeners:
+                    li.on_node_end(self.trace, node, step, grad_inputs)
 
     # ---- modules ------------------------------------------------------------------------------
     def _module_pre(self, module: torch.nn.Module, args: Any) -> None:
@@ -642,6 +677,7 @@ class Recorder:
                 name = self.counters.next(cls.__name__)
         api = f"{cls.__module__}.{cls.__qualname__}.apply"
         self._parents.append(name)
+        tokens = [li.before_call() for li in self.listeners] if self.listeners else None
         seq0 = _get_seq() if _get_seq is not None else None
         try:
             out = apply(cls, *args, **kwargs)
@@ -654,7 +690,7 @@ class Recorder:
             outs = _unique(flat_tensors(out))
             mutated = [t for t, v in zip(ins, vers) if _version(t) != v]
             self._finish_call(api, cls.__name__, "function", args, kwargs, ins, in_names, outs, mutated, seq,
-                              seq0, stack_skip=5, name=name)
+                              seq0, stack_skip=5, name=name, tokens=tokens)
         return out
 
     def _record_failed_named(self, name: str, api: str, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -692,7 +728,8 @@ _ACTIVE: Recorder | None = None
 def _traced_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
     rec = _ACTIVE
     original = _ORIGINAL_APPLY.__func__
-    if rec is None or rec.closed or rec.paused or rec.op_depth or threading.get_ident() != rec.owner:
+    if rec is None or rec.closed or rec.paused or rec.stopped or rec.op_depth \
+            or threading.get_ident() != rec.owner:
         return original(cls, *args, **kwargs)
     return rec.record_function(cls, original, args, kwargs)
 

@@ -15,6 +15,7 @@ import torch
 
 from tracer import recorder as _recorder
 from tracer.fileformat import StreamWriter
+from tracer.listeners import Listener
 from tracer.model import Trace
 
 __version__ = "0.1.0"
@@ -24,21 +25,47 @@ class TraceError(RuntimeError):
     """Misuse of the tracer (an accidental nested trace, bad options)."""
 
 
-class trace:
+def trace(*, hash: str = "md5", stacks: bool = True, stats: bool | None = None,
+          out: str | os.PathLike[str] | None = None, flush_every: int = 1024,
+          listeners: list[Listener] | None = None, memory: bool = False,
+          max_calls: int | None = None, steps: str | None = None, every: int | None = None,
+          **step_options: Any) -> Any:
     """Record forward API calls, grad nodes, call stacks and tensor checksums of a block.
 
     ``hash``: ``"md5"`` (exact MD5 of every tensor, the default) or ``"none"``.
     ``stacks``: capture the user's call stack of every call (cheap, on by default).
     ``stats``: min/max/mean/absmax/NaN/Inf of every tensor (default: on when hashing).
     ``out``: stream the trace to this file while recording (a crash keeps what was flushed).
-    ``flush_every``: calls between two flushes of the streamed file.
+    ``listeners``: extra ``tracer.listeners.Listener`` objects to attach to the recorder.
+    ``memory``: also record every allocation and free, attributed to calls and grad nodes.
+    ``max_calls``: stop recording cleanly after this many calls (the trace says so).
+    ``steps`` / ``every``: trace only chosen optimizer steps of a longer loop (``tracer.steps``).
 
     Only the thread that enters the block is traced. Nothing stays installed after the block,
     also when it raises; then the trace is marked ``failed`` and the exception propagates.
     """
+    if steps is not None or every is not None:
+        from tracer.steps import StepTrace
+
+        return StepTrace(steps=steps, every=every, hash=hash, stacks=stacks, stats=stats, out=out,
+                         flush_every=flush_every, listeners=listeners, memory=memory, max_calls=max_calls,
+                         **step_options)
+    if step_options:
+        raise TraceError(f"unknown option(s) for tracer.trace(): {', '.join(sorted(step_options))}")
+    return TraceSession(hash=hash, stacks=stacks, stats=stats, out=out, flush_every=flush_every,
+                        listeners=listeners, memory=memory, max_calls=max_calls)
+
+
+class TraceSession:
+    """One traced block (what ``trace()`` returns without ``steps``/``every``). See ``trace()``
+    for the options; ``flush_every`` is the number of calls between two flushes of a streamed
+    file.
+    """
 
     def __init__(self, *, hash: str = "md5", stacks: bool = True, stats: bool | None = None,
-                 out: str | os.PathLike[str] | None = None, flush_every: int = 1024) -> None:
+                 out: str | os.PathLike[str] | None = None, flush_every: int = 1024,
+                 listeners: list[Listener] | None = None, memory: bool = False,
+                 max_calls: int | None = None) -> None:
         if hash not in ("md5", "none"):
             raise TraceError(f"hash must be 'md5' or 'none', got {hash!r}")
         self.hash = hash
@@ -46,6 +73,9 @@ class trace:
         self.stats = (hash != "none") if stats is None else stats
         self.out = None if out is None else os.fspath(out)
         self.flush_every = max(1, int(flush_every))
+        self.listeners = list(listeners or [])
+        self.memory = memory
+        self.max_calls = max_calls
         self.trace: Trace | None = None
         self._recorder: _recorder.Recorder | None = None
         self._writer: StreamWriter | None = None
@@ -70,6 +100,12 @@ class trace:
         rec = _recorder.Recorder(t, hash_algorithm=self.hash, stacks=self.stacks, stats=self.stats,
                                  on_records=self._maybe_flush if self.out else None)
         t.header["node_attribution"] = rec.node_attribution
+        rec.max_calls = self.max_calls
+        if self.memory:
+            from tracer.memory import MemoryListener
+
+            self.listeners.append(MemoryListener())
+        rec.listeners.extend(self.listeners)
         self._recorder = rec
         if self.out:
             self._writer = StreamWriter(self.out)
@@ -92,6 +128,10 @@ class trace:
 
     def _finalize(self, rec: _recorder.Recorder, t: Trace, exc: BaseException | None) -> None:
         rec.hasher.close()
+        for li in rec.listeners:
+            finish = getattr(li, "finish", None)  # listeners that write into the trace at the end
+            if finish is not None:
+                finish(t)
         if rec.stack_table is not None:
             t.frames = rec.stack_table.symbolize()
             t.stacks = list(rec.stack_table.stacks)
