@@ -249,3 +249,35 @@ def test_listeners_see_calls_and_nodes():
     assert tap.events == ["call mul0 [(3,)]", "call sum0 [()]", "begin sum0/SumBackward0", "end sum0/SumBackward0",
                           "begin mul0/MulBackward0", "end mul0/MulBackward0", "begin input0/AccumulateGrad",
                           "end input0/AccumulateGrad"]
+
+
+class _Twice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+def test_custom_function_stack_ends_at_the_apply_line():
+    x = torch.randn(3, requires_grad=True)
+    with tracer.trace() as t:
+        line = sys._getframe().f_lineno + 1
+        y = _Twice.apply(x)
+    frame = t["_Twice0"].stack[-1]
+    assert y.shape == (3,)
+    assert (frame.line, frame.code) == (line, "y = _Twice.apply(x)")
+    assert t["_Twice0/_TwiceBackward"].stack[-1] == frame
+
+
+def test_shallow_stack_at_module_level(tmp_path):
+    import subprocess
+
+    code = ("import torch, tracer\nclass F(torch.autograd.Function):\n"
+            "    @staticmethod\n    def forward(ctx, x): return x + 1\n"
+            "    @staticmethod\n    def backward(ctx, g): return g\n"
+            "with tracer.trace() as t: F.apply(torch.ones(2))\nprint(t['F0'].stack[-1].line)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "7"

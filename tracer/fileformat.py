@@ -142,6 +142,8 @@ def load(path: str | os.PathLike[str]) -> Trace:
                 raise TraceFormatError(f"{path}: not a gradtrace file (line 1 is not JSON)") from None
             raise TraceFormatError(f"{path}: corrupt record at line {lineno}: {exc.msg}") from None
         if not isinstance(rec, dict) or not isinstance(rec.get("t"), str):
+            if not seen_header:
+                raise TraceFormatError(f"{path}: not a gradtrace file (line 1 is not a gradtrace header)")
             raise TraceFormatError(f"{path}: corrupt record at line {lineno}: not a typed JSON object")
         kind = rec["t"]
         if not seen_header:

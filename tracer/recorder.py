@@ -298,13 +298,12 @@ class Recorder:
             mutated += [t for t in _hidden_mutations(api, args, kwargs) if all(t is not m for m in mutated)]
         if not outs and not mutated:
             return out  # metadata queries and conversions: noise, not a call
-        self._finish_call(api, short, kind, args, kwargs, ins, in_names, outs, mutated, seq, seq0,
-                          stack_skip=4, tokens=tokens)
+        self._finish_call(api, short, kind, args, kwargs, ins, in_names, outs, mutated, seq, seq0, tokens=tokens)
         return out
 
     def _finish_call(self, api: str, short: str, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any],
                      ins: list[torch.Tensor], in_names: list[str], outs: list[torch.Tensor],
-                     mutated: list[torch.Tensor], seq: int, seq0: int | None, stack_skip: int,
+                     mutated: list[torch.Tensor], seq: int, seq0: int | None,
                      name: str | None = None, tokens: list[Any] | None = None) -> Call:
         # Read grad_fn inside the bracket: an in-place change through a view regenerates the
         # base's grad_fn lazily (CopySlices), and it must land on this call.
@@ -312,7 +311,7 @@ class Recorder:
         grad_fns = [t.grad_fn for t in produced]
         seq1 = _get_seq() if _get_seq is not None else None
         with self.lock, torch._C.DisableTorchFunction():
-            stack_id = self.stack_table.capture(skip=stack_skip) if self.stack_table is not None else None
+            stack_id = self.stack_table.capture() if self.stack_table is not None else None
             if name is None:
                 name = self.counters.next(short)
             in_pos = {id(t): i for i, t in enumerate(ins)}
@@ -366,7 +365,7 @@ class Recorder:
     def _record_failed(self, api: str, short: str, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any],
                        in_names: list[str], seq: int, exc: BaseException) -> None:
         with self.lock, torch._C.DisableTorchFunction():
-            stack_id = self.stack_table.capture(skip=4) if self.stack_table is not None else None
+            stack_id = self.stack_table.capture() if self.stack_table is not None else None
             call = Call(name=self.counters.next(short), api=api,
                         module=self._module_stack[-1] if self._module_stack else "", inputs=in_names,
                         outputs=[], args=naming.short_args(args, kwargs), stack_id=stack_id,
@@ -469,7 +468,7 @@ class Recorder:
         with self.lock, torch._C.DisableTorchFunction():
             first = args[0] if args else kwargs.get("tensors", kwargs.get("outputs"))
             roots = [self.name_of(t) for t in _unique(flat_tensors(first))]
-            stack_id = self.stack_table.capture(skip=4) if self.stack_table is not None else None
+            stack_id = self.stack_table.capture() if self.stack_table is not None else None
             run = BackwardRun(name=self.counters.next("grad" if api.endswith(".grad") else "backward"),
                               api=api, roots=roots, stack_id=stack_id, seq=len(self.trace.backward_runs))
             self._run_index += 1
@@ -641,8 +640,7 @@ class Recorder:
         if not self._opaque:
             self._install_module_hooks()
         outs = _unique(flat_tensors(output))
-        self._finish_call("torch.compile", "compiled", "compiled", (), {}, [], in_names, outs, [], seq, seq0,
-                          stack_skip=4)
+        self._finish_call("torch.compile", "compiled", "compiled", (), {}, [], in_names, outs, [], seq, seq0)
         if self._module_stack:
             self._module_stack.pop()
 
@@ -690,13 +688,13 @@ class Recorder:
             outs = _unique(flat_tensors(out))
             mutated = [t for t, v in zip(ins, vers) if _version(t) != v]
             self._finish_call(api, cls.__name__, "function", args, kwargs, ins, in_names, outs, mutated, seq,
-                              seq0, stack_skip=5, name=name, tokens=tokens)
+                              seq0, name=name, tokens=tokens)
         return out
 
     def _record_failed_named(self, name: str, api: str, args: tuple[Any, ...], kwargs: dict[str, Any],
                              in_names: list[str], seq: int, exc: BaseException) -> None:
         with self.lock, torch._C.DisableTorchFunction():
-            stack_id = self.stack_table.capture(skip=5) if self.stack_table is not None else None
+            stack_id = self.stack_table.capture() if self.stack_table is not None else None
             self.trace.calls.append(Call(
                 name=name, api=api, module=self._module_stack[-1] if self._module_stack else "",
                 inputs=in_names, outputs=[], args=naming.short_args(args, kwargs), stack_id=stack_id,

@@ -25,7 +25,8 @@ _INTERNAL_PREFIXES = (_TORCH_DIR, *_OWN_DIRS)
 # Frames of Python's own machinery (contextlib's __exit__, threading) are never the user's line.
 # The bundled demo model lives inside the package but is user code for the purpose of stacks.
 _DEMO_SUFFIX = os.path.join("tracer", "demo.py")
-_STDLIB_NOISE = ("<frozen ", os.path.join("lib", "python3") + os.sep + "contextlib.py")
+_STDLIB_NOISE = ("<frozen ", os.sep + "contextlib.py", os.sep + "runpy.py",
+                 os.sep + "bin" + os.sep + "gradtrace")
 
 
 class StackTable:
@@ -49,9 +50,17 @@ class StackTable:
             self._internal[code] = hit
         return hit
 
-    def capture(self, skip: int = 2, frame: FrameType | None = None) -> int:
-        """Intern the current user stack (outermost first) and return its id."""
-        f: FrameType | None = frame if frame is not None else sys._getframe(skip)
+    def capture(self, skip: int = 1, frame: FrameType | None = None) -> int:
+        """Intern the current user stack (outermost first) and return its id.
+
+        Frames of torch and gradtrace are dropped by file, so ``skip`` only saves walking them.
+        """
+        if frame is None:
+            try:
+                frame = sys._getframe(skip)
+            except ValueError:  # a shallower stack than expected (python -c at module level)
+                frame = sys._getframe(1)
+        f: FrameType | None = frame
         ids: list[int] = []
         frame_ids = self._frame_ids
         internal = self._internal

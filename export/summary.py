@@ -1,0 +1,556 @@
+"""Terminal views of a trace: ``gradtrace summary``, ``gradtrace show`` and ``gradtrace md5``.
+
+``summary`` prints a header (status, versions, counts, parameters), the most called APIs, the
+calls and grad nodes of each top-level module, the backward runs with the user's line that
+started them, and every tensor whose stats counted a NaN or an Inf (in red).
+
+``show`` prints one record (call, tensor, grad node or backward run) with all its fields and its
+links, and its call stack the way Python prints a traceback.
+
+``md5`` prints ``name:md5`` per tensor in creation order and nothing else, for shell diffs.
+
+Colours appear only on a terminal; piped output is plain text, 120 columns wide, so it is the
+same from run to run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+from collections import Counter
+from typing import Any
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from export.cli import UserError
+from export.text import shape_text, short_api, short_dtype
+from tracer.model import BackwardRun, Call, Frame, GradNode, Stats, TensorRecord, Trace
+
+TOP_APIS = 15
+MAX_ROWS = 40
+PLAIN_WIDTH = 120
+
+_ITEMSIZE = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex128": 16, "complex64": 8,
+    "complex32": 4, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "uint16": 2,
+    "uint32": 4, "uint64": 8, "bool": 1,
+}
+
+
+# ---- shared helpers --------------------------------------------------------------------------------
+def make_console() -> Console:
+    """A console on stdout: rich on a terminal, plain and 120 columns wide when piped."""
+    tty = sys.stdout.isatty()
+    return Console(file=sys.stdout, width=None if tty else PLAIN_WIDTH, highlight=False,
+                   soft_wrap=False)
+
+
+def load_trace(path: str) -> Trace:
+    """``tracer.load`` with its truncation warning turned into one line on stderr."""
+    from tracer.fileformat import TruncatedTraceWarning, load
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", TruncatedTraceWarning)
+        trace = load(path)
+    for w in caught:
+        if issubclass(w.category, TruncatedTraceWarning):
+            print(f"gradtrace: warning: {w.message}", file=sys.stderr)
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    return trace
+
+
+def short_path(path: str) -> str:
+    """A path relative to the current directory when it lies inside it (shorter to read)."""
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:  # another drive on Windows
+        return path
+    return path if rel.startswith("..") else rel
+
+
+def itemsize(dtype: str) -> int:
+    size = _ITEMSIZE.get(dtype)
+    if size is None:
+        import torch
+
+        dt = getattr(torch, dtype, None)
+        size = int(getattr(dt, "itemsize", 0) or 0)
+    return size
+
+
+def human_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+def fmt_num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.4g}"
+
+
+def stats_text(stats: Stats | None) -> str:
+    if stats is None:
+        return "-"
+    text = f"min {fmt_num(stats.min)}  max {fmt_num(stats.max)}  mean {fmt_num(stats.mean)}"
+    if stats.nan or stats.inf:
+        text += f"  nan {stats.nan}  inf {stats.inf}"
+    return text
+
+
+def compact_stats(stats: Stats | None) -> str:
+    if stats is None:
+        return "-"
+    text = f"[{fmt_num(stats.min)}, {fmt_num(stats.max)}] {fmt_num(stats.mean)}"
+    if stats.nan or stats.inf:
+        text += f" nan {stats.nan} inf {stats.inf}"
+    return text
+
+
+def format_stack(frames: tuple[Frame, ...], title: str = "Stack (most recent call last):") -> str:
+    """A stack as Python prints a traceback: ``File "x", line N, in f`` and the source line."""
+    if not frames:
+        return f"{title}\n  (no stack recorded)"
+    lines = [title]
+    for f in frames:
+        lines.append(f'  File "{f.file}", line {f.line}, in {f.function}')
+        if f.code:
+            lines.append(f"    {f.code}")
+    return "\n".join(lines)
+
+
+def call_site(frames: tuple[Frame, ...]) -> str:
+    if not frames:
+        return "-"
+    f = frames[-1]
+    return f"{short_path(f.file)}:{f.line}  {f.code}".rstrip()
+
+
+def param_totals(trace: Trace) -> tuple[int, int, int]:
+    """(parameter tensors, elements, bytes), each parameter counted once at its first version."""
+    seen: set[str] = set()
+    count = numel = nbytes = 0
+    for t in trace.tensors_in_order():
+        if t.role != "param":
+            continue
+        base = t.name.rsplit("@v", 1)[0]
+        if base in seen:
+            continue
+        seen.add(base)
+        count += 1
+        numel += t.numel
+        nbytes += t.numel * itemsize(t.dtype)
+    return count, numel, nbytes
+
+
+def module_group(path: str, depth: int) -> str:
+    """The first ``depth`` parts of a module path, keeping a list index with its list (``h.0``)."""
+    parts = path.split(".")
+    keep = min(depth, len(parts))
+    while keep < len(parts) and parts[keep].isdigit():
+        keep += 1
+    return ".".join(parts[:keep])
+
+
+def module_groups(paths: list[str], max_rows: int = 16) -> dict[str, str]:
+    """Map each call's module path to the row it is counted in, top-level modules first.
+
+    A group holding more than half of all calls is split into its children while the table stays
+    short, so a model wrapped in a container (``GPT2LMHeadModel.transformer.h.0``) shows its
+    blocks rather than one row holding everything. Calls made in the group module itself keep
+    the group's row.
+    """
+    total = len(paths)
+    group = {p: module_group(p, 1) if p else "" for p in set(paths)}
+    while True:
+        counts = Counter(group[p] for p in paths)
+        big = [g for g, n in counts.items() if g and n * 2 > total
+               and any(p != g and p.startswith(g + ".") for p in group if group[p] == g)]
+        if not big:
+            return group
+        g = big[0]
+        depth = g.count(".") + 2
+        split = {p: (p if p == g else module_group(p, depth)) if k == g else k for p, k in group.items()}
+        if len(set(split.values())) > max_rows:
+            return group
+        group = split
+
+
+# ---- summary ---------------------------------------------------------------------------------------
+def render_summary(trace: Trace, console: Console) -> None:
+    """Print the summary of a trace on a rich console."""
+    _render_header(trace, console)
+    _render_apis(trace, console)
+    _render_modules(trace, console)
+    _render_backward(trace, console)
+    _render_nonfinite(trace, console)
+
+
+def _render_header(trace: Trace, console: Console) -> None:
+    h = trace.header
+    status_style = "green" if trace.status == "ok" else "bold red"
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    grid.add_row("status", Text(trace.status, style=status_style))
+    grid.add_row("torch", str(h.get("torch", "?")))
+    grid.add_row("gradtrace", str(h.get("gradtrace", "?")))
+    grid.add_row("hash", trace.hash_algorithm)
+    grid.add_row("records", f"{len(trace.calls)} calls, {len(trace.grad_nodes)} grad nodes, "
+                            f"{len(trace.tensors)} tensors, {len(trace.backward_runs)} backward runs")
+    n_params, numel, nbytes = param_totals(trace)
+    grid.add_row("parameters", f"{numel:,} elements in {n_params} tensors ({human_bytes(nbytes)})")
+    root = trace.modules.get("")
+    grid.add_row("module", root if root is not None else "-")
+    if trace.error:
+        err = trace.error
+        last = f" (last call {err['last_call']})" if err.get("last_call") else ""
+        grid.add_row("error", Text(f"{err.get('type', '')}: {err.get('message', '')}{last}", style="red"))
+    for note in trace.notes:
+        grid.add_row("note", note)
+    console.print(grid)
+
+
+def _render_apis(trace: Trace, console: Console) -> None:
+    counts = Counter(c.api for c in trace.calls)
+    nodes = Counter()
+    for c in trace.calls:
+        nodes[c.api] += len(c.grad_nodes)
+    table = Table(title=f"Top APIs by calls ({len(counts)} distinct)", box=box.SIMPLE_HEAD,
+                  title_justify="left")
+    table.add_column("API")
+    table.add_column("calls", justify="right")
+    table.add_column("grad nodes", justify="right")
+    for api, n in counts.most_common(TOP_APIS):
+        table.add_row(short_api(api), str(n), str(nodes[api]))
+    if len(counts) > TOP_APIS:
+        rest = counts.total() - sum(n for _, n in counts.most_common(TOP_APIS))
+        table.add_row(f"... {len(counts) - TOP_APIS} more APIs", str(rest), "", style="dim")
+    console.print(table)
+
+
+def _render_modules(trace: Trace, console: Console) -> None:
+    group = module_groups([c.module for c in trace.calls])
+    calls: Counter[str] = Counter()
+    nodes: Counter[str] = Counter()
+    for c in trace.calls:
+        key = group[c.module]
+        calls[key] += 1
+        nodes[key] += len(c.grad_nodes)
+    table = Table(title="Modules", box=box.SIMPLE_HEAD, title_justify="left")
+    table.add_column("module")
+    table.add_column("class")
+    table.add_column("calls", justify="right")
+    table.add_column("grad nodes", justify="right")
+    for key, n in calls.items():  # first-seen order: the order the model ran
+        # Call.module is '' both in the root module and outside every module (the optimizer).
+        label = key if key else "(root module or outside modules)"
+        table.add_row(label, trace.modules.get(key, "-") if key else "-", str(n), str(nodes[key]))
+    console.print(table)
+
+
+def _render_backward(trace: Trace, console: Console) -> None:
+    if not trace.backward_runs:
+        console.print("No backward runs.")
+        return
+    table = Table(title="Backward runs", box=box.SIMPLE_HEAD, title_justify="left")
+    table.add_column("run")
+    table.add_column("api")
+    table.add_column("nodes run", justify="right")
+    table.add_column("status")
+    table.add_column("called from", overflow="fold")
+    for run in trace.backward_runs:
+        status = Text(run.status, style="green" if run.status == "ok" else "red")
+        table.add_row(run.name, run.api, str(len(run.steps)), status, call_site(run.stack))
+    console.print(table)
+
+
+def _render_nonfinite(trace: Trace, console: Console) -> None:
+    with_stats = [t for t in trace.tensors_in_order() if t.stats is not None]
+    bad = [t for t in with_stats if t.stats is not None and not t.stats.finite]
+    if not with_stats:
+        console.print("No tensor stats recorded (NaN/Inf check not available).")
+        return
+    if not bad:
+        console.print(f"No NaN or Inf in the {len(with_stats)} tensors with stats.")
+        return
+    table = Table(title=f"Tensors with NaN or Inf ({len(bad)} of {len(with_stats)})", box=box.SIMPLE_HEAD,
+                  title_justify="left", title_style="bold red")
+    for col in ("tensor", "shape", "dtype", "role", "producer"):
+        table.add_column(col)
+    table.add_column("nan", justify="right")
+    table.add_column("inf", justify="right")
+    for t in bad[:MAX_ROWS]:
+        assert t.stats is not None
+        table.add_row(t.name, shape_text(t.shape), t.dtype, t.role, t.producer or "-",
+                      str(t.stats.nan), str(t.stats.inf), style="red")
+    if len(bad) > MAX_ROWS:
+        table.add_row(f"... {len(bad) - MAX_ROWS} more", "", "", "", "", "", "", style="dim")
+    console.print(table)
+
+
+# ---- show ------------------------------------------------------------------------------------------
+def lookup(trace: Trace, name: str) -> Any:
+    try:
+        return trace[name]
+    except KeyError as exc:
+        raise UserError(str(exc.args[0]) if exc.args else f"no record named {name!r}") from None
+
+
+def render_record(trace: Trace, name: str, console: Console) -> None:
+    """Print one call, tensor, grad node or backward run with its links and stack."""
+    rec = lookup(trace, name)
+    if isinstance(rec, Call):
+        _show_call(trace, rec, console)
+    elif isinstance(rec, TensorRecord):
+        _show_tensor(trace, rec, console)
+    elif isinstance(rec, GradNode):
+        _show_node(trace, rec, console)
+    elif isinstance(rec, BackwardRun):
+        _show_run(trace, rec, console)
+
+
+def _fields(console: Console, title: str, rows: list[tuple[str, Any]]) -> None:
+    console.print(Text(title, style="bold"))
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="cyan")
+    grid.add_column(overflow="fold")
+    for key, value in rows:
+        grid.add_row(key, value if isinstance(value, Text) else Text(str(value)))
+    console.print(grid)
+
+
+def _tensor_table(trace: Trace, title: str, names: list[str | None]) -> Table:
+    table = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left")
+    table.add_column("#", justify="right")
+    table.add_column("tensor", no_wrap=True)
+    table.add_column("shape", no_wrap=True)
+    table.add_column("dtype", no_wrap=True)
+    table.add_column("md5", no_wrap=True)
+    table.add_column("stats [min, max] mean", overflow="fold")
+    for i, name in enumerate(names):
+        if name is None:
+            table.add_row(str(i), "-", "", "", "", "no gradient", style="dim")
+            continue
+        t = trace.tensors.get(name)
+        if t is None:
+            table.add_row(str(i), name, "?", "?", "-", "not in trace")
+            continue
+        md5 = t.md5 or (t.hash_note or "-")
+        style = "red" if t.stats is not None and not t.stats.finite else None
+        table.add_row(str(i), name, shape_text(t.shape), short_dtype(t.dtype), md5, compact_stats(t.stats),
+                      style=style)
+    return table
+
+
+def _module_text(trace: Trace, module: str) -> str:
+    cls = trace.modules.get(module)
+    label = module if module else "(root)" if cls else "(outside modules)"
+    return f"{label} ({cls})" if cls else label
+
+
+def _describe_producer(trace: Trace, producer: str | None) -> str:
+    if producer is None:
+        return "- (made outside the traced block)"
+    rec = trace.get(producer)
+    if isinstance(rec, Call):
+        return f"{producer}  (call {rec.api})"
+    if isinstance(rec, GradNode):
+        return f"{producer}  (grad node {rec.kind})"
+    if isinstance(rec, BackwardRun):
+        return f"{producer}  (backward run {rec.api})"
+    return producer
+
+
+def _print_stack(console: Console, frames: tuple[Frame, ...], title: str = "Stack (most recent call last):") -> None:
+    # soft_wrap: long paths and source lines stay on one line, as in a real traceback.
+    console.print(Text(format_stack(frames, title)), soft_wrap=True)
+
+
+def _show_call(trace: Trace, call: Call, console: Console) -> None:
+    rows: list[tuple[str, Any]] = [
+        ("api", call.api), ("kind", call.kind), ("phase", call.phase),
+        ("module", _module_text(trace, call.module)), ("args", call.args or "-"),
+        ("parent", call.parent or "-"), ("seq", call.seq),
+    ]
+    if call.mutated:
+        rows.append(("changed in place", ", ".join(call.mutated)))
+    if call.error:
+        rows.append(("error", Text(call.error, style="red")))
+    _fields(console, f"call {call.name}", rows)
+    console.print(_tensor_table(trace, "inputs", list(call.inputs)))
+    console.print(_tensor_table(trace, "outputs", list(call.outputs)))
+    if call.grad_nodes:
+        table = Table(title="grad nodes", box=box.SIMPLE_HEAD, title_justify="left")
+        table.add_column("node")
+        table.add_column("kind")
+        table.add_column("next", overflow="fold")
+        for n in call.grad_nodes:
+            node = trace.get(n)
+            nxt = ", ".join("-" if x is None else x for x in node.next) if isinstance(node, GradNode) else "?"
+            table.add_row(n, node.kind if isinstance(node, GradNode) else "?", nxt or "-")
+        console.print(table)
+    nested = [c for c in trace.calls if c.parent == call.name]
+    if nested:
+        console.print(Text("nested calls: ", style="bold") + Text(", ".join(c.name for c in nested)))
+    _print_stack(console, call.stack)
+
+
+def _show_tensor(trace: Trace, t: TensorRecord, console: Console) -> None:
+    newer = [x.name for x in trace.tensors_in_order() if x.previous == t.name]
+    rows: list[tuple[str, Any]] = [
+        ("shape", shape_text(t.shape)), ("dtype", t.dtype), ("device", t.device), ("role", t.role),
+        ("producer", _describe_producer(trace, t.producer)),
+        ("stride", "-" if t.stride is None else shape_text(t.stride)),
+        ("contiguous", t.contiguous), ("requires_grad", t.requires_grad), ("version", t.version),
+        ("seq", t.seq), ("previous", t.previous or "-"), ("next version", ", ".join(newer) or "-"),
+        ("md5", t.md5 or "-"),
+    ]
+    if t.hash_note:
+        rows.append(("hash note", t.hash_note))
+    if t.fingerprint:
+        rows.append(("fingerprint", t.fingerprint))
+    style = "red" if t.stats is not None and not t.stats.finite else ""
+    rows.append(("stats", Text(stats_text(t.stats), style=style)))
+    if t.stats is not None:
+        rows.append(("absmax", fmt_num(t.stats.absmax)))
+    _fields(console, f"tensor {t.name}", rows)
+
+    table = Table(title="consumers", box=box.SIMPLE_HEAD, title_justify="left")
+    table.add_column("by")
+    table.add_column("what")
+    table.add_column("module / run", overflow="fold")
+    for c in trace.calls:
+        if t.name in c.inputs:
+            table.add_row(c.name, c.api, _module_text(trace, c.module))
+    for run in trace.backward_runs:
+        if t.name in run.roots:
+            table.add_row(run.name, f"{run.api} (root)", run.name)
+        for step in run.steps:
+            if t.name in step.grads_in:
+                table.add_row(step.node, "grad node (received)", run.name)
+    console.print(table if table.row_count else Text("consumers: none"))
+
+    producer = trace.get(t.producer) if t.producer else None
+    if isinstance(producer, Call | GradNode | BackwardRun):
+        _print_stack(console, producer.stack, f"Stack of producer {producer.name} (most recent call last):")
+    else:
+        console.print("Stack: none (the tensor was made outside the traced block)")
+
+
+def _show_node(trace: Trace, node: GradNode, console: Console) -> None:
+    call = trace.get(node.call) if node.call else None
+    rows: list[tuple[str, Any]] = [
+        ("kind", node.kind),
+        ("call", f"{node.call}  ({call.api}, module {_module_text(trace, call.module)})"
+         if isinstance(call, Call) else (node.call or "-")),
+        ("param", node.param or "-"), ("external", node.external), ("seq", node.seq),
+    ]
+    runs = [f"{run.name} step {i}" for run in trace.backward_runs for i, s in enumerate(run.steps)
+            if s.node == node.name]
+    rows.append(("ran in", ", ".join(runs) or "- (not run)"))
+    feeders = [n.name for n in trace.grad_nodes if node.name in n.next]
+    rows.append(("fed by", ", ".join(feeders) or "-"))
+    _fields(console, f"grad node {node.name}", rows)
+
+    table = Table(title="next (one edge per output)", box=box.SIMPLE_HEAD, title_justify="left")
+    table.add_column("#", justify="right")
+    table.add_column("next node")
+    table.add_column("gradient sent (last run)", overflow="fold")
+    for i, dest in enumerate(node.next):
+        grad = node.grads_out[i] if i < len(node.grads_out) else None
+        table.add_row(str(i), dest or "- (no edge)", grad or "-")
+    if node.next:
+        console.print(table)
+    if node.grads_in or node.grads_out:
+        console.print(_tensor_table(trace, "gradients received (last run)", list(node.grads_in)))
+        if node.grads_out:
+            console.print(_tensor_table(trace, "gradients produced (last run)", list(node.grads_out)))
+    _print_stack(console, node.stack)
+
+
+def _show_run(trace: Trace, run: BackwardRun, console: Console) -> None:
+    rows: list[tuple[str, Any]] = [
+        ("api", run.api), ("roots", ", ".join(run.roots) or "-"),
+        ("status", Text(run.status, style="green" if run.status == "ok" else "red")),
+        ("nodes run", len(run.steps)), ("seq", run.seq),
+    ]
+    if run.outputs:
+        rows.append(("outputs", ", ".join(run.outputs)))
+    if run.error:
+        rows.append(("error", Text(run.error, style="red")))
+    _fields(console, f"backward run {run.name}", rows)
+    # One line per step rather than a table: gradient names are long and a table would cut them.
+    console.print(Text("steps (engine order): node  <- received  -> produced", style="bold"))
+    width = len(str(max(len(run.steps) - 1, 0)))
+    for i, s in enumerate(run.steps):
+        recv = ", ".join(g or "-" for g in s.grads_in) or "-"
+        sent = ", ".join(g or "-" for g in s.grads_out) or "-"
+        console.print(Text(f"  {i:>{width}}  {s.node}  <- {recv}  -> {sent}"), soft_wrap=True)
+    _print_stack(console, run.stack)
+
+
+# ---- md5 -------------------------------------------------------------------------------------------
+def md5_lines(trace: Trace) -> list[str]:
+    """``name:md5`` per tensor in creation order; ``name:-`` for a tensor that was not hashed."""
+    return [f"{t.name}:{t.md5 or '-'}" for t in trace.tensors_in_order()]
+
+
+# ---- commands --------------------------------------------------------------------------------------
+def _cmd_summary(args: argparse.Namespace) -> int:
+    trace = load_trace(args.trace)
+    render_summary(trace, make_console())
+    return 0
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    trace = load_trace(args.trace)
+    lookup(trace, args.name)  # fail with the suggestion before printing anything
+    render_record(trace, args.name, make_console())
+    return 0
+
+
+def _cmd_md5(args: argparse.Namespace) -> int:
+    trace = load_trace(args.trace)
+    if trace.hash_algorithm == "none":
+        raise UserError(f"{args.trace} was recorded with hash='none': it has no checksums "
+                        "(record with tracer.trace(hash='md5'))")
+    lines = md5_lines(trace)
+    sys.stdout.write("".join(line + "\n" for line in lines))
+    sys.stdout.flush()
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "summary", help="status, counts, top APIs, modules, backward runs and NaN/Inf of a trace",
+        description="Print a summary of a trace: header, top APIs, per-module counts, backward runs "
+                    "and tensors with NaN or Inf. Plain text when not on a terminal.")
+    p.add_argument("trace", help="a .gtrace file")
+    p.set_defaults(func=_cmd_summary)
+
+    p = subparsers.add_parser(
+        "show", help="one call, tensor, grad node or backward run with its links and stack",
+        description="Print one record by name (call linear3, tensor linear3:out, grad node "
+                    "linear3/AddmmBackward0, backward run backward0) with every field, the records "
+                    "it links to and its call stack. An unknown name exits 2 and suggests close names.")
+    p.add_argument("trace", help="a .gtrace file")
+    p.add_argument("name", help="the record's name")
+    p.set_defaults(func=_cmd_show)
+
+    p = subparsers.add_parser(
+        "md5", help="name:md5 per tensor in creation order (for diff)",
+        description="Print one line 'name:md5' per tensor in creation order and nothing else, so "
+                    "`diff <(gradtrace md5 a.gtrace) <(gradtrace md5 b.gtrace)` compares two runs. "
+                    "A tensor that was not hashed (meta, fake, sparse, ...) prints 'name:-'. "
+                    "A trace recorded with hash='none' is an error (exit 2).")
+    p.add_argument("trace", help="a .gtrace file")
+    p.set_defaults(func=_cmd_md5)
