@@ -24,7 +24,8 @@ from tracer.model import (
     Trace,
     TraceFormatError,
 )
-from tracer.session import TraceError, __version__, trace
+from tracer.numerics import NonFiniteError, NumericsReport
+from tracer.session import NumericsWarning, TraceError, __version__, check_numerics, explain_errors, trace
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -33,6 +34,9 @@ __all__ = [
     "Frame",
     "GradNode",
     "NodeRun",
+    "NonFiniteError",
+    "NumericsReport",
+    "NumericsWarning",
     "Stats",
     "TensorRecord",
     "Trace",
@@ -40,6 +44,8 @@ __all__ = [
     "TraceFormatError",
     "TruncatedTraceWarning",
     "__version__",
+    "check_numerics",
+    "explain_errors",
     "load",
     "md5_of",
     "trace",

@@ -311,6 +311,13 @@ class Trace:
         return self.index.get(name)
 
     @property
+    def anomalies(self) -> Any:
+        """The first NaN/Inf in forward and in backward (``tracer.numerics.NumericsReport``)."""
+        from tracer.numerics import find_anomalies
+
+        return find_anomalies(self)
+
+    @property
     def hash_algorithm(self) -> str:
         return str(self.header.get("hash", "none"))
 

@@ -484,6 +484,8 @@ class Recorder:
             run.status = "failed"
             run.error = f"{type(exc).__name__}: {exc}"
             error = exc
+            if isinstance(exc, Exception):
+                self._explain(exc, run, list(self._running))
             raise
         finally:
             for li in self.listeners:
@@ -500,6 +502,19 @@ class Recorder:
         if self.on_records is not None:
             self.on_records()
         return out
+
+    def _explain(self, exc: Exception, run: BackwardRun, running: list[str]) -> None:
+        from tracer.explain import add_note, explain_backward_error
+
+        try:
+            with self.lock, torch._C.DisableTorchFunction():
+                table = self.stack_table
+                note = explain_backward_error(self.trace, run, running, exc,
+                                              table.frames_of if table is not None else lambda _sid: ())
+        except Exception as inner:  # never let the explanation hide the user's error
+            note = f"gradtrace: could not explain this error ({type(inner).__name__}: {inner})"
+        add_note(exc, note)
+        run.error = f"{run.error}\n{note}"
 
     def _grad_name(self, node: str, slot: int, fallback: str) -> str:
         base = self._slot_tensor.get((node, slot))

@@ -8,6 +8,7 @@ import platform
 import socket
 import sys
 import time
+import warnings
 from types import TracebackType
 from typing import Any
 
@@ -25,11 +26,15 @@ class TraceError(RuntimeError):
     """Misuse of the tracer (an accidental nested trace, bad options)."""
 
 
+class NumericsWarning(RuntimeWarning):
+    """``check_numerics`` found a NaN or Inf; the message is the report."""
+
+
 def trace(*, hash: str = "md5", stacks: bool = True, stats: bool | None = None,
           out: str | os.PathLike[str] | None = None, flush_every: int = 1024,
           listeners: list[Listener] | None = None, memory: bool = False,
-          max_calls: int | None = None, steps: str | None = None, every: int | None = None,
-          **step_options: Any) -> Any:
+          max_calls: int | None = None, check_numerics: bool = False, raise_on_nonfinite: bool = False,
+          steps: str | None = None, every: int | None = None, **step_options: Any) -> Any:
     """Record forward API calls, grad nodes, call stacks and tensor checksums of a block.
 
     ``hash``: ``"md5"`` (exact MD5 of every tensor, the default) or ``"none"``.
@@ -39,6 +44,10 @@ def trace(*, hash: str = "md5", stacks: bool = True, stats: bool | None = None,
     ``listeners``: extra ``tracer.listeners.Listener`` objects to attach to the recorder.
     ``memory``: also record every allocation and free, attributed to calls and grad nodes.
     ``max_calls``: stop recording cleanly after this many calls (the trace says so).
+    ``check_numerics``: stats (NaN/Inf counts) for every tensor even without hashing; at the end
+    the first non-finite tensor of forward and of backward is reported (``t.anomalies``).
+    ``raise_on_nonfinite``: stop at the first NaN/Inf with ``NonFiniteError`` (syncs once per
+    call to look at each output: costly on GPUs, meant for hunting, not for routine runs).
     ``steps`` / ``every``: trace only chosen optimizer steps of a longer loop (``tracer.steps``).
 
     Only the thread that enters the block is traced. Nothing stays installed after the block,
@@ -49,11 +58,26 @@ def trace(*, hash: str = "md5", stacks: bool = True, stats: bool | None = None,
 
         return StepTrace(steps=steps, every=every, hash=hash, stacks=stacks, stats=stats, out=out,
                          flush_every=flush_every, listeners=listeners, memory=memory, max_calls=max_calls,
-                         **step_options)
+                         check_numerics=check_numerics, raise_on_nonfinite=raise_on_nonfinite, **step_options)
     if step_options:
         raise TraceError(f"unknown option(s) for tracer.trace(): {', '.join(sorted(step_options))}")
     return TraceSession(hash=hash, stacks=stacks, stats=stats, out=out, flush_every=flush_every,
-                        listeners=listeners, memory=memory, max_calls=max_calls)
+                        listeners=listeners, memory=memory, max_calls=max_calls,
+                        check_numerics=check_numerics, raise_on_nonfinite=raise_on_nonfinite)
+
+
+def check_numerics(*, raise_on_nonfinite: bool = False, stacks: bool = True,
+                   out: str | os.PathLike[str] | None = None) -> TraceSession:
+    """A light trace that only looks for NaN/Inf (no checksums); ``t.anomalies`` says where."""
+    return TraceSession(hash="none", stacks=stacks, stats=True, out=out, check_numerics=True,
+                        raise_on_nonfinite=raise_on_nonfinite)
+
+
+def explain_errors(*, out: str | os.PathLike[str] | None = None) -> TraceSession:
+    """A light trace (names, links and stacks; no checksums, no stats) whose purpose is to
+    explain exceptions raised in backward: the failing grad node, the call and line that
+    created it, and every enclosing custom-Function level."""
+    return TraceSession(hash="none", stacks=True, stats=False, out=out)
 
 
 class TraceSession:
@@ -65,12 +89,15 @@ class TraceSession:
     def __init__(self, *, hash: str = "md5", stacks: bool = True, stats: bool | None = None,
                  out: str | os.PathLike[str] | None = None, flush_every: int = 1024,
                  listeners: list[Listener] | None = None, memory: bool = False,
-                 max_calls: int | None = None) -> None:
+                 max_calls: int | None = None, check_numerics: bool = False,
+                 raise_on_nonfinite: bool = False) -> None:
         if hash not in ("md5", "none"):
             raise TraceError(f"hash must be 'md5' or 'none', got {hash!r}")
         self.hash = hash
         self.stacks = stacks
-        self.stats = (hash != "none") if stats is None else stats
+        self.check_numerics = check_numerics or raise_on_nonfinite
+        self.raise_on_nonfinite = raise_on_nonfinite
+        self.stats = True if self.check_numerics else (hash != "none") if stats is None else stats
         self.out = None if out is None else os.fspath(out)
         self.flush_every = max(1, int(flush_every))
         self.listeners = list(listeners or [])
@@ -91,6 +118,7 @@ class TraceSession:
             raise TraceError("tracer.trace() is already active in this process; traces do not nest. "
                              "Close the outer `with tracer.trace()` block first, or trace the outer block only.")
         t = Trace(header={"hash": self.hash, "stacks": self.stacks, "stats": self.stats,
+                          "check_numerics": self.check_numerics,
                           "torch": torch.__version__, "gradtrace": __version__,
                           "python": platform.python_version()},
                   meta={"host": socket.gethostname(), "pid": os.getpid(), "cwd": os.getcwd(),
@@ -105,6 +133,10 @@ class TraceSession:
             from tracer.memory import MemoryListener
 
             self.listeners.append(MemoryListener())
+        if self.raise_on_nonfinite:
+            from tracer.numerics import NonFiniteGuard
+
+            self.listeners.append(NonFiniteGuard(rec))
         rec.listeners.extend(self.listeners)
         self._recorder = rec
         if self.out:
@@ -144,6 +176,10 @@ class TraceSession:
             t.error = {"type": type(exc).__name__, "message": str(exc),
                        "last_call": t.calls[-1].name if t.calls else ""}
         t.resolve()
+        if self.check_numerics and exc is None:
+            report = t.anomalies
+            if not report.clean:
+                warnings.warn(f"gradtrace: non-finite values found\n{report}", NumericsWarning, stacklevel=3)
         if self._writer is not None:
             self._flush(final=True)
             self._writer.write([{"t": "meta", "seconds": t.meta["seconds"]}, t.end_record()])

@@ -89,15 +89,21 @@ class StackTable:
     def frame_count(self) -> int:
         return len(self._frame_keys)
 
+    def frames_of(self, stack_id: int | None) -> tuple[Frame, ...]:
+        """Symbolise one stack now (for error messages raised while recording)."""
+        if stack_id is None or stack_id >= len(self.stacks):
+            return ()
+        return tuple(self._symbol(fid) for fid in self.stacks[stack_id])
+
+    def _symbol(self, fid: int) -> Frame:
+        code, lasti = self._frame_keys[fid]
+        line = _line_of(code, lasti)
+        src = linecache.getline(code.co_filename, line).strip() if line else ""
+        return Frame(code.co_filename, line, getattr(code, "co_qualname", code.co_name), src)
+
     def symbolize(self, start: int = 0) -> list[Frame]:
         """Turn interned frames ``start..`` into ``Frame`` records (file, line, function, code)."""
-        out = []
-        for code, lasti in self._frame_keys[start:]:
-            line = _line_of(code, lasti)
-            src = linecache.getline(code.co_filename, line).strip() if line else ""
-            out.append(Frame(code.co_filename, line, code.co_qualname if hasattr(code, "co_qualname")
-                             else code.co_name, src))
-        return out
+        return [self._symbol(fid) for fid in range(start, len(self._frame_keys))]
 
 
 def _line_of(code: CodeType, lasti: int) -> int:

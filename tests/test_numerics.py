@@ -1,0 +1,251 @@
+"""First NaN/Inf in forward and backward; backward errors explained, nested Functions included."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import tracer
+
+
+class PaddedAttention(torch.autograd.Function):
+    """Attention whose backward pollutes dQ rows of padded positions with NaN (the FlashAttention bug class)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, pad_mask):
+        scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+        scores = scores.masked_fill(pad_mask[:, None, :], float("-inf"))
+        p = scores.softmax(-1)
+        ctx.save_for_backward(q, k, v, p, pad_mask)
+        return p @ v
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k, v, p, pad_mask = ctx.saved_tensors
+        dv = p.transpose(-1, -2) @ g
+        dp = g @ v.transpose(-1, -2)
+        ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+        dq = ds @ k / q.shape[-1] ** 0.5
+        dk = ds.transpose(-1, -2) @ q / q.shape[-1] ** 0.5
+        dq = dq.masked_fill(pad_mask[:, :, None], float("nan"))  # the bug: padded rows get NaN
+        return dq, dk, dv, None
+
+
+class AttnModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x, pad_mask):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        h = PaddedAttention.apply(q, k, v, pad_mask)
+        return self.out(h)
+
+
+def test_nan_written_by_a_custom_backward_is_its_origin():
+    model = AttnModel()
+    x = torch.randn(2, 5, 8)
+    pad = torch.tensor([[False, False, False, True, True], [False] * 5])
+    with pytest.warns(tracer.NumericsWarning, match="first NaN in backward"), \
+            tracer.trace(hash="none", check_numerics=True) as t:
+        line = sys._getframe().f_lineno + 1
+        loss = model(x, pad).sum()
+        loss.backward()
+    report = t.anomalies
+    assert report.forward is None, "forward is clean"
+    bwd = report.backward
+    assert bwd.producer == "PaddedAttention0/PaddedAttentionBackward" and bwd.origin
+    assert bwd.producer_kind == "PaddedAttentionBackward" and bwd.nan > 0 and bwd.inf == 0
+    assert bwd.stack[-1].code == "h = PaddedAttention.apply(q, k, v, pad_mask)" and not bwd.from_forward
+    assert t.anomalies.backward.stack[-2].line == line  # the user's line that ran the model
+    assert bwd.contaminated > 0 and "qkv" in bwd.contaminated_by_module
+    assert "PaddedAttention0/PaddedAttentionBackward" in str(report)
+
+
+class Block(nn.Module):
+    def __init__(self, index: int, poison: bool) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.poison = poison
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.poison:
+            h = torch.log(h - 10)  # log of a negative number: NaN
+        return torch.tanh(h) + x
+
+
+def test_forward_nan_from_log_in_layer_3_is_the_origin():
+    model = nn.Sequential(*[Block(i, poison=(i == 3)) for i in range(5)])
+    with warnings.catch_warnings(record=True), tracer.check_numerics() as t:
+        out = model(torch.randn(4, 8))
+        out.sum().backward()
+    fwd = t.anomalies.forward
+    assert (fwd.tensor, fwd.producer, fwd.producer_kind, fwd.module) == ("log0:out", "log0", "torch.log", "3")
+    assert fwd.origin and fwd.bad_inputs == [] and fwd.nan == 32
+    assert fwd.stack[-1].code == "h = torch.log(h - 10)  # log of a negative number: NaN"
+    # everything after it in forward is contaminated: tanh, add in layer 3, then layer 4
+    assert fwd.contaminated_by_module == {"3": 2, "4.fc": 1, "4": 2, "": 1}  # ...and the sum at the root
+    bwd = t.anomalies.backward
+    assert bwd.producer == "tanh4/TanhBackward0" and bwd.from_forward  # a consequence, not a new fault
+
+
+class InfGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g / torch.zeros_like(g)  # +Inf, not NaN
+
+
+def test_inf_returned_by_a_backward_is_caught_where_detect_anomaly_is_silent():
+    x = torch.randn(3, requires_grad=True)
+    with torch.autograd.detect_anomaly(check_nan=True):
+        InfGrad.apply(x).sum().backward()  # PyTorch checks NaN only: no error
+    assert torch.isinf(x.grad).all()
+    x.grad = None
+    with pytest.warns(tracer.NumericsWarning), tracer.check_numerics() as t:
+        InfGrad.apply(x).sum().backward()
+    bwd = t.anomalies.backward
+    assert bwd.producer == "InfGrad0/InfGradBackward" and bwd.inf == 3 and bwd.nan == 0 and bwd.origin
+
+
+def test_raise_on_nonfinite_stops_at_the_first_one():
+    x = torch.tensor([1.0, -1.0])
+    with pytest.raises(tracer.NonFiniteError, match="first NaN in forward: sqrt0:out") as info, \
+            tracer.trace(raise_on_nonfinite=True) as t:
+        y = torch.sqrt(x)
+        y * 2  # never reached
+    assert info.value.anomaly.producer == "sqrt0" and info.value.anomaly.origin
+    assert [c.name for c in t.calls] == ["sqrt0"]
+    assert t.status == "failed"
+
+
+# ---- backward errors -----------------------------------------------------------------------------
+class Innermost(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 3
+
+    @staticmethod
+    def backward(ctx, g):
+        raise ValueError("innermost backward failed")
+
+
+class Middle(torch.autograd.Function):
+    """Builds a sub-graph with Innermost in forward; runs it with autograd.grad in backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        with torch.enable_grad():
+            xd = x.detach().requires_grad_()
+            y = Innermost.apply(xd)
+        ctx.xd, ctx.y = xd, y
+        return y.detach()
+
+    @staticmethod
+    def backward(ctx, g):
+        (gx,) = torch.autograd.grad(ctx.y, ctx.xd, g)
+        return gx
+
+
+class Outer(torch.autograd.Function):
+    """The same pattern one level up, around Middle."""
+
+    @staticmethod
+    def forward(ctx, x):
+        with torch.enable_grad():
+            xd = x.detach().requires_grad_()
+            y = Middle.apply(xd)
+        ctx.xd, ctx.y = xd, y
+        return y.detach()
+
+    @staticmethod
+    def backward(ctx, g):
+        (gx,) = torch.autograd.grad(ctx.y, ctx.xd, g)
+        return gx
+
+
+def test_three_nested_functions_explained_level_by_level():
+    x = torch.randn(4, requires_grad=True)
+    with pytest.raises(ValueError, match="innermost backward failed") as info, tracer.explain_errors() as t:
+        y = Outer.apply(x)  # the user's line
+        y.sum().backward()
+    assert type(info.value) is ValueError
+    (note,) = info.value.__notes__
+    lines = note.splitlines()
+    assert lines[0].startswith("gradtrace: backward0 (called at File") and "y.sum().backward()" in lines[0]
+    assert lines[0].endswith("failed in grad node Innermost0/InnermostBackward [InnermostBackward].")
+    heads = [ln for ln in lines if "Error in backward of" in ln]
+    assert heads == [
+        "Error in backward of Outer0/OuterBackward [OuterBackward], created by Outer0 (tests.test_numerics.Outer.apply) in module '<root>':",
+        "    Error in backward of Middle0/MiddleBackward [MiddleBackward], created by Middle0 (tests.test_numerics.Middle.apply) in module '<root>':",
+        "        Error in backward of Innermost0/InnermostBackward [InnermostBackward], created by Innermost0 (tests.test_numerics.Innermost.apply) in module '<root>':",
+    ]
+    i0, i1, i2 = (lines.index(h) for h in heads)
+    assert lines[i0 + 2] == "        y = Outer.apply(x)  # the user's line"
+    assert lines[i1 + 2] == "            y = Middle.apply(xd)"
+    assert lines[i2 + 2] == "                y = Innermost.apply(xd)"
+    assert lines[-1] == "            ValueError: innermost backward failed"
+    assert t.backward_runs[0].status == "failed" and "Innermost0/InnermostBackward" in t.backward_runs[0].error
+
+
+def test_plain_node_error_names_the_call_and_line():
+    class BadShape(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.sum()
+
+        @staticmethod
+        def backward(ctx, g):
+            return torch.ones(7)  # wrong shape: PyTorch's engine rejects it
+
+    model = nn.Linear(3, 3)
+    with pytest.raises(RuntimeError, match="invalid gradient") as info, tracer.trace(hash="none") as t:
+        h = model(torch.randn(2, 3))
+        BadShape.apply(h).backward()
+    note = info.value.__notes__[0]
+    assert "failed in grad node BadShape0/BadShapeBackward [BadShapeBackward]" in note
+    assert "        BadShape.apply(h).backward()" in note
+    assert t.status == "failed"
+
+
+def test_inplace_error_names_the_saving_and_the_modifying_call():
+    x = torch.randn(5, requires_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as info, tracer.explain_errors():
+        y = torch.sigmoid(x)  # saves its output for backward
+        z = y * 2
+        y.add_(1)  # modifies it
+        z.sum().backward()
+        y.sum().backward()
+    note = info.value.__notes__[0]
+    assert "sigmoid0:out, saved for backward by sigmoid0 (torch.sigmoid), was modified in place by add_0" in note
+    assert "failed in grad node sigmoid0/SigmoidBackward0" in note
+
+
+def test_f_linear_error_in_module_reports_module_path():
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return F.relu(self.proj(x))
+
+    net = Net()
+    h = torch.randn(2, 4, requires_grad=True)
+    with pytest.raises(RuntimeError) as info, tracer.explain_errors():
+        out = net(h)
+        out.relu_()  # relu saved its result; modifying it in place breaks backward
+        out.sum().backward()
+    note = info.value.__notes__[0]
+    assert "created by relu0 (torch.nn.functional.relu) in module '<root>'" in note
+    assert "relu0:out, saved for backward by relu0" in note and "relu_0" in note
