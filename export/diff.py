@@ -1,0 +1,933 @@
+"""Compare two traces: the first divergence, forward and backward, with its call stacks.
+
+``diff(a, b)`` aligns the two runs (``export.align``: a sequence alignment on keys that survive
+inserted or removed work), compares every aligned record's tensors and finds, separately for the
+forward API calls and for the backward grad-node executions, the **origin**: the first aligned
+record whose inputs match but whose outputs differ. Every later record with a differing output is
+*contaminated* (counted per module). A parameter, buffer or input that already differs enters at
+the first call that reads it: that call is the origin. A record that differs only because it reads
+a gradient (an optimizer step after a nondeterministic backward) is counted apart, so "forward
+matches" stays true when only backward went astray. The forward section holds every API call of
+the block (optimizer steps included); the backward section every grad-node execution, matched by
+node name through the call alignment, with the origin's reason telling a node whose saved forward
+values differ from a backward-only difference.
+
+Comparisons are bit-exact by default (MD5 of each tensor). With ``rtol``/``atol`` they use the
+recorded stats (min, max, mean, absmax and NaN/Inf counts): a record is within tolerance when for
+every stat ``|a - b| <= atol + rtol * scale``, where ``scale`` is the larger absmax of the two
+tensors. The relative error reported is ``max|a - b| / scale``. Measuring every stat against the
+tensor's magnitude, not against the stat itself, keeps a mean near zero from reporting a huge
+relative error for a difference far below the tensor's precision. (Traces keep stats, not
+values, so element-wise comparison is not possible from a trace.)
+
+Traces made with different hash algorithms or trace-format versions are refused (``DiffError``,
+exit status 2), never called equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import warnings
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from export.align import Pair, align_calls, align_steps, call_mapping
+from export.cli import UserError
+from tracer.model import SCHEMA_VERSION, Frame, GradNode, Stats, TensorRecord, Trace
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+INF = math.inf
+_STATS = ("min", "max", "mean", "absmax")
+# Work that only changes a dtype. Comparing across precisions (fp32 vs bf16 autocast) adds or
+# drops such steps (autocast's casts show up as ToCopyBackward0 nodes); with a tolerance they are
+# expected and listed apart instead of counting as a change of structure.
+_CAST_APIS = frozenset({"Tensor.to", "Tensor.float", "Tensor.half", "Tensor.bfloat16", "Tensor.double",
+                        "Tensor.type", "Tensor.type_as"})
+_CAST_NODES = frozenset({"ToCopyBackward0"})
+
+
+class DiffError(UserError):
+    """Two traces that cannot be compared (exit status 2, one line)."""
+
+
+# ---- comparing two tensors ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class Tolerance:
+    rtol: float = 0.0
+    atol: float = 0.0
+
+    def __str__(self) -> str:
+        return f"rtol={self.rtol:g} atol={self.atol:g}"
+
+
+@dataclass(frozen=True)
+class Compared:
+    """One tensor of A against its counterpart in B.
+
+    ``status`` is ``equal``, ``differ`` or ``unknown`` (not recorded, or neither hash nor stats to
+    judge by). ``abs``/``rel`` are the largest stat differences where both tensors have stats.
+    """
+
+    status: str
+    abs: float | None = None
+    rel: float | None = None
+    why: str = ""
+
+
+def _digest(rec: TensorRecord) -> str | None:
+    return rec.md5 or rec.fingerprint
+
+
+def stat_diff(sa: Stats | None, sb: Stats | None) -> tuple[float, float, float] | None:
+    """(largest absolute stat difference, relative to scale, scale), or None without stats."""
+    if sa is None or sb is None:
+        return None
+    if sa.nan != sb.nan or sa.inf != sb.inf:
+        return INF, INF, INF
+    scale = max(abs(sa.absmax or 0.0), abs(sb.absmax or 0.0))
+    worst = 0.0
+    for f in _STATS:
+        x, y = getattr(sa, f), getattr(sb, f)
+        if x is None and y is None:  # no finite value at all in either
+            continue
+        if x is None or y is None:
+            return INF, INF, INF
+        worst = max(worst, abs(float(x) - float(y)))
+    rel = worst / scale if scale > 0 else (0.0 if worst == 0 else INF)
+    return worst, rel, scale
+
+
+class Comparer:
+    """Compares tensors of A and B by name, bit-exact (digests) or within a tolerance (stats)."""
+
+    def __init__(self, a: Trace, b: Trace, tol: Tolerance | None) -> None:
+        self.a, self.b, self.tol = a, b, tol
+        self._cache: dict[tuple[str, str], Compared] = {}
+
+    def __call__(self, na: str, nb: str) -> Compared:
+        key = (na, nb)
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = self._compare(self.a.tensors.get(na), self.b.tensors.get(nb))
+        return hit
+
+    def _compare(self, ra: TensorRecord | None, rb: TensorRecord | None) -> Compared:
+        if ra is None or rb is None:
+            return Compared("unknown", why="not recorded")
+        if ra.shape != rb.shape:
+            return Compared("differ", INF, INF, f"shape {list(ra.shape)} vs {list(rb.shape)}")
+        sd = stat_diff(ra.stats, rb.stats)
+        ab, rel = (None, None) if sd is None else (sd[0], sd[1])
+        da, db = _digest(ra), _digest(rb)
+        if self.tol is None:
+            if ra.dtype != rb.dtype:
+                return Compared("differ", ab, rel, f"dtype {ra.dtype} vs {rb.dtype}")
+            if da and db:
+                return Compared("equal" if da == db else "differ", ab, rel, "" if da == db else "checksum")
+            if sd is not None and sd[0] > 0:  # stats differ: the values differ, hashed or not
+                return Compared("differ", ab, rel, "stats")
+            return Compared("unknown", ab, rel, ra.hash_note or rb.hash_note or "no checksum")
+        if da and db and da == db and ra.dtype == rb.dtype:
+            return Compared("equal", 0.0, 0.0)
+        if sd is None:
+            return Compared("unknown", why="no stats")
+        within = sd[0] <= self.tol.atol + self.tol.rtol * sd[2]
+        return Compared("equal" if within else "differ", ab, rel, "" if within else "beyond tolerance")
+
+
+# ---- result records ----------------------------------------------------------------------------
+@dataclass
+class Row:
+    """One aligned record (a call or a backward step) of A and B.
+
+    ``status``: ``equal``, ``origin`` (the first divergence), ``new`` (a later record whose inputs
+    match but outputs differ: another place where a difference enters), ``contaminated``,
+    ``gradient`` (differs only because it reads gradients), ``inserted`` (only in B), ``removed``
+    (only in A), ``cast`` (a dtype conversion only one side made, compared with a tolerance),
+    ``unknown`` (could not be compared).
+    """
+
+    a: str | None
+    b: str | None
+    module: str
+    what: str
+    status: str = "equal"
+    max_abs: float | None = None
+    max_rel: float | None = None
+    note: str = ""
+
+    @property
+    def differs(self) -> bool:
+        return self.status in ("origin", "new", "contaminated", "gradient")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"a": self.a, "b": self.b, "module": self.module, "what": self.what, "status": self.status,
+                "max_abs": _num(self.max_abs), "max_rel": _num(self.max_rel), "note": self.note}
+
+
+@dataclass
+class ModuleStat:
+    compared: int = 0
+    differing: int = 0
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+    where: str | None = None
+
+    def add(self, row: Row) -> None:
+        self.compared += 1
+        if row.differs:
+            self.differing += 1
+        if row.max_rel is not None and (row.max_rel > self.max_rel or self.where is None):
+            self.max_rel, self.where = row.max_rel, row.a
+        if row.max_abs is not None:
+            self.max_abs = max(self.max_abs, row.max_abs)
+
+
+@dataclass
+class Divergence:
+    """What differs in one section (``forward`` API calls or ``backward`` grad-node steps).
+
+    ``origin_a``/``origin_b`` name the first divergent record in each trace; ``stack_a``/``stack_b``
+    are their call stacks (for a grad node, the stack of the call that created it).
+    ``contaminated`` counts differing records after the origin per module; ``from_backward`` counts
+    forward calls that differ only because they read gradients (optimizer steps).
+    """
+
+    section: str
+    rows: list[Row] = field(default_factory=list)
+    origin: Row | None = None
+    reason: str = ""
+    stack_a: tuple[Frame, ...] = ()
+    stack_b: tuple[Frame, ...] = ()
+    contaminated: dict[str, int] = field(default_factory=dict)
+    from_backward: dict[str, int] = field(default_factory=dict)
+    independent: list[str] = field(default_factory=list)
+    inserted: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    casts: list[str] = field(default_factory=list)
+    compared: int = 0
+    unknown: int = 0
+    per_module: dict[str, ModuleStat] = field(default_factory=dict)
+    largest: Row | None = None
+    before_origin: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def origin_a(self) -> str | None:
+        return None if self.origin is None else self.origin.a
+
+    @property
+    def origin_b(self) -> str | None:
+        return None if self.origin is None else self.origin.b
+
+    @property
+    def equal(self) -> bool:
+        """No origin, no contamination, no structural change (``from_backward`` aside)."""
+        return self.origin is None and not self.contaminated and not self.inserted and not self.removed
+
+    @property
+    def first_structural(self) -> Row | None:
+        return next((r for r in self.rows if r.status in ("inserted", "removed")), None)
+
+    def summary(self) -> str:
+        """One phrase: where this section first diverges."""
+        n = sum(self.contaminated.values())
+        if self.origin is not None:
+            o = self.origin
+            where = o.a if o.a == o.b else f"{o.a} (B: {o.b})"
+            tail = f"; {n} later record{'s' if n != 1 else ''} contaminated" if n else ""
+            k = sum(self.from_backward.values())
+            tail += f"; {k} call{'s' if k != 1 else ''} after backward differ via gradients" if k else ""
+            return f"first at {where} ({o.what} in {o.module or '<root>'}): {self.reason}{tail}"
+        if self.inserted or self.removed:
+            s = self.first_structural
+            first = "" if s is None else f"; first {s.status}: {s.a or s.b} ({s.what} in {s.module or '<root>'})"
+            rest = "all aligned records equal" if not n else f"{n} aligned records differ"
+            return f"{len(self.inserted)} inserted in B, {len(self.removed)} removed from A{first}; {rest}"
+        if n:
+            return f"{n} records differ with no single origin"
+        if self.from_backward:
+            k = sum(self.from_backward.values())
+            return f"equal up to backward; {k} call{'s' if k != 1 else ''} after it differ only because gradients differ"
+        return f"equal ({self.compared} aligned)"
+
+    def to_json(self) -> dict[str, Any]:
+        o = self.origin
+        return {
+            "equal": self.equal, "summary": self.summary(), "compared": self.compared, "unknown": self.unknown,
+            "origin": None if o is None else {**o.to_json(), "reason": self.reason,
+                                              "stack_a": [_frame_json(f) for f in self.stack_a],
+                                              "stack_b": [_frame_json(f) for f in self.stack_b]},
+            "contaminated": dict(sorted(self.contaminated.items())),
+            "from_backward": dict(sorted(self.from_backward.items())),
+            "independent": self.independent, "inserted": self.inserted, "removed": self.removed,
+            "casts": self.casts,
+            "largest": None if self.largest is None else self.largest.to_json(),
+            "within_before_origin": _num(self.before_origin),
+            "per_module": {m: {"compared": s.compared, "differing": s.differing, "max_abs": _num(s.max_abs),
+                               "max_rel": _num(s.max_rel), "where": s.where}
+                           for m, s in sorted(self.per_module.items())},
+            "records": [r.to_json() for r in self.rows if r.status != "equal"],
+            "notes": self.notes,
+        }
+
+
+@dataclass
+class ParamDiff:
+    """A parameter or buffer compared by name: its value, gradient and value after the step."""
+
+    name: str
+    value: Compared
+    grad: Compared | None = None
+    updated: Compared | None = None
+    only_in: str | None = None
+
+    @property
+    def differs(self) -> bool:
+        return self.only_in is not None or any(
+            c is not None and c.status == "differ" for c in (self.value, self.grad, self.updated))
+
+    def to_json(self) -> dict[str, Any]:
+        def c(x: Compared | None) -> Any:
+            return None if x is None else {"status": x.status, "max_abs": _num(x.abs), "max_rel": _num(x.rel)}
+        return {"name": self.name, "value": c(self.value), "grad": c(self.grad), "updated": c(self.updated),
+                "only_in": self.only_in}
+
+
+@dataclass
+class DiffResult:
+    """The comparison of trace A with trace B. ``exit_code``: 0 equal, 1 diverged."""
+
+    a_label: str
+    b_label: str
+    tolerance: Tolerance | None
+    forward: Divergence
+    backward: Divergence
+    params: list[ParamDiff] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    trace_a: Trace | None = field(default=None, repr=False, compare=False)
+    trace_b: Trace | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def equal(self) -> bool:
+        return (self.forward.equal and self.backward.equal and not self.forward.from_backward
+                and not any(p.differs for p in self.params))
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.equal else 1
+
+    @property
+    def differing_params(self) -> list[ParamDiff]:
+        return [p for p in self.params if p.differs]
+
+    def verdict(self) -> str:
+        """The one-line answer, printed first."""
+        f, b = self.forward, self.backward
+        if self.equal:
+            unknown = f.unknown + b.unknown
+            tail = f" ({unknown} records could not be compared: no checksum or stats)" if unknown else ""
+            if self.tolerance is None:
+                return (f"EQUAL: {f.compared} calls, {b.compared} backward steps and {len(self.params)} "
+                        f"parameters bit-identical{tail}")
+            top = max((d.largest for d in (f, b) if d.largest is not None),
+                      key=lambda r: r.max_rel or 0.0, default=None)
+            if top is None or not top.max_rel:
+                at = ": no difference in the recorded stats"
+            else:
+                at = f": largest relative difference {_fmt(top.max_rel)} at {top.a} (in {top.module or '<root>'})"
+            casts = len(f.casts) + len(b.casts)
+            tail += f"; {casts} dtype cast(s) made by one side only, ignored" if casts else ""
+            return f"EQUAL within {self.tolerance}{at}{tail}"
+        parts = [f"forward: {f.summary()}", f"backward: {b.summary()}"]
+        if self.differing_params:
+            parts.append(f"{len(self.differing_params)} parameter(s) differ")
+        head = "DIVERGED" if self.tolerance is None else f"BEYOND TOLERANCE ({self.tolerance})"
+        if self.tolerance is not None and f.origin is not None:
+            head += f", within it up to rel {_fmt(f.before_origin)}"
+        return f"{head} — " + " | ".join(parts)
+
+    def to_json(self) -> dict[str, Any]:
+        t = self.tolerance
+        return {"equal": self.equal, "exit_code": self.exit_code, "verdict": self.verdict(),
+                "a": self.a_label, "b": self.b_label, "mode": "exact" if t is None else "tolerance",
+                "rtol": None if t is None else t.rtol, "atol": None if t is None else t.atol,
+                "forward": self.forward.to_json(), "backward": self.backward.to_json(),
+                "params": [p.to_json() for p in self.params if p.differs],
+                "params_compared": len(self.params), "notes": self.notes}
+
+    def render(self, console: Console) -> None:
+        """Rich output: the verdict line first, then the tables."""
+        _render(self, console)
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+def _num(x: float | None) -> float | str | None:
+    """JSON-safe number: non-finite values as strings (strict JSON has no Infinity)."""
+    if x is None or math.isfinite(x):
+        return x
+    return str(x)
+
+
+def _fmt(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if math.isinf(x):
+        return "inf"
+    return f"{x:.3g}"
+
+
+def _frame_json(f: Frame) -> dict[str, Any]:
+    return {"file": f.file, "line": f.line, "function": f.function, "code": f.code}
+
+
+def _max_opt(x: float | None, y: float | None) -> float | None:
+    if x is None:
+        return y
+    if y is None:
+        return x
+    return max(x, y)
+
+
+def _param_module(name: str) -> str:
+    return name.rsplit(".", 1)[0] if "." in name else ""
+
+
+def _out_reason(outs: list[tuple[str | None, str | None, Compared]], row: Row, tol: Tolerance | None,
+                what: str = "inputs") -> str:
+    """Why a record whose inputs match is an origin, in the words of the comparison mode."""
+    if tol is not None:
+        return f"{what} within tolerance, outputs beyond it (rel {_fmt(row.max_rel)})"
+    first = next((c for _, _, c in outs if c.status == "differ"), None)
+    extra = f" ({first.why})" if first is not None and first.why.startswith(("dtype", "shape")) else ""
+    return f"{what} match, outputs differ{extra}"
+
+
+def _structural(status: str, is_cast: bool, cmp: Comparer) -> str:
+    return "cast" if is_cast and cmp.tol is not None else status
+
+
+def _post_order(trace: Trace) -> dict[int, int]:
+    """Rank of each call in completion order: a custom Function after the calls inside it.
+
+    Calls are in start order, so a Function precedes its nested calls; but the difference enters
+    inside it, and the innermost call is the useful origin.
+    """
+    order: list[int] = []
+    stack: list[int] = []
+    for i, c in enumerate(trace.calls):
+        while stack and trace.calls[stack[-1]].name != c.parent:
+            order.append(stack.pop())
+        stack.append(i)
+    order += reversed(stack)
+    return {i: k for k, i in enumerate(order)}
+
+
+def _compare_lists(cmp: Comparer, xs: Sequence[str | None], ys: Sequence[str | None]
+                   ) -> list[tuple[str | None, str | None, Compared]]:
+    out = []
+    for x, y in zip(xs, ys):
+        if x is None and y is None:
+            continue
+        if x is None or y is None:
+            out.append((x, y, Compared("differ", None, None, "missing on one side")))
+        else:
+            out.append((x, y, cmp(x, y)))
+    if len(xs) != len(ys):
+        out.append((None, None, Compared("differ", None, None, "different number of tensors")))
+    return out
+
+
+class _Section:
+    """Shared bookkeeping of one section while its rows are evaluated in order."""
+
+    def __init__(self, name: str) -> None:
+        self.div = Divergence(name)
+        self.candidates: list[tuple[int, Row, str]] = []  # (rank, row, reason)
+
+    def finish_row(self, row: Row, outs: list[tuple[str | None, str | None, Compared]]) -> None:
+        for _, _, c in outs:
+            row.max_abs = _max_opt(row.max_abs, c.abs)
+            row.max_rel = _max_opt(row.max_rel, c.rel)
+
+    def close(self) -> Divergence:
+        d = self.div
+        if self.candidates:
+            self.candidates.sort(key=lambda t: t[0])
+            _, origin, reason = self.candidates[0]
+            origin.status = "origin"
+            d.origin, d.reason = origin, reason
+            d.independent = [r.a for _, r, _ in self.candidates[1:] if r.a is not None]
+        contaminated: Counter[str] = Counter()
+        from_backward: Counter[str] = Counter()
+        seen_origin = d.origin is None
+        for r in d.rows:
+            if r is d.origin:
+                seen_origin = True
+            if r.status in ("contaminated", "new"):
+                contaminated[r.module] += 1
+            elif r.status == "gradient":
+                from_backward[r.module] += 1
+            if r.status == "inserted" and r.b is not None:
+                d.inserted.append(r.b)
+            elif r.status == "removed" and r.a is not None:
+                d.removed.append(r.a)
+            elif r.status == "cast":
+                d.casts.append(r.a or r.b or "")
+            if r.a is not None and r.b is not None:
+                d.per_module.setdefault(r.module, ModuleStat()).add(r)
+                if r.max_rel is not None and (d.largest is None or r.max_rel > (d.largest.max_rel or 0.0)):
+                    d.largest = r
+                if not seen_origin and r.max_rel is not None:
+                    d.before_origin = _max_opt(d.before_origin, r.max_rel)
+        d.contaminated, d.from_backward = dict(contaminated), dict(from_backward)
+        if d.origin is not None and d.before_origin is None:
+            d.before_origin = 0.0
+        return d
+
+
+# ---- forward ------------------------------------------------------------------------------------
+def _forward(a: Trace, b: Trace, cmp: Comparer, rows: list[Pair]) -> tuple[Divergence, dict[str, bool]]:
+    """Evaluate aligned calls; also returns, per A call, whether any of its tensors differ."""
+    sec = _Section("forward")
+    d = sec.div
+    a_calls = {c.name for c in a.calls}
+    removed_a = {a.calls[r.a].name for r in rows if r.b is None and r.a is not None}
+    inserted_b = {b.calls[r.b].name for r in rows if r.a is None and r.b is not None}
+    cause: dict[str, str] = {}  # A call -> why its outputs differ
+    touched: dict[str, bool] = {}
+    ranks = _post_order(a)
+
+    def input_cause(na: str | None, nb: str | None) -> tuple[str, str]:
+        ra = a.tensors.get(na) if na else None
+        rb = b.tensors.get(nb) if nb else None
+        pa = ra.producer if ra else None
+        pb = rb.producer if rb else None
+        if (pb is not None and pb in inserted_b) or (pa is not None and pa in removed_a):
+            return "structure", f"reads {nb or na}, made by a call only one trace has"
+        if pa is not None and pa in a_calls:
+            return cause.get(pa, "forward"), ""
+        if (ra is not None and ra.role == "grad") or pa is not None:  # made by a grad node
+            return "backward", ""
+        # A parameter, buffer, input or optimizer state that existed before the block: a
+        # difference in it is where a divergence enters, not something an earlier call caused.
+        role = ra.role if ra is not None else "tensor"
+        return "source", f"{role} {na}"
+
+    for r in rows:
+        if r.b is None:
+            assert r.a is not None
+            c = a.calls[r.a]
+            d.rows.append(Row(c.name, None, c.module, c.api, _structural("removed", c.api in _CAST_APIS, cmp)))
+            continue
+        if r.a is None:
+            c = b.calls[r.b]
+            d.rows.append(Row(None, c.name, c.module, c.api, _structural("inserted", c.api in _CAST_APIS, cmp)))
+            continue
+        ca, cb = a.calls[r.a], b.calls[r.b]
+        row = Row(ca.name, cb.name, ca.module, ca.api)
+        d.rows.append(row)
+        d.compared += 1
+        ins = _compare_lists(cmp, ca.inputs, cb.inputs)
+        outs = _compare_lists(cmp, ca.outputs, cb.outputs)
+        sec.finish_row(row, outs)
+        diff_in = [(x, y) for x, y, c in ins if c.status == "differ"]
+        diff_out = [x for x, _, c in outs if c.status == "differ"]
+        touched[ca.name] = bool(diff_in or diff_out)
+        if not diff_out:
+            if any(c.status == "unknown" for _, _, c in outs):
+                row.status = "unknown"
+                d.unknown += 1
+            continue
+        causes = [input_cause(x, y) for x, y in diff_in]
+        kinds = {k for k, _ in causes}
+        if kinds <= {"source"}:
+            leaves = [t for k, t in causes if k == "source"]
+            reason = (_out_reason(outs, row, cmp.tol) if not leaves
+                      else f"first call to read changed {', '.join(leaves)}")
+            cause[ca.name] = "forward"
+            row.status, row.note = "new", reason
+            sec.candidates.append((ranks[r.a], row, reason))
+        elif "forward" in kinds or "structure" in kinds:
+            cause[ca.name] = "forward" if "forward" in kinds else "structure"
+            row.status = "contaminated"
+            row.note = next((t for k, t in causes if k == "structure"), "") if "forward" not in kinds else ""
+        else:
+            cause[ca.name] = "backward"
+            row.status, row.note = "gradient", "reads gradients that differ"
+    sec.close()
+    if d.origin is not None:
+        oa, ob = a.get(d.origin.a or ""), b.get(d.origin.b or "")
+        d.stack_a = getattr(oa, "stack", ())
+        d.stack_b = getattr(ob, "stack", ())
+    return d, touched
+
+
+# ---- backward -----------------------------------------------------------------------------------
+def _node_module(trace: Trace, node: GradNode | None) -> str:
+    if node is None:
+        return ""
+    if node.call is not None:
+        c = trace.get(node.call)
+        return getattr(c, "module", "")
+    return _param_module(node.param) if node.param else ""
+
+
+def _node_kind(trace: Trace, name: str) -> tuple[GradNode | None, str]:
+    n = trace.get(name)
+    if isinstance(n, GradNode):
+        return n, n.kind
+    return None, name.rsplit("/", 1)[-1]
+
+
+def _backward(a: Trace, b: Trace, cmp: Comparer, calls: dict[str, str],
+              touched: dict[str, bool]) -> Divergence:
+    sec = _Section("backward")
+    d = sec.div
+    cause: dict[str, str] = {}  # A node -> cause of its differing gradients
+    rank = 0
+    ranks: dict[int, int] = {}
+    runs = max(len(a.backward_runs), len(b.backward_runs))
+    for k in range(runs):
+        ra = a.backward_runs[k] if k < len(a.backward_runs) else None
+        rb = b.backward_runs[k] if k < len(b.backward_runs) else None
+        only = ra if rb is None else rb if ra is None else None
+        if only is not None:
+            d.notes.append(f"backward run {only.name} is only in {'A' if rb is None else 'B'}")
+        a_steps = ra.steps if ra is not None else []
+        b_steps = rb.steps if rb is not None else []
+        inserted_b: set[str] = set()
+        pairs = align_steps([s.node for s in a_steps], [s.node for s in b_steps], a, calls)
+        for p in pairs:
+            if p.a is None:
+                assert p.b is not None
+                inserted_b.add(b_steps[p.b].node)
+        for p in pairs:
+            if p.b is None:
+                assert p.a is not None
+                node, kind = _node_kind(a, a_steps[p.a].node)
+                d.rows.append(Row(a_steps[p.a].node, None, _node_module(a, node), kind,
+                                  _structural("removed", kind in _CAST_NODES, cmp)))
+                continue
+            if p.a is None:
+                node, kind = _node_kind(b, b_steps[p.b].node)
+                d.rows.append(Row(None, b_steps[p.b].node, _node_module(b, node), kind,
+                                  _structural("inserted", kind in _CAST_NODES, cmp)))
+                continue
+            sa, sb = a_steps[p.a], b_steps[p.b]
+            node, kind = _node_kind(a, sa.node)
+            row = Row(sa.node, sb.node, _node_module(a, node), kind)
+            d.rows.append(row)
+            d.compared += 1
+            ranks[id(row)] = rank
+            rank += 1
+            ins = _compare_lists(cmp, sa.grads_in, sb.grads_in)
+            outs = _compare_lists(cmp, sa.grads_out, sb.grads_out)
+            sec.finish_row(row, outs)
+            if not any(c.status == "differ" for _, _, c in outs):
+                if any(c.status == "unknown" for _, _, c in outs):
+                    row.status = "unknown"
+                    d.unknown += 1
+                continue
+            kinds = set()
+            for x, y, c in ins:
+                if c.status != "differ":
+                    continue
+                ta = a.tensors.get(x) if x else None
+                tb = b.tensors.get(y) if y else None
+                if tb is not None and tb.producer in inserted_b:
+                    kinds.add("structure")
+                elif ta is not None and ta.producer is not None:
+                    kinds.add(cause.get(ta.producer, "backward"))
+                else:
+                    kinds.add("source")  # the seed gradient of the run (loss.backward(g))
+            if kinds <= {"source"}:
+                call = node.call if node is not None else None
+                if call is not None and touched.get(call):
+                    reason = f"forward values saved by {call} differ (its forward call diverged)"
+                elif call is not None:
+                    same = "matched" if cmp.tol is None else "stayed within tolerance"
+                    reason = (f"backward-only: {_out_reason(outs, row, cmp.tol, 'gradients in')} while "
+                              f"{call} {same} in forward (nondeterministic backward?)")
+                else:
+                    reason = _out_reason(outs, row, cmp.tol, "gradients in")
+                if "source" in kinds:
+                    reason += "; the seed gradient differs"
+                cause[sa.node] = "backward"
+                row.status, row.note = "new", reason
+                sec.candidates.append((ranks[id(row)], row, reason))
+            else:
+                cause[sa.node] = "structure" if kinds == {"structure"} else "backward"
+                row.status = "contaminated"
+    sec.close()
+    if d.origin is not None:
+        na, nb = a.get(d.origin.a or ""), b.get(d.origin.b or "")
+        d.stack_a = getattr(na, "stack", ())
+        d.stack_b = getattr(nb, "stack", ())
+    return d
+
+
+# ---- parameters ----------------------------------------------------------------------------------
+def _leaf_params(t: Trace) -> list[str]:
+    return [r.name for r in t.tensors_in_order()
+            if r.role in ("param", "buffer") and r.producer is None and r.previous is None]
+
+
+def _grad_name(t: Trace, p: str) -> str | None:
+    for n in (f"{p}.grad", f"{p}@grad"):
+        if n in t.tensors:
+            return n
+    return None
+
+
+def _last_version(t: Trace, p: str) -> str | None:
+    best, name = 0, None
+    prefix = f"{p}@v"
+    for n in t.tensors:
+        if n.startswith(prefix) and n[len(prefix):].isdigit() and int(n[len(prefix):]) > best:
+            best, name = int(n[len(prefix):]), n
+    return name
+
+
+def _params(a: Trace, b: Trace, cmp: Comparer) -> list[ParamDiff]:
+    pa, pb = _leaf_params(a), _leaf_params(b)
+    in_b = set(pb)
+    out = []
+    for p in pa:
+        if p not in in_b:
+            out.append(ParamDiff(p, Compared("unknown"), only_in="A"))
+            continue
+        pd = ParamDiff(p, cmp(p, p))
+        ga, gb = _grad_name(a, p), _grad_name(b, p)
+        if ga or gb:
+            pd.grad = cmp(ga, gb) if ga and gb else Compared("differ", why="gradient only on one side")
+        ua, ub = _last_version(a, p), _last_version(b, p)
+        if ua or ub:
+            pd.updated = cmp(ua, ub) if ua and ub else Compared("differ", why="updated on one side only")
+        out.append(pd)
+    in_a = set(pa)
+    out += [ParamDiff(p, Compared("unknown"), only_in="B") for p in pb if p not in in_a]
+    return out
+
+
+# ---- entry points --------------------------------------------------------------------------------
+def _load(x: Trace | str | os.PathLike[str], label: str, notes: list[str]) -> tuple[Trace, str]:
+    if isinstance(x, Trace):
+        return x, label
+    from tracer import load
+
+    path = os.fspath(x)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t = load(path)
+    notes += [f"{label}: {w.message}" for w in caught]
+    return t, path
+
+
+def _version(t: Trace) -> Any:
+    return t.header.get("version", SCHEMA_VERSION)
+
+
+def check_comparable(a: Trace, b: Trace, tol: Tolerance | None) -> None:
+    """Refuse pairs that cannot be compared honestly (``DiffError``)."""
+    if _version(a) != _version(b):
+        raise DiffError(f"trace format versions differ (A: {_version(a)}, B: {_version(b)}); "
+                        "record both with the same gradtrace version")
+    ha, hb = a.hash_algorithm, b.hash_algorithm
+    if ha != hb:
+        raise DiffError(f"traces use different hash algorithms (A: {ha}, B: {hb}); their checksums "
+                        "cannot be compared: record both with the same tracer.trace(hash=...)")
+    has_stats = bool(a.header.get("stats")) and bool(b.header.get("stats"))
+    if ha == "none":
+        if tol is None:
+            raise DiffError("checksums are unavailable (both traces were recorded with hash='none'); "
+                            "pass --rtol/--atol to compare by stats")
+        if not has_stats:
+            raise DiffError("traces have neither checksums nor stats (hash='none', stats=False): nothing to compare")
+    elif tol is not None and not has_stats:
+        raise DiffError("a tolerance needs stats, but a trace was recorded with stats=False")
+
+
+def diff(a: Trace | str | os.PathLike[str], b: Trace | str | os.PathLike[str], *,
+         rtol: float | None = None, atol: float | None = None) -> DiffResult:
+    """Compare trace ``a`` with trace ``b`` (objects or paths); see the module docstring."""
+    for label, v in (("rtol", rtol), ("atol", atol)):
+        if v is not None and not (math.isfinite(v) and v >= 0):
+            raise DiffError(f"{label} must be a finite number >= 0, got {v}")
+    tol = None if rtol is None and atol is None else Tolerance(rtol or 0.0, atol or 0.0)
+    notes: list[str] = []
+    ta, la = _load(a, "A", notes)
+    tb, lb = _load(b, "B", notes)
+    check_comparable(ta, tb, tol)
+    for label, t in (("A", ta), ("B", tb)):
+        if t.status != "ok":
+            what = t.error.get("type", "") if t.error else ""
+            notes.append(f"{label} is {t.status}{': ' + what if what else ''}; records past that point are missing")
+    if ta.header.get("torch") != tb.header.get("torch"):
+        notes.append(f"torch versions differ (A: {ta.header.get('torch')}, B: {tb.header.get('torch')})")
+    cmp = Comparer(ta, tb, tol)
+    rows = align_calls(ta, tb)
+    calls = call_mapping(ta, tb, rows)
+    fwd, touched = _forward(ta, tb, cmp, rows)
+    bwd = _backward(ta, tb, cmp, calls, touched)
+    params = _params(ta, tb, cmp)
+    return DiffResult(la, lb, tol, fwd, bwd, params, notes, ta, tb)
+
+
+# ---- command line --------------------------------------------------------------------------------
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser(
+        "diff", help="first divergence between two traces, forward and backward (exit 1 if any)",
+        description="Align two traces of the same step and report the first record whose inputs match but "
+                    "outputs differ, forward and backward, with both call stacks. Exit status: 0 equal (or "
+                    "within tolerance), 1 diverged, 2 bad input.")
+    p.add_argument("a", metavar="A", help="first trace (.gtrace)")
+    p.add_argument("b", metavar="B", help="second trace (.gtrace)")
+    p.add_argument("--html", metavar="OUT", help="also write a self-contained HTML view")
+    p.add_argument("--rtol", type=float, help="relative tolerance: compare by recorded stats, not checksums")
+    p.add_argument("--atol", type=float, help="absolute tolerance: compare by recorded stats, not checksums")
+    p.add_argument("--json", action="store_true", help="print the result as JSON instead of tables")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    import sys
+
+    from rich.console import Console
+
+    result = diff(args.a, args.b, rtol=args.rtol, atol=args.atol)
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2, sort_keys=True, allow_nan=False))
+    else:
+        result.render(Console(highlight=False))
+    if args.html:
+        from export.diff_html import diff_html
+
+        assert result.trace_a is not None and result.trace_b is not None
+        diff_html(result, result.trace_a, result.trace_b, args.html)
+        print(f"wrote {args.html}", file=sys.stderr)
+    return result.exit_code
+
+
+# ---- terminal output -------------------------------------------------------------------------------
+_MAX_ROWS = 30
+
+
+def _frame_text(f: Frame | None) -> str:
+    if f is None:
+        return ""
+    return f"{os.path.basename(f.file)}:{f.line} in {f.function}\n  {f.code}"
+
+
+def _render(result: DiffResult, console: Console) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
+    def tx(s: object, style: str = "") -> Text:  # plain text: names and code may contain [brackets]
+        return Text("" if s is None else str(s), style=style)
+
+    def mod(m: str) -> str:
+        return m or "<root>"
+
+    console.print(tx(result.verdict(), "bold green" if result.equal else "bold red"))
+    for n in result.notes + result.forward.notes + result.backward.notes:
+        console.print(tx(f"note: {n}", "dim"))
+    console.print(tx(f"A: {result.a_label}   B: {result.b_label}", "dim"))
+
+    t = Table(title="Summary", title_justify="left")
+    for col in ("section", "compared", "differing", "inserted", "removed", "verdict"):
+        t.add_column(col, justify="left" if col in ("section", "verdict") else "right", overflow="fold")
+    for d in (result.forward, result.backward):
+        differing = sum(1 for r in d.rows if r.differs)
+        t.add_row(tx(d.section), tx(d.compared), tx(differing), tx(len(d.inserted)), tx(len(d.removed)),
+                  tx(d.summary()), style=None if d.equal and not d.from_backward else "red")
+    bad = result.differing_params
+    t.add_row(tx("parameters"), tx(len(result.params)), tx(len(bad)), tx(""), tx(""),
+              tx(f"{len(bad)} differ (value, gradient or value after the step)" if bad else "equal"),
+              style="red" if bad else None)
+    console.print(t)
+
+    for d in (result.forward, result.backward):
+        o = d.origin
+        if o is not None:
+            s = Table(title=f"First {d.section} divergence: {d.reason}", title_justify="left", show_lines=True)
+            s.add_column("")
+            s.add_column("A", overflow="fold")
+            s.add_column("B", overflow="fold")
+            s.add_row(tx("record"), tx(o.a), tx(o.b), style="red")
+            s.add_row(tx("module"), tx(mod(o.module)), tx(mod(o.module)))
+            s.add_row(tx("op"), tx(o.what), tx(o.what))
+            if o.max_rel is not None:
+                s.add_row(tx("largest diff"), tx(f"abs {_fmt(o.max_abs)}  rel {_fmt(o.max_rel)}"), tx(""))
+            s.add_row(tx("stack"), tx("\n".join(_frame_text(f) for f in d.stack_a[-6:])),
+                      tx("\n".join(_frame_text(f) for f in d.stack_b[-6:])))
+            console.print(s)
+        shown = [r for r in d.rows if r.status in ("inserted", "removed")][:_MAX_ROWS // 2]
+        if shown:
+            s = Table(title=f"{d.section}: inserted in B / removed from A", title_justify="left")
+            for col in ("A", "B", "module", "op"):
+                s.add_column(col, overflow="fold")
+            for r in shown:
+                s.add_row(tx(r.a or "—"), tx(r.b or "—"), tx(mod(r.module)), tx(r.what), style="yellow")
+            extra = len(d.inserted) + len(d.removed) - len(shown)
+            if extra > 0:
+                s.add_row(tx(f"… {extra} more"), tx(""), tx(""), tx(""))
+            console.print(s)
+
+    mods = module_table(result)
+    if mods:
+        p = Table(title="Per module", title_justify="left")
+        for col in ("module", "forward differing", "backward differing", "after backward", "max abs", "max rel"):
+            p.add_column(col, justify="left" if col == "module" else "right")
+        for m in mods[:_MAX_ROWS]:
+            p.add_row(tx(mod(m["module"])), tx(m["forward"]), tx(m["backward"]), tx(m["after_backward"]),
+                      tx(_fmt(m["max_abs"])), tx(_fmt(m["max_rel"])), style="red" if m["origin"] else None)
+        if len(mods) > _MAX_ROWS:
+            p.add_row(tx(f"… {len(mods) - _MAX_ROWS} more modules"), *[tx("")] * 5)
+        console.print(p)
+
+    if bad:
+        q = Table(title=f"Parameters that differ ({len(bad)} of {len(result.params)})", title_justify="left")
+        for col in ("parameter", "value", "gradient", "after step"):
+            q.add_column(col)
+        for pd in bad[:_MAX_ROWS]:
+            def cell(c: Compared | None, pd: ParamDiff = pd) -> Text:
+                if pd.only_in:
+                    return tx(f"only in {pd.only_in}")
+                if c is None:
+                    return tx("-")
+                return tx(c.status if c.rel is None or c.status == "equal" else f"{c.status} (rel {_fmt(c.rel)})")
+            q.add_row(tx(pd.name), cell(pd.value), cell(pd.grad), cell(pd.updated))
+        if len(bad) > _MAX_ROWS:
+            q.add_row(tx(f"… {len(bad) - _MAX_ROWS} more"), tx(""), tx(""), tx(""))
+        console.print(q)
+
+
+def module_table(result: DiffResult) -> list[dict[str, Any]]:
+    """Per module: differing records forward/backward, after-backward calls, largest differences.
+
+    Only modules where something differs, or, with a tolerance, where any difference was measured;
+    sorted by largest relative difference with a tolerance, by module path otherwise.
+    """
+    out = []
+    origins = {d.origin.module for d in (result.forward, result.backward) if d.origin is not None}
+    for m in sorted(set(result.forward.per_module) | set(result.backward.per_module)):
+        stats = [x for x in (result.forward.per_module.get(m), result.backward.per_module.get(m)) if x is not None]
+        fwd = sum(1 for r in result.forward.rows if r.module == m and r.status in ("origin", "new", "contaminated"))
+        bwd = sum(1 for r in result.backward.rows if r.module == m and r.status in ("origin", "new", "contaminated"))
+        after = result.forward.from_backward.get(m, 0)
+        rel = max((x.max_rel for x in stats), default=0.0)
+        ab = max((x.max_abs for x in stats), default=0.0)
+        if fwd or bwd or after or (result.tolerance is not None and rel > 0):
+            out.append({"module": m, "forward": fwd, "backward": bwd, "after_backward": after,
+                        "max_abs": ab, "max_rel": rel, "origin": m in origins})
+    if result.tolerance is not None:
+        out.sort(key=lambda r: -r["max_rel"])
+    return out
