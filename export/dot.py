@@ -1,0 +1,310 @@
+"""Graphviz export: ``dot(trace, "step.svg")`` and ``gradtrace dot TRACE -o step.svg``.
+
+What the picture shows (the legend in every file repeats it):
+
+* forward section: rounded boxes are forward API calls (``linear0`` / ``F.linear`` / args), pink
+  ones custom ``autograd.Function`` calls; arrows between them are tensors, labelled name /
+  ``[shape] dtype`` / ``#`` first 8 hex digits of the MD5. Yellow house shapes are source tensors
+  that came from outside the traced computation (inputs, parameters, buffers, optimizer state);
+  white notes are outputs no traced call used. Grey boxes around nodes are modules.
+* backward section: blue ellipses are grad nodes (``linear0/AddmmBackward0``), green ones the
+  ``AccumulateGrad`` leaves named by parameter, grey dashed ones nodes made before the block; the
+  red octagon is a backward run; blue arrows are gradients, labelled like tensors.
+* dashed grey lines join a call to the grad nodes it created (and a parameter to its leaf).
+* folded modules (``depth=N``) are folder shapes labelled ``path (Class)``, ``×calls``, the
+  shapes crossing their boundary and the parameters folded in; a repeated block drawn once
+  carries ``×12: h.0 … h.11``, and edges it stands for several times carry ``×12`` too.
+* anything red holds NaN or Inf, or raised.
+
+Node ids follow recording order (``c<i>`` = i-th call, ``g<i>`` = i-th grad node, ``s``/``o`` =
+source/output tensors, ``m``/``mb`` = folded modules, ``b<i>`` = backward runs) and the text
+contains no addresses, times or paths, so the same program gives the same file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from export.cli import UserError
+from export.graph_fold import Cluster, GEdge, GNode, Graph, build
+from tracer.model import Trace
+
+FONT = "Helvetica"
+
+NODE_STYLES: dict[str, dict[str, str]] = {
+    "call": {"shape": "box", "style": "rounded,filled", "fillcolor": "#e8eefc"},
+    "function": {"shape": "box", "style": "rounded,filled,bold", "fillcolor": "#fce7f3"},
+    "compiled": {"shape": "box3d", "style": "filled", "fillcolor": "#f3f4f6"},
+    "bcall": {"shape": "box", "style": "rounded,filled,dashed", "fillcolor": "#e8eefc"},
+    "fold": {"shape": "folder", "style": "filled", "fillcolor": "#ede9fe"},
+    "source": {"shape": "invhouse", "style": "filled", "fillcolor": "#fde68a"},
+    "sink": {"shape": "note", "style": "filled", "fillcolor": "#ffffff"},
+    "run": {"shape": "doubleoctagon", "style": "filled", "fillcolor": "#fee2e2"},
+    "grad": {"shape": "ellipse", "style": "filled", "fillcolor": "#dbeafe"},
+    "leaf": {"shape": "ellipse", "style": "filled,bold", "fillcolor": "#bbf7d0"},
+    "external": {"shape": "ellipse", "style": "filled,dashed", "fillcolor": "#e5e7eb"},
+    "gfold": {"shape": "folder", "style": "filled", "fillcolor": "#bfdbfe"},
+    "root": {"shape": "box", "style": "filled", "fillcolor": "#fde68a"},
+    "legend_point": {"shape": "point", "width": "0.05"},
+}
+EDGE_STYLES: dict[str, dict[str, str]] = {
+    "tensor": {"color": "#374151"},
+    "grad": {"color": "#2563eb", "fontcolor": "#1d4ed8"},
+    "grad_flow": {"color": "#2563eb"},
+    "link": {"color": "#9ca3af", "style": "dashed", "dir": "none", "constraint": "false"},
+    "nested": {"color": "#9ca3af", "style": "dotted", "constraint": "false"},
+    "invisible": {"style": "invis"},
+}
+CLUSTER_STYLES: dict[str, dict[str, str]] = {
+    "section": {"style": "rounded", "color": "#6b7280", "fontsize": "14"},
+    "module": {"style": "rounded,filled", "fillcolor": "#f9fafb", "color": "#d1d5db"},
+    "nest": {"style": "dashed,rounded", "color": "#db2777"},
+    "legend": {"style": "rounded", "color": "#9ca3af"},
+}
+ALERT = {"color": "#dc2626", "penwidth": "2"}
+
+LEGEND_NODES = (  # (kind, explanation), shown for the kinds the picture uses
+    ("call", "forward API call: name, API, args"),
+    ("function", "custom autograd.Function call"),
+    ("compiled", "compiled region (opaque)"),
+    ("bcall", "call made while backward ran"),
+    ("fold", "folded module: calls, in/out shapes"),
+    ("source", "source tensor from outside the block:\ninput, parameter, buffer, earlier state"),
+    ("sink", "output that no traced call used"),
+    ("run", "backward run"),
+    ("grad", "grad node: call/NodeClass"),
+    ("leaf", "AccumulateGrad leaf, named by parameter"),
+    ("external", "grad node made before the traced block"),
+    ("gfold", "folded module's grad nodes"),
+    ("root", "tensor the graph was drawn from"),
+)
+LEGEND_EDGES = (
+    ("tensor", "tensor: name / [shape] dtype / #md5"),
+    ("grad", "gradient: name / [shape] dtype / #md5"),
+    ("grad_flow", "gradient flows to"),
+    ("link", "call ↔ grad node it created"),
+    ("nested", "grad node ran this call"),
+)
+
+RENDERED = {".svg": "svg", ".png": "png", ".pdf": "pdf"}
+TEXT = (".dot", ".gv")
+
+
+class RenderError(UserError):
+    """Rendering needs Graphviz's ``dot`` program and it is not installed."""
+
+
+# ---- DOT text ------------------------------------------------------------------------------------
+def _esc(text: str) -> str:
+    """Escape one label line for a quoted DOT string: a backslash would start a Graphviz escape
+    (``\\N``, ``\\l``) or swallow the closing quote, a quote would end the string, and a raw newline
+    or control character has no place in one line."""
+    text = "".join(ch if ch.isprintable() else " " for ch in text)
+    return text.replace("\\", "\\\\").replace('"', '\\"')
+
+
+def quote(value: str | list[str]) -> str:
+    if isinstance(value, list):
+        return '"' + "\\n".join(_esc(v) for v in value) + '"'
+    return '"' + _esc(value) + '"'
+
+
+def _attrs(attrs: dict[str, Any]) -> str:
+    return "[" + ", ".join(f"{k}={quote(attrs[k])}" for k in sorted(attrs)) + "]"
+
+
+def _node_attrs(node: GNode) -> dict[str, Any]:
+    attrs: dict[str, Any] = {**NODE_STYLES.get(node.kind, {}), "label": node.lines}
+    if node.alert:
+        attrs.update(ALERT)
+    return attrs
+
+
+def _edge_attrs(edge: GEdge) -> dict[str, Any]:
+    attrs: dict[str, Any] = dict(EDGE_STYLES.get(edge.kind, {}))
+    lines = list(edge.lines)
+    if len(edge.merged) > 1:
+        lines.append(f"×{len(edge.merged)}")
+    if lines:
+        attrs["label"] = lines
+    if edge.alert:
+        attrs.update(ALERT)
+    return attrs
+
+
+def add_legend(g: Graph) -> None:
+    """A legend cluster explaining the node and edge kinds the picture uses."""
+    kinds = {n.kind for n in g.nodes.values()}
+    edge_kinds = {e.kind for e in g.edges}
+    cid = "cluster_legend"
+    g.clusters[cid] = Cluster(cid, ["legend"], "legend")
+    g.place("cluster", cid, None)
+    # One column: invisible edges chain the entries top to bottom instead of one wide row.
+    last: str | None = None
+    for i, (kind, text) in enumerate(k for k in LEGEND_NODES if k[0] in kinds):
+        nid = f"legend{i}"
+        g.nodes[nid] = GNode(nid, kind, text.split("\n"))
+        g.place("node", nid, cid)
+        if last is not None:
+            g.edges.append(GEdge(last, nid, "invisible"))
+        last = nid
+    for i, (kind, text) in enumerate(k for k in LEGEND_EDGES if k[0] in edge_kinds):
+        a, b = f"legend_e{i}a", f"legend_e{i}b"
+        g.nodes[a] = GNode(a, "legend_point", [""])
+        g.nodes[b] = GNode(b, "legend_point", [""])
+        g.place("node", a, cid)
+        g.place("node", b, cid)
+        if last is not None:
+            g.edges.append(GEdge(last, a, "invisible"))
+        g.edges.append(GEdge(a, b, kind, text.split("\n")))
+        last = b
+
+
+TRACE_COMMENT = ("Generated by gradtrace. Ids follow recording order: c<i> call, g<i> grad node,",
+                 "s/o source/output tensor, m/mb folded module, b<i> backward run.")
+
+
+def to_dot(g: Graph, name: str = "gradtrace", comment: tuple[str, ...] = TRACE_COMMENT) -> str:
+    out = [*(f"// {line}" for line in comment), f"digraph {name} {{"]
+    graph_attrs: dict[str, Any] = {"fontname": FONT, "labelloc": "t", "newrank": "true", "rankdir": "TB"}
+    if g.title:
+        graph_attrs["label"] = g.title
+    out.append(f"  graph {_attrs(graph_attrs)};")
+    out.append(f"  node {_attrs({'fontname': FONT, 'fontsize': '10'})};")
+    out.append(f"  edge {_attrs({'fontname': FONT, 'fontsize': '8'})};")
+
+    def write_items(items: list[tuple[str, str]], indent: str) -> None:
+        for kind, item in items:
+            if kind == "node":
+                out.append(f"{indent}{item} {_attrs(_node_attrs(g.nodes[item]))};")
+                continue
+            cl = g.clusters[item]
+            out.append(f"{indent}subgraph {cl.id} {{")
+            out.append(f"{indent}  graph {_attrs({**CLUSTER_STYLES.get(cl.kind, {}), 'label': cl.lines})};")
+            write_items(cl.items, indent + "  ")
+            out.append(f"{indent}}}")
+
+    write_items(g.items, "  ")
+    for e in g.edges:
+        if e.kind == "grad" and not e.src.startswith("legend"):
+            # Written against the flow with dir=back: the arrow still points where the gradient
+            # goes, but the layout ranks a grad node beside the call that made it (leaves on
+            # top, the loss at the bottom) instead of stacking backward under forward.
+            out.append(f"  {e.dst} -> {e.src} {_attrs({**_edge_attrs(e), 'dir': 'back'})};")
+        elif e.src.startswith("legend") and e.kind in ("link", "nested"):
+            # constraint=false would let the sample float away from its column
+            out.append(f"  {e.src} -> {e.dst} {_attrs({**_edge_attrs(e), 'constraint': 'true'})};")
+        else:
+            out.append(f"  {e.src} -> {e.dst} {_attrs(_edge_attrs(e))};")
+    out.append("}")
+    return "\n".join(out) + "\n"
+
+
+# ---- files ---------------------------------------------------------------------------------------
+def check_suffix(path: str) -> str:
+    suffix = Path(path).suffix.lower()
+    if suffix not in TEXT and suffix not in RENDERED:
+        shown = suffix or "a name without an extension"
+        raise UserError(f"cannot write {shown}: use .dot or .gv (text), or .svg, .png, .pdf (rendered)")
+    return suffix
+
+
+def write_output(text: str, path: str | os.PathLike[str]) -> None:
+    """Write DOT text, or render it when the extension asks for an image."""
+    path = os.fspath(path)
+    suffix = check_suffix(path)
+    if suffix in TEXT:
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        return
+    missing = RenderError(f"rendering {suffix} needs Graphviz's `dot` program: apt-get install graphviz "
+                          "(or brew install graphviz); writing .dot works without it")
+    if shutil.which("dot") is None:
+        raise missing
+    import graphviz
+
+    try:
+        data = graphviz.Source(text).pipe(format=RENDERED[suffix])
+    except graphviz.ExecutableNotFound:
+        raise missing from None
+    except graphviz.CalledProcessError as exc:
+        detail = (exc.stderr or b"").decode("utf-8", "replace").strip().splitlines()
+        raise UserError(f"dot could not render {path}: {detail[-1] if detail else exc}") from None
+    with open(path, "wb") as fh:
+        fh.write(data)
+
+
+def dot(trace: Trace, path: str | os.PathLike[str] | None = None, *, depth: int | None = None,
+        fold_repeats: bool = False, forward: bool = True, backward: bool = True,
+        checksums: bool = True) -> str:
+    """Draw ``trace`` as a Graphviz graph and return the DOT text.
+
+    ``path`` ending in ``.dot``/``.gv`` gets the text; ``.svg``/``.png``/``.pdf`` are rendered with
+    Graphviz's ``dot`` program (``RenderError`` when it is missing). ``depth=N`` draws each module
+    at depth N (``blocks.0`` has depth 2) as one node holding its own calls and its submodules', and
+    their grad nodes as one backward node; ``depth=0`` folds the whole model, leaving top-level code
+    (loss, optimizer) drawn. ``fold_repeats`` draws identical sibling blocks once, marked ``×N``; ``forward``/``backward`` pick the halves; ``checksums`` adds the
+    first 8 hex digits of each tensor's MD5 to its label.
+    """
+    if path is not None:
+        check_suffix(os.fspath(path))  # fail before the work
+    g = build(trace, depth=depth, fold_repeats=fold_repeats, forward=forward, backward=backward,
+              checksums=checksums)
+    add_legend(g)
+    text = to_dot(g)
+    if path is not None:
+        write_output(text, path)
+    return text
+
+
+# ---- command line --------------------------------------------------------------------------------
+def default_output(trace_path: str) -> str:
+    p = Path(trace_path)
+    if p.suffix == ".gz":
+        p = p.with_suffix("")
+    return os.fspath(p.with_suffix(".dot"))
+
+
+def _depth(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be 0 or more")
+    return value
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "dot", help="draw a trace as a Graphviz graph (.dot, .svg, .png, .pdf)",
+        description="Draw the forward calls and the grad nodes of a trace as a Graphviz graph. "
+                    "The output extension picks the format; .svg/.png/.pdf need Graphviz's `dot`.")
+    p.add_argument("trace", help="a .gtrace file")
+    p.add_argument("-o", "--output", help="output file (default: TRACE with a .dot suffix)")
+    p.add_argument("--depth", type=_depth, metavar="N",
+                   help="draw each module at depth N (blocks.0 has depth 2) as one node holding its "
+                        "calls and its submodules'; 0 draws the whole model as one node")
+    p.add_argument("--fold-repeats", action="store_true",
+                   help="draw identical sibling blocks (h.0 .. h.11) once, marked ×N")
+    half = p.add_mutually_exclusive_group()
+    half.add_argument("--forward-only", action="store_true", help="only the forward calls")
+    half.add_argument("--backward-only", action="store_true", help="only the grad nodes")
+    p.add_argument("--no-checksums", action="store_true", help="leave MD5 prefixes out of labels")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    import tracer
+
+    out = args.output or default_output(args.trace)
+    check_suffix(out)
+    trace = tracer.load(args.trace)
+    dot(trace, out, depth=args.depth, fold_repeats=args.fold_repeats, forward=not args.backward_only,
+        backward=not args.forward_only, checksums=not args.no_checksums)
+    print(f"wrote {out}")
+    return 0
