@@ -79,15 +79,15 @@ FN = f"{__name__}.StraightClamp.apply"
 
 EXPECTED = f"""\
   linear0  F.linear  fc  (input0, fc.weight, fc.bias) -> linear0:out f32[2,3] 814aa590
-StraightClamp0  {FN}  -  (linear0:out) -> clamp0:out f32[2,3] e7702b03
+StraightClamp0  {FN}  -  (linear0:out) -> StraightClamp0:out f32[2,3] e7702b03
   clamp0  Tensor.clamp  -  (linear0:out) -> clamp0:out f32[2,3] e7702b03
-    relu0  F.relu  inner.0  (clamp0:out) -> relu0:out f32[2,3] 0b432eae
+    relu0  F.relu  inner.0  (StraightClamp0:out) -> relu0:out f32[2,3] 0b432eae
 sum0  Tensor.sum  -  (relu0:out) -> sum0:out f32[] d9d0cc23
 backward0  Tensor.backward  (sum0:out)
 backward0  sum0/SumBackward0  <- sum0:out@grad -> relu0:out@grad f32[2,3] bbec5b7e
-backward0  relu0/ReluBackward0  <- relu0:out@grad -> clamp0:out@grad f32[2,3] 431b43b3
-backward0  StraightClamp0/StraightClampBackward  <- clamp0:out@grad -> clamp0:out@grad f32[2,3] 431b43b3
-backward0  linear0/AddmmBackward0  <- clamp0:out@grad -> fc.bias@grad f32[3] 7435400a, -, linear0/AddmmBackward0:grad2 f32[4,3] 8334fe91
+backward0  relu0/ReluBackward0  <- relu0:out@grad -> StraightClamp0:out@grad f32[2,3] 431b43b3
+backward0  StraightClamp0/StraightClampBackward  <- StraightClamp0:out@grad -> StraightClamp0:out@grad f32[2,3] 431b43b3
+backward0  linear0/AddmmBackward0  <- StraightClamp0:out@grad -> fc.bias@grad f32[3] 7435400a, -, linear0/AddmmBackward0:grad2 f32[4,3] 8334fe91
 backward0  fc.bias/AccumulateGrad  <- fc.bias@grad -> -
 backward0  linear0/TBackward0  <- linear0/AddmmBackward0:grad2 -> fc.weight@grad f32[3,4] 980354c2
 backward0  fc.weight/AccumulateGrad  <- fc.weight@grad -> -
@@ -103,9 +103,9 @@ def test_text_without_hashes_or_backward():
     t, _, _ = record_net()
     assert to_text(t, hashes=False, backward=False) == f"""\
   linear0  F.linear  fc  (input0, fc.weight, fc.bias) -> linear0:out f32[2,3]
-StraightClamp0  {FN}  -  (linear0:out) -> clamp0:out f32[2,3]
+StraightClamp0  {FN}  -  (linear0:out) -> StraightClamp0:out f32[2,3]
   clamp0  Tensor.clamp  -  (linear0:out) -> clamp0:out f32[2,3]
-    relu0  F.relu  inner.0  (clamp0:out) -> relu0:out f32[2,3]
+    relu0  F.relu  inner.0  (StraightClamp0:out) -> relu0:out f32[2,3]
 sum0  Tensor.sum  -  (relu0:out) -> sum0:out f32[]
 """
     # Without hashes the text comes from shapes alone: it is the same for a hash='none' trace.
@@ -146,16 +146,16 @@ def test_nested_functions_indent_and_backward_phase_calls():
     lines = to_text(t, hashes=False).splitlines()
     outer, double_fwd = f"{__name__}.Outer.apply", f"{__name__}.Double.apply"
     assert lines[:4] == [
-        f"Outer0  {outer}  -  (input0) -> add0:out f32[2,2]",
-        f"  Double0  {double_fwd}  -  (input0) -> mul0:out f32[2,2]",
+        f"Outer0  {outer}  -  (input0) -> Outer0:out f32[2,2]",
+        f"  Double0  {double_fwd}  -  (input0) -> Double0:out f32[2,2]",
         "    mul0  Tensor.mul  -  (input0) -> mul0:out f32[2,2]",
-        "  add0  Tensor.add  -  (mul0:out) -> add0:out f32[2,2]",
+        "  add0  Tensor.add  -  (Double0:out) -> add0:out f32[2,2]",
     ]
     # Double applied inside Outer's backward is a call made by the running grad node (the ops
     # inside it run under the engine, where the mode sees nothing).
-    assert f"Double1  {double_fwd}  -  (add0:out@grad) -> Double1:out f32[2,2]  [in backward of Outer0/OuterBackward]" \
+    assert f"Double1  {double_fwd}  -  (Outer0:out@grad) -> Double1:out f32[2,2]  [in backward of Outer0/OuterBackward]" \
         in lines
-    assert "backward0  Outer0/OuterBackward  <- add0:out@grad -> Double1:out f32[2,2]" in lines
+    assert "backward0  Outer0/OuterBackward  <- Outer0:out@grad -> Double1:out f32[2,2]" in lines
 
 
 def test_failed_trace_ends_with_status_line():

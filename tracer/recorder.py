@@ -329,7 +329,10 @@ class Recorder:
                 known = names_of.get(id(t))
                 if known is None and id(t) in in_pos:
                     known = in_names[in_pos[id(t)]]  # returned an input unchanged (x.to(x.dtype))
-                if known is None:
+                if known is None and kind != "function":
+                    # A custom Function's outputs are the very tensors its forward's inner ops
+                    # made, but as the Function's outputs they carry its grad node: they are
+                    # named by the Function (MyFn0:out), not by the op inside it.
                     hit = self._tensor_names.get(t)
                     if hit is not None and hit[1] == _version(t):
                         known = hit[0]
@@ -672,7 +675,10 @@ class Recorder:
                     pname = named[0]
                     g = p.grad
                     if g is not None and g not in self._tensor_names:
-                        self._new_tensor(g, f"{pname}.grad", "grad", None)
+                        # Accumulated into an existing .grad (or cloned by the accumulator): the
+                        # value on the parameter, produced by its leaf accumulator.
+                        acc = f"{pname}/AccumulateGrad"
+                        self._new_tensor(g, f"{pname}.grad", "grad", acc if acc in self._node_recs else None)
                     for key, v in optimizer.state.get(p, {}).items():
                         if isinstance(v, torch.Tensor) and v not in self._named:
                             self._named[v] = (f"{pname}.{key}", "state")
