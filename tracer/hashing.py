@@ -33,9 +33,8 @@ from tracer.model import Stats, TensorRecord
 HASH_ALGORITHMS = ("md5", "none")
 INLINE_BYTES = 256 * 1024
 DEFAULT_INFLIGHT_BYTES = 512 * 1024 * 1024
+STATS_BATCH_BYTES = 64 * 1024 * 1024
 
-_FLOAT8 = tuple(getattr(torch, n) for n in (
-    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, n))
 _ALLOWED_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -80,33 +79,54 @@ def md5_of(t: torch.Tensor) -> str:
 
 
 def stats_tensor(t: torch.Tensor) -> torch.Tensor | None:
-    """[min, max, mean, absmax, nan, inf] as one float64 tensor on t's device (None if empty)."""
+    """[min, max, mean, absmax, nan, inf, n_finite] of one tensor as float64 on its device.
+
+    The reference for the batched path (``_reduce_batch``), used by tests and for one-off checks.
+    """
+    flat = _stats_input(t)
+    if flat is None:
+        return None
+    return _reduce_batch([flat])[0]
+
+
+def _stats_input(t: torch.Tensor) -> torch.Tensor | None:
+    """A flat contiguous float copy of ``t`` (a snapshot: later in-place changes don't reach it)."""
     x = t.detach()
     if x.numel() == 0:
         return None
     if x.is_complex():
         x = torch.view_as_real(x.resolve_conj())
-    if x.dtype == torch.bool:
-        x = x.to(torch.uint8)
-    x = x.reshape(-1)
-    if x.is_floating_point():
-        if x.dtype in _FLOAT8 or x.dtype in (torch.float16, torch.bfloat16):
-            x = x.float()
-        finite = torch.isfinite(x)
-        nan = torch.isnan(x).sum()
-        inf = x.numel() - finite.sum() - nan
-        n_fin = finite.sum()
-        lo = torch.where(finite, x, torch.inf).amin()
-        hi = torch.where(finite, x, -torch.inf).amax()
-        zero = torch.zeros((), dtype=x.dtype, device=x.device)
-        mean = torch.where(finite, x, zero).sum(dtype=torch.float64) / n_fin.clamp(min=1)
-        absmax = torch.where(finite, x.abs(), zero).amax()
-        return torch.stack([lo.double(), hi.double(), mean.double(), absmax.double(),
-                            nan.double(), inf.double(), n_fin.double()])
-    x = x.double() if x.dtype != torch.uint64 else x.to(torch.float64)
-    zero = torch.zeros((), dtype=torch.float64, device=x.device)
-    n = torch.full((), float(x.numel()), dtype=torch.float64, device=x.device)
-    return torch.stack([x.amin(), x.amax(), x.mean(), x.abs().amax(), zero, zero, n])
+    target = torch.float64 if x.dtype in _WIDE else torch.float32
+    return x.reshape(-1).to(target, copy=True)
+
+
+_WIDE = frozenset({torch.float64, torch.int64, torch.int32, *(getattr(torch, n) for n in ("uint32", "uint64")
+                                                            if hasattr(torch, n))})
+
+
+def _reduce_batch(flats: list[torch.Tensor]) -> torch.Tensor:
+    """Stats of many flat tensors (same device and dtype) in a dozen kernels, not a dozen each.
+
+    Returns a float64 tensor [k, 7] on the same device; nothing here synchronises.
+    """
+    data = flats[0] if len(flats) == 1 else torch.cat(flats)
+    lengths = torch.tensor([f.numel() for f in flats], device=data.device)
+    finite = torch.isfinite(data)
+    nan = torch.isnan(data)
+
+    def seg(values: torch.Tensor, how: str) -> torch.Tensor:
+        return torch.segment_reduce(values, how, lengths=lengths, unsafe=True)
+
+    lo = seg(torch.where(finite, data, torch.inf), "min")
+    hi = seg(torch.where(finite, data, -torch.inf), "max")
+    zero = torch.zeros((), dtype=data.dtype, device=data.device)
+    total = seg(torch.where(finite, data, zero).double(), "sum")
+    absmax = seg(torch.where(finite, data.abs(), zero), "max")
+    n_fin = seg(finite.double(), "sum")
+    n_nan = seg(nan.double(), "sum")
+    n_inf = lengths.double() - n_fin - n_nan
+    mean = total / n_fin.clamp(min=1)
+    return torch.stack([lo.double(), hi.double(), mean, absmax.double(), n_nan, n_inf, n_fin], dim=1)
 
 
 def _stats_from_row(row: list[float]) -> Stats:
@@ -130,7 +150,12 @@ class Hasher:
         self._pool: ThreadPoolExecutor | None = None
         self._jobs: deque[tuple[TensorRecord, Future[str], int]] = deque()
         self._inflight = 0
-        self._stats: list[tuple[TensorRecord, torch.Tensor]] = []
+        # Stats wait in groups of same device and dtype and are reduced together; a group is
+        # reduced (on its device, without a sync) once it holds STATS_BATCH_BYTES, bounding the
+        # memory its snapshots take.
+        self._stat_groups: dict[tuple[torch.device, torch.dtype], list[tuple[TensorRecord, torch.Tensor]]] = {}
+        self._stat_bytes: dict[tuple[torch.device, torch.dtype], int] = {}
+        self._stat_results: list[tuple[list[TensorRecord], torch.Tensor]] = []
         self._lock = threading.Lock()
         self._side_streams: dict[int, Any] = {}
         self.capturing_skipped = 0
@@ -147,13 +172,33 @@ class Hasher:
             self.capturing_skipped += 1
             return
         with torch._C.DisableTorchFunction():
-            if self.want_stats:
-                st = stats_tensor(t)
-                if st is not None:
-                    with self._lock:
-                        self._stats.append((rec, st))
+            flat = _stats_input(t) if self.want_stats else None
+            if flat is not None:
+                key = (flat.device, flat.dtype)
+                with self._lock:
+                    self._stat_groups.setdefault(key, []).append((rec, flat))
+                    size = self._stat_bytes.get(key, 0) + flat.numel() * flat.element_size()
+                    self._stat_bytes[key] = size
+                if size >= STATS_BATCH_BYTES:
+                    self._reduce_group(key)
             if self.algorithm == "md5":
-                self._submit_md5(rec, t)
+                # A float32 snapshot already holds the exact bytes: hash it, skip another copy.
+                if flat is not None and flat.dtype == t.dtype and flat.device.type == "cpu" and not t.is_conj() \
+                        and not t.is_neg() and flat.numel() * flat.element_size() <= INLINE_BYTES:
+                    self.hashed_bytes += flat.numel() * flat.element_size()
+                    rec.md5 = hashlib.md5(flat.view(torch.uint8).numpy().data).hexdigest()
+                else:
+                    self._submit_md5(rec, t)
+
+    def _reduce_group(self, key: tuple[torch.device, torch.dtype]) -> None:
+        with self._lock:
+            items = self._stat_groups.pop(key, [])
+            self._stat_bytes.pop(key, None)
+        if items:
+            with torch._C.DisableTorchFunction():
+                result = _reduce_batch([f for _, f in items])
+            with self._lock:
+                self._stat_results.append(([r for r, _ in items], result))
 
     def _pool_get(self) -> ThreadPoolExecutor:
         if self._pool is None:
@@ -211,17 +256,14 @@ class Hasher:
     # ---- completion ---------------------------------------------------------------------------
     def drain(self, wait: bool = False) -> None:
         """Fill in finished checksums (all of them if ``wait``) and every pending stat."""
+        for key in list(self._stat_groups):
+            self._reduce_group(key)
         with self._lock:
-            stats, self._stats = self._stats, []
-        if stats:
-            by_device: dict[torch.device, list[tuple[TensorRecord, torch.Tensor]]] = {}
-            for rec, st in stats:
-                by_device.setdefault(st.device, []).append((rec, st))
-            with torch._C.DisableTorchFunction():
-                for items in by_device.values():
-                    rows = torch.stack([st for _, st in items]).cpu().tolist()  # one sync per device
-                    for (rec, _), row in zip(items, rows):
-                        rec.stats = _stats_from_row(row)
+            results, self._stat_results = self._stat_results, []
+        with torch._C.DisableTorchFunction():
+            for recs, result in results:
+                for rec, row in zip(recs, result.cpu().tolist()):  # one fetch per batch
+                    rec.stats = _stats_from_row(row)
         while True:
             with self._lock:
                 if not self._jobs:
@@ -235,7 +277,12 @@ class Hasher:
 
     def pending(self) -> set[int]:
         with self._lock:
-            return {id(r) for r, _, _ in self._jobs} | {id(r) for r, _ in self._stats}
+            waiting = {id(r) for r, _, _ in self._jobs}
+            for items in self._stat_groups.values():
+                waiting.update(id(r) for r, _ in items)
+            for recs, _ in self._stat_results:
+                waiting.update(id(r) for r in recs)
+            return waiting
 
     def close(self) -> None:
         self.drain(wait=True)

@@ -175,13 +175,19 @@ def short_args(args: tuple[Any, ...], kwargs: dict[str, Any], limit: int = 120) 
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+_SCALARS = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.memory_format, torch.layout)
+_SCALAR_TYPES = frozenset(_SCALARS)
+
+
 def _short_value(v: Any, depth: int = 0) -> str | None:
-    if isinstance(v, torch.Tensor):
-        return None
-    if v is None or isinstance(v, bool | int | float | str | torch.dtype | torch.device | torch.memory_format
-                                 | torch.layout):
+    t = type(v)
+    if t in _SCALAR_TYPES:  # the common case, by exact type: no isinstance chain per argument
         r = repr(v)
         return r if len(r) <= 40 else r[:39] + "…"
+    if isinstance(v, torch.Tensor):
+        return None
+    if isinstance(v, _SCALARS):
+        return repr(v)[:40]
     if isinstance(v, list | tuple):
         if depth > 1:
             return "…"
@@ -192,8 +198,6 @@ def _short_value(v: Any, depth: int = 0) -> str | None:
         if len(v) > 8:
             body += ", …"
         return f"[{body}]" if isinstance(v, list) else f"({body})"
-    if isinstance(v, torch.Size):
-        return str(tuple(v))
     if callable(v):
         return getattr(v, "__name__", type(v).__name__)
     return type(v).__name__

@@ -28,13 +28,13 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils.weak import WeakIdKeyDictionary
 
 from tracer import naming
 from tracer.hashing import Hasher
 from tracer.listeners import Listener
 from tracer.model import BackwardRun, Call, GradNode, NodeRun, TensorRecord, Trace
 from tracer.stacks import StackTable
+from tracer.weakmap import IdWeakMap
 
 _get_seq: Callable[[], int] | None = getattr(torch._C._autograd, "_get_sequence_nr", None)
 _ACCUMULATE = "AccumulateGrad"
@@ -142,14 +142,14 @@ class Recorder:
         # >0 while a recorded op runs: a Function applied inside an op (a torch.library custom
         # op's generated autograd Function) is that op's implementation, not a call of its own.
         self.op_depth = 0
-        self._tensor_names: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> (name, version)
-        self._named: WeakIdKeyDictionary = WeakIdKeyDictionary()  # param/buffer/state -> (name, role)
+        self._tensor_names: IdWeakMap[tuple[str, int]] = IdWeakMap()  # tensor -> (name, version)
+        self._named: IdWeakMap[tuple[str, str]] = IdWeakMap()  # param/buffer/state -> (name, role)
         self._module_paths: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
         self._module_stack: list[str] = []
         self._parents: list[str] = []  # enclosing custom Function calls
         self._running: list[str] = []  # grad nodes running now (nesting in backward)
         self._node_by_seq: dict[tuple[int, str], str] = {}
-        self._acc_by_var: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._acc_by_var: IdWeakMap[str] = IdWeakMap()
         self._edges: dict[str, list[tuple[str | None, int]]] = {}
         self._node_recs: dict[str, GradNode] = {}
         self._slot_tensor: dict[tuple[str, int], str] = {}
