@@ -26,6 +26,19 @@ class TraceError(RuntimeError):
     """Misuse of the tracer (an accidental nested trace, bad options)."""
 
 
+def _distributed_info() -> dict[str, Any] | None:
+    """Rank, world size, backend and group layout when a process group is initialized."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    from tracer.distributed import rank_info
+
+    return rank_info()
+
+
 class NumericsWarning(RuntimeWarning):
     """``check_numerics`` found a NaN or Inf; the message is the report."""
 
@@ -110,6 +123,7 @@ class TraceSession:
         self._held_tensors: list[Any] = []
         self._last_flush_calls = 0
         self._seqs_written: set[int] = set()
+        self._detach_distributed: Any = None
 
     # ---- enter / exit -------------------------------------------------------------------------
     def __enter__(self) -> Trace:
@@ -125,6 +139,15 @@ class TraceSession:
                         "argv": list(sys.argv), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                         "out": self.out})
         self.trace = t
+        dist_info = _distributed_info()
+        if dist_info is not None:
+            # One file per rank (step.rank0.gtrace, ...), each saying where it ran.
+            from tracer.distributed import rank_path
+
+            t.header["distributed"] = dist_info
+            if self.out:
+                self.out = rank_path(self.out, dist_info["rank"])
+                t.meta["out"] = self.out
         rec = _recorder.Recorder(t, hash_algorithm=self.hash, stacks=self.stacks, stats=self.stats,
                                  on_records=self._maybe_flush if self.out else None)
         t.header["node_attribution"] = rec.node_attribution
@@ -144,6 +167,10 @@ class TraceSession:
             self._writer.write([t.header_record(), {"t": "meta", **t.meta}])
         self._t0 = time.perf_counter()
         rec.install()
+        if dist_info is not None:
+            from tracer.distributed import attach
+
+            self._detach_distributed = attach(rec)
         return t
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -151,6 +178,9 @@ class TraceSession:
         rec, t = self._recorder, self.trace
         assert rec is not None and t is not None
         rec.uninstall()  # first: whatever happens below, nothing stays installed
+        if self._detach_distributed is not None:
+            self._detach_distributed()
+            self._detach_distributed = None
         try:
             self._finalize(rec, t, exc)
         finally:
