@@ -30,7 +30,7 @@ import torch
 
 from tracer.model import Stats, TensorRecord
 
-HASH_ALGORITHMS = ("md5", "none")
+HASH_ALGORITHMS = ("md5", "fast", "none")
 INLINE_BYTES = 256 * 1024
 DEFAULT_INFLIGHT_BYTES = 512 * 1024 * 1024
 STATS_BATCH_BYTES = 64 * 1024 * 1024
@@ -156,6 +156,7 @@ class Hasher:
         self._stat_groups: dict[tuple[torch.device, torch.dtype], list[tuple[TensorRecord, torch.Tensor]]] = {}
         self._stat_bytes: dict[tuple[torch.device, torch.dtype], int] = {}
         self._stat_results: list[tuple[list[TensorRecord], torch.Tensor]] = []
+        self._fingerprints: list[tuple[TensorRecord, torch.Tensor]] = []
         self._lock = threading.Lock()
         self._side_streams: dict[int, Any] = {}
         self.capturing_skipped = 0
@@ -181,7 +182,13 @@ class Hasher:
                     self._stat_bytes[key] = size
                 if size >= STATS_BATCH_BYTES:
                     self._reduce_group(key)
-            if self.algorithm == "md5":
+            if self.algorithm == "fast":
+                from tracer.fingerprint import fingerprint_tensor
+
+                fp = fingerprint_tensor(t)
+                with self._lock:
+                    self._fingerprints.append((rec, fp))
+            elif self.algorithm == "md5":
                 # A float32 snapshot already holds the exact bytes: hash it, skip another copy.
                 if flat is not None and flat.dtype == t.dtype and flat.device.type == "cpu" and not t.is_conj() \
                         and not t.is_neg() and flat.numel() * flat.element_size() <= INLINE_BYTES:
@@ -260,6 +267,18 @@ class Hasher:
             self._reduce_group(key)
         with self._lock:
             results, self._stat_results = self._stat_results, []
+            fps, self._fingerprints = self._fingerprints, []
+        if fps:
+            from tracer.fingerprint import fingerprint_hex
+
+            by_device: dict[torch.device, list[tuple[TensorRecord, torch.Tensor]]] = {}
+            for rec, fp in fps:
+                by_device.setdefault(fp.device, []).append((rec, fp))
+            with torch._C.DisableTorchFunction():
+                for items in by_device.values():
+                    rows = torch.stack([fp for _, fp in items]).cpu().tolist()  # one fetch per device
+                    for (rec, _), row in zip(items, rows):
+                        rec.fingerprint = fingerprint_hex(row)
         with torch._C.DisableTorchFunction():
             for recs, result in results:
                 for rec, row in zip(recs, result.cpu().tolist()):  # one fetch per batch
@@ -277,7 +296,7 @@ class Hasher:
 
     def pending(self) -> set[int]:
         with self._lock:
-            waiting = {id(r) for r, _, _ in self._jobs}
+            waiting = {id(r) for r, _, _ in self._jobs} | {id(r) for r, _ in self._fingerprints}
             for items in self._stat_groups.values():
                 waiting.update(id(r) for r, _ in items)
             for recs, _ in self._stat_results:

@@ -50,7 +50,9 @@ def trace(*, hash: str = "md5", stacks: bool = True, stats: bool | None = None,
           steps: str | None = None, every: int | None = None, **step_options: Any) -> Any:
     """Record forward API calls, grad nodes, call stacks and tensor checksums of a block.
 
-    ``hash``: ``"md5"`` (exact MD5 of every tensor, the default) or ``"none"``.
+    ``hash``: ``"md5"`` (exact MD5 of every tensor, the default), ``"fast"`` (a 128-bit
+    order-sensitive fingerprint computed on the tensor's device, ``tracer.fingerprint``) or
+    ``"none"``.
     ``stacks``: capture the user's call stack of every call (cheap, on by default).
     ``stats``: min/max/mean/absmax/NaN/Inf of every tensor (default: on when hashing).
     ``out``: stream the trace to this file while recording (a crash keeps what was flushed).
@@ -104,8 +106,8 @@ class TraceSession:
                  listeners: list[Listener] | None = None, memory: bool = False,
                  max_calls: int | None = None, check_numerics: bool = False,
                  raise_on_nonfinite: bool = False) -> None:
-        if hash not in ("md5", "none"):
-            raise TraceError(f"hash must be 'md5' or 'none', got {hash!r}")
+        if hash not in ("md5", "fast", "none"):
+            raise TraceError(f"hash must be 'md5', 'fast' or 'none', got {hash!r}")
         self.hash = hash
         self.stacks = stacks
         self.check_numerics = check_numerics or raise_on_nonfinite
@@ -152,6 +154,10 @@ class TraceSession:
                                  on_records=self._maybe_flush if self.out else None)
         t.header["node_attribution"] = rec.node_attribution
         rec.max_calls = self.max_calls
+        if self.hash == "fast":
+            from tracer.fingerprint import ALGORITHM
+
+            t.header["fingerprint"] = ALGORITHM
         if self.memory:
             from tracer.memory import MemoryListener
 
