@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 from export.align import Pair, align_calls, align_steps, call_mapping
 from export.cli import UserError
 from tracer.model import SCHEMA_VERSION, Frame, GradNode, Stats, TensorRecord, Trace
+from tracer.numerics import NumericsReport, find_anomalies
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -361,7 +362,18 @@ class DiffResult:
                 "rtol": None if t is None else t.rtol, "atol": None if t is None else t.atol,
                 "forward": self.forward.to_json(), "backward": self.backward.to_json(),
                 "params": [p.to_json() for p in self.params if p.differs],
-                "params_compared": len(self.params), "notes": self.notes}
+                "params_compared": len(self.params), "notes": self.notes,
+                "numerics": {side: r.to_json() for side, r in self.numerics().items()}}
+
+    def numerics(self) -> dict[str, NumericsReport]:
+        """Each side's first NaN/Inf (forward and backward), for the sides that have any."""
+        out = {}
+        for side, trace in (("A", self.trace_a), ("B", self.trace_b)):
+            if trace is not None:
+                report = find_anomalies(trace)
+                if not report.clean:
+                    out[side] = report
+        return out
 
     def render(self, console: Console) -> None:
         """Rich output: the verdict line first, then the tables."""
@@ -840,6 +852,10 @@ def _render(result: DiffResult, console: Console) -> None:
     for n in result.notes + result.forward.notes + result.backward.notes:
         console.print(tx(f"note: {n}", "dim"))
     console.print(tx(f"A: {result.a_label}   B: {result.b_label}", "dim"))
+    for side, report in result.numerics().items():
+        for anomaly in (report.forward, report.backward):
+            if anomaly is not None:
+                console.print(tx(f"{side}: {anomaly.describe()}", "red"))
 
     t = Table(title="Summary", title_justify="left")
     for col in ("section", "compared", "differing", "inserted", "removed", "verdict"):

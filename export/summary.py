@@ -282,6 +282,11 @@ def _render_nonfinite(trace: Trace, console: Console) -> None:
     if not bad:
         console.print(f"No NaN or Inf in the {len(with_stats)} tensors with stats.")
         return
+    # The verdict first: where the first non-finite value was made, forward and backward.
+    report = trace.anomalies
+    for anomaly in (report.forward, report.backward):
+        if anomaly is not None:
+            console.print(Text(anomaly.describe(), style="bold red"))
     table = Table(title=f"Tensors with NaN or Inf ({len(bad)} of {len(with_stats)})", box=box.SIMPLE_HEAD,
                   title_justify="left", title_style="bold red")
     for col in ("tensor", "shape", "dtype", "role", "producer"):

@@ -249,3 +249,28 @@ def test_f_linear_error_in_module_reports_module_path():
     note = info.value.__notes__[0]
     assert "created by relu0 (torch.nn.functional.relu) in module '<root>'" in note
     assert "relu0:out, saved for backward by relu0" in note and "relu_0" in note
+
+
+def test_summary_and_diff_show_the_first_nonfinite(capsys):
+    from rich.console import Console
+
+    from export.diff import diff
+    from export.summary import render_summary
+
+    def run(poison: bool) -> tracer.Trace:
+        torch.manual_seed(0)
+        model = nn.Sequential(*[Block(i, poison=poison and i == 3) for i in range(5)])
+        with warnings.catch_warnings(record=True), tracer.trace(check_numerics=True) as t:
+            model(torch.randn(4, 8)).sum().backward()
+        return t
+
+    clean, bad = run(False), run(True)
+    console = Console(width=200, force_terminal=False)
+    render_summary(bad, console)
+    out = capsys.readouterr().out
+    assert "first NaN in forward: log0:out (32 NaN, 0 Inf) made by log0 [torch.log] in module 3 — origin" in out
+    result = diff(clean, bad)
+    result.render(console)
+    out = capsys.readouterr().out
+    assert "B: first NaN in forward: log0:out" in out and "A: first" not in out
+    assert result.to_json()["numerics"]["B"]["forward"]["producer"] == "log0"

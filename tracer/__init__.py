@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from tracer.fileformat import TruncatedTraceWarning, load
 from tracer.hashing import md5_of
+from tracer.logs import get_log_level, log_scope, set_log_level
 from tracer.model import (
     SCHEMA_VERSION,
     BackwardRun,
@@ -46,7 +47,10 @@ __all__ = [
     "__version__",
     "check_numerics",
     "explain_errors",
+    "get_log_level",
     "load",
+    "log_scope",
     "md5_of",
+    "set_log_level",
     "trace",
 ]

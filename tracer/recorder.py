@@ -216,6 +216,16 @@ class Recorder:
                 local.remove()
             self._remove_module_hooks()
 
+    @property
+    def function_depth(self) -> int:
+        """How many custom Function forwards enclose the call being recorded."""
+        return len(self._parents)
+
+    @property
+    def running_node(self) -> str | None:
+        """The grad node running now (innermost), when a backward is in progress."""
+        return self._running[-1] if self._running else None
+
     def stop(self, reason: str) -> None:
         """Stop recording cleanly (a bound was reached); the trace and the console say why."""
         if self.stopped:
