@@ -22,6 +22,7 @@ COMMAND_MODULES = (
     "export.dot",       # dot
     "export.html",      # report
     "export.diff",      # diff
+    "tracer.run",       # run
 )
 
 

@@ -27,6 +27,7 @@ from tracer.model import (
 )
 from tracer.numerics import NonFiniteError, NumericsReport
 from tracer.session import NumericsWarning, TraceError, __version__, check_numerics, explain_errors, trace
+from tracer.steps import step
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -52,5 +53,6 @@ __all__ = [
     "log_scope",
     "md5_of",
     "set_log_level",
+    "step",
     "trace",
 ]

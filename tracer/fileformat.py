@@ -5,6 +5,12 @@ A file is a ``header`` record, then any mix of ``meta``, ``frame``, ``stack``, `
 in any order after the header because a streamed file writes each one as soon as it is final
 (a tensor when its checksum is ready, a backward run when it ends). A file without its ``end``
 record was cut short (a crash): it loads with a warning and ``status == "truncated"``.
+
+A file may also hold several complete traces one after another (``tracer.trace(steps=...)``
+appends one per traced training step): each segment starts with its own ``header`` record, which
+carries the segment's ``step`` number, and ends with its ``end`` record. ``load`` returns the
+first segment (or ``step=N``) and lists the steps in ``meta["steps_in_file"]``; ``load_steps``
+returns them all.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import gzip
 import io
 import json
 import os
+import re
 import warnings
 from typing import IO, Any
 
@@ -35,10 +42,11 @@ class TruncatedTraceWarning(UserWarning):
     """The trace file ended before its end record; what was written is returned."""
 
 
-def _open_write(path: str, gz: bool | None = None) -> IO[str]:
+def _open_write(path: str, gz: bool | None = None, append: bool = False) -> IO[str]:
+    # Appending to a gzip file adds a gzip member; readers decompress members back to back.
     if str(path).endswith(".gz") if gz is None else gz:
-        return io.TextIOWrapper(gzip.open(path, "wb"), encoding="utf-8")
-    return open(path, "w", encoding="utf-8")
+        return io.TextIOWrapper(gzip.open(path, "ab" if append else "wb"), encoding="utf-8")
+    return open(path, "a" if append else "w", encoding="utf-8")
 
 
 def _dumps(record: dict[str, Any]) -> str:
@@ -58,11 +66,15 @@ def write_trace(trace: Trace, path: str) -> None:
 
 
 class StreamWriter:
-    """Appends records to a trace file as recording goes, flushing so a crash loses little."""
+    """Appends records to a trace file as recording goes, flushing so a crash loses little.
 
-    def __init__(self, path: str) -> None:
+    ``append=True`` adds a segment after what the file holds (a multi-step file) instead of
+    starting the file afresh.
+    """
+
+    def __init__(self, path: str, append: bool = False) -> None:
         self.path = str(path)
-        self._fh: IO[str] | None = _open_write(self.path)
+        self._fh: IO[str] | None = _open_write(self.path, append=append)
 
     def write(self, records: list[dict[str, Any]]) -> None:
         if self._fh is None or not records:
@@ -118,10 +130,91 @@ def _parse_constant(name: str) -> float:
     return float(name)
 
 
-def load(path: str | os.PathLike[str]) -> Trace:
-    """Load a trace file. Raises ``TraceFormatError`` with a one-line reason if it can't."""
+def load(path: str | os.PathLike[str], step: int | None = None) -> Trace:
+    """Load a trace file. Raises ``TraceFormatError`` with a one-line reason if it can't.
+
+    A file of several traced steps gives its first step, or step ``step``; the step numbers the
+    file holds are then in ``meta["steps_in_file"]``.
+    """
     path = os.fspath(path)
     lines = _read_lines(path)
+    segments = _segments(path, lines)
+    steps = [h.get("step") if h is not None else None for _, _, h in segments]
+    index = 0
+    if step is not None:
+        matches = [i for i, s in enumerate(steps) if s == step]
+        if not matches:
+            held = ", ".join(str(s) for s in steps if s is not None)
+            raise TraceFormatError(f"{path}: no step {step} in this file "
+                                   f"({'steps: ' + held if held else 'it holds no step numbers'})")
+        index = matches[0]
+    trace = _load_segment(path, lines, segments, index)
+    _note_steps(trace, steps)
+    return trace
+
+
+def load_steps(path: str | os.PathLike[str]) -> dict[int, Trace]:
+    """Every step of a multi-step trace file, by step number, in file order.
+
+    Raises ``TraceFormatError`` for a file whose traces carry no step number (a plain trace:
+    use ``load``). Where a step number occurs twice the first segment is kept.
+    """
+    path = os.fspath(path)
+    lines = _read_lines(path)
+    segments = _segments(path, lines)
+    steps = [h.get("step") if h is not None else None for _, _, h in segments]
+    out: dict[int, Trace] = {}
+    for i, s in enumerate(steps):
+        if not isinstance(s, int) or isinstance(s, bool):
+            where = f"the trace at line {segments[i][0] + 1}" if len(segments) > 1 else "this trace"
+            raise TraceFormatError(f"{path}: {where} has no step number (not a file of traced steps; "
+                                   "use tracer.load)")
+        if s not in out:
+            out[s] = _load_segment(path, lines, segments, i)
+            _note_steps(out[s], steps)
+    return out
+
+
+def _note_steps(trace: Trace, steps: list[Any]) -> None:
+    if any(s is not None for s in steps):
+        trace.meta["steps_in_file"] = list(steps)
+
+
+# Where a new segment starts: a header record on a line of its own. The writer always puts the
+# type first ('{"t":"header"'); the pattern also takes hand-written spacing.
+_HEADER_LINE = re.compile(r'\s*\{\s*"t"\s*:\s*"header"')
+
+
+def _segments(path: str, lines: list[str]) -> list[tuple[int, int, dict[str, Any] | None]]:
+    """(first line, end line, header) of each trace in the file; the first header is parsed
+    leniently here (``_load_segment`` reports its errors), the later ones strictly."""
+    first = next((i for i, line in enumerate(lines) if line.strip()), len(lines))
+    starts = [first] + [i for i in range(first + 1, len(lines)) if _HEADER_LINE.match(lines[i])]
+    out: list[tuple[int, int, dict[str, Any] | None]] = []
+    for k, start in enumerate(starts):
+        stop = starts[k + 1] if k + 1 < len(starts) else len(lines)
+        try:
+            head = json.loads(lines[start], parse_constant=_parse_constant) if start < len(lines) else None
+        except json.JSONDecodeError as exc:
+            if k == 0:
+                head = None
+            elif start == len(lines) - 1:  # a header cut off mid-line by a crash: nothing follows it
+                break
+            else:
+                raise TraceFormatError(f"{path}: corrupt record at line {start + 1}: {exc.msg}") from None
+        if k > 0:
+            try:
+                _check_header(path, head if isinstance(head, dict) else {})
+            except TraceFormatError as exc:
+                reason = str(exc).split(": ", 1)[-1]
+                raise TraceFormatError(f"{path}: line {start + 1}: bad header of a later trace ({reason})") from None
+        out.append((start, stop, head if isinstance(head, dict) else None))
+    return out
+
+
+def _load_segment(path: str, lines: list[str], segments: list[tuple[int, int, dict[str, Any] | None]],
+                  index: int) -> Trace:
+    start, stop, _ = segments[index]
     # A final empty string after the last newline is normal; an unterminated last line means
     # the writer was cut off mid-record.
     trace = Trace()
@@ -130,7 +223,8 @@ def load(path: str | os.PathLike[str]) -> Trace:
     frames: dict[int, Frame] = {}
     stacks: dict[int, tuple[int, ...]] = {}
     last = len(lines) - 1
-    for lineno, line in enumerate(lines, start=1):
+    for lineno in range(start + 1, stop + 1):
+        line = lines[lineno - 1]
         if not line.strip():
             continue
         try:
@@ -161,6 +255,10 @@ def load(path: str | os.PathLike[str]) -> Trace:
             ended = True
     if not seen_header:
         raise TraceFormatError(f"{path}: empty file, not a gradtrace trace")
+    if not ended and index + 1 < len(segments):
+        # Only a finished trace may be followed by another one.
+        raise TraceFormatError(f"{path}: line {segments[index + 1][0] + 1}: a second header record "
+                               "before the end record of the trace above it")
     trace.frames = [frames[i] if i in frames else Frame("?", 0, "?", "") for i in range(_span(frames))]
     trace.stacks = [stacks.get(i, ()) for i in range(_span(stacks))]
     for sid in stacks.values():
@@ -170,7 +268,7 @@ def load(path: str | os.PathLike[str]) -> Trace:
     if not ended:
         trace.status = "truncated"
         warnings.warn(f"{path}: trace ends before its end record (recording was cut off); "
-                      f"loaded {len(trace.calls)} calls that were written", TruncatedTraceWarning, stacklevel=2)
+                      f"loaded {len(trace.calls)} calls that were written", TruncatedTraceWarning, stacklevel=3)
     trace.calls.sort(key=lambda c: c.seq)
     trace.grad_nodes.sort(key=lambda n: n.seq)
     trace.backward_runs.sort(key=lambda b: b.seq)

@@ -60,6 +60,7 @@ def trace(*, hash: str = "md5", stacks: bool = True, stats: bool | None = None,
     ``listeners``: extra ``tracer.listeners.Listener`` objects to attach to the recorder.
     ``memory``: also record every allocation and free, attributed to calls and grad nodes.
     ``max_calls``: stop recording cleanly after this many calls (the trace says so).
+    ``max_bytes``: likewise once the trace's records reach about this many bytes.
     ``check_numerics``: stats (NaN/Inf counts) for every tensor even without hashing; at the end
     the first non-finite tensor of forward and of backward is reported (``t.anomalies``).
     ``raise_on_nonfinite``: stop at the first NaN/Inf with ``NonFiniteError`` (syncs once per
@@ -75,8 +76,13 @@ def trace(*, hash: str = "md5", stacks: bool = True, stats: bool | None = None,
         return StepTrace(steps=steps, every=every, hash=hash, stacks=stacks, stats=stats, out=out,
                          flush_every=flush_every, listeners=listeners, memory=memory, max_calls=max_calls,
                          check_numerics=check_numerics, raise_on_nonfinite=raise_on_nonfinite, **step_options)
+    max_bytes = step_options.pop("max_bytes", None)
     if step_options:
         raise TraceError(f"unknown option(s) for tracer.trace(): {', '.join(sorted(step_options))}")
+    if max_bytes is not None:
+        from tracer.steps import Bounds
+
+        listeners = [*(listeners or []), Bounds(max_bytes=int(max_bytes))]
     return TraceSession(hash=hash, stacks=stacks, stats=stats, out=out, flush_every=flush_every,
                         listeners=listeners, memory=memory, max_calls=max_calls,
                         check_numerics=check_numerics, raise_on_nonfinite=raise_on_nonfinite)

@@ -1,0 +1,517 @@
+"""Trace chosen steps of a long training run: ``tracer.trace(steps="100,200-202")`` / ``every=500``.
+
+    with tracer.trace(steps="10,40", out="run.gtrace"):
+        for batch in loader:                     # the whole loop, unchanged
+            loss = model(batch).loss
+            loss.backward()
+            opt.step()                           # each optimizer step ends a training step
+            opt.zero_grad()
+
+Step boundaries come from PyTorch's global optimizer step post-hook: the first
+``optimizer.step()`` ends step 0, so step N is everything from the end of step N-1's
+``optimizer.step()`` to the end of step N's. Loops without an optimizer (or that count steps
+their own way) mark boundaries with ``tracer.step()``. Between chosen steps only that one global
+hook is installed: no mode, no module hooks, no ``Function.apply`` wrapper, so untraced steps
+run at plain speed (``benchmarks/untraced_steps.py`` measures it).
+
+Each chosen step is a complete trace whose header carries ``"step": N``. With ``out=`` the steps
+are streamed one after another into that file (``tracer.load(path, step=N)`` and
+``tracer.fileformat.load_steps(path)`` read them back) or, with ``per_step_files=True``, into
+``run.step10.gtrace``, ``run.step40.gtrace``; without ``out`` they stay in memory
+(``StepTrace.traces``). ``max_calls`` / ``max_bytes`` bound the whole run, all steps together:
+when a bound is reached, the step being recorded stops cleanly (its trace says so), a warning
+says so on the console, and later chosen steps are not traced.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from tracer import recorder as _recorder
+from tracer.fileformat import StreamWriter
+from tracer.listeners import Listener
+from tracer.model import Trace
+from tracer.session import TraceError, TraceSession
+
+_ACTIVE: StepTrace | None = None
+
+
+# ---- which steps -------------------------------------------------------------------------------
+_RANGE = re.compile(r"^(\d+)\s*(?:-\s*(\d*))?$")
+
+
+@dataclass(frozen=True)
+class StepSelection:
+    """The chosen step numbers: listed steps and ranges, an open range (``"100-"``), every k-th."""
+
+    steps: frozenset[int] = frozenset()
+    start_from: int | None = None  # every step from this one on
+    every: int | None = None  # steps 0, every, 2*every, ...
+
+    @classmethod
+    def parse(cls, steps: str | int | Iterable[int] | None = None, every: int | None = None) -> StepSelection:
+        """``steps``: ``"100,200-202"``, ``"500-"``, an int or ints; ``every``: k for steps 0, k, 2k, ..."""
+        chosen: set[int] = set()
+        start_from = None
+        if isinstance(steps, bool):
+            raise TraceError(f"steps must be step numbers like '10,40' or '100-105', got {steps!r}")
+        if isinstance(steps, int):
+            steps = [steps]
+        if isinstance(steps, str):
+            for part in steps.split(","):
+                m = _RANGE.match(part.strip())
+                if m is None:
+                    raise TraceError(f"bad steps {steps!r}: {part.strip()!r} is not a step number or a range "
+                                     "(write steps like '10,40' or '100-105' or '500-')")
+                lo, hi = int(m.group(1)), m.group(2)
+                if hi is None:
+                    chosen.add(lo)
+                elif hi == "":
+                    start_from = lo if start_from is None else min(start_from, lo)
+                elif int(hi) < lo:
+                    raise TraceError(f"bad steps {steps!r}: the range {part.strip()!r} runs backwards")
+                else:
+                    chosen.update(range(lo, int(hi) + 1))
+        elif steps is not None:
+            for s in steps:
+                if not isinstance(s, int) or isinstance(s, bool) or s < 0:
+                    raise TraceError(f"steps must be step numbers (ints >= 0), got {s!r}")
+                chosen.add(s)
+        if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
+            raise TraceError(f"every must be a positive number of steps, got {every!r}")
+        if not chosen and start_from is None and every is None:
+            raise TraceError("no step chosen: give steps='10,40' (or a range '100-105') or every=N")
+        return cls(frozenset(chosen), start_from, every)
+
+    def __contains__(self, step: object) -> bool:
+        if not isinstance(step, int):
+            return False
+        return (step in self.steps or (self.start_from is not None and step >= self.start_from)
+                or (self.every is not None and step >= 0 and step % self.every == 0))
+
+    def __str__(self) -> str:
+        parts = [str(s) for s in sorted(self.steps)]
+        if self.start_from is not None:
+            parts.append(f"{self.start_from}-")
+        if self.every is not None:
+            parts.append(f"every {self.every}")
+        return ", ".join(parts)
+
+
+# ---- bounds ------------------------------------------------------------------------------------
+class Bounds(Listener):
+    """Stops recording once a trace (plus ``*_before``, what earlier steps used) reaches a bound.
+
+    ``max_bytes`` bounds the size of the trace's records. Counting exact JSON bytes per call
+    would cost a serialisation per call, so the size is estimated from record counts times the
+    average size of each record kind (measured on GPT-2 traces, with md5 and stats, which
+    dominate); a streamed step's real file size replaces the estimate once the step is written.
+    Usable on its own: ``tracer.trace(listeners=[Bounds(max_bytes=50_000_000)])``.
+    """
+
+    CALL_BYTES = 310
+    TENSOR_BYTES = 400
+    NODE_BYTES = 210
+    NODE_RUN_BYTES = 120
+
+    def __init__(self, max_calls: int | None = None, max_bytes: int | None = None, *,
+                 calls_before: int = 0, bytes_before: int = 0) -> None:
+        self.max_calls = max_calls
+        self.max_bytes = max_bytes
+        self.calls_before = calls_before
+        self.bytes_before = bytes_before
+        self.recorder: _recorder.Recorder | None = None
+        self.tripped: str | None = None
+        self._node_runs = 0
+
+    def estimate(self, trace: Trace) -> int:
+        """Estimated bytes of the trace's records so far."""
+        return (len(trace.calls) * self.CALL_BYTES + len(trace.tensors) * self.TENSOR_BYTES
+                + len(trace.grad_nodes) * self.NODE_BYTES + self._node_runs * self.NODE_RUN_BYTES)
+
+    def on_call(self, trace: Trace, call: Any, token: Any, outputs: list[Any]) -> None:
+        if self.tripped is not None:
+            return
+        if self.max_calls is not None and self.calls_before + len(trace.calls) >= self.max_calls:
+            earlier = f" ({self.calls_before} in earlier steps)" if self.calls_before else ""
+            self._stop(f"recording stopped at max_calls={self.max_calls}{earlier}: later calls, grad nodes "
+                       "and backward runs were not recorded")
+        else:
+            self._check_bytes(trace)
+
+    def on_node_end(self, trace: Trace, node: str, step: Any, grads: tuple[Any, ...]) -> None:
+        self._node_runs += 1
+        if self.tripped is None:
+            self._check_bytes(trace)
+
+    def _check_bytes(self, trace: Trace) -> None:
+        if self.max_bytes is not None and self.bytes_before + self.estimate(trace) >= self.max_bytes:
+            earlier = f" ({self.bytes_before} in earlier steps)" if self.bytes_before else ""
+            self._stop(f"recording stopped at max_bytes={self.max_bytes}{earlier}, estimated size of the "
+                       "trace's records: later calls, grad nodes and backward runs were not recorded")
+
+    def _stop(self, reason: str) -> None:
+        rec = self.recorder or _recorder.active_recorder()
+        self.tripped = reason
+        if rec is not None:
+            rec.stop(reason)
+
+
+# ---- one step's trace ----------------------------------------------------------------------------
+class _StepSession(TraceSession):
+    """A TraceSession whose header says its step and whose file may already hold earlier steps."""
+
+    def __init__(self, step: int, path: str | None, append: bool, **options: Any) -> None:
+        super().__init__(out=None, **options)
+        self.step = step
+        self.path = path
+        self.offset = 0  # where this step's records start in the file
+        self._append = append
+
+    def __enter__(self) -> Trace:
+        # The base class opens its file for writing from scratch; a step file is appended to, so
+        # the session starts unstreamed and gets its (appending) writer here, before anything has
+        # been recorded.
+        t = super().__enter__()
+        t.header["step"] = self.step
+        if self.path is None:
+            return t
+        try:
+            dist = t.header.get("distributed")
+            if isinstance(dist, dict) and "rank" in dist:  # one file per rank, as plain traces do
+                from tracer.distributed import rank_path
+
+                self.path = rank_path(self.path, dist["rank"])
+            if self._append and os.path.exists(self.path):
+                self.offset = os.path.getsize(self.path)
+            self._writer = StreamWriter(self.path, append=self._append)
+            self.out = t.meta["out"] = self.path
+            self._writer.write([t.header_record(), {"t": "meta", **t.meta}])
+            assert self._recorder is not None
+            self._recorder.on_records = self._maybe_flush
+        except BaseException as exc:
+            self.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        return t
+
+
+class StepObserver:
+    """What a progress display hears about traced steps (all no-ops here)."""
+
+    def step_begin(self, step: int, trace: Trace) -> None:
+        """Step ``step`` starts being recorded into ``trace`` (live: its lists grow)."""
+
+    def step_finishing(self, step: int, trace: Trace) -> None:
+        """Step ``step`` ended; its checksums are being waited for and its records written."""
+
+    def step_end(self, step: int, trace: Trace, path: str | None) -> None:
+        """Step ``step`` is complete (written to ``path`` when streaming)."""
+
+    def step_skipped(self, step: int, reason: str) -> None:
+        """A chosen step was not traced."""
+
+    def step_discarded(self, step: int) -> None:
+        """Step ``step`` had begun but the traced block ended before anything of it ran."""
+
+
+def step_path(out: str, step: int) -> str:
+    """The per-step file of ``out``: ``run.gtrace`` -> ``run.step10.gtrace``."""
+    for suffix in (".gtrace.gz", ".gtrace", ".jsonl.gz", ".jsonl", ".gz"):
+        if out.endswith(suffix) and len(out) > len(suffix):
+            return f"{out[: -len(suffix)]}.step{step}{suffix}"
+    root, ext = os.path.splitext(out)
+    return f"{root}.step{step}{ext}"
+
+
+class StepRecorder:
+    """Starts and ends the trace of one step at a time and writes each where it belongs.
+
+    Shared by ``StepTrace`` (boundaries from optimizer steps) and the framework callbacks
+    (boundaries from the trainer's own step events).
+    """
+
+    def __init__(self, *, out: str | os.PathLike[str] | None = None, per_step_files: bool = False,
+                 max_calls: int | None = None, max_bytes: int | None = None,
+                 observer: StepObserver | None = None, hash: str = "md5", stacks: bool = True,
+                 stats: bool | None = None, flush_every: int = 1024, listeners: list[Listener] | None = None,
+                 memory: bool = False, check_numerics: bool = False, raise_on_nonfinite: bool = False) -> None:
+        if per_step_files and out is None:
+            raise TraceError("per_step_files=True needs out= (the name the step files are made from)")
+        for name, bound in (("max_calls", max_calls), ("max_bytes", max_bytes)):
+            if bound is not None and (not isinstance(bound, int) or bound < 1):
+                raise TraceError(f"{name} must be a positive integer, got {bound!r}")
+        self.out = None if out is None else os.fspath(out)
+        self.per_step_files = per_step_files
+        self.max_calls = max_calls
+        self.max_bytes = max_bytes
+        self.observer = observer or StepObserver()
+        self.options: dict[str, Any] = {"hash": hash, "stacks": stacks, "stats": stats,
+                                        "flush_every": flush_every, "memory": memory,
+                                        "check_numerics": check_numerics,
+                                        "raise_on_nonfinite": raise_on_nonfinite}
+        self.listeners = list(listeners or [])
+        TraceSession(**self.options)  # refuses bad options now, not at the first chosen step
+        self.steps: list[int] = []  # the steps traced, in order
+        self.paths: list[str] = []  # the files written, in order (one, or one per step)
+        self.traces: dict[int, Trace] = {}  # kept only when nothing is written to a file
+        self.skipped: list[int] = []  # chosen steps not traced (a bound was reached, a trace was active)
+        self.exhausted: str | None = None  # why no more steps are traced
+        self.calls_used = 0
+        self.bytes_used = 0
+        self._open: tuple[int, _StepSession, Bounds | None, str | None, int, bool] | None = None
+        self._file_started = False
+        self._pending_skip: tuple[int, str] | None = None
+
+    @property
+    def recording(self) -> int | None:
+        """The step being recorded now, or None."""
+        return self._open[0] if self._open is not None else None
+
+    def begin(self, step: int, root_module: Any = None) -> Trace | None:
+        """Start recording step ``step``; None (and a warning) when it can't be traced.
+
+        ``root_module``: the model whose module paths name the parameters (a trainer's
+        LightningModule, whose forward may never be called itself); by default the first module
+        called is the root."""
+        if self._open is not None:
+            self.end(completed=False)
+        self._pending_skip = None
+        if self.exhausted is not None:
+            # Reported when the step ends: a chosen step the loop never reaches is not "skipped".
+            self._pending_skip = (step, self.exhausted)
+            return None
+        active = _recorder.active_recorder()
+        if active is not None and not active.closed:
+            self._pending_skip = (step, "another tracer.trace() block was active (traces do not nest)")
+            warnings.warn(f"gradtrace: step {step} not traced: another tracer.trace() block is active",
+                          RuntimeWarning, stacklevel=3)
+            return None
+        path: str | None = None
+        append = False
+        if self.out is not None:
+            path = step_path(self.out, step) if self.per_step_files else self.out
+            append = not self.per_step_files and self._file_started
+        bounds = None
+        if self.max_calls is not None or self.max_bytes is not None:
+            bounds = Bounds(self.max_calls, self.max_bytes, calls_before=self.calls_used,
+                            bytes_before=self.bytes_used)
+        session = _StepSession(step, path, append, listeners=[*self.listeners, *([bounds] if bounds else [])],
+                               **self.options)
+        trace = session.__enter__()
+        # Held from here on, so that whatever fails below, end() still closes the session.
+        self._open = (step, session, bounds, session.path, session.offset, append)
+        if path is not None and not self.per_step_files:
+            self._file_started = True
+        if bounds is not None:
+            bounds.recorder = session._recorder
+        # The recorder names parameters from the first module it sees; a trainer knows the model.
+        register = getattr(session._recorder, "_register_module", None)
+        if root_module is not None and register is not None:
+            register(root_module)
+        self.observer.step_begin(step, trace)
+        return trace
+
+    def end(self, exc: BaseException | None = None, *, completed: bool = True) -> Trace | None:
+        """End the step being recorded (``completed``: its boundary was reached; otherwise the
+        traced block ended first, with ``exc`` if it raised). Returns its trace, or None when
+        nothing was recording or the unfinished step recorded nothing (then nothing is kept)."""
+        if self._open is None:
+            if self._pending_skip is not None and completed:
+                self._skip(*self._pending_skip)
+            self._pending_skip = None
+            return None
+        step, session, bounds, path, offset, append = self._open
+        self._open = None
+        t = session.trace
+        assert t is not None
+        # sys.exit() is how a program ends, not something that happened to the step
+        empty = not completed and (exc is None or isinstance(exc, SystemExit)) and not t.calls \
+            and not t.backward_runs
+        if not completed and not empty:
+            t.notes.append(f"step {step} did not reach its end (optimizer.step() or tracer.step()): "
+                           "the traced block ended first")
+        self.observer.step_finishing(step, t)
+        session.__exit__(type(exc) if exc is not None else None, exc,
+                         exc.__traceback__ if exc is not None else None)
+        if empty:  # the loop ended right after the step before: nothing of this step ran
+            self._discard(path, offset, append)
+            self.observer.step_discarded(step)
+            return None
+        self.calls_used += len(t.calls)
+        if path is not None:
+            self.bytes_used += max(0, os.path.getsize(path) - offset)
+            if path not in self.paths:
+                self.paths.append(path)
+        else:
+            self.bytes_used += bounds.estimate(t) if bounds is not None else Bounds().estimate(t)
+            self.traces[step] = t
+        self.steps.append(step)
+        if bounds is not None and bounds.tripped is not None:
+            self.exhausted = f"a bound was reached during step {step} ({bounds.tripped.split(':')[0]})"
+        self.observer.step_end(step, t, path)
+        return t
+
+    def _discard(self, path: str | None, offset: int, append: bool) -> None:
+        if path is None:
+            return
+        if append:
+            os.truncate(path, offset)
+        else:
+            os.remove(path)
+            if not self.per_step_files:
+                self._file_started = False
+
+    def _skip(self, step: int, reason: str) -> None:
+        self.skipped.append(step)
+        self.observer.step_skipped(step, reason)
+
+
+# ---- around a whole loop ------------------------------------------------------------------------
+class StepTrace:
+    """What ``tracer.trace(steps=..., every=...)`` returns: a context manager around a training
+    loop that traces the chosen steps only. See the module docstring.
+
+    Extra options: ``max_bytes`` (bound on the estimated size of all traced steps),
+    ``per_step_files``, ``optimizer`` (count only this optimizer's steps, for loops with
+    several), ``observer`` (a ``StepObserver``, e.g. a progress display).
+    """
+
+    def __init__(self, *, steps: str | int | Iterable[int] | None = None, every: int | None = None,
+                 hash: str = "md5", stacks: bool = True, stats: bool | None = None,
+                 out: str | os.PathLike[str] | None = None, flush_every: int = 1024,
+                 listeners: list[Listener] | None = None, memory: bool = False,
+                 max_calls: int | None = None, check_numerics: bool = False, raise_on_nonfinite: bool = False,
+                 max_bytes: int | None = None, per_step_files: bool = False, optimizer: Any = None,
+                 observer: StepObserver | None = None) -> None:
+        self.selection = StepSelection.parse(steps, every)
+        self.recorder = StepRecorder(out=out, per_step_files=per_step_files, max_calls=max_calls,
+                                     max_bytes=max_bytes, observer=observer, hash=hash, stacks=stacks,
+                                     stats=stats, flush_every=flush_every, listeners=listeners, memory=memory,
+                                     check_numerics=check_numerics, raise_on_nonfinite=raise_on_nonfinite)
+        self.optimizer = optimizer
+        self.step = 0  # the step running now
+        self.manual = False  # the user marks boundaries with tracer.step(); optimizer steps don't count
+        self._owner: int | None = None
+        self._hook: Any = None
+
+    # what the run produced
+    @property
+    def steps(self) -> list[int]:
+        """The steps traced, in order."""
+        return self.recorder.steps
+
+    @property
+    def traces(self) -> dict[int, Trace]:
+        """The traces by step number, when nothing was written to a file (``out=None``)."""
+        return self.recorder.traces
+
+    @property
+    def paths(self) -> list[str]:
+        return self.recorder.paths
+
+    @property
+    def skipped(self) -> list[int]:
+        return self.recorder.skipped
+
+    def __enter__(self) -> StepTrace:
+        global _ACTIVE
+        if _ACTIVE is not None:
+            raise TraceError("tracer.trace(steps=...) is already active in this process; step traces do not nest")
+        active = _recorder.active_recorder()
+        if active is not None and not active.closed:
+            raise TraceError("tracer.trace() is already active in this process; traces do not nest. "
+                             "Put tracer.trace(steps=...) around the whole loop instead of the inner block.")
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        self._owner = threading.get_ident()
+        self.step = 0
+        self.manual = False
+        _ACTIVE = self
+        self._hook = register_optimizer_step_post_hook(self._on_optimizer_step)
+        try:
+            if 0 in self.selection:
+                self.recorder.begin(0)
+        except BaseException:
+            self._release()
+            raise
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> bool:
+        if isinstance(exc, SystemExit) and exc.code in (None, 0):
+            exc = None  # sys.exit(0) is how scripts end, not a failure of the step
+        try:
+            self.recorder.end(exc, completed=False)
+        finally:
+            self._release()
+        return False
+
+    def _release(self) -> None:
+        global _ACTIVE
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if _ACTIVE is self:
+            _ACTIVE = None
+
+    # ---- boundaries ------------------------------------------------------------------------------
+    def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.manual or threading.get_ident() != self._owner:
+            return
+        if self.optimizer is not None and optimizer is not self.optimizer \
+                and getattr(self.optimizer, "optimizer", None) is not optimizer:
+            return
+        self._boundary(self.step + 1)
+
+    def mark(self, n: int | None = None) -> None:
+        """A step boundary set by the user (``tracer.step``); from then on optimizer steps don't count."""
+        self.manual = True
+        if n is None:
+            self._boundary(self.step + 1)
+        elif n != self.step:  # `tracer.step(i)` at the top of the loop: step i is already current at i=0
+            self._boundary(int(n))
+
+    def _boundary(self, nxt: int) -> None:
+        # Runs inside optimizer.step() (a post-hook): a failure to write must not kill the
+        # training run, so it stops tracing with a warning instead.
+        try:
+            self.recorder.end(completed=True)
+            self.step = nxt
+            if nxt in self.selection:
+                self.recorder.begin(nxt)
+        except Exception as exc:
+            self.step = nxt
+            self.recorder.exhausted = f"tracing failed at step {nxt}: {type(exc).__name__}: {exc}"
+            warnings.warn(f"gradtrace: {self.recorder.exhausted}; later steps are not traced",
+                          RuntimeWarning, stacklevel=2)
+
+    def __repr__(self) -> str:
+        return (f"<StepTrace steps={self.selection} at step {self.step}, traced {self.steps}"
+                f"{', out=' + self.recorder.out if self.recorder.out else ''}>")
+
+
+def step(n: int | None = None) -> int | None:
+    """Mark a training-step boundary inside ``tracer.trace(steps=...)``.
+
+    ``tracer.step()`` at the end of an iteration ends the current step and starts the next;
+    ``tracer.step(i)`` at the top of iteration ``i`` starts step ``i`` (at the first iteration,
+    when step ``i`` is already the current one, it changes nothing). Once called, it replaces
+    the optimizer-step counting for the rest of the block. Outside a step trace (or on another
+    thread) it does nothing, so the call can stay in the code. Returns the current step number,
+    or None when no step trace is active.
+    """
+    st = _ACTIVE
+    if st is None or threading.get_ident() != st._owner:
+        return None
+    st.mark(n)
+    return st.step
+
+
+__all__ = ["Bounds", "StepObserver", "StepRecorder", "StepSelection", "StepTrace", "step", "step_path"]
