@@ -23,6 +23,7 @@ COMMAND_MODULES = (
     "export.html",      # report
     "export.diff",      # diff
     "tracer.run",       # run
+    "export.memory_cli",  # memory
 )
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from export.html_data import build_payload
+from export.memory_svg import MEMORY_CSS, memory_svg
 from tracer.model import Trace
 
 DEFAULT_MAX_BYTES = 20_000_000
@@ -81,7 +82,7 @@ _PAGE = """<!DOCTYPE html>
   <div id="gt-banners"></div>
 </header>
 <nav id="gt-toolbar">
-  <div class="group"><button data-tab="graph" class="on">Graph</button><button data-tab="table">Table</button></div>
+  <div class="group"><button data-tab="graph" class="on">Graph</button><button data-tab="table">Table</button>{memory_tab}</div>
   <div class="group"><label>show</label><button data-side="both" class="on">both</button><button data-side="fwd">forward</button><button data-side="bwd">backward</button></div>
   <div class="group"><label for="gt-module">module</label><select id="gt-module"></select></div>
   <div class="group"><label>fold</label><button id="gt-collapse" title="fold the deepest open level">− level</button><button id="gt-expand" title="unfold the next module level (stops before the page gets slow)">+ level</button><button id="gt-foldall" title="fold everything">all</button><button id="gt-initial" title="the folding the page opened with">reset</button><span id="gt-count" class="legend"></span></div>
@@ -98,6 +99,7 @@ _PAGE = """<!DOCTYPE html>
     <div id="gt-legend" class="legend"><span><i class="sw call"></i>call</span><span><i class="sw node"></i>grad node</span><span><i class="sw acc"></i>AccumulateGrad</span><span><i class="sw grp"></i>folded group</span><span><i class="sw bad"></i>NaN/Inf</span><span>drag to pan · wheel to zoom</span></div>
     <div id="gt-toast"></div>
     <div id="gt-table-wrap"></div>
+    {memory_view}
   </section>
   <aside id="gt-details"></aside>
 </main>
@@ -109,10 +111,15 @@ _PAGE = """<!DOCTYPE html>
 """
 
 
-def _assemble(payload: dict[str, Any], model: str) -> str:
+def _assemble(payload: dict[str, Any], model: str, memory: str | None = None) -> str:
     title = f"gradtrace · {model}" if model else "gradtrace report"
+    # The memory timeline is rendered here as escaped inline SVG: a tab of its own when the
+    # trace recorded memory (trace(memory=True)), absent otherwise.
+    memory_tab = '<button data-tab="memory">Memory</button>' if memory else ""
+    memory_view = f'<div id="gt-memory-wrap">{memory}</div>' if memory else ""
     return _PAGE.format(title=_html.escape(title), model=_html.escape(model or "trace"),
-                        css=_inline_css(_asset("report.css")), data=json_for_script(payload),
+                        memory_tab=memory_tab, memory_view=memory_view,
+                        css=_inline_css(_asset("report.css") + MEMORY_CSS), data=json_for_script(payload),
                         dagre=_inline_js(_asset("vendor/dagre.min.js")), js=_inline_js(_asset("report.js")))
 
 
@@ -124,7 +131,8 @@ def render(trace: Trace, *, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
 def _render(trace: Trace, max_bytes: int) -> tuple[str, dict[str, Any] | None]:
     """The page and, when the budget cut it, what was left out."""
     model = trace.modules.get("", "")
-    page = _assemble(build_payload(trace), model)
+    memory = memory_svg(trace)
+    page = _assemble(build_payload(trace), model, memory)
     if len(page.encode("utf-8")) <= max_bytes:
         return page, None
     # Too big: keep the longest prefix of calls that fits (binary search on the page size).
@@ -133,7 +141,7 @@ def _render(trace: Trace, max_bytes: int) -> tuple[str, dict[str, Any] | None]:
         mid = (lo + hi) // 2
         payload = build_payload(_first_calls(trace, mid))
         payload["omitted"] = _omitted(trace, mid, max_bytes)
-        candidate = _assemble(payload, model)
+        candidate = _assemble(payload, model, memory)
         if len(candidate.encode("utf-8")) <= max_bytes:
             best, lo = (candidate, payload["omitted"]), mid + 1
         else:

@@ -99,3 +99,10 @@ def test_meta_holds_host_and_paths_header_holds_settings():
     assert t.header["hash"] == "md5" and t.header["stacks"] is True
     assert t.header["torch"] == torch.__version__
     assert not any(os.getcwd() in json.dumps(v) for k, v in t.header.items())
+
+
+def test_streamed_trace_keeps_memory_records(tmp_trace):
+    with tracer.trace(hash="none", memory=True, out=tmp_trace) as t:
+        y = torch.ones(1000) * 2
+    assert t.memory and tracer.load(tmp_trace).memory == t.memory
+    del y

@@ -217,3 +217,27 @@ class _LossOf(torch.nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model(ids).logits
+
+
+def test_memory_tab_shows_the_timeline_with_hover_owners(tmp_path, browser):
+    import torch
+
+    import tracer
+    from export.html import html
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 8))
+    with tracer.trace(hash="none", memory=True) as t:
+        model(torch.randn(32, 64)).sum().backward()
+    out = tmp_path / "mem.html"
+    html(t, out)
+    page = browser.new_page()
+    errors: list[str] = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.goto(out.as_uri())
+    page.click('button[data-tab="memory"]')
+    assert page.locator("#gt-memory-svg").is_visible()
+    titles = page.locator("#gt-memory-svg circle.pt title").all_text_contents()
+    assert any(" by linear0" in s for s in titles) and any("[backward]" in s for s in titles)
+    assert "peak" in page.locator("#gt-memory-svg .peak-label").text_content()
+    assert not errors
+    page.close()

@@ -13,6 +13,7 @@ from __future__ import annotations
 from tracer.fileformat import TruncatedTraceWarning, load
 from tracer.hashing import md5_of
 from tracer.logs import get_log_level, log_scope, set_log_level
+from tracer.memory import MemoryRecord, memory_summary, record_memory
 from tracer.model import (
     SCHEMA_VERSION,
     BackwardRun,
@@ -35,6 +36,7 @@ __all__ = [
     "Call",
     "Frame",
     "GradNode",
+    "MemoryRecord",
     "NodeRun",
     "NonFiniteError",
     "NumericsReport",
@@ -52,6 +54,8 @@ __all__ = [
     "load",
     "log_scope",
     "md5_of",
+    "memory_summary",
+    "record_memory",
     "set_log_level",
     "step",
     "trace",

@@ -156,7 +156,7 @@ class Recorder:
         self._indegree: dict[tuple[str, int], int] = {}
         self._versions: dict[str, int] = {}
         self._handles: list[Any] = []
-        self._opaque: list[tuple[torch.nn.Module, Any, int | None, list[str], int, Any]] = []
+        self._opaque: list[tuple[torch.nn.Module, Any, int | None, list[str], int, Any, Any]] = []
         self._module_handles: list[Any] = []
         self._run: BackwardRun | None = None
         self._run_index = -1
@@ -211,7 +211,7 @@ class Recorder:
                     pass
             self._handles.clear()
             while self._opaque:
-                _, ctx, *_rest, local = self._opaque.pop()
+                _, ctx, *_rest, local, _tokens = self._opaque.pop()
                 ctx.__exit__(None, None, None)
                 local.remove()
             self._remove_module_hooks()
@@ -650,10 +650,11 @@ class Recorder:
             local = module.register_forward_hook(self._opaque_post, always_call=True)
         except TypeError:
             local = module.register_forward_hook(self._opaque_post)
+        tokens = [li.before_call() for li in self.listeners] if self.listeners else None
         ctx = torch._C.DisableTorchFunction()
         ctx.__enter__()
         self.paused = True
-        self._opaque.append((module, ctx, _get_seq() if _get_seq else None, in_names, seq, local))
+        self._opaque.append((module, ctx, _get_seq() if _get_seq else None, in_names, seq, local, tokens))
         note = "torch.compile regions are recorded as one opaque call each; the calls inside them were not seen"
         if note not in self.trace.notes:
             self.trace.notes.append(note)
@@ -661,14 +662,15 @@ class Recorder:
     def _opaque_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if not self._opaque or self._opaque[-1][0] is not module:
             return
-        _module, ctx, seq0, in_names, seq, local = self._opaque.pop()
+        _module, ctx, seq0, in_names, seq, local, tokens = self._opaque.pop()
         ctx.__exit__(None, None, None)
         local.remove()
         self.paused = bool(self._opaque)
         if not self._opaque:
             self._install_module_hooks()
         outs = _unique(flat_tensors(output))
-        self._finish_call("torch.compile", "compiled", "compiled", (), {}, [], in_names, outs, [], seq, seq0)
+        self._finish_call("torch.compile", "compiled", "compiled", (), {}, [], in_names, outs, [], seq, seq0,
+                          tokens=tokens)
         if self._module_stack:
             self._module_stack.pop()
 

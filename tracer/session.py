@@ -285,6 +285,8 @@ class TraceSession:
             done_runs = len(t.backward_runs) if (final or rec._run is None) else len(t.backward_runs) - 1
             out += [b.to_json() for b in t.backward_runs[n["runs"]:done_runs]]
             n["runs"] = max(n["runs"], done_runs)
+            if final:  # memory events are written by their listener's finish(), at the end
+                out += [{"t": "memory", **m} for m in t.memory]
         w.write(out)
         if not final:
             self._seqs_written.update(c["seq"] for c in out if c.get("t") == "call")

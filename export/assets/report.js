@@ -1135,8 +1135,9 @@
   function setTab(tab) {
     st.tab = tab;
     document.getElementById('gt-view').classList.toggle('table', tab === 'table');
+    document.getElementById('gt-view').classList.toggle('memory', tab === 'memory');
     document.querySelectorAll('[data-tab]').forEach(function (b) { b.classList.toggle('on', b.getAttribute('data-tab') === tab); });
-    if (tab === 'table') renderTable(); else render();
+    if (tab === 'table') renderTable(); else if (tab !== 'memory') render();
   }
 
   // ---- header, toolbar ------------------------------------------------------------------------
