@@ -24,6 +24,7 @@ COMMAND_MODULES = (
     "export.diff",      # diff
     "tracer.run",       # run
     "export.memory_cli",  # memory
+    "export.diff_ranks",  # diff-ranks
 )
 
 

@@ -802,6 +802,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                     "within tolerance), 1 diverged, 2 bad input.")
     p.add_argument("a", metavar="A", help="first trace (.gtrace)")
     p.add_argument("b", metavar="B", help="second trace (.gtrace)")
+    p.add_argument("more", nargs="*", metavar="TRACE", help="with --ranks: the other ranks' traces")
+    p.add_argument("--ranks", action="store_true",
+                   help="compare the per-rank traces of one data-parallel step (see gradtrace diff-ranks)")
     p.add_argument("--html", metavar="OUT", help="also write a self-contained HTML view")
     p.add_argument("--rtol", type=float, help="relative tolerance: compare by recorded stats, not checksums")
     p.add_argument("--atol", type=float, help="absolute tolerance: compare by recorded stats, not checksums")
@@ -811,6 +814,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def _run(args: argparse.Namespace) -> int:
     import sys
+
+    if args.ranks:
+        from export.diff_ranks import run_paths
+
+        return run_paths([args.a, args.b, *args.more], as_json=args.json)
+    if args.more:
+        raise UserError("diff compares two traces; pass --ranks to compare one trace per rank")
 
     from rich.console import Console
 

@@ -28,16 +28,17 @@ class TraceError(RuntimeError):
 
 
 def _distributed_info() -> dict[str, Any] | None:
-    """Rank, world size, backend and group layout when a process group is initialized."""
+    """Rank, world size, backend and group layout under a process group (or torchrun's
+    environment, for a trace that starts before ``init_process_group``)."""
     try:
         import torch.distributed as dist
     except ImportError:
         return None
-    if not (dist.is_available() and dist.is_initialized()):
+    if not dist.is_available():
         return None
-    from tracer.distributed import rank_info
+    from tracer.distributed import launched_rank_info, rank_info
 
-    return rank_info()
+    return rank_info() if dist.is_initialized() else launched_rank_info()
 
 
 class NumericsWarning(RuntimeWarning):

@@ -1,0 +1,545 @@
+"""Compare the per-rank traces of one data-parallel step: which rank departed first, and where.
+
+Data-parallel replicas (DDP, or FSDP's all-gathered parameters) must agree on some values and
+may differ on others. ``diff_ranks`` compares, by name across the ranks' traces, only what must
+agree:
+
+- parameters, every version (``w``, and ``w@v1`` after the optimizer step), and optimizer state;
+- buffers as first seen (DDP broadcasts them; their in-step updates are local);
+- gradients after the reduction: the outputs of DDP's all-reduce (``ddp_allreduce<k>``), a
+  parameter's gradient produced by a rank-invariant collective (``w@grad@v1`` after a manual
+  ``all_reduce``), the value on the parameter the optimizer saw (``w.grad``), and every later
+  version of these (a rank that nudges its gradient after the all-reduce shows up here);
+- outputs of collectives that return the same value on every rank of their group (all_reduce,
+  all_gather*, broadcast and their functional forms), compared among the ranks of that group.
+
+Inputs of different data shards, activations, local gradients before the reduction and outputs
+of rank-specific collectives (reduce_scatter, all_to_all, scatter, recv...) are expected to differ
+and are only counted. The sequence of collectives on the default group is compared too: a rank
+that issues a different (or an extra, or one fewer) collective is reported.
+
+For each compared record the ranks are grouped by value; the largest group is the reference (a
+tie goes to the group holding the lowest rank, so with two ranks rank 0 is the reference) and
+every other rank departs. The departure reported first is the earliest in the departing rank's
+own execution order, with the call that produced the record there, its stack and module path.
+
+Exit status: 0 replicas agree, 1 a rank departed, 2 traces that cannot be compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import warnings
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from tracer.model import Call, Frame, GradNode, TensorRecord, Trace
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+# Collectives whose outputs hold the same value on every rank of their group (by the last part of
+# the call's API name). DDP's all-reduce is recorded as one call named ddp_allreduce<k>.
+RANK_INVARIANT = frozenset({
+    "all_reduce", "all_reduce_coalesced", "broadcast", "all_gather", "all_gather_coalesced",
+    "all_gather_into_tensor", "all_gather_single", "_all_gather_base", "all_gather_tensor",
+    "all_gather_into_tensor_coalesced", "allreduce",
+})
+MISSING = "<missing>"
+_FOLLOW = object()  # "look at the version this one replaced"
+_GROUP = re.compile(r"group=(\[[\d, ]*\]|'[^']*'|\"[^\"]*\")")
+_VERSION = re.compile(r"(@v\d+|#\d+)+$")
+_MAX_ROWS = 30
+
+
+# ---- results -----------------------------------------------------------------------------------------
+@dataclass
+class Departure:
+    """One compared record on which a rank disagrees with the reference ranks."""
+
+    record: str  # the tensor name (or, for the collective sequence, the call name)
+    what: str  # parameter | optimizer state | buffer | reduced gradient | collective output | collective sequence
+    rank: int  # the (first) departing rank
+    ranks: list[int]  # every departing rank
+    reference: list[int]  # the ranks that agree (the reference group)
+    reason: str
+    param: str | None = None  # the parameter this record belongs to
+    call: str | None = None  # what made the record on the departing rank
+    api: str | None = None
+    module: str | None = None
+    stack: tuple[Frame, ...] = ()
+    max_abs: float | None = None  # largest stat difference to the reference, where stats exist
+    order: int = 0  # position in the departing rank's execution order
+
+    def to_json(self) -> dict[str, Any]:
+        return {"record": self.record, "what": self.what, "rank": self.rank, "ranks": self.ranks,
+                "reference": self.reference, "reason": self.reason, "param": self.param, "call": self.call,
+                "api": self.api, "module": self.module, "max_abs": self.max_abs,
+                "stack": [{"file": f.file, "line": f.line, "function": f.function, "code": f.code}
+                          for f in self.stack]}
+
+
+@dataclass
+class RankDiffResult:
+    """The comparison of one step's per-rank traces. ``exit_code``: 0 agree, 1 departed, 2 unusable."""
+
+    ranks: list[int]
+    labels: dict[int, str]
+    world_size: int | None
+    compared: int = 0
+    departures: list[Departure] = field(default_factory=list)
+    collectives: dict[int, int] = field(default_factory=dict)
+    expected: dict[str, int] = field(default_factory=dict)  # per-rank differences that are not errors
+    not_comparable: dict[str, int] = field(default_factory=dict)  # must-match records without a checksum
+    notes: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def first(self) -> Departure | None:
+        return self.departures[0] if self.departures else None
+
+    @property
+    def equal(self) -> bool:
+        return not self.problems and not self.departures
+
+    @property
+    def exit_code(self) -> int:
+        return 2 if self.problems else 1 if self.departures else 0
+
+    def verdict(self) -> str:
+        if self.problems:
+            return "CANNOT COMPARE: " + "; ".join(self.problems)
+        ranks = ", ".join(str(r) for r in self.ranks)
+        if self.equal:
+            counts = sorted(set(self.collectives.values()))
+            per = f"{counts[0]}" if len(counts) == 1 else "/".join(str(self.collectives[r]) for r in self.ranks)
+            return (f"REPLICAS AGREE: ranks {ranks}, {self.compared} records that must match are identical "
+                    f"({per} collective calls per rank)")
+        d = self.departures[0]
+        where = f" (parameter {d.param})" if d.param and d.param != d.record else ""
+        made = f", made by {d.call}" if d.call else ""
+        return (f"RANK {d.rank} DEPARTED first at {d.what} {d.record}{where}{made}: {d.reason} "
+                f"[{len(self.departures)} departing record(s)]")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"equal": self.equal, "exit_code": self.exit_code, "verdict": self.verdict(),
+                "ranks": self.ranks, "world_size": self.world_size,
+                "traces": {str(r): label for r, label in sorted(self.labels.items())},
+                "compared": self.compared, "first": None if self.first is None else self.first.to_json(),
+                "departures": [d.to_json() for d in self.departures],
+                "collectives": {str(r): n for r, n in sorted(self.collectives.items())},
+                "expected_differences": dict(sorted(self.expected.items())),
+                "not_comparable": dict(sorted(self.not_comparable.items())),
+                "notes": self.notes, "problems": self.problems}
+
+    def render(self, console: Console) -> None:
+        _render(self, console)
+
+
+# ---- classifying records -------------------------------------------------------------------------------
+def _short_api(api: str) -> str:
+    return api.rsplit(".", 1)[-1]
+
+
+def _invariant_call(call: Call | None) -> bool:
+    return call is not None and call.kind == "collective" and _short_api(call.api) in RANK_INVARIANT
+
+
+def group_of(call: Call) -> str:
+    """The group a collective call ran on, as its args text names it ('' if unknown)."""
+    m = _GROUP.search(call.args)
+    return m.group(1) if m else ""
+
+
+class _Ranked:
+    """One rank's trace with the look-ups the comparison needs."""
+
+    def __init__(self, rank: int, trace: Trace, label: str) -> None:
+        self.rank, self.trace, self.label = rank, trace, label
+        self.calls = {c.name: c for c in trace.calls}
+        self.nodes = {n.name: n for n in trace.grad_nodes}
+        self.params = {n for n, r in trace.tensors.items() if r.role == "param" and r.previous is None}
+        self._what: dict[str, str | None] = {}
+        self._readers: dict[str, Call] | None = None
+
+    def param_of(self, name: str) -> str | None:
+        """The parameter a record belongs to (``w`` for ``w@v1``, ``w.grad``, ``w@grad@v2``, ``w.exp_avg``)."""
+        base = _VERSION.sub("", name.split("@", 1)[0])
+        for cand in (base, base[:-5] if base.endswith(".grad") else None,
+                     base.rsplit(".", 1)[0] if "." in base else None):
+            if cand and cand in self.params:
+                return cand
+        return None
+
+    def what(self, name: str) -> str | None:
+        """Why a record must agree across ranks (its category), or None when it may differ."""
+        chain: list[str] = []  # versions that inherit from the one they replaced
+        cur: str | None = name
+        while cur is not None and cur not in self._what:
+            rec = self.trace.tensors.get(cur)
+            direct = _FOLLOW if rec is None else self._direct(cur, rec)
+            if direct is not _FOLLOW or rec is None or rec.previous is None:
+                self._what[cur] = None if direct is _FOLLOW else direct
+                break
+            self._what[cur] = None  # guards a cyclic `previous` chain in a damaged file
+            chain.append(cur)
+            cur = rec.previous
+        # A later version of a reduced gradient (changed in place after the reduction) must
+        # still agree; later versions of anything else are local work.
+        inherited = "reduced gradient" if cur is not None and self._what.get(cur) == "reduced gradient" else None
+        for n in chain:
+            self._what[n] = inherited
+        return self._what[name]
+
+    def _direct(self, name: str, rec: TensorRecord) -> str | object | None:
+        """A record's category from its own fields; ``_FOLLOW`` when only its history can tell."""
+        producer = self.calls.get(rec.producer or "")
+        if rec.role == "param":
+            return "parameter"
+        if rec.role == "state":
+            return "optimizer state"
+        if rec.role == "buffer" and rec.previous is None:
+            return "buffer"
+        if _invariant_call(producer) and producer is not None and name in producer.outputs:
+            grad_like = "@grad" in name or ".grad" in name
+            return "reduced gradient" if grad_like and self.param_of(name) else "collective output"
+        if rec.role == "grad" and _VERSION.sub("", name).endswith(".grad") and self.param_of(name):
+            return "reduced gradient"  # the value on the parameter when the optimizer stepped
+        return _FOLLOW
+
+    def expected_kind(self, name: str) -> str:
+        rec = self.trace.tensors[name]
+        producer = self.calls.get(rec.producer or "")
+        if producer is not None and producer.kind == "collective":
+            return "rank-specific collective outputs"
+        return {"input": "inputs", "grad": "local gradients", "buffer": "buffer updates"}.get(rec.role, "activations")
+
+    def origin(self, name: str) -> tuple[str | None, str | None, str, tuple[Frame, ...]]:
+        """(call, api, module, stack) of what made a record, or of the first call that read it."""
+        rec = self.trace.tensors.get(name)
+        producer = None if rec is None else rec.producer
+        call = self.calls.get(producer or "")
+        if call is not None:
+            return call.name, call.api, call.module, call.stack
+        node: GradNode | None = self.nodes.get(producer or "")
+        if node is not None:
+            made_by = self.calls.get(node.call or "")
+            return node.name, node.kind, made_by.module if made_by else "", node.stack or (
+                made_by.stack if made_by else ())
+        if self._readers is None:
+            self._readers = {}
+            for c in self.trace.calls:
+                for i in c.inputs:
+                    self._readers.setdefault(i, c)
+        reader = self._readers.get(name)
+        if reader is not None:
+            return f"{reader.name} (first read)", reader.api, reader.module, reader.stack
+        return None, None, "", ()
+
+    def collectives(self) -> list[Call]:
+        return sorted((c for c in self.trace.calls if c.kind == "collective"), key=lambda c: c.seq)
+
+
+def _digest(rec: TensorRecord) -> str | None:
+    return rec.md5 or rec.fingerprint
+
+
+def _absmax_diff(a: TensorRecord, b: TensorRecord) -> float | None:
+    sa, sb = a.stats, b.stats
+    if sa is None or sb is None:
+        return None
+    diffs = [abs(x - y) for x, y in ((sa.min, sb.min), (sa.max, sb.max), (sa.mean, sb.mean), (sa.absmax, sb.absmax))
+             if x is not None and y is not None]
+    return max(diffs) if diffs else None
+
+
+def _reference(values: dict[int, str]) -> list[int]:
+    """The ranks of the largest group of equal values (a tie: the group with the lowest rank)."""
+    groups: dict[str, list[int]] = {}
+    for r in sorted(values):
+        groups.setdefault(values[r], []).append(r)
+    return max(groups.values(), key=lambda g: (len(g), -g[0]))
+
+
+# ---- the comparison --------------------------------------------------------------------------------------
+def _rank_of(trace: Trace, label: str) -> int | None:
+    info = trace.header.get("distributed")
+    if isinstance(info, dict) and isinstance(info.get("rank"), int):
+        return int(info["rank"])
+    m = re.search(r"\.rank(\d+)\.", os.path.basename(label) + ".")
+    return int(m.group(1)) if m else None
+
+
+def _load(x: Trace | str | os.PathLike[str], index: int, notes: list[str]) -> tuple[Trace, str]:
+    if isinstance(x, Trace):
+        return x, f"trace {index}"
+    from tracer import load
+
+    path = os.fspath(x)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t = load(path)
+    notes += [f"{path}: {w.message}" for w in caught]
+    return t, path
+
+
+def diff_ranks(traces: Sequence[Trace | str | os.PathLike[str]]) -> RankDiffResult:
+    """Compare the traces of one step recorded on different ranks (objects or paths)."""
+    notes: list[str] = []
+    loaded = [_load(x, i, notes) for i, x in enumerate(traces)]
+    problems: list[str] = []
+    by_rank: dict[int, _Ranked] = {}
+    worlds = set()
+    for t, label in loaded:
+        rank = _rank_of(t, label)
+        if rank is None:
+            problems.append(f"{label} has no rank (not recorded under an initialized process group)")
+            continue
+        if rank in by_rank:
+            problems.append(f"rank {rank} appears twice ({by_rank[rank].label} and {label})")
+            continue
+        info = t.header.get("distributed")
+        if isinstance(info, dict) and isinstance(info.get("world_size"), int):
+            worlds.add(info["world_size"])
+        by_rank[rank] = _Ranked(rank, t, label)
+        if t.status != "ok":
+            notes.append(f"rank {rank} trace is {t.status}; records past that point are missing")
+    if len(loaded) < 2:
+        problems.append("diff-ranks needs the traces of at least two ranks")
+    if len(worlds) > 1:
+        problems.append(f"the traces come from runs of different world sizes ({sorted(worlds)})")
+    algos = {r.trace.hash_algorithm for r in by_rank.values()}
+    if len(algos) > 1:
+        problems.append(f"the traces use different hash algorithms ({', '.join(sorted(algos))})")
+    elif algos == {"none"}:
+        problems.append("the traces have no checksums (recorded with hash='none')")
+    world = next(iter(worlds)) if len(worlds) == 1 else None
+    result = RankDiffResult(sorted(by_rank), {r: x.label for r, x in by_rank.items()}, world,
+                            notes=notes, problems=problems)
+    if problems:
+        return result
+    if world is not None and len(by_rank) < world:
+        missing = sorted(set(range(world)) - set(by_rank))
+        notes.append(f"only {len(by_rank)} of {world} ranks given (missing: {', '.join(map(str, missing))})")
+    ranked = [by_rank[r] for r in sorted(by_rank)]
+    result.collectives = {x.rank: len(x.collectives()) for x in ranked}
+    _compare_tensors(ranked, result)
+    _compare_schedule(ranked, result)
+    result.departures.sort(key=lambda d: (d.order, d.rank, d.record))
+    return result
+
+
+def _compare_tensors(ranked: list[_Ranked], result: RankDiffResult) -> None:
+    names: dict[str, None] = {}
+    for x in ranked:
+        for rec in x.trace.tensors_in_order():
+            names.setdefault(rec.name, None)
+    expected: Counter[str] = Counter()
+    unknown: Counter[str] = Counter()
+    for name in names:
+        whats = {x.rank: x.what(name) for x in ranked if name in x.trace.tensors}
+        holder = next(x for x in ranked if name in x.trace.tensors)
+        if not any(whats.values()):
+            digests = {_digest(x.trace.tensors[name]) for x in ranked if name in x.trace.tensors}
+            if len(digests) > 1 and None not in digests:
+                expected[holder.expected_kind(name)] += 1
+            continue
+        what = next(w for w in whats.values() if w)
+        for members in _comparison_sets(ranked, name, what):
+            values: dict[int, str] = {}
+            for x in members:
+                rec = x.trace.tensors.get(name)
+                if rec is None:
+                    values[x.rank] = MISSING
+                    continue
+                d = _digest(rec)
+                if d is None:
+                    unknown[rec.hash_note or "not hashed"] += 1
+                    continue
+                values[x.rank] = d
+            if len(values) < 2:
+                continue
+            result.compared += 1
+            if len(set(values.values())) == 1:
+                continue
+            result.departures.append(_departure(members, name, what, values))
+    result.expected = dict(expected)
+    result.not_comparable = dict(unknown)
+
+
+def _comparison_sets(ranked: list[_Ranked], name: str, what: str) -> list[list[_Ranked]]:
+    """Which ranks must agree on a record: all of them, or for a collective's output the ranks
+    whose call names the same group (a rank that lacks the record joins every set)."""
+    if what != "collective output":
+        return [ranked]
+    sets: dict[str, list[_Ranked]] = {}
+    lacking = []
+    for x in ranked:
+        rec = x.trace.tensors.get(name)
+        call = x.calls.get(rec.producer or "") if rec is not None else None
+        if call is None:
+            lacking.append(x)
+            continue
+        sets.setdefault(group_of(call), []).append(x)
+    return [sorted(members + lacking, key=lambda x: x.rank) for members in sets.values()]
+
+
+def _departure(members: list[_Ranked], name: str, what: str, values: dict[int, str]) -> Departure:
+    ref = _reference(values)
+    departing = sorted(r for r in values if r not in ref)
+    rank = departing[0]
+    x = next(m for m in members if m.rank == rank)
+    ref_x = next(m for m in members if m.rank == ref[0])
+    ref_text = ", ".join(str(r) for r in ref)
+    if values[rank] == MISSING:
+        reason = f"rank {rank} has no {name}; rank(s) {ref_text} do"
+        source = ref_x
+    elif values[ref[0]] == MISSING:
+        reason = f"only rank(s) {', '.join(map(str, departing))} have {name}; rank(s) {ref_text} do not"
+        source = x
+    else:
+        reason = f"differs from rank(s) {ref_text}"
+        source = x
+    call, api, module, stack = source.origin(name)
+    rec = source.trace.tensors[name]
+    max_abs = None
+    if values[rank] != MISSING and values[ref[0]] != MISSING:
+        max_abs = _absmax_diff(ref_x.trace.tensors[name], x.trace.tensors[name])
+    return Departure(record=name, what=what, rank=rank, ranks=departing, reference=ref, reason=reason,
+                     param=source.param_of(name), call=call, api=api, module=module, stack=stack,
+                     max_abs=max_abs, order=rec.seq)
+
+
+def _compare_schedule(ranked: list[_Ranked], result: RankDiffResult) -> None:
+    """The collectives every rank issues on the default group must come in the same order."""
+    world = result.world_size or len(ranked)
+    default = str(list(range(world)))
+    seqs = {x.rank: [c for c in x.collectives() if group_of(c) in (default, "")] for x in ranked}
+    length = max((len(s) for s in seqs.values()), default=0)
+    for i in range(length):
+        sig = {}
+        for r, s in seqs.items():
+            sig[r] = MISSING if i >= len(s) else f"{_short_api(s[i].api)}|{s[i].args}"
+        if len(set(sig.values())) == 1:
+            continue
+        ref = _reference(sig)
+        departing = sorted(r for r in sig if r not in ref)
+        rank = departing[0]
+        x = next(m for m in ranked if m.rank == rank)
+        mine = seqs[rank][i] if i < len(seqs[rank]) else None
+        theirs = seqs[ref[0]][i] if i < len(seqs[ref[0]]) else None
+        shown = mine or theirs
+        assert shown is not None
+        what_mine = f"{mine.name} ({_short_api(mine.api)}, {mine.args})" if mine else "nothing"
+        what_ref = f"{theirs.name} ({_short_api(theirs.api)}, {theirs.args})" if theirs else "nothing"
+        result.departures.append(Departure(
+            record=shown.name, what="collective sequence", rank=rank, ranks=departing, reference=ref,
+            reason=f"collective #{i} on the default group: rank {rank} issued {what_mine}, "
+                   f"rank(s) {', '.join(map(str, ref))} issued {what_ref}",
+            call=shown.name, api=shown.api, module=shown.module, stack=shown.stack,
+            order=_call_order(x, mine) if mine else _call_order(x, None)))
+        return  # after the first mismatch the two sequences no longer line up
+
+
+def _call_order(x: _Ranked, call: Call | None) -> int:
+    """A tensor-sequence position for a call (its first output, else the next tensor made)."""
+    if call is not None:
+        for name in call.outputs + call.inputs:
+            rec = x.trace.tensors.get(name)
+            if rec is not None:
+                return rec.seq
+    return len(x.trace.tensors)
+
+
+# ---- command line ----------------------------------------------------------------------------------------
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser(
+        "diff-ranks", help="compare the per-rank traces of one data-parallel step (exit 1 if a rank departed)",
+        description="Compare what must be identical across data-parallel replicas (parameters, gradients after "
+                    "the all-reduce, outputs of rank-invariant collectives, the order of collectives) in the "
+                    "per-rank traces of one step, and report the first record where a rank departs with its "
+                    "call, stack and module path. Exit status: 0 agree, 1 a rank departed, 2 bad input.")
+    p.add_argument("traces", nargs="+", metavar="TRACE", help="per-rank traces (step.rank0.gtrace step.rank1.gtrace ...)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON instead of tables")
+    p.set_defaults(func=_run)
+
+
+def run_paths(paths: Sequence[str], *, as_json: bool = False) -> int:
+    """Compare per-rank trace files and print the result; the exit status (for ``diff --ranks``)."""
+    from export.cli import UserError
+
+    for path in paths:
+        if not os.path.exists(path):
+            raise UserError(f"no such trace: {path}")
+    result = diff_ranks(list(paths))
+    if result.problems:
+        raise UserError("; ".join(result.problems))
+    if as_json:
+        print(json.dumps(result.to_json(), indent=2, sort_keys=True, allow_nan=False))
+    else:
+        from export.summary import make_console
+
+        result.render(make_console())
+    return result.exit_code
+
+
+def _run(args: argparse.Namespace) -> int:
+    return run_paths(args.traces, as_json=args.json)
+
+
+# ---- terminal output --------------------------------------------------------------------------------------
+def _frame_text(f: Frame) -> str:
+    return f"{os.path.basename(f.file)}:{f.line} in {f.function}\n  {f.code}"
+
+
+def _render(result: RankDiffResult, console: Console) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
+    def tx(s: object, style: str = "") -> Text:  # plain text: names and code may hold [brackets]
+        return Text("" if s is None else str(s), style=style)
+
+    console.print(tx(result.verdict(), "bold green" if result.equal else "bold red"))
+    for n in result.notes:
+        console.print(tx(f"note: {n}", "dim"))
+    for r in result.ranks:
+        console.print(tx(f"rank {r}: {result.labels[r]} ({result.collectives.get(r, 0)} collective calls)", "dim"))
+    d = result.first
+    if d is not None:
+        t = Table(title=f"First departure: rank {d.rank}", title_justify="left", show_lines=True)
+        t.add_column("")
+        t.add_column("", overflow="fold")
+        t.add_row(tx("record"), tx(d.record, "red"))
+        t.add_row(tx("kind"), tx(d.what))
+        if d.param:
+            t.add_row(tx("parameter"), tx(d.param))
+        t.add_row(tx("ranks"), tx(f"departing: {', '.join(map(str, d.ranks))}; "
+                                  f"reference: {', '.join(map(str, d.reference))}"))
+        t.add_row(tx("why"), tx(d.reason))
+        if d.max_abs is not None:
+            t.add_row(tx("largest stat diff"), tx(f"{d.max_abs:.3g}"))
+        t.add_row(tx("call"), tx(f"{d.call or '-'}  {d.api or ''}"))
+        t.add_row(tx("module"), tx(d.module or "<root>"))
+        if d.stack:
+            t.add_row(tx("stack"), tx("\n".join(_frame_text(f) for f in d.stack[-6:])))
+        console.print(t)
+    if len(result.departures) > 1:
+        t = Table(title=f"All departures ({len(result.departures)})", title_justify="left")
+        for col in ("rank", "record", "kind", "call", "module", "why"):
+            t.add_column(col, overflow="fold")
+        for x in result.departures[:_MAX_ROWS]:
+            t.add_row(tx(x.rank), tx(x.record), tx(x.what), tx(x.call or "-"), tx(x.module or "<root>"), tx(x.reason))
+        if len(result.departures) > _MAX_ROWS:
+            t.add_row(tx(f"… {len(result.departures) - _MAX_ROWS} more"), *[tx("")] * 5)
+        console.print(t)
+    if result.expected:
+        parts = ", ".join(f"{n} {k}" for k, n in sorted(result.expected.items()))
+        console.print(tx(f"expected per-rank differences (not errors): {parts}", "dim"))
+    if result.not_comparable:
+        parts = ", ".join(f"{n} ({k})" for k, n in sorted(result.not_comparable.items()))
+        console.print(tx(f"not compared, no checksum: {parts}", "dim"))

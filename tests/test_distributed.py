@@ -1,0 +1,417 @@
+"""Distributed traces: one file per rank, collectives recorded as calls, replicas compared.
+
+The in-process tests use a one-rank gloo group (fast, and they see the wrappers come and go);
+the torchrun tests start two real ranks on CPU/gloo running tests/dist_script.py (a small
+transformer under DDP or FSDP2) and compare their traces with ``diff-ranks``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import inspect
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.distributed.distributed_c10d as c10d
+
+import tracer
+from export import diff_ranks as dr
+from tracer.distributed import C10D, FUNCOL, launched_rank_info, rank_path
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "tests", "dist_script.py")
+PERTURBED = "blocks.0.fc1.weight"
+
+
+def _md5(t: torch.Tensor) -> str:
+    return hashlib.md5(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data).hexdigest()
+
+
+def _patched_state() -> dict[str, object]:
+    """Every function attach() may patch, by module and name (compared before/after a trace)."""
+    state: dict[str, object] = {}
+    for mod in (dist, c10d):
+        for name in C10D:
+            state[f"{mod.__name__}.{name}"] = getattr(mod, name, None)
+    for name in FUNCOL:
+        state[f"funcol.{name}"] = getattr(funcol, name, None)
+    return state
+
+
+def _cli(argv: list[str]) -> int:
+    """``gradtrace diff-ranks ...`` through export.cli once it lists the module; until then the
+    same subcommand on a parser of its own, with the CLI's UserError -> exit 2 mapping."""
+    from export import cli
+
+    if "export.diff_ranks" in cli.COMMAND_MODULES:
+        return cli.main(["diff-ranks", *argv])
+    parser = argparse.ArgumentParser(prog="gradtrace")
+    dr.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["diff-ranks", *argv])
+    try:
+        return int(args.func(args))
+    except cli.UserError as exc:
+        print(f"gradtrace diff-ranks: error: {exc}", file=sys.stderr)
+        return 2
+
+
+# ---- file names and header ---------------------------------------------------------------------------
+@pytest.mark.parametrize("out, rank, expected", [
+    ("step.gtrace", 0, "step.rank0.gtrace"),
+    ("x.gtrace.gz", 3, "x.rank3.gtrace.gz"),
+    ("runs/a.b.gtrace", 1, os.path.join("runs", "a.b.rank1.gtrace")),
+    ("trace", 2, "trace.rank2"),
+    ("out.json", 1, "out.rank1.json"),
+    ("step-{rank}.gtrace", 5, "step-5.gtrace"),
+    ("step.rank1.gtrace", 1, "step.rank1.gtrace"),
+])
+def test_rank_path(out: str, rank: int, expected: str) -> None:
+    assert rank_path(out, rank) == expected
+
+
+def test_launched_rank_info_reads_torchrun_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(k, raising=False)
+    assert launched_rank_info() is None
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc")
+    info = launched_rank_info()
+    assert info is not None
+    assert (info["rank"], info["world_size"], info["local_rank"], info["backend"], info["initialized"]) == \
+        (3, 4, 1, None, False)
+    assert info["default_group"] == [0, 1, 2, 3] and info["launcher"] == "torchelastic"
+
+
+# ---- one rank, in process --------------------------------------------------------------------------------
+@pytest.fixture
+def one_rank():
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    hook = sys.excepthook  # init_process_group replaces it for good (prefixes "[rank0]: ")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        sys.excepthook = hook
+
+
+def test_collectives_recorded_as_calls(one_rank: None, tmp_path) -> None:
+    before = _patched_state()
+    x = torch.arange(4, dtype=torch.float32)
+    with tracer.trace(out=tmp_path / "step.gtrace") as t:
+        y = x * 2
+        dist.all_reduce(y)
+        assert dist.all_reduce is not before["torch.distributed.all_reduce"]  # installed while tracing
+        dist.broadcast(y, src=0)
+        out = torch.empty(4)
+        dist.all_gather_single(out, y)
+        dist.barrier()
+        z = y + 1
+        f = funcol.all_reduce(z, "sum", dist.group.WORLD)
+        w = f * 3
+    assert _patched_state() == before  # every wrapper removed
+    assert os.path.exists(tmp_path / "step.rank0.gtrace") and not os.path.exists(tmp_path / "step.gtrace")
+    info = t.header["distributed"]
+    assert (info["rank"], info["world_size"], info["backend"], info["default_group"], info["initialized"]) == \
+        (0, 1, "gloo", [0], True)
+    assert info["groups"] == [{"name": "0", "ranks": [0], "backend": "gloo"}]
+
+    coll = [c for c in t.calls if c.kind == "collective"]
+    assert [c.name for c in coll] == ["all_reduce0", "broadcast0", "all_gather_single0", "barrier0", "all_reduce1"]
+    ar, bc, ag, bar, fr = coll
+    # In place: the tensor's new value is a new version, produced by the collective.
+    assert (ar.api, ar.inputs, ar.outputs, ar.args) == ("torch.distributed.all_reduce", ["mul0:out"],
+                                                        ["mul0:out@v1"], "group=[0], op='SUM'")
+    assert t["mul0:out@v1"].producer == "all_reduce0" and t["mul0:out@v1"].previous == "mul0:out"
+    assert (bc.inputs, bc.outputs, bc.args) == (["mul0:out@v1"], ["mul0:out@v2"], "group=[0], src=0")
+    assert (ag.inputs, ag.outputs) == (["empty0:out", "mul0:out@v2"], ["empty0:out@v1"])
+    assert (bar.inputs, bar.outputs, bar.args) == ([], [], "group=[0]")
+    assert t["add0"].inputs == ["mul0:out@v2"]  # later reads see the collective's version
+    # Functional: waited for, returned as a plain tensor, hashed after the data arrived.
+    assert type(f) is torch.Tensor
+    assert (fr.api, fr.inputs, fr.outputs) == ("torch.distributed._functional_collectives.all_reduce",
+                                               ["add0:out"], ["all_reduce1:out"])
+    assert t["mul1"].inputs == ["all_reduce1:out"]
+    assert t["empty0:out@v1"].md5 == _md5(out)
+    assert t["all_reduce1:out"].md5 == _md5(f)
+    assert any("functional collectives were waited for" in n for n in t.notes)
+    assert all(c.stack and c.stack[-1].function == "test_collectives_recorded_as_calls" for c in coll)
+    assert w.shape == (4,)
+    loaded = tracer.load(tmp_path / "step.rank0.gtrace")
+    assert [c.name for c in loaded.calls if c.kind == "collective"] == [c.name for c in coll]
+
+
+def test_async_collective_recorded_at_issue_without_hash(one_rank: None) -> None:
+    x = torch.ones(3)
+    with tracer.trace() as t:
+        y = x + 1
+        work = dist.all_reduce(y, async_op=True)
+        work.wait()
+        z = y * 2
+    call = t["all_reduce0"]
+    assert (call.inputs, call.outputs, call.args) == (["add0:out"], ["add0:out@v1"], "group=[0], op='SUM', async_op=True")
+    assert t["add0:out"].md5 == _md5(torch.full((3,), 2.0))  # the input, hashed before the collective ran
+    rec = t["add0:out@v1"]
+    assert rec.md5 is None and rec.hash_note == "not hashed: async collective, result not ready when issued"
+    assert any(n.startswith("async collectives") for n in t.notes)
+    assert t["mul0"].inputs == ["add0:out@v1"] and z.sum().item() == 12
+
+
+def test_collective_for_records_a_reference_taken_before_the_trace(one_rank: None) -> None:
+    from tracer.distributed import collective_for
+    from tracer.recorder import active_recorder
+
+    all_reduce = c10d.all_reduce  # what `from torch.distributed import all_reduce` would hold
+    with tracer.trace() as t:
+        rec = active_recorder()
+        wrapper = collective_for(rec, all_reduce)
+        assert wrapper is dist.all_reduce and collective_for(rec, torch.add) is None
+        y = torch.ones(2) + 1
+        wrapper(y)  # how the recorder's mode hands over a call of the original function
+        op = torch.ops._c10d_functional.all_reduce
+        z = collective_for(rec, op)(y, "sum", dist.group.WORLD.group_name)  # the op under funcol.all_reduce
+    assert collective_for(rec, all_reduce) is None  # gone with the trace
+    assert (t["all_reduce0"].kind, t["all_reduce0"].outputs) == ("collective", ["add0:out@v1"])
+    call = t["all_reduce1"]
+    assert (call.api, call.kind, call.inputs, call.outputs, call.args) == (
+        "torch.ops._c10d_functional.all_reduce", "collective", ["add0:out@v1"], ["all_reduce1:out"],
+        "group=[0], op='SUM'")
+    assert t["all_reduce1:out"].md5 == _md5(z) == _md5(torch.full((2,), 2.0))
+
+
+def test_other_threads_pass_through(one_rank: None) -> None:
+    seen: list[float] = []
+
+    def other() -> None:
+        v = torch.ones(2)
+        dist.all_reduce(v)
+        seen.append(v.sum().item())
+
+    with tracer.trace() as t:
+        th = threading.Thread(target=other)
+        th.start()
+        th.join()
+        dist.all_reduce(torch.zeros(1) + 1)
+    assert seen == [2.0]
+    assert [c.name for c in t.calls if c.kind == "collective"] == ["all_reduce0"]
+
+
+def test_wrappers_removed_when_the_block_raises(one_rank: None) -> None:
+    before = _patched_state()
+    with pytest.raises(ValueError, match="boom"), tracer.trace() as t:
+        dist.all_reduce(torch.ones(1))
+        raise ValueError("boom")
+    assert _patched_state() == before
+    assert t.status == "failed" and t["all_reduce0"].kind == "collective"
+
+
+def test_diff_ranks_refuses_what_it_cannot_compare(one_rank: None, tmp_path, capsys) -> None:
+    with tracer.trace(out=tmp_path / "a.gtrace"):
+        dist.all_reduce(torch.ones(1))
+    path = str(tmp_path / "a.rank0.gtrace")
+    assert _cli([path, path]) == 2
+    assert "rank 0 appears twice" in capsys.readouterr().err
+    plain = tracer.load(path)
+    other = tracer.load(path)
+    del other.header["distributed"]  # as recorded without a process group
+    res = dr.diff_ranks([plain, other])
+    assert res.exit_code == 2 and res.problems[0] == "trace 1 has no rank (not recorded under an initialized process group)"
+    assert _cli([path]) == 2
+    assert "at least two ranks" in capsys.readouterr().err
+
+
+def test_diff_ranks_reports_a_collective_one_rank_skipped(one_rank: None, tmp_path) -> None:
+    with tracer.trace(out=tmp_path / "s.gtrace"):
+        x = torch.ones(2) + 1
+        dist.all_reduce(x)
+        dist.barrier()
+        dist.all_reduce(x)
+    path = tmp_path / "s.rank0.gtrace"
+    ranks = []
+    for r in (0, 1):  # the one-rank trace, as two ranks of a world of two
+        t = tracer.load(path)
+        t.header["distributed"] = {**t.header["distributed"], "rank": r, "world_size": 2, "default_group": [0, 1]}
+        for c in t.calls:
+            c.args = c.args.replace("group=[0]", "group=[0, 1]")
+        ranks.append(t)
+    ranks[1].calls = [c for c in ranks[1].calls if c.name != "barrier0"]  # rank 1 never reached the barrier
+    ranks[1].invalidate()
+    res = dr.diff_ranks(ranks)
+    assert res.exit_code == 1 and len(res.departures) == 1
+    d = res.departures[0]
+    assert (d.what, d.rank, d.reference, d.record) == ("collective sequence", 1, [0], "all_reduce1")
+    assert d.reason == ("collective #1 on the default group: rank 1 issued all_reduce1 (all_reduce, group=[0, 1], "
+                        "op='SUM'), rank(s) 0 issued barrier0 (barrier, group=[0, 1])")
+    assert d.stack[-1].code == "dist.all_reduce(x)"
+
+
+# ---- two ranks under torchrun ------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _torchrun(cwd, *args: str, launcher: list[str] | None = None, nproc: int = 2,
+              timeout: int = 180) -> list[dict]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
+           f"--master_port={_free_port()}", *(launcher or []), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert sorted(r["rank"] for r in results) == list(range(nproc)), proc.stdout
+    return sorted(results, key=lambda r: r["rank"])
+
+
+def _paths(d) -> list[str]:
+    return [str(d / f"step.rank{r}.gtrace") for r in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ddp")
+    return d, _torchrun(d, SCRIPT, "--out", str(d / "step.gtrace"))
+
+
+@pytest.fixture(scope="module")
+def ddp_perturbed_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ddp_perturbed")
+    return d, _torchrun(d, SCRIPT, "--out", str(d / "step.gtrace"), "--perturb", PERTURBED)
+
+
+def test_ddp_one_trace_per_rank_with_collectives(ddp_run) -> None:
+    d, results = ddp_run
+    assert [r["path"] for r in results] == _paths(d) and all(r["restored"] for r in results)
+    assert not os.path.exists(d / "step.gtrace")
+    traces = [tracer.load(p) for p in _paths(d)]
+    for rank, t in enumerate(traces):
+        info = t.header["distributed"]
+        assert (info["rank"], info["world_size"], info["backend"], info["local_rank"], info["default_group"]) == \
+            (rank, 2, "gloo", rank, [0, 1])
+        coll = [c for c in t.calls if c.kind == "collective"]
+        assert [c.name for c in coll] == ["ddp_allreduce0", "all_reduce0", "broadcast0", "all_gather_single0", "barrier0"]
+        ddp = coll[0]
+        params = [n for n, r in t.tensors.items() if r.role == "param" and r.previous is None]
+        assert len(params) == 29 and params[0] == "module.emb.weight"
+        # DDP's all-reduce: local gradients in, averaged gradients (on the parameters) out.
+        assert ddp.inputs == [f"{p}@grad" for p in params]
+        assert ddp.outputs == [f"{p}.grad" for p in params]
+        assert (ddp.api, ddp.phase, ddp.args) == (
+            "torch.nn.parallel.DistributedDataParallel.reducer.allreduce", "forward",
+            "group=[0, 1], buckets=1, bucket_bytes=[30592], during='backward0'")
+        assert ddp.stack[-1].code == "loss.backward()"
+        assert t["module.head.weight.grad"].md5 == results[rank]["head_grad_md5"]
+        assert t["all_reduce0"].outputs == ["clone0:out@v1"]
+        assert t["clone0:out@v1"].md5 == results[rank]["total_md5"]
+    a, b = traces
+    # Reduced values agree, local ones differ (each rank had its own data).
+    assert a["module.head.weight.grad"].md5 == b["module.head.weight.grad"].md5
+    assert a["module.head.weight@grad"].md5 != b["module.head.weight@grad"].md5
+    assert a["clone0:out@v1"].md5 == b["clone0:out@v1"].md5
+
+
+def test_ddp_replicas_agree(ddp_run, capsys) -> None:
+    d, _ = ddp_run
+    assert _cli(_paths(d)) == 0
+    assert capsys.readouterr().out.startswith("REPLICAS AGREE: ranks 0, 1,")
+    res = dr.diff_ranks(_paths(d))
+    assert res.exit_code == 0 and res.departures == []
+    assert res.collectives == {0: 5, 1: 5}
+    # 29 parameters before and 2 versions after AdamW's step, 29 averaged gradients, and the
+    # outputs of all_reduce, broadcast and all_gather_single.
+    assert res.compared == 29 * 3 + 29 + 3
+    assert res.expected["local gradients"] > 29 and res.expected["inputs"] == 1
+
+
+def test_ddp_rank_that_nudges_a_gradient_is_reported(ddp_perturbed_run, capsys) -> None:
+    d, _ = ddp_perturbed_run
+    assert _cli([*_paths(d), "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    first = out["first"]
+    param = f"module.{PERTURBED}"
+    assert (first["rank"], first["record"], first["what"], first["param"], first["call"], first["module"]) == \
+        (1, f"{param}.grad@v1", "reduced gradient", param, "add_0", "")
+    assert first["stack"][-1]["code"].startswith("param.grad.add_(1e-6)")
+    assert first["reason"] == f"only rank(s) 1 have {param}.grad@v1; rank(s) 0 do not"
+    # The parameter then steps differently on rank 1, and only that parameter.
+    later = [(x["rank"], x["record"]) for x in out["departures"][1:]]
+    assert later == [(1, f"{param}@v2")]
+    assert out["verdict"].startswith(f"RANK 1 DEPARTED first at reduced gradient {param}.grad@v1")
+
+
+def test_fsdp2_traces_and_compares(tmp_path) -> None:
+    results = _torchrun(tmp_path, SCRIPT, "--out", str(tmp_path / "step.gtrace"), "--mode", "fsdp")
+    assert all(r["restored"] for r in results)
+    traces = [tracer.load(p) for p in _paths(tmp_path)]
+    for t in traces:
+        names = [c.name for c in t.calls if c.kind == "collective"]
+        # FSDP2 all-gathers each unit's parameters in forward (root, two blocks), again in
+        # backward for the resharded blocks, and reduce-scatters their gradients.
+        assert [n for n in names if n.startswith("all_gather_single")] == [f"all_gather_single{i}" for i in range(6)]
+        assert [n for n in names if n.startswith("reduce_scatter_single")] == \
+            [f"reduce_scatter_single{i}" for i in range(3)]
+        rs = t["reduce_scatter_single0"]
+        assert rs.args == "group=[0, 1], op='AVG'" and rs.phase == "backward"
+        assert t["all_gather_single1"].module == "blocks.0"
+    a, b = traces
+    assert a[a["all_gather_single1"].outputs[0]].md5 == b[b["all_gather_single1"].outputs[0]].md5
+    res = dr.diff_ranks(traces)
+    assert res.exit_code == 0, res.verdict()
+    assert res.compared == 8  # 5 all-gathered parameter sets; all_reduce, broadcast, all_gather_single
+    assert res.expected["rank-specific collective outputs"] == 3  # each rank's gradient shard
+    assert res.not_comparable == {"not hashed: tensor subclass DTensor": sum(res.not_comparable.values())}
+
+
+def _session_uses_launcher_env() -> bool:
+    import tracer.session
+
+    return "launched_rank_info" in inspect.getsource(tracer.session)
+
+
+@pytest.mark.skipif(not _session_uses_launcher_env(),
+                    reason="gradtrace run traces step 0 from the program's start, before init_process_group: "
+                           "needs tracer.session._distributed_info to fall back to launched_rank_info()")
+def test_gradtrace_run_under_torchrun_writes_one_file_per_rank(tmp_path) -> None:
+    _torchrun(tmp_path, "--out", str(tmp_path / "step.gtrace"), "--steps", "0", SCRIPT,
+              "--out", "unused", "--untraced", launcher=["-m", "tracer.run"])
+    for rank, path in enumerate(_paths(tmp_path)):
+        t = tracer.load(path)
+        assert (t.header["distributed"]["rank"], t.header["distributed"]["world_size"]) == (rank, 2)
+        assert [c.name for c in t.calls if c.kind == "collective"] == \
+            ["ddp_allreduce0", "all_reduce0", "broadcast0", "all_gather_single0", "barrier0"]
+    assert not os.path.exists(tmp_path / "step.gtrace")
+    assert _cli(_paths(tmp_path)) == 0
+
+
+# ---- two GPUs, NCCL -----------------------------------------------------------------------------------------
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+
+
+@pytest.mark.cuda
+@two_gpus
+def test_ddp_nccl_replicas_agree_and_departure_found(tmp_path) -> None:
+    clean, nudged = tmp_path / "clean", tmp_path / "nudged"
+    clean.mkdir()
+    nudged.mkdir()
+    _torchrun(clean, SCRIPT, "--out", str(clean / "step.gtrace"), "--device", "cuda")
+    _torchrun(nudged, SCRIPT, "--out", str(nudged / "step.gtrace"), "--device", "cuda", "--perturb", PERTURBED)
+    ok = dr.diff_ranks(_paths(clean))
+    assert ok.exit_code == 0, ok.verdict()
+    bad = dr.diff_ranks(_paths(nudged))
+    assert bad.exit_code == 1 and bad.first is not None
+    assert (bad.first.rank, bad.first.param) == (1, f"module.{PERTURBED}")
+    t = tracer.load(_paths(clean)[0])
+    assert t.header["distributed"]["backend"] == "nccl" and t["ddp_allreduce0"].kind == "collective"
