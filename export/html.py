@@ -261,9 +261,17 @@ def _run(args: argparse.Namespace) -> int:
     from export.cli import UserError
     from tracer import load
 
-    if not os.path.exists(args.trace):
-        raise UserError(f"no such trace file: {args.trace}")
+    paths = [args.trace, *args.more]
+    for p in paths:
+        if not os.path.exists(p):
+            raise UserError(f"no such trace file: {p}")
     out = args.output or default_output(args.trace)
+    if args.more:  # several ranks of one run: one page with a rank switcher
+        from export.html_ranks import html_ranks
+
+        size = html_ranks([load(p) for p in paths], out, max_bytes=args.max_bytes)
+        print(f"{out} ({_human(size)}, {size} bytes, {len(paths)} ranks)")
+        return 0
     trace = load(args.trace)
     try:
         size, omitted = _write(trace, out, args.max_bytes)
@@ -281,6 +289,8 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("report", help="write the interactive HTML report of a trace",
                               description="Write a self-contained HTML report (no network needed to view it).")
     p.add_argument("trace", help="a .gtrace file")
+    p.add_argument("more", nargs="*", metavar="TRACE",
+                   help="more traces: the other ranks of a distributed run (one page, a rank switcher)")
     p.add_argument("-o", "--output", help="output .html (default: the trace path with .html)")
     p.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES,
                    help=f"page size limit; past it only the first calls are kept (default {DEFAULT_MAX_BYTES:,})")

@@ -241,3 +241,31 @@ def test_memory_tab_shows_the_timeline_with_hover_owners(tmp_path, browser):
     assert "peak" in page.locator("#gt-memory-svg .peak-label").text_content()
     assert not errors
     page.close()
+
+
+def test_multi_rank_page_switches_between_ranks(tmp_path, browser):
+    import torch
+
+    import tracer
+    from export.html_ranks import html_ranks
+
+    traces = []
+    for rank in (0, 1):
+        with tracer.trace() as t:
+            torch.full((3,), float(rank)).exp()
+        t.header["distributed"] = {"rank": rank, "world_size": 2}
+        traces.append(t)
+    out = tmp_path / "ranks.html"
+    html_ranks(traces[::-1], out)  # given out of order: the page sorts by rank
+    page = browser.new_page()
+    errors: list[str] = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.goto(out.as_uri())
+    assert page.locator("#gt-ranks button").all_text_contents() == ["rank 0", "rank 1"]
+    assert page.locator('iframe[data-rank="0"]').is_visible()
+    page.click('#gt-ranks button[data-rank="1"]')
+    assert page.locator('iframe[data-rank="1"]').is_visible() and not page.locator('iframe[data-rank="0"]').is_visible()
+    frame = page.frame_locator('iframe[data-rank="1"]')
+    assert "exp0" in frame.locator("#gt-data").text_content()
+    assert not errors
+    page.close()
