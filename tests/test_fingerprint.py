@@ -72,3 +72,17 @@ def test_cuda_fingerprint_equals_cpu_and_needs_no_sync_per_call():
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert t.tensors["tanh0:out"].fingerprint == fingerprint(out)
+
+
+def test_batched_fingerprints_equal_single_ones():
+    from tracer.fingerprint import fingerprint_batch, fingerprint_hex
+    from tracer.hashing import as_bytes
+
+    tensors = [torch.randn(n) for n in (1, 7, 300)] + [torch.arange(5, dtype=torch.uint8), torch.tensor(True)]
+    lanes = fingerprint_batch([as_bytes(t) for t in tensors]).tolist()
+    assert [fingerprint_hex(row) for row in lanes] == [fingerprint(t) for t in tensors]
+    with tracer.trace(hash="fast") as t:
+        small = torch.randn(10) * 2  # batched
+        large = torch.randn(300_000) * 2  # on its own
+    assert t.tensors["mul0:out"].fingerprint == fingerprint(small)
+    assert t.tensors["mul1:out"].fingerprint == fingerprint(large)

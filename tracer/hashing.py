@@ -20,6 +20,7 @@ tensor's own device as one small tensor each and fetched in one batch per device
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import threading
 from collections import deque
@@ -34,6 +35,7 @@ HASH_ALGORITHMS = ("md5", "fast", "none")
 INLINE_BYTES = 256 * 1024
 DEFAULT_INFLIGHT_BYTES = 512 * 1024 * 1024
 STATS_BATCH_BYTES = 64 * 1024 * 1024
+FAST_BATCH_MAX_BYTES = 256 * 1024
 
 _ALLOWED_TYPES = (torch.Tensor, torch.nn.Parameter)
 
@@ -89,6 +91,30 @@ def stats_tensor(t: torch.Tensor) -> torch.Tensor | None:
     return _reduce_batch([flat])[0]
 
 
+def cpu_stats(t: torch.Tensor) -> Stats | None:
+    """Stats of a CPU tensor now: one fused min/max pass and one sum when all values are finite
+    (min and max reveal any NaN or Inf), the masked reduction only when they are not."""
+    x = t.detach()
+    if x.numel() == 0:
+        return None
+    if x.is_complex():
+        x = torch.view_as_real(x.resolve_conj())
+    if x.dtype == torch.bool:
+        x = x.view(torch.uint8)
+    x = x.reshape(-1)
+    if (x.is_floating_point() and x.element_size() < 4) or not (x.is_floating_point() or x.dtype in _AMINMAX_INT):
+        x = x.float()
+    lo, hi = torch.aminmax(x)
+    lo_f, hi_f = float(lo), float(hi)
+    if math.isfinite(lo_f) and math.isfinite(hi_f):
+        mean = float(x.sum(dtype=torch.float64)) / x.numel()
+        return Stats(lo_f, hi_f, mean, max(abs(lo_f), abs(hi_f)), 0, 0)
+    return _stats_from_row(_reduce_one(x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)).tolist())
+
+
+_AMINMAX_INT = frozenset({torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64})
+
+
 def _stats_input(t: torch.Tensor) -> torch.Tensor | None:
     """A flat contiguous float copy of ``t`` (a snapshot: later in-place changes don't reach it)."""
     x = t.detach()
@@ -104,29 +130,69 @@ _WIDE = frozenset({torch.float64, torch.int64, torch.int32, *(getattr(torch, n) 
                                                             if hasattr(torch, n))})
 
 
+SMALL_NUMEL = 1 << 16  # tensors up to this size are reduced together, larger ones alone
+
+
 def _reduce_batch(flats: list[torch.Tensor]) -> torch.Tensor:
-    """Stats of many flat tensors (same device and dtype) in a dozen kernels, not a dozen each.
+    """Stats of many flat tensors (same device and dtype) as a float64 tensor [k, 7] on that device.
 
-    Returns a float64 tensor [k, 7] on the same device; nothing here synchronises.
+    Small tensors (most of a step's tensors, by count) are concatenated and reduced together with
+    ``scatter_reduce`` — a dozen kernels for hundreds of tensors instead of a dozen each. Large
+    tensors get ordinary reductions of their own: per-segment reductions such as
+    ``segment_reduce`` walk each segment serially on CUDA, which is hopeless for a 100M-element
+    activation. Nothing here synchronises.
     """
-    data = flats[0] if len(flats) == 1 else torch.cat(flats)
-    lengths = torch.tensor([f.numel() for f in flats], device=data.device)
+    rows: list[torch.Tensor | None] = [None] * len(flats)
+    small = [i for i, f in enumerate(flats) if f.numel() <= SMALL_NUMEL]
+    for i, f in enumerate(flats):
+        if f.numel() > SMALL_NUMEL:
+            rows[i] = _reduce_one(f)
+    if small:
+        result = _reduce_small([flats[i] for i in small])
+        for j, i in enumerate(small):
+            rows[i] = result[j]
+    return torch.stack([r for r in rows if r is not None])
+
+
+def _reduce_one(data: torch.Tensor) -> torch.Tensor:
     finite = torch.isfinite(data)
-    nan = torch.isnan(data)
-
-    def seg(values: torch.Tensor, how: str) -> torch.Tensor:
-        return torch.segment_reduce(values, how, lengths=lengths, unsafe=True)
-
-    lo = seg(torch.where(finite, data, torch.inf), "min")
-    hi = seg(torch.where(finite, data, -torch.inf), "max")
     zero = torch.zeros((), dtype=data.dtype, device=data.device)
-    total = seg(torch.where(finite, data, zero).double(), "sum")
-    absmax = seg(torch.where(finite, data.abs(), zero), "max")
-    n_fin = seg(finite.double(), "sum")
-    n_nan = seg(nan.double(), "sum")
+    n_fin = finite.sum(dtype=torch.float64)
+    n_nan = torch.isnan(data).sum(dtype=torch.float64)
+    lo = torch.where(finite, data, torch.inf).amin().double()
+    hi = torch.where(finite, data, -torch.inf).amax().double()
+    total = torch.where(finite, data, zero).sum(dtype=torch.float64)
+    absmax = torch.where(finite, data.abs(), zero).amax().double()
+    n_inf = data.numel() - n_fin - n_nan
+    return torch.stack([lo, hi, total / n_fin.clamp(min=1), absmax, n_nan, n_inf, n_fin])
+
+
+def _reduce_small(flats: list[torch.Tensor]) -> torch.Tensor:
+    data = flats[0] if len(flats) == 1 else torch.cat(flats)
+    dev = data.device
+    k = len(flats)
+    lengths = torch.tensor([f.numel() for f in flats], device=dev)
+    index = (torch.repeat_interleave(torch.arange(k, device=dev), lengths, output_size=data.numel())
+             if dev.type != "cpu" else lengths)
+    finite = torch.isfinite(data)
+    zero = torch.zeros((), dtype=data.dtype, device=dev)
+
+    def seg(values: torch.Tensor, how: str, init: float) -> torch.Tensor:
+        if dev.type == "cpu":  # CPU: segment_reduce loops over segments in parallel, fast here
+            return torch.segment_reduce(values, {"amin": "min", "amax": "max"}.get(how, how), lengths=lengths,
+                                        unsafe=True)
+        # CUDA: segment_reduce walks each segment serially; scatter_reduce spreads the work
+        out = torch.full((k,), init, dtype=values.dtype, device=dev)
+        return out.scatter_reduce_(0, index, values, how, include_self=how in ("amin", "amax"))
+
+    lo = seg(torch.where(finite, data, torch.inf), "amin", float("inf")).double()
+    hi = seg(torch.where(finite, data, -torch.inf), "amax", float("-inf")).double()
+    absmax = seg(torch.where(finite, data.abs(), zero), "amax", 0.0).double()
+    total = seg(torch.where(finite, data, zero).double(), "sum", 0.0)
+    n_fin = seg(finite.double(), "sum", 0.0)
+    n_nan = seg(torch.isnan(data).double(), "sum", 0.0)
     n_inf = lengths.double() - n_fin - n_nan
-    mean = total / n_fin.clamp(min=1)
-    return torch.stack([lo.double(), hi.double(), mean, absmax.double(), n_nan, n_inf, n_fin], dim=1)
+    return torch.stack([lo, hi, total / n_fin.clamp(min=1), absmax, n_nan, n_inf, n_fin], dim=1)
 
 
 def _stats_from_row(row: list[float]) -> Stats:
@@ -157,6 +223,8 @@ class Hasher:
         self._stat_bytes: dict[tuple[torch.device, torch.dtype], int] = {}
         self._stat_results: list[tuple[list[TensorRecord], torch.Tensor]] = []
         self._fingerprints: list[tuple[TensorRecord, torch.Tensor]] = []
+        self._fast_batches: dict[torch.device, list[tuple[TensorRecord, torch.Tensor]]] = {}
+        self._fast_bytes: dict[torch.device, int] = {}
         self._lock = threading.Lock()
         self._side_streams: dict[int, Any] = {}
         self.capturing_skipped = 0
@@ -173,6 +241,16 @@ class Hasher:
             self.capturing_skipped += 1
             return
         with torch._C.DisableTorchFunction():
+            if t.device.type == "cpu":
+                # On the CPU reading a result costs no sync: stats now, from the tensor itself
+                # (no snapshot), with the cheap all-finite path.
+                if self.want_stats:
+                    rec.stats = cpu_stats(t)
+                if self.algorithm == "md5":
+                    self._submit_md5(rec, t)
+                elif self.algorithm == "fast":
+                    self._submit_fast(rec, t)
+                return
             flat = _stats_input(t) if self.want_stats else None
             if flat is not None:
                 key = (flat.device, flat.dtype)
@@ -183,11 +261,7 @@ class Hasher:
                 if size >= STATS_BATCH_BYTES:
                     self._reduce_group(key)
             if self.algorithm == "fast":
-                from tracer.fingerprint import fingerprint_tensor
-
-                fp = fingerprint_tensor(t)
-                with self._lock:
-                    self._fingerprints.append((rec, fp))
+                self._submit_fast(rec, t)
             elif self.algorithm == "md5":
                 # A float32 snapshot already holds the exact bytes: hash it, skip another copy.
                 if flat is not None and flat.dtype == t.dtype and flat.device.type == "cpu" and not t.is_conj() \
@@ -196,6 +270,38 @@ class Hasher:
                     rec.md5 = hashlib.md5(flat.view(torch.uint8).numpy().data).hexdigest()
                 else:
                     self._submit_md5(rec, t)
+
+    def _submit_fast(self, rec: TensorRecord, t: torch.Tensor) -> None:
+        from tracer.fingerprint import fingerprint_tensor
+
+        b = as_bytes(t)
+        if b.numel() > FAST_BATCH_MAX_BYTES:  # large: its own few kernels are worth it
+            fp = fingerprint_tensor(t)
+            with self._lock:
+                self._fingerprints.append((rec, fp))
+            return
+        # Small: snapshot the bytes (one copy) and fingerprint a whole batch in one pass later.
+        snap = b.clone() if b.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() else b
+        with self._lock:
+            batch = self._fast_batches.setdefault(snap.device, [])
+            batch.append((rec, snap))
+            size = self._fast_bytes.get(snap.device, 0) + snap.numel()
+            self._fast_bytes[snap.device] = size
+        if size >= STATS_BATCH_BYTES:
+            self._reduce_fast(snap.device)
+
+    def _reduce_fast(self, device: torch.device) -> None:
+        from tracer.fingerprint import fingerprint_batch
+
+        with self._lock:
+            items = self._fast_batches.pop(device, [])
+            self._fast_bytes.pop(device, None)
+        if not items:
+            return
+        with torch._C.DisableTorchFunction():
+            lanes = fingerprint_batch([b for _, b in items])
+        with self._lock:
+            self._fingerprints.extend((rec, lanes[i]) for i, (rec, _) in enumerate(items))
 
     def _reduce_group(self, key: tuple[torch.device, torch.dtype]) -> None:
         with self._lock:
@@ -265,6 +371,8 @@ class Hasher:
         """Fill in finished checksums (all of them if ``wait``) and every pending stat."""
         for key in list(self._stat_groups):
             self._reduce_group(key)
+        for device in list(self._fast_batches):
+            self._reduce_fast(device)
         with self._lock:
             results, self._stat_results = self._stat_results, []
             fps, self._fingerprints = self._fingerprints, []
@@ -297,6 +405,8 @@ class Hasher:
     def pending(self) -> set[int]:
         with self._lock:
             waiting = {id(r) for r, _, _ in self._jobs} | {id(r) for r, _ in self._fingerprints}
+            for items in self._fast_batches.values():
+                waiting.update(id(r) for r, _ in items)
             for items in self._stat_groups.values():
                 waiting.update(id(r) for r, _ in items)
             for recs, _ in self._stat_results:
