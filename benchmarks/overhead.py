@@ -88,11 +88,68 @@ def configurations(device: torch.device) -> dict[str, tuple[str, Factory]]:
         "profiler": ("profiler(record_shapes, with_stack)", lambda: torch.profiler.profile(
             activities=activities, record_shapes=True, with_stack=True)),
         "stats": ('trace(hash="none", stats=True)', lambda: tracer.trace(hash="none", stats=True)),
+        "numerics": ('trace(hash="none", check_numerics=True)',
+                     lambda: tracer.trace(hash="none", check_numerics=True)),
+        "debugmode": ('DebugMode + log_tensor_hashes (private)', _debug_mode_with_hashes),
         "md5-nostats": ('trace(hash="md5", stats=False)', lambda: tracer.trace(hash="md5", stats=False)),
     }
 
 
-DEFAULT_CONFIGS = "plain,nostacks,stacks,md5,fast,anomaly,profiler"
+DEFAULT_CONFIGS = "plain,nostacks,stacks,md5,fast,numerics,anomaly,profiler,debugmode"
+
+
+@contextlib.contextmanager
+def _debug_mode_with_hashes() -> Iterator[None]:
+    """PyTorch's own DebugMode hashing every op output (private API: skipped where absent)."""
+    from torch.utils._debug_mode import DebugMode
+
+    with DebugMode(), DebugMode.log_tensor_hashes(hash_fn="norm"):
+        yield
+
+
+def debug_mode_available() -> bool:
+    try:
+        from torch.utils._debug_mode import DebugMode
+
+        return hasattr(DebugMode, "log_tensor_hashes")
+    except ImportError:
+        return False
+
+
+def md5_machine_limit(total_bytes: int, device: torch.device, chunk: int = 256 << 20) -> float:
+    """Seconds to copy ``total_bytes`` from the device to pinned host memory and MD5 them on
+    all cores: the floor for exact MD5 of a step's tensors on this machine. Chunks are copied
+    while the previous one is hashed, each chunk split across the cores (as many tensors are)."""
+    import hashlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    workers = os.cpu_count() or 1
+    src = torch.randint(0, 255, (min(chunk, total_bytes),), dtype=torch.uint8, device=device)
+    bufs = [torch.empty(src.numel(), dtype=torch.uint8, pin_memory=device.type == "cuda") for _ in range(2)]
+    piece = max(src.numel() // workers, 1)
+
+    def hash_all(buf: torch.Tensor, n: int) -> None:
+        view = buf.numpy()[:n]
+        list(pool.map(lambda i: hashlib.md5(view[i:i + piece].data).hexdigest(), range(0, n, piece)))
+
+    with ThreadPoolExecutor(workers) as pool:
+        t0 = time.perf_counter()
+        done, pending = 0, None
+        i = 0
+        while done < total_bytes:
+            n = min(src.numel(), total_bytes - done)
+            buf = bufs[i % 2]
+            buf[:n].copy_(src[:n], non_blocking=device.type == "cuda")
+            if device.type == "cuda":
+                torch.cuda.current_stream().synchronize()
+            if pending is not None:
+                pending.result()
+            pending = pool.submit(hash_all, buf, n)
+            done += n
+            i += 1
+        if pending is not None:
+            pending.result()
+        return time.perf_counter() - t0
 
 
 @contextlib.contextmanager
@@ -161,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     available = configurations(device)
     keys = [k.strip() for k in args.configs.split(",") if k.strip()]
+    if "debugmode" in keys and not debug_mode_available():
+        print("DebugMode with tensor hashes: not in this torch, row skipped", file=sys.stderr)
+        keys.remove("debugmode")
     unknown = [k for k in keys if k not in available]
     if unknown or not keys:
         p.error(f"--configs: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(available)}")
@@ -204,12 +264,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{warmup} warm-up rounds, median of {repeats} timed rounds\n")
     base = statistics.median(times["plain"])
     width = max(len(available[k][0]) for k in keys)
+    limit_ms = None
+    if "md5" in keys and hashed:
+        limit_ms = md5_machine_limit(hashed, device) * 1000.0
     print(f"| {'configuration':<{width}} | median ms | ratio | µs/call |")
     print(f"|{'-' * (width + 2)}|----------:|------:|--------:|")
     for k in keys:
         med = statistics.median(times[k])
         per_call = "" if k == "plain" else f"{(med - base) * 1000.0 / calls:.1f}"
         print(f"| {available[k][0]:<{width}} | {med:9.2f} | {med / base:5.2f} | {per_call:>7} |")
+    if limit_ms is not None:
+        md5_extra = statistics.median(times["md5"]) - base
+        print(f"\nMD5 machine limit: copying {hashed / 2**20:.1f} MiB to host and hashing it on "
+              f"{os.cpu_count()} cores takes {limit_ms:.1f} ms; trace(hash=\"md5\") adds {md5_extra:.1f} ms "
+              f"to the step = {md5_extra / limit_ms:.2f}x the limit")
     return 0
 
 

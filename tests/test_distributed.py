@@ -271,7 +271,10 @@ def _torchrun(cwd, *args: str, launcher: list[str] | None = None, nproc: int = 2
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
-    results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    # Two ranks print into one pipe: a line's newline can land after the other rank's text, so
+    # decode each payload where it starts instead of splitting on lines.
+    decoder = json.JSONDecoder()
+    results = [decoder.raw_decode(chunk)[0] for chunk in proc.stdout.split("RESULT ")[1:]]
     assert sorted(r["rank"] for r in results) == list(range(nproc)), proc.stdout
     return sorted(results, key=lambda r: r["rank"])
 

@@ -19,6 +19,7 @@ tensor's own device as one small tensor each and fetched in one batch per device
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import math
 import os
@@ -72,12 +73,25 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return x.contiguous().reshape(-1).view(torch.uint8)
 
 
+def host_bytes(b: torch.Tensor) -> memoryview:
+    """A zero-copy read-only view of a contiguous CPU uint8 tensor's bytes, for hashlib.
+
+    Not ``.numpy()``: that marks the storage non-resizable, and code such as FSDP2 resizes the
+    storages of tensors the trace hashes (it failed with "Trying to resize storage that is not
+    resizable"). The view is valid while ``b`` is alive, which callers guarantee.
+    """
+    n = b.numel()
+    if n == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * n).from_address(b.data_ptr())).cast("B")
+
+
 def md5_of(t: torch.Tensor) -> str:
     """Synchronous reference MD5 of a tensor (copies to host)."""
     b = as_bytes(t)
     if b.device.type != "cpu":
         b = b.cpu()
-    return hashlib.md5(b.numpy().data).hexdigest()
+    return hashlib.md5(host_bytes(b)).hexdigest()
 
 
 def stats_tensor(t: torch.Tensor) -> torch.Tensor | None:
@@ -267,7 +281,7 @@ class Hasher:
                 if flat is not None and flat.dtype == t.dtype and flat.device.type == "cpu" and not t.is_conj() \
                         and not t.is_neg() and flat.numel() * flat.element_size() <= INLINE_BYTES:
                     self.hashed_bytes += flat.numel() * flat.element_size()
-                    rec.md5 = hashlib.md5(flat.view(torch.uint8).numpy().data).hexdigest()
+                    rec.md5 = hashlib.md5(host_bytes(flat.view(torch.uint8))).hexdigest()
                 else:
                     self._submit_md5(rec, t)
 
@@ -324,7 +338,7 @@ class Hasher:
         self.hashed_bytes += n
         if b.device.type == "cpu":
             if n <= INLINE_BYTES:
-                rec.md5 = hashlib.md5(b.numpy().data).hexdigest()
+                rec.md5 = hashlib.md5(host_bytes(b)).hexdigest()
                 return
             # Snapshot: the caller may change the tensor in place right after this call.
             shares = b.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
@@ -423,4 +437,4 @@ class Hasher:
 def _md5_host(buf: torch.Tensor, event: Any) -> str:
     if event is not None:
         event.synchronize()
-    return hashlib.md5(buf.numpy().data).hexdigest()
+    return hashlib.md5(host_bytes(buf)).hexdigest()
