@@ -100,7 +100,9 @@ def main() -> None:
     import tracer
     from tracer import recorder as _rec
 
-    before = {name: getattr(dist, name) for name in ("all_reduce", "broadcast", "barrier", "all_gather_single")}
+    # all_gather_single is newer than some torch releases (2.11 lacks it): use what exists.
+    names = [n for n in ("all_reduce", "broadcast", "barrier", "all_gather_single") if hasattr(dist, n)]
+    before = {name: getattr(dist, name) for name in names}
     ctx = tracer.trace(out=args.out) if not args.untraced else None
     t = ctx.__enter__() if ctx is not None else None
     logits = wrapped(idx[:, :-1])
@@ -112,7 +114,8 @@ def main() -> None:
     flag = torch.tensor([float(rank == 0)], device=device)
     dist.broadcast(flag, src=0)
     gathered = torch.empty(world, device=device)
-    dist.all_gather_single(gathered, loss.detach().reshape(1))
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(gathered, loss.detach().reshape(1))
     dist.barrier()
     if args.perturb and rank == 1:
         param = model.get_parameter(args.perturb)
