@@ -66,29 +66,31 @@ def fingerprint_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def fingerprint_batch(byte_tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Fingerprints of many small flat uint8 tensors on one device, as int64 [k, 2], in one pass.
+    """Fingerprints of many small flat uint8 tensors on one device, as int64 [k, 2].
 
-    Each tensor's words keep their own indices (0, 1, ... within the tensor), so the result is
-    exactly ``fingerprint_tensor`` of each; the per-tensor sums are integer scatter-adds, whose
-    modular result does not depend on the order the atomics land in.
+    Each tensor's words keep their own indices, so the result is exactly ``fingerprint_tensor``
+    of each. The words are laid out as padded rows (one matrix per size class, see
+    ``tracer.hashing.pad_rows``); padded slots are masked to contribute nothing to the sums.
     """
+    from tracer.hashing import pad_rows
+
     dev = byte_tensors[0].device
-    padded = []
+    words = []
     for b in byte_tensors:
         pad = (-b.numel()) % 4
-        padded.append(torch.cat([b, torch.zeros(pad, dtype=torch.uint8, device=dev)]) if pad else b)
-    data = torch.cat(padded) if len(padded) > 1 else padded[0]
-    words = data.view(torch.int32).to(torch.int64) & _LOW32
-    counts = [p.numel() // 4 for p in padded]
+        padded = torch.cat([b, torch.zeros(pad, dtype=torch.uint8, device=dev)]) if pad else b
+        words.append(padded.view(torch.int32))
     k = len(byte_tensors)
-    counts_t = torch.tensor(counts, device=dev)
-    seg = torch.repeat_interleave(torch.arange(k, device=dev), counts_t, output_size=words.numel())
-    starts = torch.cumsum(counts_t, 0) - counts_t
-    idx = torch.arange(words.numel(), device=dev, dtype=torch.int64) - starts[seg]
-    key = idx * _GOLDEN
     lanes = torch.zeros(k, 2, dtype=torch.int64, device=dev)
-    lanes[:, 0].index_add_(0, seg, _mix(words + key))
-    lanes[:, 1].index_add_(0, seg, _mix((words ^ _LANE2) + key * 3 + 1))
+    for which, rows, lengths in pad_rows(words, 0):
+        w = rows.to(torch.int64) & _LOW32
+        col = torch.arange(rows.shape[1], device=dev, dtype=torch.int64)
+        valid = col[None, :] < lengths[:, None]
+        key = col * _GOLDEN
+        zero = torch.zeros((), dtype=torch.int64, device=dev)
+        lane0 = torch.where(valid, _mix(w + key), zero).sum(dim=1)
+        lane1 = torch.where(valid, _mix((w ^ _LANE2) + key * 3 + 1), zero).sum(dim=1)
+        lanes[torch.tensor(which, device=dev)] = torch.stack([lane0, lane1], dim=1)
     n = torch.tensor([b.numel() for b in byte_tensors], dtype=torch.int64, device=dev)
     length = torch.stack([n, n * 7 + 3], dim=1)
     return _mix(lanes + _mix(length))

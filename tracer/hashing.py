@@ -181,32 +181,51 @@ def _reduce_one(data: torch.Tensor) -> torch.Tensor:
     return torch.stack([lo, hi, total / n_fin.clamp(min=1), absmax, n_nan, n_inf, n_fin])
 
 
+def pad_rows(flats: list[torch.Tensor], fill: float | int) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
+    """Small flat tensors as padded rows, one matrix per power-of-two size class.
+
+    Returns ``(which, rows, lengths)`` per class: ``rows[j, :lengths[j]]`` is ``flats[which[j]]``
+    and the rest is ``fill``. Reducing along rows is an ordinary parallel reduction, with no
+    two threads writing one address (scatter-style segment reductions funnel a whole segment
+    into one atomic target and serialise on the GPU). Padding at most doubles the elements.
+    """
+    classes: dict[int, list[int]] = {}
+    for i, f in enumerate(flats):
+        classes.setdefault(max(1, f.numel() - 1).bit_length(), []).append(i)
+    out = []
+    for bits, which in sorted(classes.items()):
+        width = 1 << bits
+        parts = [flats[i] for i in which]
+        dev, dtype = parts[0].device, parts[0].dtype
+        lengths = torch.tensor([p.numel() for p in parts], device=dev)
+        data = parts[0] if len(parts) == 1 else torch.cat(parts)
+        rows = torch.full((len(parts), width), fill, dtype=dtype, device=dev)
+        seg = torch.repeat_interleave(torch.arange(len(parts), device=dev), lengths, output_size=data.numel())
+        starts = torch.cumsum(lengths, 0) - lengths
+        col = torch.arange(data.numel(), device=dev) - starts[seg]
+        rows.view(-1)[seg * width + col] = data
+        out.append((which, rows, lengths))
+    return out
+
+
 def _reduce_small(flats: list[torch.Tensor]) -> torch.Tensor:
-    data = flats[0] if len(flats) == 1 else torch.cat(flats)
-    dev = data.device
+    """Stats of small flat float tensors, [k, 7]. Padding is NaN, which the finite mask drops."""
     k = len(flats)
-    lengths = torch.tensor([f.numel() for f in flats], device=dev)
-    index = (torch.repeat_interleave(torch.arange(k, device=dev), lengths, output_size=data.numel())
-             if dev.type != "cpu" else lengths)
-    finite = torch.isfinite(data)
-    zero = torch.zeros((), dtype=data.dtype, device=dev)
-
-    def seg(values: torch.Tensor, how: str, init: float) -> torch.Tensor:
-        if dev.type == "cpu":  # CPU: segment_reduce loops over segments in parallel, fast here
-            return torch.segment_reduce(values, {"amin": "min", "amax": "max"}.get(how, how), lengths=lengths,
-                                        unsafe=True)
-        # CUDA: segment_reduce walks each segment serially; scatter_reduce spreads the work
-        out = torch.full((k,), init, dtype=values.dtype, device=dev)
-        return out.scatter_reduce_(0, index, values, how, include_self=how in ("amin", "amax"))
-
-    lo = seg(torch.where(finite, data, torch.inf), "amin", float("inf")).double()
-    hi = seg(torch.where(finite, data, -torch.inf), "amax", float("-inf")).double()
-    absmax = seg(torch.where(finite, data.abs(), zero), "amax", 0.0).double()
-    total = seg(torch.where(finite, data, zero).double(), "sum", 0.0)
-    n_fin = seg(finite.double(), "sum", 0.0)
-    n_nan = seg(torch.isnan(data).double(), "sum", 0.0)
-    n_inf = lengths.double() - n_fin - n_nan
-    return torch.stack([lo, hi, total / n_fin.clamp(min=1), absmax, n_nan, n_inf, n_fin], dim=1)
+    result = torch.empty((k, 7), dtype=torch.float64, device=flats[0].device)
+    for which, rows, lengths in pad_rows(flats, float("nan")):
+        finite = torch.isfinite(rows)
+        zero = torch.zeros((), dtype=rows.dtype, device=rows.device)
+        lo = torch.where(finite, rows, torch.inf).amin(dim=1).double()
+        hi = torch.where(finite, rows, -torch.inf).amax(dim=1).double()
+        absmax = torch.where(finite, rows.abs(), zero).amax(dim=1).double()
+        total = torch.where(finite, rows, zero).sum(dim=1, dtype=torch.float64)
+        n_fin = finite.sum(dim=1, dtype=torch.float64)
+        pad = rows.shape[1] - lengths.double()
+        n_nan = torch.isnan(rows).sum(dim=1, dtype=torch.float64) - pad
+        n_inf = lengths.double() - n_fin - n_nan
+        idx = torch.tensor(which, device=rows.device)
+        result[idx] = torch.stack([lo, hi, total / n_fin.clamp(min=1), absmax, n_nan, n_inf, n_fin], dim=1)
+    return result
 
 
 def _stats_from_row(row: list[float]) -> Stats:
