@@ -96,14 +96,26 @@ class StackTable:
         return tuple(self._symbol(fid) for fid in self.stacks[stack_id])
 
     def _symbol(self, fid: int) -> Frame:
-        code, lasti = self._frame_keys[fid]
-        line = _line_of(code, lasti)
-        src = linecache.getline(code.co_filename, line).strip() if line else ""
-        return Frame(code.co_filename, line, getattr(code, "co_qualname", code.co_name), src)
+        key = self._frame_keys[fid]
+        hit = _SYMBOLS.get(key)
+        if hit is None:
+            code, lasti = key
+            line = _line_of(code, lasti)
+            src = linecache.getline(code.co_filename, line).strip() if line else ""
+            hit = Frame(code.co_filename, line, getattr(code, "co_qualname", code.co_name), src)
+            if len(_SYMBOLS) < _SYMBOLS_MAX:
+                _SYMBOLS[key] = hit
+        return hit
 
     def symbolize(self, start: int = 0) -> list[Frame]:
         """Turn interned frames ``start..`` into ``Frame`` records (file, line, function, code)."""
         return [self._symbol(fid) for fid in range(start, len(self._frame_keys))]
+
+
+# Symbolised frames, shared by every trace of the process: a training loop traced at many steps
+# walks the same code, and looking up lines and source text once per distinct frame is enough.
+_SYMBOLS: dict[tuple[CodeType, int], Frame] = {}
+_SYMBOLS_MAX = 200_000
 
 
 def _line_of(code: CodeType, lasti: int) -> int:
