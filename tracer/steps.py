@@ -374,7 +374,34 @@ class StepRecorder:
 
 
 # ---- around a whole loop ------------------------------------------------------------------------
-class StepTrace:
+class StepResults:
+    """What a run traced at chosen steps produced; shared by StepTrace and the framework
+    callbacks, which all keep a ``StepRecorder`` as ``self.recorder``."""
+
+    recorder: StepRecorder
+
+    @property
+    def steps(self) -> list[int]:
+        """The steps traced, in order."""
+        return self.recorder.steps
+
+    @property
+    def traces(self) -> dict[int, Trace]:
+        """The traces by step number, when nothing was written to a file (``out=None``)."""
+        return self.recorder.traces
+
+    @property
+    def paths(self) -> list[str]:
+        """The files written."""
+        return self.recorder.paths
+
+    @property
+    def skipped(self) -> list[int]:
+        """Chosen steps not traced (a bound was reached, or another trace was open)."""
+        return self.recorder.skipped
+
+
+class StepTrace(StepResults):
     """What ``tracer.trace(steps=..., every=...)`` returns: a context manager around a training
     loop that traces the chosen steps only. See the module docstring.
 
@@ -400,25 +427,6 @@ class StepTrace:
         self.manual = False  # the user marks boundaries with tracer.step(); optimizer steps don't count
         self._owner: int | None = None
         self._hook: Any = None
-
-    # what the run produced
-    @property
-    def steps(self) -> list[int]:
-        """The steps traced, in order."""
-        return self.recorder.steps
-
-    @property
-    def traces(self) -> dict[int, Trace]:
-        """The traces by step number, when nothing was written to a file (``out=None``)."""
-        return self.recorder.traces
-
-    @property
-    def paths(self) -> list[str]:
-        return self.recorder.paths
-
-    @property
-    def skipped(self) -> list[int]:
-        return self.recorder.skipped
 
     def __enter__(self) -> StepTrace:
         global _ACTIVE

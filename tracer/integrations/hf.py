@@ -27,11 +27,10 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("tracer.integrations.hf needs the transformers package (pip install transformers)") from exc
 
-from tracer.model import Trace
-from tracer.steps import StepRecorder, StepSelection
+from tracer.steps import StepRecorder, StepResults, StepSelection
 
 
-class TraceCallback(TrainerCallback):
+class TraceCallback(TrainerCallback, StepResults):
     """Trace the chosen steps (``steps="1,3"``, ``"100-"`` or ``every=N``) into ``out``.
 
     ``trace_options`` are those of ``tracer.trace``: ``hash``, ``stacks``, ``stats``,
@@ -42,24 +41,6 @@ class TraceCallback(TrainerCallback):
                  out: str | os.PathLike[str] | None = "hf.gtrace", **trace_options: Any) -> None:
         self.selection = StepSelection.parse(steps, every)
         self.recorder = StepRecorder(out=out, **trace_options)
-
-    # what the run produced
-    @property
-    def steps(self) -> list[int]:
-        return self.recorder.steps
-
-    @property
-    def paths(self) -> list[str]:
-        return self.recorder.paths
-
-    @property
-    def traces(self) -> dict[int, Trace]:
-        """The traces by step, when ``out=None`` (nothing written to a file)."""
-        return self.recorder.traces
-
-    @property
-    def skipped(self) -> list[int]:
-        return self.recorder.skipped
 
     # Trainer events
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -26,11 +26,10 @@ except ImportError:  # pragma: no cover - depends on the environment
     except ImportError as exc:
         raise ImportError("tracer.integrations.lightning needs lightning (or pytorch_lightning)") from exc
 
-from tracer.model import Trace
-from tracer.steps import StepRecorder, StepSelection
+from tracer.steps import StepRecorder, StepResults, StepSelection
 
 
-class TraceCallback(Callback):
+class TraceCallback(Callback, StepResults):
     """Trace the chosen steps (``steps="1,3"``, ``"100-"`` or ``every=N``) into ``out``; the
     ``trace_options`` are those of ``tracer.trace`` (``hash``, ``max_calls``, ``max_bytes``, ...)."""
 
@@ -40,22 +39,6 @@ class TraceCallback(Callback):
         self.selection = StepSelection.parse(steps, every)
         self.recorder = StepRecorder(out=out, **trace_options)
         self._started: int | None = None  # the chosen step whose batches are running
-
-    @property
-    def steps(self) -> list[int]:
-        return self.recorder.steps
-
-    @property
-    def paths(self) -> list[str]:
-        return self.recorder.paths
-
-    @property
-    def traces(self) -> dict[int, Trace]:
-        return self.recorder.traces
-
-    @property
-    def skipped(self) -> list[int]:
-        return self.recorder.skipped
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
