@@ -281,3 +281,22 @@ def test_shallow_stack_at_module_level(tmp_path):
             "with tracer.trace() as t: F.apply(torch.ones(2))\nprint(t['F0'].stack[-1].line)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "7"
+
+
+def test_identical_functions_in_two_files_keep_their_own_stacks(tmp_path):
+    """Code objects compare equal by content, file name aside: stacks must still tell them apart."""
+    import importlib.util
+
+    mods = []
+    for name in ("first_copy", "second_copy"):
+        src = tmp_path / f"{name}.py"
+        src.write_text("def run(x):\n    return x * 2\n")
+        spec = importlib.util.spec_from_file_location(name, src)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        mods.append((mod, str(src)))
+    assert mods[0][0].run.__code__ == mods[1][0].run.__code__  # the trap
+    with tracer.trace() as t:
+        for mod, _ in mods:
+            mod.run(torch.ones(2))
+    assert [c.stack[-1].file for c in t.calls if c.api == "Tensor.mul"] == [mods[0][1], mods[1][1]]

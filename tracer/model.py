@@ -21,7 +21,7 @@ class TraceFormatError(ValueError):
     """A trace file or record that cannot be read: corrupt, foreign, or from a newer version."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Frame:
     """One Python frame of a call stack, symbolised (file, line, function, source text)."""
 
@@ -38,7 +38,7 @@ class Frame:
                 "function": self.function, "code": self.code}
 
 
-@dataclass
+@dataclass(slots=True)
 class Stats:
     """Summary of a tensor's values. min/max/mean/absmax are over finite values only."""
 
@@ -63,7 +63,7 @@ class Stats:
         return self.nan == 0 and self.inf == 0
 
 
-@dataclass
+@dataclass(slots=True)
 class TensorRecord:
     """One tensor value (a version of a tensor) seen by the trace.
 
@@ -125,7 +125,7 @@ class TensorRecord:
         )
 
 
-@dataclass
+@dataclass(slots=True)
 class Call:
     """One forward API call (or custom Function / custom op) as the user wrote it.
 
@@ -170,7 +170,7 @@ class Call:
                    mutated=_strs(d, "mutated"), error=d.get("error"))
 
 
-@dataclass
+@dataclass(slots=True)
 class GradNode:
     """One autograd node created by the traced code, linked to the call that created it.
 
@@ -208,7 +208,7 @@ class GradNode:
                    external=bool(d.get("external", False)))
 
 
-@dataclass
+@dataclass(slots=True)
 class NodeRun:
     """One execution of a grad node in a backward run: the gradients it received and produced."""
 
@@ -217,7 +217,7 @@ class NodeRun:
     grads_out: list[str | None]
 
 
-@dataclass
+@dataclass(slots=True)
 class BackwardRun:
     """One call of ``Tensor.backward`` / ``torch.autograd.backward`` / ``torch.autograd.grad``."""
 
@@ -259,7 +259,7 @@ class BackwardRun:
 Record = Call | GradNode | TensorRecord | BackwardRun
 
 
-@dataclass
+@dataclass(slots=True)
 class Trace:
     """A recorded step: calls, grad nodes, tensors and backward runs, linked by unified names.
 

@@ -49,6 +49,17 @@ def _dtype_name(dt: torch.dtype) -> str:
     return n
 
 
+_DEVICE_NAMES: dict[torch.device, str] = {}
+
+
+def _device_name(dev: torch.device) -> str:
+    # One string per device for the whole process, not a new one per tensor record.
+    n = _DEVICE_NAMES.get(dev)
+    if n is None:
+        n = _DEVICE_NAMES[dev] = str(dev)
+    return n
+
+
 def _version(t: torch.Tensor) -> int:
     try:
         return t._version
@@ -256,7 +267,7 @@ class Recorder:
         except RuntimeError:  # sparse and other layouts have no strides
             stride, contiguous = None, False
         ver = _version(t)
-        rec = TensorRecord(name=name, shape=tuple(t.shape), dtype=_dtype_name(t.dtype), device=str(t.device),
+        rec = TensorRecord(name=name, shape=tuple(t.shape), dtype=_dtype_name(t.dtype), device=_device_name(t.device),
                            role=role, producer=producer, stride=stride, contiguous=contiguous,
                            requires_grad=t.requires_grad, version=ver, seq=self._tensor_seq, previous=previous)
         self._tensor_seq += 1

@@ -34,20 +34,25 @@ class StackTable:
 
     def __init__(self, keep_internal: bool = False) -> None:
         self.keep_internal = keep_internal
-        self._frame_ids: dict[tuple[CodeType, int], int] = {}
+        # Keyed by id(code): code objects compare *equal by content* (the file name is not part
+        # of it), so two identical functions in different files would share an entry. The code
+        # objects themselves are kept in _frame_keys / _codes, so their ids cannot be reused.
+        self._frame_ids: dict[tuple[int, int], int] = {}
         self._frame_keys: list[tuple[CodeType, int]] = []
+        self._codes: list[CodeType] = []
         self._stack_ids: dict[tuple[int, ...], int] = {}
         self.stacks: list[tuple[int, ...]] = []
-        self._internal: dict[CodeType, bool] = {}
+        self._internal: dict[int, bool] = {}
 
     def _is_internal(self, code: CodeType) -> bool:
-        hit = self._internal.get(code)
+        hit = self._internal.get(id(code))
         if hit is None:
             fn = code.co_filename
             hit = fn.startswith(_INTERNAL_PREFIXES) or any(n in fn for n in _STDLIB_NOISE)
             if self.keep_internal or fn.endswith(_DEMO_SUFFIX):
                 hit = False
-            self._internal[code] = hit
+            self._internal[id(code)] = hit
+            self._codes.append(code)
         return hit
 
     def capture(self, skip: int = 1, frame: FrameType | None = None) -> int:
@@ -66,15 +71,16 @@ class StackTable:
         internal = self._internal
         while f is not None:
             code = f.f_code
-            is_int = internal.get(code)
+            is_int = internal.get(id(code))
             if is_int is None:
                 is_int = self._is_internal(code)
             if not is_int:
-                key = (code, f.f_lasti)
+                lasti = f.f_lasti
+                key = (id(code), lasti)
                 fid = frame_ids.get(key)
                 if fid is None:
                     fid = frame_ids[key] = len(self._frame_keys)
-                    self._frame_keys.append(key)
+                    self._frame_keys.append((code, lasti))
                 ids.append(fid)
             f = f.f_back
         ids.reverse()
@@ -96,15 +102,16 @@ class StackTable:
         return tuple(self._symbol(fid) for fid in self.stacks[stack_id])
 
     def _symbol(self, fid: int) -> Frame:
-        key = self._frame_keys[fid]
-        hit = _SYMBOLS.get(key)
+        code, lasti = self._frame_keys[fid]
+        key = (id(code), lasti)
+        entry = _SYMBOLS.get(key)
+        hit = entry[1] if entry is not None and entry[0] is code else None
         if hit is None:
-            code, lasti = key
             line = _line_of(code, lasti)
             src = linecache.getline(code.co_filename, line).strip() if line else ""
             hit = Frame(code.co_filename, line, getattr(code, "co_qualname", code.co_name), src)
             if len(_SYMBOLS) < _SYMBOLS_MAX:
-                _SYMBOLS[key] = hit
+                _SYMBOLS[key] = (code, hit)  # holding the code keeps its id from being reused
         return hit
 
     def symbolize(self, start: int = 0) -> list[Frame]:
@@ -114,7 +121,7 @@ class StackTable:
 
 # Symbolised frames, shared by every trace of the process: a training loop traced at many steps
 # walks the same code, and looking up lines and source text once per distinct frame is enough.
-_SYMBOLS: dict[tuple[CodeType, int], Frame] = {}
+_SYMBOLS: dict[tuple[int, int], tuple[CodeType, Frame]] = {}
 _SYMBOLS_MAX = 200_000
 
 
