@@ -274,3 +274,12 @@ def test_summary_and_diff_show_the_first_nonfinite(capsys):
     out = capsys.readouterr().out
     assert "B: first NaN in forward: log0:out" in out and "A: first" not in out
     assert result.to_json()["numerics"]["B"]["forward"]["producer"] == "log0"
+
+
+def test_raise_on_nonfinite_in_backward_names_the_node():
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(tracer.NonFiniteError, match="first Inf in backward") as info, \
+            tracer.trace(raise_on_nonfinite=True):
+        InfGrad.apply(x).sum().backward()
+    assert info.value.anomaly.producer == "InfGrad0/InfGradBackward"
+    assert "failed in grad node InfGrad0/InfGradBackward" in info.value.__notes__[0]

@@ -586,10 +586,6 @@ class Recorder:
             return
         with self.lock, torch._C.DisableTorchFunction():
             step = self._open_steps.pop(node, None)
-            if self._running and self._running[-1] == node:
-                self._running.pop()
-            elif node in self._running:
-                self._running.remove(node)
             edges = self._edges.get(node, [])
             names: list[str | None] = []
             for j, g in enumerate(grad_inputs):
@@ -604,8 +600,14 @@ class Recorder:
                 names.append(self._register_grad(g, gname, node))
             if step is not None:
                 step.grads_out = names
+                # Listeners run while the node still counts as running: one that raises (the
+                # raise_on_nonfinite guard) leaves it on the stack the error explanation reads.
                 for li in self.listeners:
                     li.on_node_end(self.trace, node, step, grad_inputs)
+            if self._running and self._running[-1] == node:
+                self._running.pop()
+            elif node in self._running:
+                self._running.remove(node)
 
     # ---- modules ------------------------------------------------------------------------------
     def _module_pre(self, module: torch.nn.Module, args: Any) -> None:
