@@ -300,3 +300,17 @@ def test_identical_functions_in_two_files_keep_their_own_stacks(tmp_path):
         for mod, _ in mods:
             mod.run(torch.ones(2))
     assert [c.stack[-1].file for c in t.calls if c.api == "Tensor.mul"] == [mods[0][1], mods[1][1]]
+
+
+def test_gradient_changed_in_place_before_the_optimizer_gets_a_new_version():
+    model = torch.nn.Linear(3, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tracer.trace() as t:
+        model(torch.randn(2, 3)).sum().backward()
+        opt.step()  # names the gradient on the parameter: weight.grad
+        with torch._C.DisableTorchFunction():  # an in-place change no traced call sees (a C++ hook)
+            model.weight.grad.mul_(0.5)
+        opt.step()
+    versions = [r for r in t.tensors.values() if r.previous == "weight.grad"]
+    assert [r.name for r in versions] == ["weight.grad@v1"]
+    assert versions[0].md5 == tracer.md5_of(model.weight.grad)

@@ -707,11 +707,15 @@ class Recorder:
                         continue
                     pname = named[0]
                     g = p.grad
-                    if g is not None and g not in self._tensor_names:
-                        # Accumulated into an existing .grad (or cloned by the accumulator): the
-                        # value on the parameter, produced by its leaf accumulator.
-                        acc = f"{pname}/AccumulateGrad"
-                        self._new_tensor(g, f"{pname}.grad", "grad", acc if acc in self._node_recs else None)
+                    if g is not None:
+                        hit = self._tensor_names.get(g)
+                        if hit is None:
+                            # Accumulated into an existing .grad (or cloned by the accumulator): the
+                            # value on the parameter, produced by its leaf accumulator.
+                            acc = f"{pname}/AccumulateGrad"
+                            self._new_tensor(g, f"{pname}.grad", "grad", acc if acc in self._node_recs else None)
+                        elif hit[1] != _version(g):
+                            self.name_of(g)  # changed in place since it was named: a new version
                     for key, v in optimizer.state.get(p, {}).items():
                         if isinstance(v, torch.Tensor) and v not in self._named:
                             self._named[v] = (f"{pname}.{key}", "state")
