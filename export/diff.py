@@ -30,7 +30,6 @@ import argparse
 import json
 import math
 import os
-import warnings
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -733,13 +732,11 @@ def _params(a: Trace, b: Trace, cmp: Comparer) -> list[ParamDiff]:
 def _load(x: Trace | str | os.PathLike[str], label: str, notes: list[str]) -> tuple[Trace, str]:
     if isinstance(x, Trace):
         return x, label
-    from tracer import load
+    from export.loading import load_with_notes
 
     path = os.fspath(x)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        t = load(path)
-    notes += [f"{label}: {w.message}" for w in caught]
+    t, messages = load_with_notes(path)
+    notes += [f"{label}: {m}" for m in messages]
     return t, path
 
 

@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import re
-import warnings
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -278,13 +277,11 @@ def _rank_of(trace: Trace, label: str) -> int | None:
 def _load(x: Trace | str | os.PathLike[str], index: int, notes: list[str]) -> tuple[Trace, str]:
     if isinstance(x, Trace):
         return x, f"trace {index}"
-    from tracer import load
+    from export.loading import load_with_notes
 
     path = os.fspath(x)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        t = load(path)
-    notes += [f"{path}: {w.message}" for w in caught]
+    t, messages = load_with_notes(path)
+    notes += [f"{path}: {m}" for m in messages]
     return t, path
 
 

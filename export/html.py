@@ -259,7 +259,7 @@ def _human(n: int) -> str:
 
 def _run(args: argparse.Namespace) -> int:
     from export.cli import UserError
-    from tracer import load
+    from export.summary import load_trace as load
 
     paths = [args.trace, *args.more]
     for p in paths:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import warnings
 from collections import Counter
 from typing import Any
 
@@ -52,16 +51,11 @@ def make_console() -> Console:
 
 def load_trace(path: str) -> Trace:
     """``tracer.load`` with its truncation warning turned into one line on stderr."""
-    from tracer.fileformat import TruncatedTraceWarning, load
+    from export.loading import load_with_notes
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", TruncatedTraceWarning)
-        trace = load(path)
-    for w in caught:
-        if issubclass(w.category, TruncatedTraceWarning):
-            print(f"gradtrace: warning: {w.message}", file=sys.stderr)
-        else:
-            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    trace, notes = load_with_notes(path)
+    for note in notes:
+        print(f"gradtrace: warning: {note}", file=sys.stderr)
     return trace
 
 
