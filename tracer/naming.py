@@ -67,7 +67,7 @@ SKIP = ("", "", "skip")
 def _describe(func: Any) -> tuple[str, str, str]:
     """(qualified API name, short name for counters, kind) for a function the mode saw.
 
-    kind is ``op``, ``custom_op``, ``backward`` or ``skip``.
+    kind is ``op``, ``custom_op``, ``collective``, ``backward`` or ``skip``.
     """
     # Property access arrives as the descriptor's bound __get__/__set__.
     name = getattr(func, "__name__", "")
@@ -81,7 +81,8 @@ def _describe(func: Any) -> tuple[str, str, str]:
         ns = getattr(func, "namespace", "aten")
         opname = getattr(func, "_opname", name) or name
         full = str(func)
-        kind = "op" if ns in ("aten", "prim", "prims", "_c10d_functional", "c10d") else "custom_op"
+        kind = ("collective" if ns == "_c10d_functional" else
+                "op" if ns in ("aten", "prim", "prims", "c10d") else "custom_op")
         return f"torch.ops.{full}", opname, kind
     qual = getattr(func, "__qualname__", name) or name
     module = getattr(func, "__module__", None)
@@ -105,7 +106,9 @@ def _describe(func: Any) -> tuple[str, str, str]:
         return api, "grad" if short == "grad" else "backward", "backward"
     if short in NOISE:
         return SKIP
-    return api, _short(short), "op"
+    # Collectives change tensors in place without bumping versions: the mode hands them to
+    # tracer.distributed (decided once per function here, not per call).
+    return api, _short(short), "collective" if module.startswith("torch.distributed") else "op"
 
 
 def _short(attr: str) -> str:

@@ -127,14 +127,14 @@ class _Mode(TorchFunctionMode):
             return func(*args, **kwargs)
         if kind == "backward":
             return rec.record_backward(func, api, args, kwargs)
-        if api.startswith(("torch.distributed.", "torch.ops._c10d_functional.")):
-            # Collectives change tensors in place without bumping versions: they need the
-            # distributed module's handling (references taken before the trace land here).
+        if kind == "collective":
+            # References to collectives taken before the trace land here, not in the wrappers.
             from tracer.distributed import collective_for
 
             wrapped = collective_for(rec, func)
             if wrapped is not None:
                 return wrapped(*args, **kwargs)
+            kind = "op"
         return rec.record_call(func, api, short, kind, args, kwargs)
 
 
