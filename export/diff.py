@@ -753,6 +753,10 @@ def check_comparable(a: Trace, b: Trace, tol: Tolerance | None) -> None:
     if ha != hb:
         raise DiffError(f"traces use different hash algorithms (A: {ha}, B: {hb}); their checksums "
                         "cannot be compared: record both with the same tracer.trace(hash=...)")
+    fa, fb = a.header.get("fingerprint"), b.header.get("fingerprint")
+    if ha == "fast" and fa != fb:
+        raise DiffError(f"traces use different fingerprint algorithms (A: {fa}, B: {fb}), written by "
+                        "different gradtrace versions; record both with the same version")
     has_stats = bool(a.header.get("stats")) and bool(b.header.get("stats"))
     if ha == "none":
         if tol is None:

@@ -500,7 +500,7 @@ def _show_run(trace: Trace, run: BackwardRun, console: Console) -> None:
 # ---- md5 -------------------------------------------------------------------------------------------
 def md5_lines(trace: Trace) -> list[str]:
     """``name:md5`` per tensor in creation order; ``name:-`` for a tensor that was not hashed."""
-    # With hash="fast" the checksum column holds the 128-bit fingerprint instead.
+    # With hash="fast" the checksum column holds the 64-bit fingerprint instead.
     return [f"{t.name}:{t.md5 or t.fingerprint or '-'}" for t in trace.tensors_in_order()]
 
 

@@ -318,6 +318,13 @@ def test_mismatched_and_corrupt_inputs_exit_2(tmp_path, capsys, base) -> None:
     assert "different hash algorithms (A: md5, B: none)" in line
     line = _one_line_error(capsys, ["diff", str(none), str(none)])
     assert "checksums are unavailable" in line
+    fast, old_fast = tmp_path / "fast.gtrace", tmp_path / "old_fast.gtrace"
+    trace_fast = record(hash="fast")
+    trace_fast.save(fast)
+    trace_fast.header["fingerprint"] = "gtfp1-splitmix64x2-128"  # as version 0.1 wrote
+    trace_fast.save(old_fast)
+    line = _one_line_error(capsys, ["diff", str(fast), str(old_fast)])
+    assert "different fingerprint algorithms (A: gtfp2-fmix32x2-64, B: gtfp1-splitmix64x2-128)" in line
     line = _one_line_error(capsys, ["diff", str(none), str(none), "--rtol", "0.1"])
     assert "neither checksums nor stats" in line
 

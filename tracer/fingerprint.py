@@ -1,50 +1,90 @@
-"""``hash="fast"``: an order-sensitive 128-bit fingerprint computed on the tensor's own device.
+"""``hash="fast"``: an order-sensitive 64-bit fingerprint computed on the tensor's own device.
 
-The tensor's bytes (as MD5 sees them: contiguous, own dtype) are read as 32-bit words ``w_i``
-(zero-padded; the byte length is mixed in at the end). Each word is combined with its index and
-passed through splitmix64's finaliser, a bijection on 64-bit integers; the terms are summed
-modulo 2^64. Two lanes with different constants give 128 bits.
+Algorithm ``gtfp2-fmix32x2-64``. The tensor's bytes (as MD5 sees them: contiguous, own dtype)
+are read as little-endian 32-bit words ``w_i`` (zero-padded; the byte length is mixed in at the
+end). In each of two lanes, a word is xor-ed with a key derived from its index ``i`` and passed
+through a 32-bit finaliser (MurmurHash3's ``fmix32`` in lane A, the "lowbias32" constants in
+lane B), a bijection on 32-bit integers; the terms are summed modulo 2^32.
 
 Why these properties hold:
-- identical bytes give identical fingerprints on any device: only integer adds, multiplies and
-  xors wrap modulo 2^64, and a modular sum does not depend on the order of reduction;
-- any single-bit change alters exactly one word, so exactly one term, and since the mix is a
-  bijection that term (hence the sum) changes: a one-bit change can never go unnoticed;
-- a swap of two different words changes two terms that depend on their positions: equal sums
-  would need a 64-bit coincidence in both lanes (``torch.hash_tensor``'s XOR loses order and
-  cancels equal pairs; this does not).
+- identical bytes give identical fingerprints on any device: only integer adds, multiplies,
+  shifts and xors, all modulo 2^32, and a modular sum does not depend on the reduction order;
+- any single-bit change alters exactly one word, so exactly one term per lane, and since
+  ``w -> fmix(w ^ key)`` is a bijection that term (hence the sum) changes: a one-bit change can
+  never go unnoticed;
+- a swap of two different words changes terms that depend on their positions: equal sums need
+  a coincidence in both lanes (``torch.hash_tensor``'s XOR loses order and cancels equal
+  pairs; this does not).
 
-It runs as a handful of element-wise kernels and one sum per lane, in chunks to bound memory,
-and returns a small device tensor: nothing synchronises until the trace fetches all results in
-one batch.
+Why 32-bit lanes: the GPU kernel (``tracer.fused``) reads every byte a training step makes
+(tens of GB for GPT-2 small), so the mix must cost fewer integer instructions per word than
+the memory system takes to deliver it; 64-bit multiplies are emulated on GPUs and cost 4x.
+
+This module is the definition: ``fingerprint_reference`` in plain Python (slow, obviously
+right), ``fingerprint_tensor`` in torch integer ops (any device, the fallback where Triton is
+missing), and the Triton kernel in ``tracer.fused`` must agree with both bit for bit.
 """
 
 from __future__ import annotations
 
 import torch
 
-ALGORITHM = "gtfp1-splitmix64x2-128"
-_CHUNK_WORDS = 1 << 24  # 16M words (64 MiB of input) per pass: bounds temporaries to ~0.5 GiB
-
-_M1 = -4658895280553007687  # 0xBF58476D1CE4E5B9 as signed int64
-_M2 = -7723592293110705685  # 0x94D049BB133111EB
-_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15
-_LANE2 = 0x2545F4914F6CDD1D
-_LOW32 = (1 << 32) - 1
-_LOW33 = (1 << 33) - 1
-
-
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    # splitmix64 finaliser with logical right shifts (arithmetic shift, then mask the sign fill).
-    x = x ^ ((x >> 30) & ((1 << 34) - 1))
-    x = x * _M1
-    x = x ^ ((x >> 27) & ((1 << 37) - 1))
-    x = x * _M2
-    return x ^ ((x >> 31) & _LOW33)
+ALGORITHM = "gtfp2-fmix32x2-64"
+MASK32 = 0xFFFFFFFF
+# Index keys: key(i) = i_lo * MUL + i_hi * MUL_HI + ADD (mod 2^32), i_lo/i_hi the halves of i.
+KEY_A = (0x9E3779B1, 0x7FEB352D, 0x243F6A88)
+KEY_B = (0x85EBCA77, 0x68E31DA4, 0xB7E15162)
+# Finaliser constants (xorshift, multiply, xorshift, multiply, xorshift).
+FMIX_A = (16, 0x85EBCA6B, 13, 0xC2B2AE35, 16)
+FMIX_B = (16, 0x7FEB352D, 15, 0x846CA68B, 16)
+LENGTH_SALT = (0x5851F42D, 0x4C957F2D)
+_CHUNK_WORDS = 1 << 24  # 16M words (64 MiB of input) per pass: bounds the int64 temporaries
 
 
-def fingerprint_tensor(t: torch.Tensor) -> torch.Tensor:
-    """Two int64 lanes on ``t``'s device; ``fingerprint_hex`` turns them into 32 hex digits."""
+def _fmix_int(h: int, c: tuple[int, int, int, int, int]) -> int:
+    h ^= h >> c[0]
+    h = (h * c[1]) & MASK32
+    h ^= h >> c[2]
+    h = (h * c[3]) & MASK32
+    return h ^ (h >> c[4])
+
+
+def _key_int(i: int, k: tuple[int, int, int]) -> int:
+    return ((i & MASK32) * k[0] + (i >> 32) * k[1] + k[2]) & MASK32
+
+
+def finish(acc_a: int, acc_b: int, nbytes: int) -> str:
+    """The fingerprint from the two lane sums and the byte length (mixed in so that ``[x]``
+    and ``[x, 0-padding]`` differ)."""
+    lo, hi = nbytes & MASK32, nbytes >> 32
+    a = _fmix_int((acc_a + _fmix_int(lo ^ LENGTH_SALT[0] ^ _fmix_int(hi, FMIX_A), FMIX_A)) & MASK32, FMIX_A)
+    b = _fmix_int((acc_b + _fmix_int(lo ^ LENGTH_SALT[1] ^ _fmix_int(hi, FMIX_B), FMIX_B)) & MASK32, FMIX_B)
+    return f"{a:08x}{b:08x}"
+
+
+def fingerprint_reference(data: bytes) -> str:
+    """The definition, in plain Python: for tests on small inputs."""
+    padded = data + b"\0" * (-len(data) % 4)
+    acc_a = acc_b = 0
+    for i in range(len(padded) // 4):
+        w = int.from_bytes(padded[4 * i:4 * i + 4], "little")
+        acc_a += _fmix_int(w ^ _key_int(i, KEY_A), FMIX_A)
+        acc_b += _fmix_int(w ^ _key_int(i, KEY_B), FMIX_B)
+    return finish(acc_a & MASK32, acc_b & MASK32, len(data))
+
+
+def _fmix(x: torch.Tensor, c: tuple[int, int, int, int, int]) -> torch.Tensor:
+    # x holds 32-bit values in int64: shifts are then logical, and products are reduced mod 2^32
+    # (an int64 product of two 32-bit values may wrap mod 2^64, which keeps the low 32 bits).
+    x = x ^ (x >> c[0])
+    x = (x * c[1]) & MASK32
+    x = x ^ (x >> c[2])
+    x = (x * c[3]) & MASK32
+    return x ^ (x >> c[4])
+
+
+def lane_sums(t: torch.Tensor) -> torch.Tensor:
+    """The two lane sums (int64 [2], each < 2^32) of ``t``'s bytes, on its device, no sync."""
     from tracer.hashing import as_bytes
 
     b = as_bytes(t)
@@ -53,54 +93,26 @@ def fingerprint_tensor(t: torch.Tensor) -> torch.Tensor:
     if pad:
         b = torch.cat([b, torch.zeros(pad, dtype=torch.uint8, device=b.device)])
     words = b.view(torch.int32)
-    lanes = torch.zeros(2, dtype=torch.int64, device=b.device)
+    sums = torch.zeros(2, dtype=torch.int64, device=b.device)
     for start in range(0, words.numel(), _CHUNK_WORDS):
-        w = words[start:start + _CHUNK_WORDS].to(torch.int64) & _LOW32
+        w = words[start:start + _CHUNK_WORDS].to(torch.int64) & MASK32
         idx = torch.arange(start, start + w.numel(), device=b.device, dtype=torch.int64)
-        key = idx * _GOLDEN
-        lanes[0] += _mix(w + key).sum()
-        lanes[1] += _mix((w ^ _LANE2) + key * 3 + 1).sum()
-    # Mix the byte length in, so [x] and [x, 0-padding] differ.
-    length = torch.tensor([n, n * 7 + 3], dtype=torch.int64, device=b.device)
-    return _mix(lanes + _mix(length))
+        lo, hi = idx & MASK32, idx >> 32
+        key_a = (lo * KEY_A[0] + hi * KEY_A[1] + KEY_A[2]) & MASK32
+        key_b = (lo * KEY_B[0] + hi * KEY_B[1] + KEY_B[2]) & MASK32
+        sums[0] += _fmix(w ^ key_a, FMIX_A).sum()
+        sums[1] += _fmix(w ^ key_b, FMIX_B).sum()
+    return sums & MASK32
 
 
-def fingerprint_batch(byte_tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Fingerprints of many small flat uint8 tensors on one device, as int64 [k, 2].
-
-    Each tensor's words keep their own indices, so the result is exactly ``fingerprint_tensor``
-    of each. The words are laid out as padded rows (one matrix per size class, see
-    ``tracer.hashing.pad_rows``); padded slots are masked to contribute nothing to the sums.
-    """
-    from tracer.hashing import pad_rows
-
-    dev = byte_tensors[0].device
-    words = []
-    for b in byte_tensors:
-        pad = (-b.numel()) % 4
-        padded = torch.cat([b, torch.zeros(pad, dtype=torch.uint8, device=dev)]) if pad else b
-        words.append(padded.view(torch.int32))
-    k = len(byte_tensors)
-    lanes = torch.zeros(k, 2, dtype=torch.int64, device=dev)
-    for which, rows, lengths in pad_rows(words, 0):
-        w = rows.to(torch.int64) & _LOW32
-        col = torch.arange(rows.shape[1], device=dev, dtype=torch.int64)
-        valid = col[None, :] < lengths[:, None]
-        key = col * _GOLDEN
-        zero = torch.zeros((), dtype=torch.int64, device=dev)
-        lane0 = torch.where(valid, _mix(w + key), zero).sum(dim=1)
-        lane1 = torch.where(valid, _mix((w ^ _LANE2) + key * 3 + 1), zero).sum(dim=1)
-        lanes[torch.tensor(which, device=dev)] = torch.stack([lane0, lane1], dim=1)
-    n = torch.tensor([b.numel() for b in byte_tensors], dtype=torch.int64, device=dev)
-    length = torch.stack([n, n * 7 + 3], dim=1)
-    return _mix(lanes + _mix(length))
-
-
-def fingerprint_hex(lanes: list[int]) -> str:
-    return "".join(f"{v & 0xFFFFFFFFFFFFFFFF:016x}" for v in lanes)
+def fingerprint_tensor(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Lane sums on ``t``'s device and the byte length; ``finish`` turns them into hex."""
+    return lane_sums(t), t.numel() * t.element_size()
 
 
 def fingerprint(t: torch.Tensor) -> str:
-    """Synchronous convenience: the fingerprint of one tensor as 32 hex digits."""
+    """Synchronous convenience: the fingerprint of one tensor as 16 hex digits."""
     with torch._C.DisableTorchFunction():
-        return fingerprint_hex(fingerprint_tensor(t).cpu().tolist())
+        sums, nbytes = fingerprint_tensor(t)
+        a, b = sums.tolist()
+        return finish(a, b, nbytes)

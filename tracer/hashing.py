@@ -10,16 +10,21 @@ How the bytes get hashed:
   what gets hashed) and MD5 runs on a pool of worker threads (``hashlib`` releases the GIL).
 - CUDA: the bytes are copied on a side stream into pinned host memory, an event marks the copy,
   and a worker thread waits on that event and hashes. The training thread never synchronises.
-In-flight bytes are bounded (back-pressure): when the budget is used, ``submit`` waits for the
-oldest job, so memory stays bounded on a step that makes many gigabytes of tensors.
+In-flight bytes are bounded (back-pressure): when the budget (an eighth of the machine's memory,
+at most 16 GiB) is used, ``submit`` waits for the oldest job, so memory stays bounded on a step
+that makes many gigabytes of tensors.
 
-Stats (min, max, mean, absmax over finite values; NaN and Inf counts) are computed on the
-tensor's own device as one small tensor each and fetched in one batch per device at ``drain``.
+Stats (min, max, mean, absmax over finite values; NaN and Inf counts) and ``hash="fast"``
+fingerprints of CUDA tensors are computed on the device by batched Triton kernels
+(``tracer.fused``) where Triton is installed, else by a few torch kernels per tensor; either way
+the results stay on the device and are fetched in one copy per device at ``drain``. On the CPU
+they are computed at once (reading a CPU result costs no sync).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import math
 import os
@@ -34,11 +39,25 @@ from tracer.model import Stats, TensorRecord
 
 HASH_ALGORITHMS = ("md5", "fast", "none")
 INLINE_BYTES = 256 * 1024
-DEFAULT_INFLIGHT_BYTES = 512 * 1024 * 1024
-STATS_BATCH_BYTES = 64 * 1024 * 1024
-FAST_BATCH_MAX_BYTES = 256 * 1024
+
+
+def _default_inflight() -> int:
+    """Bytes of MD5 work in flight: enough that every core has large tensors to hash at once
+    (a step's biggest tensors are GBs), bounded by a share of the machine's memory."""
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        ram = 8 << 30
+    return max(512 << 20, min(16 << 30, ram // 8))
+
+
+DEFAULT_INFLIGHT_BYTES = _default_inflight()
 
 _ALLOWED_TYPES = (torch.Tensor, torch.nn.Parameter)
+_STRIDED = torch.strided
+# Whether the current CUDA stream is capturing a graph, without torch.cuda's Python wrapper
+# (private; the public function is the fallback).
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
 
 
 def unhashable_reason(t: torch.Tensor) -> str | None:
@@ -144,28 +163,9 @@ _WIDE = frozenset({torch.float64, torch.int64, torch.int32, *(getattr(torch, n) 
                                                             if hasattr(torch, n))})
 
 
-SMALL_NUMEL = 1 << 16  # tensors up to this size are reduced together, larger ones alone
-
-
 def _reduce_batch(flats: list[torch.Tensor]) -> torch.Tensor:
-    """Stats of many flat tensors (same device and dtype) as a float64 tensor [k, 7] on that device.
-
-    Small tensors (most of a step's tensors, by count) are concatenated and reduced together with
-    ``scatter_reduce`` — a dozen kernels for hundreds of tensors instead of a dozen each. Large
-    tensors get ordinary reductions of their own: per-segment reductions such as
-    ``segment_reduce`` walk each segment serially on CUDA, which is hopeless for a 100M-element
-    activation. Nothing here synchronises.
-    """
-    rows: list[torch.Tensor | None] = [None] * len(flats)
-    small = [i for i, f in enumerate(flats) if f.numel() <= SMALL_NUMEL]
-    for i, f in enumerate(flats):
-        if f.numel() > SMALL_NUMEL:
-            rows[i] = _reduce_one(f)
-    if small:
-        result = _reduce_small([flats[i] for i in small])
-        for j, i in enumerate(small):
-            rows[i] = result[j]
-    return torch.stack([r for r in rows if r is not None])
+    """Stats of flat float tensors as float64 [k, 7], one ``_reduce_one`` each (the torch path)."""
+    return torch.stack([_reduce_one(f) for f in flats])
 
 
 def _reduce_one(data: torch.Tensor) -> torch.Tensor:
@@ -181,53 +181,6 @@ def _reduce_one(data: torch.Tensor) -> torch.Tensor:
     return torch.stack([lo, hi, total / n_fin.clamp(min=1), absmax, n_nan, n_inf, n_fin])
 
 
-def pad_rows(flats: list[torch.Tensor], fill: float | int) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
-    """Small flat tensors as padded rows, one matrix per power-of-two size class.
-
-    Returns ``(which, rows, lengths)`` per class: ``rows[j, :lengths[j]]`` is ``flats[which[j]]``
-    and the rest is ``fill``. Reducing along rows is an ordinary parallel reduction, with no
-    two threads writing one address (scatter-style segment reductions funnel a whole segment
-    into one atomic target and serialise on the GPU). Padding at most doubles the elements.
-    """
-    classes: dict[int, list[int]] = {}
-    for i, f in enumerate(flats):
-        classes.setdefault(max(1, f.numel() - 1).bit_length(), []).append(i)
-    out = []
-    for bits, which in sorted(classes.items()):
-        width = 1 << bits
-        parts = [flats[i] for i in which]
-        dev, dtype = parts[0].device, parts[0].dtype
-        lengths = torch.tensor([p.numel() for p in parts], device=dev)
-        data = parts[0] if len(parts) == 1 else torch.cat(parts)
-        rows = torch.full((len(parts), width), fill, dtype=dtype, device=dev)
-        seg = torch.repeat_interleave(torch.arange(len(parts), device=dev), lengths, output_size=data.numel())
-        starts = torch.cumsum(lengths, 0) - lengths
-        col = torch.arange(data.numel(), device=dev) - starts[seg]
-        rows.view(-1)[seg * width + col] = data
-        out.append((which, rows, lengths))
-    return out
-
-
-def _reduce_small(flats: list[torch.Tensor]) -> torch.Tensor:
-    """Stats of small flat float tensors, [k, 7]. Padding is NaN, which the finite mask drops."""
-    k = len(flats)
-    result = torch.empty((k, 7), dtype=torch.float64, device=flats[0].device)
-    for which, rows, lengths in pad_rows(flats, float("nan")):
-        finite = torch.isfinite(rows)
-        zero = torch.zeros((), dtype=rows.dtype, device=rows.device)
-        lo = torch.where(finite, rows, torch.inf).amin(dim=1).double()
-        hi = torch.where(finite, rows, -torch.inf).amax(dim=1).double()
-        absmax = torch.where(finite, rows.abs(), zero).amax(dim=1).double()
-        total = torch.where(finite, rows, zero).sum(dim=1, dtype=torch.float64)
-        n_fin = finite.sum(dim=1, dtype=torch.float64)
-        pad = rows.shape[1] - lengths.double()
-        n_nan = torch.isnan(rows).sum(dim=1, dtype=torch.float64) - pad
-        n_inf = lengths.double() - n_fin - n_nan
-        idx = torch.tensor(which, device=rows.device)
-        result[idx] = torch.stack([lo, hi, total / n_fin.clamp(min=1), absmax, n_nan, n_inf, n_fin], dim=1)
-    return result
-
-
 def _stats_from_row(row: list[float]) -> Stats:
     lo, hi, mean, absmax, nan, inf, n_fin = row
     if n_fin == 0:  # no finite value at all: min/max/mean have no meaning
@@ -236,7 +189,11 @@ def _stats_from_row(row: list[float]) -> Stats:
 
 
 class Hasher:
-    """Queues checksum and stats work for tensor records and fills the records in when done."""
+    """Queues checksum and stats work for tensor records and fills the records in when done.
+
+    CUDA stats and fingerprints go through ``tracer.fused`` (Triton, batched) where Triton is
+    usable, else through per-tensor torch ops; both stay on the device until ``drain``.
+    """
 
     def __init__(self, algorithm: str = "md5", stats: bool = True, workers: int | None = None,
                  max_inflight_bytes: int = DEFAULT_INFLIGHT_BYTES) -> None:
@@ -244,20 +201,22 @@ class Hasher:
             raise ValueError(f"hash must be one of {', '.join(HASH_ALGORITHMS)}, got {algorithm!r}")
         self.algorithm = algorithm
         self.want_stats = stats
+        # False when submit has nothing to do: the recorder then skips the call altogether.
+        self.active = stats or algorithm != "none"
         self.max_inflight = max_inflight_bytes
         self._workers = workers or max(1, (os.cpu_count() or 1))
         self._pool: ThreadPoolExecutor | None = None
         self._jobs: deque[tuple[TensorRecord, Future[str], int]] = deque()
         self._inflight = 0
-        # Stats wait in groups of same device and dtype and are reduced together; a group is
-        # reduced (on its device, without a sync) once it holds STATS_BATCH_BYTES, bounding the
-        # memory its snapshots take.
-        self._stat_groups: dict[tuple[torch.device, torch.dtype], list[tuple[TensorRecord, torch.Tensor]]] = {}
-        self._stat_bytes: dict[tuple[torch.device, torch.dtype], int] = {}
-        self._stat_results: list[tuple[list[TensorRecord], torch.Tensor]] = []
-        self._fingerprints: list[tuple[TensorRecord, torch.Tensor]] = []
-        self._fast_batches: dict[torch.device, list[tuple[TensorRecord, torch.Tensor]]] = {}
-        self._fast_bytes: dict[torch.device, int] = {}
+        # Per-tensor device results of the torch path, fetched at drain.
+        self._stat_rows: list[tuple[TensorRecord, torch.Tensor]] = []
+        self._fingerprints: list[tuple[TensorRecord, torch.Tensor, int]] = []
+        self._fused: Any = None  # tracer.fused.Fused, made on the first CUDA tensor
+        self._fused_tried = False
+        # Tests only: CPU tensors through the batched kernels under Triton's CPU interpreter
+        # (TRITON_INTERPRET=1 must be set before triton is first imported), so a machine
+        # without a GPU exercises the batching and its flush rules end to end.
+        self._interpret = os.environ.get("GRADTRACE_FUSED_INTERPRET") == "1"
         self._lock = threading.Lock()
         self._side_streams: dict[int, Any] = {}
         self.capturing_skipped = 0
@@ -265,16 +224,26 @@ class Hasher:
 
     # ---- submission (training thread or autograd threads) ---------------------------------------
     def submit(self, rec: TensorRecord, t: torch.Tensor) -> None:
+        if not self.active:
+            return
+        # The common case first, with as few tensor attribute reads as possible: this runs for
+        # every tensor a step makes (thousands), and each read costs a fraction of a microsecond.
+        if t.is_cuda and not self._interpret and type(t) in _ALLOWED_TYPES and t.layout is _STRIDED \
+                and not t.is_quantized and not t.is_nested and self.algorithm != "md5":
+            if _capturing():
+                rec.hash_note = "not hashed: CUDA graph capture in progress"
+                self.capturing_skipped += 1
+                return
+            fused = self._fused if self._fused_tried else self._make_fused()
+            if fused is not None and fused.add(rec, t):
+                return
         reason = unhashable_reason(t)
         if reason is not None:
             rec.hash_note = f"not hashed: {reason}"
             return
-        if t.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            rec.hash_note = "not hashed: CUDA graph capture in progress"
-            self.capturing_skipped += 1
-            return
         with torch._C.DisableTorchFunction():
-            if t.device.type == "cpu":
+            on_cpu = t.device.type == "cpu"
+            if on_cpu and not self._interpret:
                 # On the CPU reading a result costs no sync: stats now, from the tensor itself
                 # (no snapshot), with the cheap all-finite path.
                 if self.want_stats:
@@ -282,69 +251,61 @@ class Hasher:
                 if self.algorithm == "md5":
                     self._submit_md5(rec, t)
                 elif self.algorithm == "fast":
-                    self._submit_fast(rec, t)
+                    rec.fingerprint = _cpu_fingerprint(t)
                 return
-            flat = _stats_input(t) if self.want_stats else None
-            if flat is not None:
-                key = (flat.device, flat.dtype)
-                with self._lock:
-                    self._stat_groups.setdefault(key, []).append((rec, flat))
-                    size = self._stat_bytes.get(key, 0) + flat.numel() * flat.element_size()
-                    self._stat_bytes[key] = size
-                if size >= STATS_BATCH_BYTES:
-                    self._reduce_group(key)
-            if self.algorithm == "fast":
-                self._submit_fast(rec, t)
-            elif self.algorithm == "md5":
-                # A float32 snapshot already holds the exact bytes: hash it, skip another copy.
-                if flat is not None and flat.dtype == t.dtype and flat.device.type == "cpu" and not t.is_conj() \
-                        and not t.is_neg() and flat.numel() * flat.element_size() <= INLINE_BYTES:
-                    self.hashed_bytes += flat.numel() * flat.element_size()
-                    rec.md5 = hashlib.md5(host_bytes(flat.view(torch.uint8))).hexdigest()
-                else:
-                    self._submit_md5(rec, t)
+            if not on_cpu and torch.cuda.is_current_stream_capturing():
+                rec.hash_note = "not hashed: CUDA graph capture in progress"
+                self.capturing_skipped += 1
+                return
+            fast = self.algorithm == "fast"
+            if (self.want_stats or fast) and t.numel():
+                fused = self._fused if self._fused_tried else self._make_fused()
+                if fused is None or not fused.add(rec, t):
+                    self._submit_torch(rec, t, self.want_stats, fast)
+            elif fast:  # empty: nothing to read
+                from tracer.fingerprint import finish
 
-    def _submit_fast(self, rec: TensorRecord, t: torch.Tensor) -> None:
-        from tracer.fingerprint import fingerprint_tensor
+                rec.fingerprint = finish(0, 0, 0)
+            if self.algorithm == "md5":
+                self._submit_md5(rec, t)
 
-        b = as_bytes(t)
-        if b.numel() > FAST_BATCH_MAX_BYTES:  # large: its own few kernels are worth it
-            fp = fingerprint_tensor(t)
-            with self._lock:
-                self._fingerprints.append((rec, fp))
+    def _make_fused(self) -> Any:
+        self._fused_tried = True
+        from tracer.fused import Fused, triton_usable
+
+        if triton_usable():
+            self._fused = Fused(stats=self.want_stats, fingerprint=self.algorithm == "fast",
+                                interpret=self._interpret)
+        return self._fused
+
+    def _submit_torch(self, rec: TensorRecord, t: torch.Tensor, stats: bool, fast: bool) -> None:
+        """The per-tensor path: a dozen torch kernels per tensor, results left on the device."""
+        row = _reduce_one(_stats_input(t)) if stats else None  # type: ignore[arg-type]
+        sums = None
+        if fast:
+            from tracer.fingerprint import lane_sums
+
+            sums = lane_sums(t)
+        with self._lock:
+            if row is not None:
+                self._stat_rows.append((rec, row))
+            if sums is not None:
+                self._fingerprints.append((rec, sums, t.numel() * t.element_size()))
+
+    def flush(self) -> None:
+        """Launch the batched kernels for every waiting tensor (no sync). The recorder calls this
+        before code that may change a recorded tensor in place."""
+        if self._fused is not None:
+            self._fused.flush()
+
+    def before_call(self, api: str, kind: str, kwargs: dict[str, Any]) -> None:
+        """Called by the recorder before running a call: flush if the call may write into its
+        inputs, which may be tensors still waiting to be read."""
+        fused = self._fused
+        if fused is None or not fused.has_waiting:
             return
-        # Small: snapshot the bytes (one copy) and fingerprint a whole batch in one pass later.
-        snap = b.clone() if b.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() else b
-        with self._lock:
-            batch = self._fast_batches.setdefault(snap.device, [])
-            batch.append((rec, snap))
-            size = self._fast_bytes.get(snap.device, 0) + snap.numel()
-            self._fast_bytes[snap.device] = size
-        if size >= STATS_BATCH_BYTES:
-            self._reduce_fast(snap.device)
-
-    def _reduce_fast(self, device: torch.device) -> None:
-        from tracer.fingerprint import fingerprint_batch
-
-        with self._lock:
-            items = self._fast_batches.pop(device, [])
-            self._fast_bytes.pop(device, None)
-        if not items:
-            return
-        with torch._C.DisableTorchFunction():
-            lanes = fingerprint_batch([b for _, b in items])
-        with self._lock:
-            self._fingerprints.extend((rec, lanes[i]) for i, (rec, _) in enumerate(items))
-
-    def _reduce_group(self, key: tuple[torch.device, torch.dtype]) -> None:
-        with self._lock:
-            items = self._stat_groups.pop(key, [])
-            self._stat_bytes.pop(key, None)
-        if items:
-            with torch._C.DisableTorchFunction():
-                result = _reduce_batch([f for _, f in items])
-            with self._lock:
-                self._stat_results.append(([r for r, _ in items], result))
+        if kind != "op" or writes_inputs(api) or "out" in kwargs or kwargs.get("inplace") is True:
+            fused.flush()
 
     def _pool_get(self) -> ThreadPoolExecutor:
         if self._pool is None:
@@ -365,8 +326,8 @@ class Hasher:
             self._reserve(n)
             fut = self._pool_get().submit(_md5_host, snap, None)
         else:
-            host, event = self._copy_to_host(b)
             self._reserve(n)
+            host, event = self._copy_to_host(b)
             fut = self._pool_get().submit(_md5_host, host, event)
         with self._lock:
             self._jobs.append((rec, fut, n))
@@ -401,29 +362,37 @@ class Hasher:
 
     # ---- completion ---------------------------------------------------------------------------
     def drain(self, wait: bool = False) -> None:
-        """Fill in finished checksums (all of them if ``wait``) and every pending stat."""
-        for key in list(self._stat_groups):
-            self._reduce_group(key)
-        for device in list(self._fast_batches):
-            self._reduce_fast(device)
-        with self._lock:
-            results, self._stat_results = self._stat_results, []
-            fps, self._fingerprints = self._fingerprints, []
-        if fps:
-            from tracer.fingerprint import fingerprint_hex
+        """Fill in finished checksums and stats: all of them if ``wait`` (one fetch per device,
+        the only synchronisation), else those whose kernels or copies have already finished."""
+        from tracer.fingerprint import finish
 
-            by_device: dict[torch.device, list[tuple[TensorRecord, torch.Tensor]]] = {}
-            for rec, fp in fps:
-                by_device.setdefault(fp.device, []).append((rec, fp))
+        fused = self._fused
+        if fused is not None:
+            fused.flush()
+            for slots, res_f, res_i in fused.take(wait):
+                for recs, frow, irow in zip(slots, res_f, res_i):
+                    lo, hi, mean, absmax = frow
+                    nan, inf, lane_a, lane_b = irow
+                    for rec in recs:
+                        if fused.stats:
+                            rec.stats = Stats(lo, hi, mean, absmax, nan, inf) if math.isfinite(lo) \
+                                else Stats(None, None, None, None, nan, inf)
+                        if fused.fingerprint:
+                            rec.fingerprint = f"{lane_a & 0xFFFFFFFF:08x}{lane_b & 0xFFFFFFFF:08x}"
+        if wait:
+            with self._lock:
+                rows, self._stat_rows = self._stat_rows, []
+                fps, self._fingerprints = self._fingerprints, []
             with torch._C.DisableTorchFunction():
-                for items in by_device.values():
-                    rows = torch.stack([fp for _, fp in items]).cpu().tolist()  # one fetch per device
-                    for (rec, _), row in zip(items, rows):
-                        rec.fingerprint = fingerprint_hex(row)
-        with torch._C.DisableTorchFunction():
-            for recs, result in results:
-                for rec, row in zip(recs, result.cpu().tolist()):  # one fetch per batch
-                    rec.stats = _stats_from_row(row)
+                for recs_rows in _by_device(rows):
+                    values = torch.stack([r for _, r in recs_rows]).cpu().tolist()  # one fetch
+                    for (rec, _), row in zip(recs_rows, values):
+                        rec.stats = _stats_from_row(row)
+                for recs_fps in _by_device([(rec, sums) for rec, sums, _ in fps]):
+                    values = torch.stack([s for _, s in recs_fps]).cpu().tolist()
+                    sizes = {id(rec): n for rec, _, n in fps}
+                    for (rec, _), (a, b) in zip(recs_fps, values):
+                        rec.fingerprint = finish(a, b, sizes[id(rec)])
         while True:
             with self._lock:
                 if not self._jobs:
@@ -437,20 +406,53 @@ class Hasher:
 
     def pending(self) -> set[int]:
         with self._lock:
-            waiting = {id(r) for r, _, _ in self._jobs} | {id(r) for r, _ in self._fingerprints}
-            for items in self._fast_batches.values():
-                waiting.update(id(r) for r, _ in items)
-            for items in self._stat_groups.values():
-                waiting.update(id(r) for r, _ in items)
-            for recs, _ in self._stat_results:
-                waiting.update(id(r) for r in recs)
-            return waiting
+            waiting = {id(r) for r, _, _ in self._jobs} | {id(r) for r, _, _ in self._fingerprints}
+            waiting.update(id(r) for r, _ in self._stat_rows)
+        if self._fused is not None:
+            waiting.update(self._fused.pending())
+        return waiting
 
     def close(self) -> None:
         self.drain(wait=True)
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+_INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+                              "__imod__", "__ipow__", "__ilshift__", "__irshift__", "__iand__", "__ior__",
+                              "__ixor__", "__imatmul__"})
+# Functions that update buffers in place without a trailing underscore (running statistics).
+_WRITING_FUNCTIONS = frozenset({"torch.nn.functional.batch_norm", "torch.batch_norm", "torch.nn.functional.instance_norm",
+                                "torch.instance_norm", "torch.native_batch_norm", "torch._native_batch_norm_legit"})
+
+
+@functools.lru_cache(maxsize=4096)
+def writes_inputs(api: str) -> bool:
+    """Whether an API may write into a tensor argument: PyTorch's in-place convention (a trailing
+    underscore: ``add_``, ``_foreach_mul_``, ``copy_``), in-place operators, and batch norm."""
+    short = api.rsplit(".", 1)[-1]
+    if short.startswith("__"):
+        return short in _INPLACE_DUNDERS
+    return short.endswith("_") or api in _WRITING_FUNCTIONS
+
+
+def _cpu_fingerprint(t: torch.Tensor) -> str:
+    """A CPU tensor's fingerprint now: tiny ones (scalars such as an optimizer's step count)
+    in plain Python, which beats a dozen torch kernel launches; larger ones in torch."""
+    from tracer import fingerprint as fp
+
+    if t.numel() * t.element_size() <= 64:
+        b = as_bytes(t)  # alive while its bytes are read
+        return fp.fingerprint_reference(bytes(host_bytes(b)))
+    return fp.fingerprint(t)
+
+
+def _by_device(items: list[tuple[TensorRecord, torch.Tensor]]) -> list[list[tuple[TensorRecord, torch.Tensor]]]:
+    groups: dict[torch.device, list[tuple[TensorRecord, torch.Tensor]]] = {}
+    for rec, value in items:
+        groups.setdefault(value.device, []).append((rec, value))
+    return list(groups.values())
 
 
 def _md5_host(buf: torch.Tensor, event: Any) -> str:

@@ -63,6 +63,8 @@ class Stats:
         return self.nan == 0 and self.inf == 0
 
 
+# Field order matters: the recorder builds these positionally on its hot path
+# (tests/test_recorder_fastpaths.py checks the order).
 @dataclass(slots=True)
 class TensorRecord:
     """One tensor value (a version of a tensor) seen by the trace.
@@ -125,6 +127,8 @@ class TensorRecord:
         )
 
 
+# Field order matters: the recorder builds these positionally on its hot path
+# (tests/test_recorder_fastpaths.py checks the order).
 @dataclass(slots=True)
 class Call:
     """One forward API call (or custom Function / custom op) as the user wrote it.
@@ -170,6 +174,8 @@ class Call:
                    mutated=_strs(d, "mutated"), error=d.get("error"))
 
 
+# Field order matters: the recorder builds these positionally on its hot path
+# (tests/test_recorder_fastpaths.py checks the order).
 @dataclass(slots=True)
 class GradNode:
     """One autograd node created by the traced code, linked to the call that created it.
@@ -335,19 +341,33 @@ class Trace:
 
     def resolve(self) -> None:
         """Attach stacks and per-node gradient names to records (after load or recording)."""
+        # One tuple per distinct stack, shared by every record made at that line: a step has
+        # thousands of records and a few hundred distinct stacks.
+        stacks: dict[int | None, tuple[Frame, ...]] = {}
+
+        def stack(stack_id: int | None) -> tuple[Frame, ...]:
+            hit = stacks.get(stack_id)
+            if hit is None:
+                hit = stacks[stack_id] = self.stack_of(stack_id)
+            return hit
+
         for c in self.calls:
-            c.stack = self.stack_of(c.stack_id)
-        for n in self.grad_nodes:
-            n.stack = self.stack_of(n.stack_id)
-            n.grads_in, n.grads_out = [], []
+            c.stack = stack(c.stack_id)
         for b in self.backward_runs:
-            b.stack = self.stack_of(b.stack_id)
+            b.stack = stack(b.stack_id)
         by_name = {n.name: n for n in self.grad_nodes}
+        last: dict[str, NodeRun] = {}
         for b in self.backward_runs:
             for s in b.steps:
-                node = by_name.get(s.node)
-                if node is not None:  # the last run that executed a node wins
-                    node.grads_in, node.grads_out = list(s.grads_in), list(s.grads_out)
+                if s.node in by_name:  # the last run that executed a node wins
+                    last[s.node] = s
+        for n in self.grad_nodes:
+            n.stack = stack(n.stack_id)
+            s = last.get(n.name) if by_name[n.name] is n else None
+            if s is None:
+                n.grads_in, n.grads_out = [], []
+            else:
+                n.grads_in, n.grads_out = list(s.grads_in), list(s.grads_out)
         self.invalidate()
 
     # ---- records -------------------------------------------------------------------------

@@ -19,6 +19,7 @@ same names twice), readable, and linked:
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -140,13 +141,17 @@ class Counters:
     """Per-trace counters: ``next("linear") -> "linear0"``, then ``"linear1"``..."""
 
     def __init__(self) -> None:
-        self._n: dict[str, int] = {}
+        # short -> [next number, prefix]; the prefix (with its "_" when the short name ends in a
+        # digit) is worked out once per short name, not per call.
+        self._n: dict[str, list[Any]] = {}
 
     def next(self, short: str) -> str:
-        n = self._n.get(short, 0)
-        self._n[short] = n + 1
-        sep = "_" if short[-1:].isdigit() else ""
-        return f"{short}{sep}{n}"
+        entry = self._n.get(short)
+        if entry is None:
+            entry = self._n[short] = [0, f"{short}_" if short[-1:].isdigit() else short]
+        n = entry[0]
+        entry[0] = n + 1
+        return f"{entry[1]}{n}"
 
 
 def output_name(call: str, index: int, count: int) -> str:
@@ -167,15 +172,24 @@ def short_args(args: tuple[Any, ...], kwargs: dict[str, Any], limit: int = 120) 
     """A short text of the non-tensor arguments (tensors are listed as inputs by name)."""
     parts: list[str] = []
     for a in args:
+        if type(a) is torch.Tensor:  # the common case, listed as an input
+            continue
         s = _short_value(a)
         if s is not None:
             parts.append(s)
-    for k, v in kwargs.items():
-        s = _short_value(v)
-        if s is not None:
-            parts.append(f"{k}={s}")
-    text = ", ".join(parts)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+    if kwargs:
+        for k, v in kwargs.items():
+            s = _short_value(v)
+            if s is not None:
+                parts.append(f"{k}={s}")
+    if not parts:
+        return ""
+    text = parts[0] if len(parts) == 1 else ", ".join(parts)
+    if len(text) > limit:
+        text = text[: limit - 1] + "…"
+    # Interned: the same few texts ("1", "-1", "dim=-1") repeat on thousands of calls, and one
+    # shared string is 50 bytes less per call than a copy each.
+    return sys.intern(text)
 
 
 _SCALARS = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.memory_format, torch.layout)

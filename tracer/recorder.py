@@ -20,10 +20,12 @@ outputs reach it (documented in the trace header as ``node_attribution``).
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import warnings
 import weakref
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import torch
@@ -102,7 +104,24 @@ def _hidden_mutations(api: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     return [s for s in stats if isinstance(s, torch.Tensor)]
 
 
+def _runs_user_code(node: Any, kind: str) -> bool:
+    if isinstance(node, torch.autograd.function.BackwardCFunction):
+        return True
+    if kind == _ACCUMULATE:
+        var = getattr(node, "variable", None)
+        return getattr(var, "_post_accumulate_grad_hooks", None) is not None
+    return False
+
+
 def _unique(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors of ``ts`` without repeats (by identity), in first-seen order."""
+    n = len(ts)
+    if n < 2:
+        return ts
+    if n == 2:
+        return ts if ts[0] is not ts[1] else ts[:1]
+    if len({id(t) for t in ts}) == n:  # the usual case: no repeat, keep the list
+        return ts
     seen: set[int] = set()
     res = []
     for t in ts:
@@ -112,17 +131,47 @@ def _unique(ts: list[torch.Tensor]) -> list[torch.Tensor]:
     return res
 
 
+def _first(item: tuple[Any, ...]) -> Any:
+    return item[0]
+
+
+def _call_tensors(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> list[torch.Tensor]:
+    """The distinct tensors among a call's arguments (what ``flat_tensors`` finds in both)."""
+    ts: list[torch.Tensor] = []
+    for a in args:  # flat_tensors(args, ts), its first level inlined: most arguments are flat
+        if isinstance(a, torch.Tensor):
+            ts.append(a)
+        elif isinstance(a, tuple | list | dict):
+            flat_tensors(a, ts, 1)
+    if kwargs:
+        flat_tensors(kwargs, ts)
+    return _unique(ts)
+
+
+def _versions_of(ts: list[torch.Tensor]) -> list[int]:
+    try:
+        return [t._version for t in ts]
+    except RuntimeError:  # an inference tensor among them: ask one by one
+        return [_version(t) for t in ts]
+
+
 class _Mode(TorchFunctionMode):
     def __init__(self, recorder: Recorder) -> None:
         super().__init__()
-        self.recorder = recorder
+        self.recorder: Recorder | None = recorder  # None once the recorder is uninstalled
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         if kwargs is None:
             kwargs = {}
         rec = self.recorder
-        api, short, kind = rec.api.describe(func)
+        if rec is None:
+            return func(*args, **kwargs)
+        try:  # ApiNames.describe, its cache hit inlined: this runs for every torch call
+            hit = rec.api._cache.get(func)
+        except TypeError:  # an unhashable callable
+            hit = None
+        api, short, kind = hit if hit is not None else rec.api.describe(func)
         if kind == "skip" or rec.paused or rec.stopped:
             return func(*args, **kwargs)
         if kind == "backward":
@@ -150,6 +199,7 @@ class Recorder:
         self.counters = naming.Counters()
         self.stack_table: StackTable | None = StackTable() if stacks else None
         self.hasher = Hasher(hash_algorithm, stats=stats)
+        self._own_hasher = self.hasher
         self.on_records = on_records
         self.listeners: list[Listener] = []
         self.paused = False
@@ -162,19 +212,24 @@ class Recorder:
         # op's generated autograd Function) is that op's implementation, not a call of its own.
         self.op_depth = 0
         self._tensor_names: IdWeakMap[tuple[str, int]] = IdWeakMap()  # tensor -> (name, version)
+        self._interned: dict[tuple[int, ...], tuple[int, ...]] = {}  # shapes and strides of records
         self._named: IdWeakMap[tuple[str, str]] = IdWeakMap()  # param/buffer/state -> (name, role)
         self._module_paths: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
         self._module_stack: list[str] = []
+        self._scope_frames: list[FrameType | None] = []  # per _module_stack entry, see _module_pre
         self._parents: list[str] = []  # enclosing custom Function calls
         self._running: list[str] = []  # grad nodes running now (nesting in backward)
         self._node_by_seq: dict[tuple[int, str], str] = {}
         self._acc_by_var: IdWeakMap[str] = IdWeakMap()
-        self._edges: dict[str, list[tuple[str | None, int]]] = {}
+        self._edges: dict[str, tuple[tuple[str | None, int], ...]] = {}  # node -> (dest node, slot) per output
         self._node_recs: dict[str, GradNode] = {}
         self._slot_tensor: dict[tuple[str, int], str] = {}
         self._indegree: dict[tuple[str, int], int] = {}
         self._versions: dict[str, int] = {}
         self._handles: list[Any] = []
+        # Grad nodes that run user Python (custom Function backwards, accumulators with
+        # post-accumulate hooks such as an optimizer step in backward): flush checksums first.
+        self._flush_before: set[str] = set()
         self._opaque: list[tuple[torch.nn.Module, Any, int | None, list[str], int, Any, Any]] = []
         self._module_handles: list[Any] = []
         self._run: BackwardRun | None = None
@@ -221,6 +276,10 @@ class Recorder:
         self.closed = True
         try:
             self._mode.__exit__(None, None, None)
+            # The mode points back at this recorder: once it is off the stack, drop that link, so
+            # that a finished trace is freed by reference counting, not by the cycle collector
+            # (which would walk all of its records to find the cycle).
+            self._mode.recorder = None
         finally:
             _uninstall_apply_wrapper(self)
             for h in self._handles:
@@ -234,6 +293,9 @@ class Recorder:
                 ctx.__exit__(None, None, None)
                 local.remove()
             self._remove_module_hooks()
+            if self.stack_table is not None:
+                self.stack_table.clear_scopes()
+            self._scope_frames.clear()
 
     @property
     def function_depth(self) -> int:
@@ -256,37 +318,67 @@ class Recorder:
     # ---- tensors ------------------------------------------------------------------------------
     def _new_tensor(self, t: torch.Tensor, name: str, role: str, producer: str | None,
                     previous: str | None = None) -> str:
-        if name in self.trace.tensors:  # never overwrite: disambiguate deterministically
+        tensors = self.trace.tensors
+        if name in tensors:  # never overwrite: disambiguate deterministically
             k = 1
-            while f"{name}#{k}" in self.trace.tensors:
+            while f"{name}#{k}" in tensors:
                 k += 1
             name = f"{name}#{k}"
         try:
-            stride: tuple[int, ...] | None = tuple(t.stride())
+            stride: tuple[int, ...] | None = t.stride()
             contiguous = t.is_contiguous()
         except RuntimeError:  # sparse and other layouts have no strides
             stride, contiguous = None, False
-        ver = _version(t)
-        rec = TensorRecord(name=name, shape=tuple(t.shape), dtype=_dtype_name(t.dtype), device=_device_name(t.device),
-                           role=role, producer=producer, stride=stride, contiguous=contiguous,
-                           requires_grad=t.requires_grad, version=ver, seq=self._tensor_seq, previous=previous)
+        # Shapes and strides repeat across a step: one tuple per distinct value, not two fresh
+        # tuples per record (memory, and fewer objects for the garbage collector to visit).
+        interned = self._interned
+        size = t.shape
+        try:
+            shape = interned.get(size)
+            if shape is None:
+                shape = tuple(size)
+                interned[shape] = shape
+            if stride is not None:
+                stride = interned.setdefault(stride, stride)
+        except TypeError:  # symbolic sizes are not hashable: keep this record's own tuples
+            shape = tuple(size)
+        if stride is not None and type(stride) is not tuple:
+            stride = tuple(stride)
+        try:
+            ver = t._version
+        except RuntimeError:  # inference tensors have no version counter
+            ver = 0
+        dtype = _DTYPE_NAMES.get(t.dtype) or _dtype_name(t.dtype)
+        device = _DEVICE_NAMES.get(t.device) or _device_name(t.device)
+        # Positional (the field order of TensorRecord): keyword binding cost as much as the rest.
+        rec = TensorRecord(name, shape, dtype, device, role, producer, stride, contiguous, t.requires_grad, ver,
+                           self._tensor_seq, None, None, None, None, previous)
         self._tensor_seq += 1
-        self.trace.tensors[name] = rec
+        tensors[name] = rec
         self._tensor_names[t] = (name, ver)
-        self.hasher.submit(rec, t)
+        hasher = self.hasher
+        # With nothing to hash or summarise, skip the call; a stand-in hasher (an async
+        # collective's outputs get a note instead of a checksum) is always called.
+        if hasher is not self._own_hasher or getattr(hasher, "active", True):
+            hasher.submit(rec, t)
         return name
 
     def name_of(self, t: torch.Tensor) -> str:
         """The current name of a tensor, registering it (and hashing it) on first sight."""
+        return self._name_at(t, _version(t))
+
+    def _name_at(self, t: torch.Tensor, version: int) -> str:
+        """``name_of`` for a tensor whose current version the caller has just read."""
         hit = self._tensor_names.get(t)
         if hit is not None:
             name, ver = hit
-            if _version(t) == ver:
+            if version == ver:
                 return name
             # Changed in place where the trace could not see it (untraced code, through .data).
             base = self._base_name(name)
-            role = self.trace.tensors[name].role if name in self.trace.tensors else "input"
-            return self._new_tensor(t, self._bump(base), role, None, previous=name)
+            old = self.trace.tensors.get(name)
+            return self._new_tensor(t, self._bump(base), old.role if old is not None else "input", None,
+                                    previous=name)
         named = self._named.get(t)
         if named is not None:
             return self._new_tensor(t, named[0], named[1], None)
@@ -305,14 +397,21 @@ class Recorder:
     # ---- forward calls ------------------------------------------------------------------------
     def record_call(self, func: Any, api: str, short: str, kind: str, args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> Any:
-        ins = _unique(flat_tensors(args) + (flat_tensors(kwargs) if kwargs else []))
-        vers = [_version(t) for t in ins]
+        ins = _call_tensors(args, kwargs)
+        vers = _versions_of(ins)
+        # Lists of exactly the right length (not grown by appends): they are kept in the Call.
+        in_names = [""] * len(ins)
         with self.lock:
-            in_names = [self.name_of(t) for t in ins]
+            known = self._tensor_names.get
+            for i, t in enumerate(ins):
+                hit = known(t)  # _name_at's usual outcome inlined: a tensor named before, unchanged
+                in_names[i] = hit[0] if hit is not None and hit[1] == vers[i] else self._name_at(t, vers[i])
             seq = self._call_seq
             self._call_seq += 1
         tokens = [li.before_call() for li in self.listeners] if self.listeners else None
         seq0 = _get_seq() if _get_seq is not None else None
+        if self.hasher.active:  # tensors waiting for a batched checksum: read them before a write
+            self.hasher.before_call(api, kind, kwargs)
         self.op_depth += 1
         try:
             out = func(*args, **kwargs)
@@ -322,7 +421,11 @@ class Recorder:
         finally:
             self.op_depth -= 1
         outs = _unique(flat_tensors(out))
-        mutated = [t for t, v in zip(ins, vers) if _version(t) != v]
+        mutated: list[torch.Tensor] = []
+        if ins:
+            now = _versions_of(ins)
+            if now != vers:  # one comparison in C for the usual call that changes nothing
+                mutated = [t for t, v, n in zip(ins, vers, now) if n != v]
         if short == "batch_norm":
             mutated += [t for t in _hidden_mutations(api, args, kwargs) if all(t is not m for m in mutated)]
         if not outs and not mutated:
@@ -334,55 +437,75 @@ class Recorder:
                      ins: list[torch.Tensor], in_names: list[str], outs: list[torch.Tensor],
                      mutated: list[torch.Tensor], seq: int, seq0: int | None,
                      name: str | None = None, tokens: list[Any] | None = None) -> Call:
+        if mutated:
+            # By identity through a set: an in-place foreach op returns the ~150 tensors it also
+            # mutated, and a pairwise test was quadratic in them.
+            out_ids = {id(o) for o in outs}
+            produced = outs + [t for t in mutated if id(t) not in out_ids]
+        else:
+            produced = outs
         # Read grad_fn inside the bracket: an in-place change through a view regenerates the
         # base's grad_fn lazily (CopySlices), and it must land on this call.
-        produced = outs + [t for t in mutated if all(t is not o for o in outs)]
         grad_fns = [t.grad_fn for t in produced]
         seq1 = _get_seq() if _get_seq is not None else None
         with self.lock, torch._C.DisableTorchFunction():
             stack_id = self.stack_table.capture() if self.stack_table is not None else None
             if name is None:
                 name = self.counters.next(short)
-            in_pos = {id(t): i for i, t in enumerate(ins)}
+            in_pos = {id(t): i for i, t in enumerate(ins)} if ins else None
             names_of: dict[int, str] = {}
-            mutated_names = []
-            for t in mutated:
-                old = in_names[in_pos[id(t)]]
-                old_rec = self.trace.tensors.get(old)
-                role = old_rec.role if old_rec is not None and old_rec.role in ("param", "buffer", "state") \
-                    else "output"
-                names_of[id(t)] = self._new_tensor(t, self._bump(self._base_name(old)), role, name, previous=old)
-                mutated_names.append(names_of[id(t)])
-            out_names = []
+            # Lists of exactly the right length, filled in place (they are kept in the Call).
+            mutated_names = [""] * len(mutated)
+            if mutated:
+                assert in_pos is not None
+                tensors = self.trace.tensors
+                versions = self._versions
+                for j, t in enumerate(mutated):  # an optimizer's foreach op changes ~150 at once
+                    old = in_names[in_pos[id(t)]]
+                    old_rec = tensors.get(old)
+                    role = old_rec.role if old_rec is not None and old_rec.role in ("param", "buffer", "state") \
+                        else "output"
+                    base = old.rsplit("@v", 1)[0] if "@v" in old else old  # _bump(_base_name(old)), inlined
+                    n = versions.get(base, 0) + 1
+                    versions[base] = n
+                    new = self._new_tensor(t, naming.version_name(base, n), role, name, previous=old)
+                    names_of[id(t)] = new
+                    mutated_names[j] = new
+            n_outs = len(outs)
+            out_names = [""] * n_outs
+            tensor_names = self._tensor_names
             for i, t in enumerate(outs):
-                known = names_of.get(id(t))
-                if known is None and id(t) in in_pos:
-                    known = in_names[in_pos[id(t)]]  # returned an input unchanged (x.to(x.dtype))
+                key = id(t)
+                known = names_of.get(key)
+                if known is None and in_pos is not None and key in in_pos:
+                    known = in_names[in_pos[key]]  # returned an input unchanged (x.to(x.dtype))
                 if known is None and kind != "function":
                     # A custom Function's outputs are the very tensors its forward's inner ops
                     # made, but as the Function's outputs they carry its grad node: they are
                     # named by the Function (MyFn0:out), not by the op inside it.
-                    hit = self._tensor_names.get(t)
+                    hit = tensor_names.get(t)
                     if hit is not None and hit[1] == _version(t):
                         known = hit[0]
                 if known is None:
-                    known = self._new_tensor(t, naming.output_name(name, i, len(outs)), "output", name)
-                names_of[id(t)] = known
-                out_names.append(known)
+                    known = self._new_tensor(t, naming.output_name(name, i, n_outs), "output", name)
+                names_of[key] = known
+                out_names[i] = known
             node_names: list[str] = []
-            local_kinds: dict[str, int] = {}
+            local_kinds: dict[str, int] | None = None
             for t, gf in zip(produced, grad_fns):
                 if gf is None:
                     continue
+                if local_kinds is None:
+                    local_kinds = {}
                 root = self._collect_nodes(gf, seq0, seq1, name, stack_id, node_names, local_kinds)
                 if root is not None:
                     self._slot_tensor[(root, t.output_nr)] = names_of[id(t)]
-            call = Call(name=name, api=api, module=self._module_stack[-1] if self._module_stack else "",
-                        inputs=in_names, outputs=out_names, args=naming.short_args(args, kwargs),
-                        grad_nodes=node_names, stack_id=stack_id,
-                        parent=self._parents[-1] if self._parents else (self._running[-1] if self._running else None),
-                        kind=kind, phase="backward" if self._in_backward else "forward", seq=seq,
-                        mutated=mutated_names)
+            running = self._running
+            # Positional, in Call's field order: this runs for every recorded call.
+            call = Call(name, api, self._module_stack[-1] if self._module_stack else "", in_names, out_names,
+                        naming.short_args(args, kwargs), node_names, stack_id,
+                        self._parents[-1] if self._parents else (running[-1] if running else None),
+                        kind, "backward" if self._in_backward else "forward", seq, mutated_names)
             self.trace.calls.append(call)
             if self.listeners:
                 for li, tok in zip(self.listeners, tokens or [None] * len(self.listeners)):
@@ -413,67 +536,107 @@ class Recorder:
     def _collect_nodes(self, root: Any, seq0: int | None, seq1: int | None, call: str, stack_id: int | None,
                        out: list[str], local_kinds: dict[str, int]) -> str | None:
         """Name the nodes this call created, reachable from ``root``; returns root's name."""
-        new: list[tuple[int, Any]] = []
-        todo = [root]
-        seen: set[int] = set()
+        node_by_seq = self._node_by_seq
+        bracket = seq0 is not None and seq1 is not None
+        kind = type(root).__name__
+        if kind == _ACCUMULATE:
+            return self._node_name(root)
+        sn = root._sequence_nr()
+        key = (sn, kind)
+        # The cheap bracket test first: an output can carry an earlier call's node.
+        if (bracket and not (seq0 <= sn < seq1)) or key in node_by_seq:  # type: ignore[operator]
+            return node_by_seq.get(key)
+        nexts = root.next_functions
+        new: list[tuple[int, str, Any, Any]] = [(sn, kind, root, nexts)]
+        todo = [nxt for nxt, _ in nexts if nxt is not None]
+        # Nodes are told apart by (sequence number, class), as everywhere in the recorder; a
+        # node reached twice is skipped the second time, whether new or not.
+        new_keys: set[tuple[int, str]] = {key}
         while todo:
             node = todo.pop()
-            if id(node) in seen:
-                continue
-            seen.add(id(node))
-            if type(node).__name__ == _ACCUMULATE or self._node_by_seq.get(self._node_key(node)) is not None:
+            kind = type(node).__name__
+            if kind == _ACCUMULATE:
                 continue
             sn = node._sequence_nr()
-            ours = (seq0 <= sn < seq1) if seq0 is not None and seq1 is not None else True
-            if not ours:
+            if bracket and not (seq0 <= sn < seq1):  # type: ignore[operator]
+                continue  # most edges lead to nodes of earlier calls
+            key = (sn, kind)
+            if key in node_by_seq or key in new_keys:
                 continue
-            new.append((sn, node))
-            for nxt, _ in node.next_functions:
+            new_keys.add(key)
+            nexts = node.next_functions
+            new.append((sn, kind, node, nexts))
+            for nxt, _ in nexts:
                 if nxt is not None:
                     todo.append(nxt)
-        new.sort(key=lambda p: p[0])
-        for _, node in new:
-            kind = type(node).__name__
+        if len(new) > 1:
+            new.sort(key=_first)
+        names: list[str] = []
+        for sn, kind, node, _ in new:
             k = local_kinds.get(kind, 0)
             local_kinds[kind] = k + 1
             nname = f"{call}/{kind}" if k == 0 else f"{call}/{kind}#{k}"
-            self._register_node(node, nname, kind, call, None, stack_id, external=False)
-            out.append(nname)
-        for _, node in new:
-            self._link_edges(node)
-        return self._node_name(root)
+            self._register_node(node, nname, kind, call, None, stack_id, external=False, key=(sn, kind))
+            names.append(nname)
+        out.extend(names)
+        for (_, _, node, nexts), nname in zip(new, names):
+            self._link_edges(node, nname, nexts)
+        return node_by_seq.get((root._sequence_nr(), type(root).__name__))
 
     def _node_name(self, node: Any) -> str | None:
-        if type(node).__name__ == _ACCUMULATE:
+        kind = type(node).__name__
+        if kind == _ACCUMULATE:
             var = getattr(node, "variable", None)
             return self._acc_by_var.get(var) if var is not None else None
-        return self._node_by_seq.get(self._node_key(node))
+        return self._node_by_seq.get((node._sequence_nr(), kind))
 
     def _register_node(self, node: Any, name: str, kind: str, call: str | None, param: str | None,
-                       stack_id: int | None, external: bool) -> None:
+                       stack_id: int | None, external: bool, key: tuple[int, str] | None = None) -> None:
         if kind != _ACCUMULATE:
-            self._node_by_seq[self._node_key(node)] = name
-        rec = GradNode(name=name, kind=kind, call=call, param=param, stack_id=stack_id, seq=self._node_seq,
-                       external=external)
+            self._node_by_seq[key if key is not None else self._node_key(node)] = name
+        rec = GradNode(name, kind, call, param, [], stack_id, self._node_seq, external)
         self._node_seq += 1
         self.trace.grad_nodes.append(rec)
         self._node_recs[name] = rec
-        self._edges[name] = []
         ref = self._self_ref
-        self._handles.append(node.register_prehook(functools.partial(_node_pre, ref, name)))
-        self._handles.append(node.register_hook(functools.partial(_node_post, ref, name)))
+        handles = self._handles
+        # One callable serves as pre-hook and hook (told apart by their arguments): half the
+        # objects per node, and a step makes hundreds of nodes.
+        hook = functools.partial(_node_hook, ref, name)
+        handles.append(node.register_prehook(hook))
+        handles.append(node.register_hook(hook))
+        if self.hasher.active and _runs_user_code(node, kind):
+            self._flush_before.add(name)
 
-    def _link_edges(self, node: Any) -> None:
-        name = self._node_name(node)
-        assert name is not None
+    def _link_edges(self, node: Any, name: str | None = None, nexts: Any = None) -> None:
+        if name is None:
+            name = self._node_name(node)
+            assert name is not None
+        if nexts is None:
+            nexts = node.next_functions
         rec_next: list[str | None] = []
-        edges = self._edges[name]
-        for nxt, k in node.next_functions:
-            dest = None if nxt is None else self._dest_name(nxt)
+        edges: list[tuple[str | None, int]] = []
+        indegree = self._indegree
+        node_by_seq = self._node_by_seq
+        for nxt, k in nexts:
+            if nxt is None:
+                dest = None
+            else:
+                # _node_name inlined (once per edge); _dest_name names what is not known yet.
+                kind = type(nxt).__name__
+                if kind == _ACCUMULATE:
+                    var = getattr(nxt, "variable", None)
+                    dest = self._acc_by_var.get(var) if var is not None else None
+                else:
+                    dest = node_by_seq.get((nxt._sequence_nr(), kind))
+                if dest is None:
+                    dest = self._dest_name(nxt)
             rec_next.append(dest)
             edges.append((dest, k))
             if dest is not None:
-                self._indegree[(dest, k)] = self._indegree.get((dest, k), 0) + 1
+                indegree[(dest, k)] = indegree.get((dest, k), 0) + 1
+        # A tuple of (str, int) tuples: the garbage collector stops tracking it after one look.
+        self._edges[name] = tuple(edges)
         self._node_recs[name].next = rec_next
 
     def _dest_name(self, node: Any) -> str:
@@ -508,6 +671,9 @@ class Recorder:
             self.trace.backward_runs.append(run)
         for li in self.listeners:
             li.on_backward_begin(self.trace, run)
+        # Waiting checksums are read before the backward: gradient accumulation and custom
+        # backward code may write into tensors already recorded.
+        self.hasher.flush()
         self._in_backward += 1
         error: BaseException | None = None
         try:
@@ -548,20 +714,21 @@ class Recorder:
         add_note(exc, note)
         run.error = f"{run.error}\n{note}"
 
-    def _grad_name(self, node: str, slot: int, fallback: str) -> str:
+    def _slot_grad(self, node: str, slot: int) -> str | None:
+        """``<tensor>@grad`` for the gradient into ``node``'s input ``slot`` when that slot is a
+        named tensor's (the suffix says which backward run), else None."""
         base = self._slot_tensor.get((node, slot))
-        suffix = naming.grad_suffix(max(self._run_index, 0))
-        return f"{base}{suffix}" if base is not None else f"{fallback}{'' if self._run_index <= 0 else f'#{self._run_index}'}"
+        return None if base is None else f"{base}{naming.grad_suffix(max(self._run_index, 0))}"
 
-    def _register_grad(self, g: torch.Tensor, name: str, producer: str | None) -> str:
-        hit = self._tensor_names.get(g)
-        if hit is not None and hit[1] == _version(g):
-            return hit[0]
-        return self._new_tensor(g, name, "grad", producer)
+    def _in_run(self, name: str) -> str:
+        """A gradient's own name, with ``#k`` in the k-th backward run (k >= 1)."""
+        return name if self._run_index <= 0 else f"{name}#{self._run_index}"
 
     def node_begin(self, node: str, grad_outputs: tuple[Any, ...]) -> None:
         if self.stopped:
             return
+        if node in self._flush_before:  # user code next, which may write into recorded tensors
+            self.hasher.flush()
         with self.lock, torch._C.DisableTorchFunction():
             if self._run is None:  # backward started where the trace could not see it
                 self._run_index += 1
@@ -569,11 +736,19 @@ class Recorder:
                                         seq=len(self.trace.backward_runs))
                 self.trace.backward_runs.append(self._run)
             names: list[str | None] = []
+            tensor_names = self._tensor_names
             for i, g in enumerate(grad_outputs):
-                if isinstance(g, torch.Tensor):
-                    names.append(self._register_grad(g, self._grad_name(node, i, f"{node}:gin{i}"), None))
-                else:
+                if not isinstance(g, torch.Tensor):
                     names.append(None)
+                    continue
+                # A gradient already named (passed through unchanged) keeps its name; the new
+                # name is only formatted for a new tensor.
+                hit = tensor_names.get(g)
+                if hit is not None and hit[1] == _version(g):
+                    names.append(hit[0])
+                else:
+                    gname = self._slot_grad(node, i) or self._in_run(f"{node}:gin{i}")
+                    names.append(self._new_tensor(g, gname, "grad", None))
             step = NodeRun(node, names, [])
             self._run.steps.append(step)
             self._open_steps[node] = step
@@ -586,18 +761,23 @@ class Recorder:
             return
         with self.lock, torch._C.DisableTorchFunction():
             step = self._open_steps.pop(node, None)
-            edges = self._edges.get(node, [])
+            edges = self._edges.get(node, ())
             names: list[str | None] = []
+            tensor_names = self._tensor_names
             for j, g in enumerate(grad_inputs):
                 if not isinstance(g, torch.Tensor):
                     names.append(None)
                     continue
+                hit = tensor_names.get(g)
+                if hit is not None and hit[1] == _version(g):
+                    names.append(hit[0])
+                    continue
                 dest, k = edges[j] if j < len(edges) else (None, 0)
-                if dest is not None and self._indegree.get((dest, k), 0) == 1:
-                    gname = self._grad_name(dest, k, f"{node}:grad{j}")
-                else:
-                    gname = f"{node}:grad{j}" + ("" if self._run_index <= 0 else f"#{self._run_index}")
-                names.append(self._register_grad(g, gname, node))
+                # The gradient of a tensor when it alone flows into that slot; else this edge's
+                # own partial gradient.
+                gname = self._slot_grad(dest, k) if dest is not None and self._indegree.get((dest, k), 0) == 1 \
+                    else None
+                names.append(self._new_tensor(g, gname or self._in_run(f"{node}:grad{j}"), "grad", node))
             if step is not None:
                 step.grads_out = names
                 # Listeners run while the node still counts as running: one that raises (the
@@ -617,8 +797,28 @@ class Recorder:
         if path is None:
             path = self._register_module(module)
         self._module_stack.append(path)
+        table = self.stack_table
+        if table is not None:
+            # The frame that called this hook runs the module's forward and stays on the stack
+            # until the post-hook: stack captures inside the module stop walking there.
+            frame = sys._getframe(1)
+            table.open_scope(frame)
+            self._scope_frames.append(frame)
+        else:
+            self._scope_frames.append(None)
         if type(module).__name__ == "OptimizedModule" and not self.paused:
             self._enter_opaque(module, args)
+
+    def _pop_modules(self, start: int) -> None:
+        """Leave the module calls from ``start`` on (module stack and stack-capture scopes)."""
+        del self._module_stack[start:]
+        frames = self._scope_frames
+        if len(frames) > start:
+            table = self.stack_table
+            if table is not None:
+                for f in frames[start:]:
+                    table.close_scope(f)
+            del frames[start:]
 
     def _module_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if threading.get_ident() != self.owner or self._in_backward or self.closed:
@@ -626,9 +826,9 @@ class Recorder:
         path = self._module_paths.get(module)
         stack = self._module_stack
         if stack and stack[-1] == path:
-            stack.pop()
+            self._pop_modules(len(stack) - 1)
         elif path in stack:
-            del stack[len(stack) - 1 - stack[::-1].index(path):]
+            self._pop_modules(len(stack) - 1 - stack[::-1].index(path))
 
     def _register_module(self, module: torch.nn.Module) -> str:
         cls = type(module).__name__
@@ -693,12 +893,13 @@ class Recorder:
         self._finish_call("torch.compile", "compiled", "compiled", (), {}, [], in_names, outs, [], seq, seq0,
                           tokens=tokens)
         if self._module_stack:
-            self._module_stack.pop()
+            self._pop_modules(len(self._module_stack) - 1)
 
     # ---- optimizers ---------------------------------------------------------------------------
     def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if threading.get_ident() != self.owner or self.closed:
             return
+        self.hasher.flush()  # the step writes into parameters and state, in place
         with self.lock, torch._C.DisableTorchFunction():
             for group in optimizer.param_groups:
                 for p in group["params"]:
@@ -762,17 +963,17 @@ class Recorder:
 
 
 # ---- node hooks: module-level functions so they capture no tensor and no recorder ------------------
-def _node_pre(ref: weakref.ref[Recorder], name: str, grad_outputs: tuple[Any, ...]) -> None:
-    rec = ref()
-    if rec is not None and not rec.closed:
-        rec.node_begin(name, grad_outputs)
+_PRE_HOOK: Any = object()  # a unique marker: only a pre-hook call leaves the argument at it
 
 
-def _node_post(ref: weakref.ref[Recorder], name: str, grad_inputs: tuple[Any, ...],
-               grad_outputs: tuple[Any, ...]) -> None:
+def _node_hook(ref: weakref.ref[Recorder], name: str, grads: tuple[Any, ...], grad_outputs: Any = _PRE_HOOK) -> None:
+    """A node's pre-hook ``(grad_outputs)`` and hook ``(grad_inputs, grad_outputs)`` in one."""
     rec = ref()
     if rec is not None and not rec.closed:
-        rec.node_end(name, grad_inputs)
+        if grad_outputs is _PRE_HOOK:
+            rec.node_begin(name, grads)
+        else:
+            rec.node_end(name, grads)
 
 
 # ---- the autograd.Function.apply wrapper, installed while a trace is active ------------------------

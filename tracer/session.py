@@ -187,11 +187,17 @@ class TraceSession:
         # Every call adds a few small records; with CPython's default thresholds the young
         # generation fills every few dozen calls and collections over the growing trace cost as
         # much as the recording itself (measured: 29.8 -> 16.0 us/call on a 20k-call trace).
-        # Collections still happen, less often; the user's thresholds come back on exit.
+        # 50,000 is about one GPT-2-small training step's records (calls, nodes, tensors and
+        # their hooks): a young collection then comes about once per step, mostly after the
+        # backward pass has freed the step's graph and activations, instead of several times
+        # in the middle of it, each walking (and promoting) all those live objects (measured on
+        # benchmarks/overhead.py tiny12: 6.6 -> 4.2 ms of collection per traced step). Cyclic
+        # garbage is still collected at least that often; the user's thresholds come back on
+        # exit.
         self._gc_threshold = gc.get_threshold()
         t0, t1, t2 = self._gc_threshold
         if t0 > 0:
-            gc.set_threshold(max(t0, 20_000), max(t1, 50), max(t2, 100))
+            gc.set_threshold(max(t0, 50_000), max(t1, 50), max(t2, 100))
         rec.install()
         if dist_info is not None:
             from tracer.distributed import attach
@@ -215,6 +221,10 @@ class TraceSession:
         finally:
             if self._writer is not None:
                 self._writer.close()
+            # The recorder's flush callback points back at this session: drop it, so that the
+            # finished recorder and trace are freed by reference counting, not by the cycle
+            # collector walking every record.
+            rec.on_records = None
         return False
 
     def _finalize(self, rec: _recorder.Recorder, t: Trace, exc: BaseException | None) -> None:

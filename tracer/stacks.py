@@ -5,10 +5,15 @@ distinct frame is stored once and a distinct stack once; file names, line number
 text are looked up only when the trace is finalised (``symbolize``). Frames inside torch and
 inside gradtrace itself are library internals and are dropped by default, so the last frame of
 a stack is the user's line that made the call.
+
+The walk stops early at a *scope*: a frame the recorder knows to be executing (the frame that
+runs a module's forward, from its pre-hook to its post-hook), whose callers were read once when
+the scope opened. A call deep inside a model then walks a handful of frames, not all of them.
 """
 
 from __future__ import annotations
 
+import inspect
 import linecache
 import os
 import sys
@@ -25,8 +30,21 @@ _INTERNAL_PREFIXES = (_TORCH_DIR, *_OWN_DIRS)
 # Frames of Python's own machinery (contextlib's __exit__, threading) are never the user's line.
 # The bundled demo model lives inside the package but is user code for the purpose of stacks.
 _DEMO_SUFFIX = os.path.join("tracer", "demo.py")
+_RESUMABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR | inspect.CO_ITERABLE_COROUTINE
 _STDLIB_NOISE = ("<frozen ", os.sep + "contextlib.py", os.sep + "runpy.py",
                  os.sep + "bin" + os.sep + "gradtrace")
+
+
+class _Scope:
+    """A frame known to be executing, and its user callers ``(code, f_lasti)``, innermost first;
+    ``ids`` are their interned frame ids (outermost first) once a capture has needed them."""
+
+    __slots__ = ("callers", "frame", "ids")
+
+    def __init__(self, frame: FrameType, callers: tuple[tuple[CodeType, int], ...]) -> None:
+        self.frame = frame
+        self.callers = callers
+        self.ids: tuple[int, ...] | None = None
 
 
 class StackTable:
@@ -43,6 +61,12 @@ class StackTable:
         self._stack_ids: dict[tuple[int, ...], int] = {}
         self.stacks: list[tuple[int, ...]] = []
         self._internal: dict[int, bool] = {}
+        # Scopes: frames that stay on the stack for a while (the module call wrapper's frame,
+        # from the forward pre-hook to the post-hook), each with the user frames above it. A
+        # capture walks only up to the innermost scope it meets: the frames above a frame that is
+        # still executing cannot have changed (each is suspended in the call below it). The frame
+        # object itself is held, so its id cannot be reused meanwhile.
+        self._scopes: dict[int, _Scope] = {}
 
     def _is_internal(self, code: CodeType) -> bool:
         hit = self._internal.get(id(code))
@@ -65,10 +89,21 @@ class StackTable:
                 frame = sys._getframe(skip)
             except ValueError:  # a shallower stack than expected (python -c at module level)
                 frame = sys._getframe(1)
-        f: FrameType | None = frame
+        stack = self._user_frames(frame)
+        sid = self._stack_ids.get(stack)
+        if sid is None:
+            sid = self._stack_ids[stack] = len(self.stacks)
+            self.stacks.append(stack)
+        return sid
+
+    def _user_frames(self, frame: FrameType | None) -> tuple[int, ...]:
+        """Interned ids of the user frames from ``frame`` outwards, outermost first."""
+        f = frame
         ids: list[int] = []
         frame_ids = self._frame_ids
         internal = self._internal
+        scopes = self._scopes
+        scope: _Scope | None = None
         while f is not None:
             code = f.f_code
             is_int = internal.get(id(code))
@@ -82,14 +117,67 @@ class StackTable:
                     fid = frame_ids[key] = len(self._frame_keys)
                     self._frame_keys.append((code, lasti))
                 ids.append(fid)
+            if scopes:
+                hit = scopes.get(id(f))
+                if hit is not None and hit.frame is f:
+                    scope = hit
+                    break
             f = f.f_back
         ids.reverse()
-        stack = tuple(ids)
-        sid = self._stack_ids.get(stack)
-        if sid is None:
-            sid = self._stack_ids[stack] = len(self.stacks)
-            self.stacks.append(stack)
-        return sid
+        if scope is None:
+            return tuple(ids)
+        above = scope.ids if scope.ids is not None else self._intern_scope(scope)
+        return above + tuple(ids)
+
+    def _intern_scope(self, scope: _Scope) -> tuple[int, ...]:
+        # Frame ids are handed out innermost first, at the first capture that reaches a frame,
+        # exactly as a full walk would: the saved frame table does not depend on scopes.
+        ids: list[int] = []
+        frame_ids = self._frame_ids
+        for code, lasti in scope.callers:
+            key = (id(code), lasti)
+            fid = frame_ids.get(key)
+            if fid is None:
+                fid = frame_ids[key] = len(self._frame_keys)
+                self._frame_keys.append((code, lasti))
+            ids.append(fid)
+        ids.reverse()
+        scope.ids = tuple(ids)
+        return scope.ids
+
+    def open_scope(self, frame: FrameType) -> None:
+        """Remember ``frame``'s callers until ``close_scope(frame)``; the caller guarantees that
+        ``frame`` keeps executing (stays on the stack) until then."""
+        if frame.f_code.co_flags & _RESUMABLE:  # a generator's callers change at each resume
+            return
+        callers: list[tuple[CodeType, int]] = []
+        internal = self._internal
+        scopes = self._scopes
+        f = frame.f_back
+        outer: tuple[tuple[CodeType, int], ...] = ()
+        while f is not None:
+            code = f.f_code
+            is_int = internal.get(id(code))
+            if is_int is None:
+                is_int = self._is_internal(code)
+            if not is_int:
+                callers.append((code, f.f_lasti))
+            hit = scopes.get(id(f))
+            if hit is not None and hit.frame is f:
+                outer = hit.callers
+                break
+            f = f.f_back
+        self._scopes[id(frame)] = _Scope(frame, (*callers, *outer) if outer else tuple(callers))
+
+    def close_scope(self, frame: FrameType | None) -> None:
+        if frame is not None:
+            scope = self._scopes.get(id(frame))
+            if scope is not None and scope.frame is frame:
+                del self._scopes[id(frame)]
+
+    def clear_scopes(self) -> None:
+        """Let go of every held frame (the trace is ending)."""
+        self._scopes.clear()
 
     @property
     def frame_count(self) -> int:

@@ -1,0 +1,123 @@
+"""The batched Triton path of ``tracer.fused``, run on the CPU under Triton's interpreter.
+
+Run by tests/test_fused.py in a subprocess, because ``TRITON_INTERPRET=1`` must be set before
+triton is first imported. Prints one JSON object on stdout:
+
+- ``kernel``: for many dtypes, sizes, views and non-finite values, the kernel's fingerprint
+  next to the plain-Python reference of the same bytes, and its stats next to the torch path's;
+- ``trace``: the same seeded training step traced twice with ``hash="fast"``, once through the
+  immediate CPU path and once through the batches (``GRADTRACE_FUSED_INTERPRET=1``); every
+  tensor's fingerprint and stats, by name. Equal results mean the recorder flushed the batches
+  before every in-place change, including one made by a custom backward.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from tracer import fused
+from tracer.fingerprint import fingerprint_reference
+from tracer.hashing import as_bytes, host_bytes, stats_tensor
+from tracer.model import TensorRecord
+
+
+def _cases() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(33, 65, generator=g)
+    cases = {
+        "float32": x, "bfloat16": x.bfloat16(), "float16 odd": x.half()[:, :7],
+        "float64": x.double()[:5], "int64": torch.arange(-7, 30), "int32": torch.arange(11, dtype=torch.int32),
+        "int16 odd": torch.arange(5, dtype=torch.int16), "int8": torch.arange(-3, 6, dtype=torch.int8),
+        "uint8 tail 3": torch.arange(7, dtype=torch.uint8), "bool": x[0] > 0,
+        "transposed": x.t(), "strided": x[::3, 1::2], "offset view": x.view(-1)[1:100],
+        "complex64": torch.randn(9, dtype=torch.complex64, generator=g),
+        "nan and inf": torch.tensor([1.0, float("nan"), float("inf"), -float("inf"), -4.0]),
+        "all nan": torch.full((6,), float("nan")), "one": torch.tensor(2.5),
+        "several programs": torch.randn(70_000, generator=g),  # > 64 KiB: 4 programs, 17 chunks
+    }
+    return cases
+
+
+def kernel_results() -> dict[str, dict[str, object]]:
+    batcher = fused.Fused(stats=True, fingerprint=True, interpret=True)
+    cases = _cases()
+    recs = {}
+    for name, t in cases.items():
+        rec = TensorRecord(name=name, shape=tuple(t.shape), dtype=str(t.dtype), device="cpu", role="output",
+                           producer=None)
+        assert batcher.add(rec, t), name
+        recs[name] = rec
+    batcher.flush()
+    for slots, floats, ints in batcher.take(wait=True):
+        for recs_of_row, frow, irow in zip(slots, floats, ints):
+            for rec in recs_of_row:
+                rec.fingerprint = f"{irow[2] & 0xFFFFFFFF:08x}{irow[3] & 0xFFFFFFFF:08x}"
+                rec.stats = (frow, irow[:2])  # type: ignore[assignment]
+    out: dict[str, dict[str, object]] = {}
+    for name, t in cases.items():
+        frow, counts = recs[name].stats  # type: ignore[misc]
+        ref = stats_tensor(t)
+        assert ref is not None
+        lo, hi, mean, absmax, nan, inf, _ = ref.tolist()
+        packed = as_bytes(t)  # alive while its bytes are read
+        out[name] = {"fingerprint": recs[name].fingerprint,
+                     "reference": fingerprint_reference(bytes(host_bytes(packed))),
+                     "stats": list(frow) + list(counts), "reference_stats": [lo, hi, mean, absmax, nan, inf]}
+    return out
+
+
+class Halve(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x * 0.5
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.mul_(0.5)  # in place, on a gradient the trace has recorded
+
+
+def _step() -> dict[str, list[object]]:
+    import tracer
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 16)
+    norm = torch.nn.BatchNorm1d(16)
+    opt = torch.optim.AdamW([*lin.parameters(), *norm.parameters()], lr=0.1, foreach=True)
+    x = torch.randn(8, 16)
+    with tracer.trace(hash="fast") as t:
+        for _ in range(2):
+            h = lin(x)
+            h.add_(1.0)  # in place on a recorded output
+            h[0] = 3.0  # __setitem__
+            h = F.relu(h, inplace=True)
+            h = norm(Halve.apply(h))  # running stats change in place
+            loss = h.pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    return {name: [r.fingerprint, None if r.stats is None else [r.stats.min, r.stats.max, r.stats.nan, r.stats.inf]]
+            for name, r in t.tensors.items()}
+
+
+def trace_results() -> dict[str, object]:
+    immediate = _step()
+    os.environ["GRADTRACE_FUSED_INTERPRET"] = "1"
+    try:
+        batched = _step()
+    finally:
+        del os.environ["GRADTRACE_FUSED_INTERPRET"]
+    return {"immediate": immediate, "batched": batched}
+
+
+def main() -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    json.dump({"kernel": kernel_results(), "trace": trace_results()}, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

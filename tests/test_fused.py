@@ -1,0 +1,150 @@
+"""The batched Triton path for stats and fast fingerprints (tracer.fused).
+
+Without a GPU the kernels run under Triton's CPU interpreter in a subprocess
+(tests/fused_interpreted.py); on a GPU they run compiled, against the torch path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import tracer
+from tracer.fingerprint import fingerprint
+from tracer.hashing import stats_tensor
+
+ROOT = Path(__file__).resolve().parent.parent
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    env.pop("GRADTRACE_FUSED_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-m", "tests.fused_interpreted"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+@needs_triton
+def test_kernel_fingerprint_equals_the_python_definition(interpreted):
+    kernel = interpreted["kernel"]
+    assert len(kernel) == 18
+    wrong = {name: (v["fingerprint"], v["reference"]) for name, v in kernel.items()
+             if v["fingerprint"] != v["reference"]}
+    assert not wrong
+
+
+@needs_triton
+def test_kernel_stats_equal_the_torch_reduction(interpreted):
+    for name, v in interpreted["kernel"].items():
+        lo, hi, mean, absmax, nan, inf = v["stats"]
+        rlo, rhi, rmean, rabsmax, rnan, rinf = v["reference_stats"]
+        assert (nan, inf) == (rnan, rinf), name
+        if name == "all nan":  # nothing finite: min/max stay at their identities
+            assert (lo, hi) == (float("inf"), float("-inf"))
+            continue
+        assert (lo, hi, absmax) == (rlo, rhi, rabsmax), name
+        assert mean == pytest.approx(rmean, rel=1e-5, abs=1e-6), name
+
+
+@needs_triton
+def test_batched_trace_equals_the_immediate_path_despite_in_place_changes(interpreted):
+    """Tensors wait in batches; in-place ops, batch norm's running stats, the optimizer's
+    foreach updates and a custom backward that scales its gradient in place all come after a
+    tensor was recorded. The recorder flushes first, so every checksum is of the recorded bytes."""
+    immediate, batched = interpreted["trace"]["immediate"], interpreted["trace"]["batched"]
+    assert set(immediate) == set(batched) and len(immediate) > 100
+    differ = {name: (immediate[name], batched[name]) for name in immediate if immediate[name] != batched[name]}
+    assert not differ
+    assert immediate["linear0:out"][0] != immediate["linear0:out@v1"][0]  # add_ made a new version
+    assert "Halve0:out@grad" in immediate
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64,
+                                   torch.int32, torch.uint8, torch.bool, torch.complex64])
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_batches_equal_the_torch_path(dtype):
+    from tracer.fused import Fused
+    from tracer.model import TensorRecord
+
+    src = torch.randn(257, 129, device="cuda")
+    src[3, 5] = float("nan")
+    base = (src > 0) if dtype == torch.bool else src.to(dtype)
+    cases = [base, base.t(), base[1:, ::2], base.reshape(-1)[3:1000], base[0], base.reshape(-1)[:3]]
+    batcher = Fused(stats=True, fingerprint=True)
+    recs = [TensorRecord(name=str(i), shape=(), dtype="", device="cuda:0", role="output", producer=None)
+            for i in range(len(cases))]
+    for rec, t in zip(recs, cases):
+        assert batcher.add(rec, t)
+    batcher.flush()
+    rows = {}
+    for slots, floats, ints in batcher.take(wait=True):
+        for recs_of_row, frow, irow in zip(slots, floats, ints):
+            for rec in recs_of_row:
+                rows[rec.name] = (frow, irow)
+    for i, t in enumerate(cases):
+        frow, irow = rows[str(i)]
+        assert f"{irow[2] & 0xFFFFFFFF:08x}{irow[3] & 0xFFFFFFFF:08x}" == fingerprint(t), (dtype, i)
+        ref = stats_tensor(t).tolist()
+        assert irow[:2] == [int(ref[4]), int(ref[5])]
+        if ref[6]:
+            assert frow[0] == ref[0] and frow[1] == ref[1] and frow[3] == ref[3]
+            assert frow[2] == pytest.approx(ref[2], rel=1e-4, abs=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensor_over_two_to_the_31_elements():
+    """Offsets past 2^31 (the 32-bit index bug class): one tensor of 2^31 + 7 bytes, its last
+    byte set; the batched kernel agrees with the torch path, and that last byte counts."""
+    from tracer.fused import Fused
+    from tracer.model import TensorRecord
+
+    n = (1 << 31) + 7
+    x = torch.zeros(n, dtype=torch.uint8, device="cuda")
+    x[-1] = 9
+    batcher = Fused(stats=True, fingerprint=True)
+    rec = TensorRecord(name="big", shape=(n,), dtype="uint8", device="cuda:0", role="output", producer=None)
+    assert batcher.add(rec, x)
+    batcher.flush()
+    [(_, [frow], [irow])] = batcher.take(wait=True)
+    assert f"{irow[2] & 0xFFFFFFFF:08x}{irow[3] & 0xFFFFFFFF:08x}" == fingerprint(x)
+    assert frow[1] == 9.0 and frow[2] == pytest.approx(9 / n)
+    x[-1] = 0
+    assert fingerprint(x) != f"{irow[2] & 0xFFFFFFFF:08x}{irow[3] & 0xFFFFFFFF:08x}"
+    del x
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_trace_uses_batches_without_a_sync_and_matches_after_in_place_changes():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), foreach=True)
+    x = torch.randn(32, 64, device="cuda")
+    w0 = model[0].weight.detach().clone()
+    with tracer.trace(hash="fast") as t:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            h = model(x)
+            h.mul_(2.0)
+            h.sum().backward()
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert t.tensors["linear1:out@v1"].fingerprint == fingerprint(h)
+    assert t.tensors["linear1:out"].fingerprint == fingerprint(h / 2.0)
+    # recorded before the optimizer changed it in place, and read before that change too
+    assert t.tensors["0.weight"].fingerprint == fingerprint(w0) != fingerprint(model[0].weight)
+    assert all(r.stats is not None for r in t.tensors.values() if r.numel)

@@ -1,0 +1,260 @@
+"""Stats and fast fingerprints of many CUDA tensors per kernel launch (Triton).
+
+A training step makes thousands of tensors; one launch each would cost more CPU time than the
+step itself. So tensors wait in a batch (per device, dtype and stream) and one kernel reads
+them all: each tensor gets one program per 64 KiB (at most ``MAX_PROGRAMS``), every program
+reads its bytes once and writes partial stats and partial fingerprint lane sums, and a second,
+tiny kernel folds the partials into one row per tensor. Nothing synchronises: rows stay on the
+device until the trace fetches them all at its end.
+
+While a tensor waits, its bytes must not change and its memory must not be reused:
+- the batch holds a reference to every waiting tensor (freeing one would let the caching
+  allocator hand its block to a later op that runs before our kernel). A held reference also
+  stops autograd from accumulating into a waiting gradient in place (it checks the use count);
+- the recorder calls ``flush`` before any call that may write into its inputs (in-place ops,
+  ``out=``, custom Functions) and around backward passes and custom backward code, so no
+  recorded code can change a waiting tensor;
+- a batch is flushed when it holds ``MAX_TENSORS`` tensors or ``MAX_BYTES``, which bounds the
+  memory kept alive (``max_bytes`` in ``Fused``).
+
+The kernel implements exactly ``tracer.fingerprint`` (tests compare it with the Python
+reference) and the stats of ``tracer.hashing.stats_tensor``: min, max, absmax and the sum over
+finite values (float32 for 16-bit floats, float64 for 64-bit and 32-bit integer types), NaN and
+finite counts. The sum is reduced in a fixed order, so the same bytes give the same mean.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+
+from tracer.model import TensorRecord
+
+CHUNK_BYTES = 4096  # bytes one program reads per loop step
+NUM_WARPS = 4
+BYTES_PER_PROGRAM = 64 * 1024
+MAX_PROGRAMS = 8192  # per tensor: a large tensor is spread over every SM, in short loops
+MAX_TENSORS = 512  # per batch
+DEFAULT_MAX_BYTES = 2 << 30  # bytes a batch keeps alive before it is flushed
+_LOG2_MAX_TENSORS = 10  # binary-search steps over a batch's tensors (2^10 > MAX_TENSORS)
+
+# torch dtype -> (Triton element type name, element size, accumulate in float64)
+_SPECS: dict[torch.dtype, tuple[str, int, bool]] = {
+    torch.float32: ("float32", 4, False), torch.float16: ("float16", 2, False),
+    torch.bfloat16: ("bfloat16", 2, False), torch.float64: ("float64", 8, True),
+    torch.int64: ("int64", 8, True), torch.int32: ("int32", 4, True), torch.int16: ("int16", 2, False),
+    torch.int8: ("int8", 1, False), torch.uint8: ("uint8", 1, False), torch.bool: ("uint8", 1, False),
+}
+_COMPLEX = {torch.complex64: torch.float32, torch.complex128: torch.float64}
+
+
+def triton_usable() -> bool:
+    """Triton importable and not switched off (``GRADTRACE_TRITON=0``)."""
+    if os.environ.get("GRADTRACE_TRITON", "1") == "0":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def kernels(interpret: bool = False) -> tuple[Any, Any]:
+    """The two kernels, built once per process. ``interpret`` loads a second copy of the kernel
+    module under Triton's CPU interpreter (tests on machines without a GPU); Triton reads
+    ``TRITON_INTERPRET`` when the kernels are decorated, i.e. at import."""
+    if not interpret:
+        from tracer import _fused_kernels as mod
+    else:
+        import importlib.util
+
+        saved = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "1"
+        try:
+            path = os.path.join(os.path.dirname(__file__), "_fused_kernels.py")
+            spec = importlib.util.spec_from_file_location("tracer._fused_kernels_interpreted", path)
+            assert spec is not None and spec.loader is not None
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+        finally:
+            if saved is None:
+                os.environ.pop("TRITON_INTERPRET", None)
+            else:
+                os.environ["TRITON_INTERPRET"] = saved
+    return mod.partials, mod.finalize
+
+
+class _Batch:
+    __slots__ = ("aligned", "by_addr", "dtype", "held", "meta", "nbytes", "programs", "slots", "spec", "stream")
+
+    def __init__(self, dtype: torch.dtype, spec: tuple[str, int, bool], stream: Any) -> None:
+        self.dtype = dtype
+        self.spec = spec
+        self.stream = stream
+        self.meta: list[int] = []  # addr, numel, programs, first program: four per tensor
+        self.slots: list[list[TensorRecord]] = []  # records sharing each tensor's row
+        self.held: list[torch.Tensor] = []  # keeps the bytes alive until the kernel has run
+        self.by_addr: dict[tuple[int, int], int] = {}
+        self.programs = 0
+        self.nbytes = 0
+        self.aligned = True  # every tensor starts on a 16-byte boundary (allows wide loads)
+
+
+class Fused:
+    """Batches CUDA tensors and computes their stats and/or fingerprints with Triton."""
+
+    def __init__(self, stats: bool, fingerprint: bool, max_bytes: int | None = None,
+                 interpret: bool = False) -> None:
+        self.stats = stats
+        self.fingerprint = fingerprint
+        self.max_bytes = DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
+        self.interpret = interpret
+        self._batches: dict[tuple[tuple[int, int], torch.dtype], _Batch] = {}
+        # Launched batches: the records of each row, the [k, 4] float / [k, 4] int results on the
+        # device, and an event marking the kernels' end (None on the CPU).
+        self.done: list[tuple[list[list[TensorRecord]], torch.Tensor, torch.Tensor, Any]] = []
+        self.launches = 0
+
+    def add(self, rec: TensorRecord, t: torch.Tensor) -> bool:
+        """Queue ``t`` for ``rec``; False when this path cannot take it (the caller falls back)."""
+        dtype = t.dtype
+        if dtype in _COMPLEX:
+            if t.is_conj():
+                return False
+            with torch._C.DisableTorchFunction():
+                t = torch.view_as_real(t)
+            dtype = t.dtype
+        spec = _SPECS.get(dtype)
+        if spec is None or t.is_neg():
+            return False
+        numel = t.numel()
+        if numel == 0:
+            return False
+        addr = t.data_ptr()
+        if not t.is_contiguous() or (self.fingerprint and addr % 4):
+            # A packed copy of the logical contents; the batch holds it, not the original.
+            with torch._C.DisableTorchFunction():
+                t = t.clone(memory_format=torch.contiguous_format)
+            addr = t.data_ptr()
+        key = (_stream_id(t), dtype)
+        batch = self._batches.get(key)
+        if batch is None:
+            stream = torch.cuda.current_stream(t.device) if t.is_cuda else None
+            batch = self._batches[key] = _Batch(dtype, spec, stream)
+        nbytes = numel * spec[1]
+        slot = batch.by_addr.get((addr, nbytes))
+        if slot is not None:  # a view with the same bytes as one already waiting: same row
+            batch.slots[slot].append(rec)
+            return True
+        programs = min(MAX_PROGRAMS, max(1, nbytes // BYTES_PER_PROGRAM))
+        batch.by_addr[(addr, nbytes)] = len(batch.slots)
+        batch.meta += (addr, numel, programs, batch.programs)
+        batch.slots.append([rec])
+        batch.held.append(t)
+        batch.programs += programs
+        batch.nbytes += nbytes
+        if addr % 16:
+            batch.aligned = False
+        if len(batch.slots) >= MAX_TENSORS or batch.nbytes >= self.max_bytes:
+            with torch._C.DisableTorchFunction():
+                self._launch(key)
+        return True
+
+    def flush(self) -> None:
+        """Launch every waiting batch (no sync): afterwards the waiting tensors may change."""
+        if not self._batches:
+            return
+        # Our own tensor ops must not be recorded (flush runs from hooks in user context too).
+        with torch._C.DisableTorchFunction():
+            for key in list(self._batches):
+                self._launch(key)
+
+    @property
+    def has_waiting(self) -> bool:
+        return bool(self._batches)
+
+    def _launch(self, key: tuple[tuple[int, int], torch.dtype]) -> None:
+        batch = self._batches.pop(key)
+        if not batch.slots:
+            return
+        import triton.language as tl
+
+        partials, finalize = kernels(self.interpret)
+        name, esize, wide = batch.spec
+        dev = batch.held[0].device
+        k = len(batch.slots)
+        meta_host = torch.tensor(batch.meta, dtype=torch.int64)
+        # Pinned and non-blocking: a pageable copy would synchronise. (CPU: the interpreter, in tests.)
+        meta = meta_host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else meta_host
+        out_f = torch.empty(batch.programs * 4, dtype=torch.float64, device=dev)
+        out_i = torch.empty(batch.programs * 4, dtype=torch.int64, device=dev)
+        res_f = torch.empty((k, 4), dtype=torch.float64, device=dev)
+        res_i = torch.empty((k, 4), dtype=torch.int64, device=dev)
+        # The kernels must run after the tensors' producers: on the stream they were made on.
+        ctx = torch.cuda.stream(batch.stream) if batch.stream is not None else _null()
+        with ctx:
+            partials[(batch.programs,)](meta, out_f, out_i, k, EDT=getattr(tl, name), ESIZE=esize,
+                                        ACC=tl.float64 if wide else tl.float32, STATS=self.stats,
+                                        FP=self.fingerprint, CHUNK=CHUNK_BYTES, LOG2B=_LOG2_MAX_TENSORS,
+                                        ALIGNED=batch.aligned, num_warps=NUM_WARPS)
+            finalize[(k,)](meta, out_f, out_i, res_f, res_i, ESIZE=esize, PBLOCK=1024)
+            event = None
+            if dev.type == "cuda":
+                event = torch.cuda.Event()
+                event.record()
+        self.launches += 2
+        self.done.append((batch.slots, res_f, res_i, event))
+
+    def take(self, wait: bool) -> list[tuple[list[list[TensorRecord]], list[list[float]], list[list[int]]]]:
+        """Fetch launched results: all of them (``wait``: one copy per device, the trace's one
+        synchronisation), or only batches whose kernels have finished (no waiting)."""
+        ready = [d for d in self.done if wait or d[3] is None or d[3].query()]
+        if not ready:
+            return []
+        taken = {id(d) for d in ready}
+        self.done = [d for d in self.done if id(d) not in taken]
+        out = []
+        with torch._C.DisableTorchFunction():
+            by_device: dict[torch.device, list[tuple[list[list[TensorRecord]], torch.Tensor, torch.Tensor, Any]]] = {}
+            for d in ready:
+                by_device.setdefault(d[1].device, []).append(d)
+            for items in by_device.values():
+                floats = torch.cat([d[1] for d in items]).cpu().tolist()
+                ints = torch.cat([d[2] for d in items]).cpu().tolist()
+                at = 0
+                for slots, *_ in items:
+                    out.append((slots, floats[at:at + len(slots)], ints[at:at + len(slots)]))
+                    at += len(slots)
+        return out
+
+    def pending(self) -> set[int]:
+        """ids of the records still waiting for a result."""
+        waiting = {id(r) for b in self._batches.values() for recs in b.slots for r in recs}
+        waiting.update(id(r) for d in self.done for recs in d[0] for r in recs)
+        return waiting
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _stream_id(t: torch.Tensor) -> tuple[int, int]:
+    """(device index, current stream handle): which queue of work the tensor's producer used.
+    The raw-handle lookup is private torch API; the public (slower) path is the fallback."""
+    if not t.is_cuda:
+        return (-1, 0)
+    index = t.get_device()
+    if _raw_stream is not None:
+        return (index, _raw_stream(index))
+    return (index, torch.cuda.current_stream(index).cuda_stream)
