@@ -141,7 +141,8 @@ def cpu_stats(t: torch.Tensor) -> Stats | None:
     lo_f, hi_f = float(lo), float(hi)
     if math.isfinite(lo_f) and math.isfinite(hi_f):
         mean = float(x.sum(dtype=torch.float64)) / x.numel()
-        return Stats(lo_f, hi_f, mean, max(abs(lo_f), abs(hi_f)), 0, 0)
+        # absmax reuses max's float object when max dominates (no new object per record).
+        return Stats(lo_f, hi_f, mean, hi_f if hi_f >= -lo_f else -lo_f, 0, 0)
     return _stats_from_row(_reduce_one(x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)).tolist())
 
 
