@@ -52,7 +52,7 @@ def trace(*, hash: str = "md5", stacks: bool = True, stats: bool | None = None,
           steps: str | None = None, every: int | None = None, **step_options: Any) -> Any:
     """Record forward API calls, grad nodes, call stacks and tensor checksums of a block.
 
-    ``hash``: ``"md5"`` (exact MD5 of every tensor, the default), ``"fast"`` (a 128-bit
+    ``hash``: ``"md5"`` (exact MD5 of every tensor, the default), ``"fast"`` (a 64-bit
     order-sensitive fingerprint computed on the tensor's device, ``tracer.fingerprint``) or
     ``"none"``.
     ``stacks``: capture the user's call stack of every call (cheap, on by default).
