@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from tracer import fused
-from tracer.fingerprint import fingerprint_reference
+from tracer.fingerprint import fingerprint_reference, hex_of
 from tracer.hashing import as_bytes, host_bytes, stats_tensor
 from tracer.model import TensorRecord
 
@@ -56,7 +56,7 @@ def kernel_results() -> dict[str, dict[str, object]]:
     for slots, floats, ints in batcher.take(wait=True):
         for recs_of_row, frow, irow in zip(slots, floats, ints):
             for rec in recs_of_row:
-                rec.fingerprint = f"{irow[2] & 0xFFFFFFFF:08x}{irow[3] & 0xFFFFFFFF:08x}"
+                rec.fingerprint = hex_of(irow[2], irow[3])
                 rec.stats = (frow, irow[:2])  # type: ignore[assignment]
     out: dict[str, dict[str, object]] = {}
     for name, t in cases.items():

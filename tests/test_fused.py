@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import tracer
-from tracer.fingerprint import fingerprint
+from tracer.fingerprint import fingerprint, hex_of
 from tracer.hashing import stats_tensor
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,7 +94,7 @@ def test_cuda_batches_equal_the_torch_path(dtype):
                 rows[rec.name] = (frow, irow)
     for i, t in enumerate(cases):
         frow, irow = rows[str(i)]
-        assert f"{irow[2] & 0xFFFFFFFF:08x}{irow[3] & 0xFFFFFFFF:08x}" == fingerprint(t), (dtype, i)
+        assert hex_of(irow[2], irow[3]) == fingerprint(t), (dtype, i)
         ref = stats_tensor(t).tolist()
         assert irow[:2] == [int(ref[4]), int(ref[5])]
         if ref[6]:
@@ -118,10 +118,10 @@ def test_cuda_tensor_over_two_to_the_31_elements():
     assert batcher.add(rec, x)
     batcher.flush()
     [(_, [frow], [irow])] = batcher.take(wait=True)
-    assert f"{irow[2] & 0xFFFFFFFF:08x}{irow[3] & 0xFFFFFFFF:08x}" == fingerprint(x)
+    assert hex_of(irow[2], irow[3]) == fingerprint(x)
     assert frow[1] == 9.0 and frow[2] == pytest.approx(9 / n)
     x[-1] = 0
-    assert fingerprint(x) != f"{irow[2] & 0xFFFFFFFF:08x}{irow[3] & 0xFFFFFFFF:08x}"
+    assert fingerprint(x) != hex_of(irow[2], irow[3])
     del x
     torch.cuda.empty_cache()
 

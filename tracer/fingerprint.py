@@ -59,7 +59,12 @@ def finish(acc_a: int, acc_b: int, nbytes: int) -> str:
     lo, hi = nbytes & MASK32, nbytes >> 32
     a = _fmix_int((acc_a + _fmix_int(lo ^ LENGTH_SALT[0] ^ _fmix_int(hi, FMIX_A), FMIX_A)) & MASK32, FMIX_A)
     b = _fmix_int((acc_b + _fmix_int(lo ^ LENGTH_SALT[1] ^ _fmix_int(hi, FMIX_B), FMIX_B)) & MASK32, FMIX_B)
-    return f"{a:08x}{b:08x}"
+    return hex_of(a, b)
+
+
+def hex_of(lane_a: int, lane_b: int) -> str:
+    """The 16 hex digits of two finished lanes (the kernel's rows hold them as int64)."""
+    return f"{lane_a & MASK32:08x}{lane_b & MASK32:08x}"
 
 
 def fingerprint_reference(data: bytes) -> str:

@@ -25,6 +25,7 @@ finite counts. The sum is reduced in a fixed order, so the same bytes give the s
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from typing import Any
@@ -195,7 +196,7 @@ class Fused:
         res_f = torch.empty((k, 4), dtype=torch.float64, device=dev)
         res_i = torch.empty((k, 4), dtype=torch.int64, device=dev)
         # The kernels must run after the tensors' producers: on the stream they were made on.
-        ctx = torch.cuda.stream(batch.stream) if batch.stream is not None else _null()
+        ctx = torch.cuda.stream(batch.stream) if batch.stream is not None else contextlib.nullcontext()
         with ctx:
             partials[(batch.programs,)](meta, out_f, out_i, k, EDT=getattr(tl, name), ESIZE=esize,
                                         ACC=tl.float64 if wide else tl.float32, STATS=self.stats,
@@ -236,14 +237,6 @@ class Fused:
         waiting = {id(r) for b in self._batches.values() for recs in b.slots for r in recs}
         waiting.update(id(r) for d in self.done for recs in d[0] for r in recs)
         return waiting
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)

@@ -116,12 +116,12 @@ def md5_of(t: torch.Tensor) -> str:
 def stats_tensor(t: torch.Tensor) -> torch.Tensor | None:
     """[min, max, mean, absmax, nan, inf, n_finite] of one tensor as float64 on its device.
 
-    The reference for the batched path (``_reduce_batch``), used by tests and for one-off checks.
+    The torch path's reduction (also the reference the batched kernel is tested against).
     """
     flat = _stats_input(t)
     if flat is None:
         return None
-    return _reduce_batch([flat])[0]
+    return _reduce_one(flat)
 
 
 def cpu_stats(t: torch.Tensor) -> Stats | None:
@@ -162,11 +162,6 @@ def _stats_input(t: torch.Tensor) -> torch.Tensor | None:
 
 _WIDE = frozenset({torch.float64, torch.int64, torch.int32, *(getattr(torch, n) for n in ("uint32", "uint64")
                                                             if hasattr(torch, n))})
-
-
-def _reduce_batch(flats: list[torch.Tensor]) -> torch.Tensor:
-    """Stats of flat float tensors as float64 [k, 7], one ``_reduce_one`` each (the torch path)."""
-    return torch.stack([_reduce_one(f) for f in flats])
 
 
 def _reduce_one(data: torch.Tensor) -> torch.Tensor:
@@ -365,7 +360,7 @@ class Hasher:
     def drain(self, wait: bool = False) -> None:
         """Fill in finished checksums and stats: all of them if ``wait`` (one fetch per device,
         the only synchronisation), else those whose kernels or copies have already finished."""
-        from tracer.fingerprint import finish
+        from tracer.fingerprint import finish, hex_of
 
         fused = self._fused
         if fused is not None:
@@ -379,7 +374,7 @@ class Hasher:
                             rec.stats = Stats(lo, hi, mean, absmax, nan, inf) if math.isfinite(lo) \
                                 else Stats(None, None, None, None, nan, inf)
                         if fused.fingerprint:
-                            rec.fingerprint = f"{lane_a & 0xFFFFFFFF:08x}{lane_b & 0xFFFFFFFF:08x}"
+                            rec.fingerprint = hex_of(lane_a, lane_b)
         if wait:
             with self._lock:
                 rows, self._stat_rows = self._stat_rows, []
