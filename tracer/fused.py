@@ -14,8 +14,8 @@ While a tensor waits, its bytes must not change and its memory must not be reuse
 - the recorder calls ``flush`` before any call that may write into its inputs (in-place ops,
   ``out=``, custom Functions) and around backward passes and custom backward code, so no
   recorded code can change a waiting tensor;
-- a batch is flushed when it holds ``MAX_TENSORS`` tensors or ``MAX_BYTES``, which bounds the
-  memory kept alive (``max_bytes`` in ``Fused``).
+- a batch is flushed when it holds ``MAX_TENSORS`` tensors or ``DEFAULT_MAX_BYTES`` bytes
+  (``max_bytes`` in ``Fused``), which bounds the memory kept alive.
 
 The kernel implements exactly ``tracer.fingerprint`` (tests compare it with the Python
 reference) and the stats of ``tracer.hashing.stats_tensor``: min, max, absmax and the sum over

@@ -216,7 +216,6 @@ class Hasher:
         self._lock = threading.Lock()
         self._side_streams: dict[int, Any] = {}
         self.capturing_skipped = 0
-        self.hashed_bytes = 0
 
     # ---- submission (training thread or autograd threads) ---------------------------------------
     def submit(self, rec: TensorRecord, t: torch.Tensor) -> None:
@@ -311,7 +310,6 @@ class Hasher:
     def _submit_md5(self, rec: TensorRecord, t: torch.Tensor) -> None:
         b = as_bytes(t)
         n = b.numel()
-        self.hashed_bytes += n
         if b.device.type == "cpu":
             if n <= INLINE_BYTES:
                 rec.md5 = hashlib.md5(host_bytes(b)).hexdigest()
