@@ -1,6 +1,6 @@
 """The Triton kernels behind ``tracer.fused`` (imported only where Triton is used).
 
-``partials``: one program per 64 KiB of a tensor (a batch of tensors per launch, found by a
+``partials``: one program per 256 KiB of a tensor (a batch of tensors per launch, found by a
 binary search over the batch's first-program table) reads its bytes once and writes partial
 stats and fingerprint lane sums. ``finalize``: one program per tensor folds its partials in a
 fixed order and applies the fingerprint's final mix. Constants come from ``tracer.fingerprint``,
