@@ -81,7 +81,7 @@ class Halve(torch.autograd.Function):
         return grad.mul_(0.5)  # in place, on a gradient the trace has recorded
 
 
-def _step() -> dict[str, list[object]]:
+def _step(optimizer_ops: bool) -> dict[str, list[object]]:
     import tracer
 
     torch.manual_seed(0)
@@ -89,7 +89,7 @@ def _step() -> dict[str, list[object]]:
     norm = torch.nn.BatchNorm1d(16)
     opt = torch.optim.AdamW([*lin.parameters(), *norm.parameters()], lr=0.1, foreach=True)
     x = torch.randn(8, 16)
-    with tracer.trace(hash="fast") as t:
+    with tracer.trace(hash="fast", optimizer_ops=optimizer_ops) as t:
         for _ in range(2):
             h = lin(x)
             h.add_(1.0)  # in place on a recorded output
@@ -105,13 +105,17 @@ def _step() -> dict[str, list[object]]:
 
 
 def trace_results() -> dict[str, object]:
-    immediate = _step()
-    os.environ["GRADTRACE_FUSED_INTERPRET"] = "1"
-    try:
-        batched = _step()
-    finally:
-        del os.environ["GRADTRACE_FUSED_INTERPRET"]
-    return {"immediate": immediate, "batched": batched}
+    """Both optimizer recordings: the step as one call, and every foreach op inside it."""
+    out: dict[str, object] = {}
+    for mode, ops in (("step", False), ("ops", True)):
+        immediate = _step(ops)
+        os.environ["GRADTRACE_FUSED_INTERPRET"] = "1"
+        try:
+            batched = _step(ops)
+        finally:
+            del os.environ["GRADTRACE_FUSED_INTERPRET"]
+        out[mode] = {"immediate": immediate, "batched": batched}
+    return out
 
 
 def main() -> None:

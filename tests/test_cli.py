@@ -59,7 +59,7 @@ def _record_step(path: str) -> Recorded:
     for name, p in model.named_parameters():
         assert p.grad is not None
         hashes[f"{name}@grad"] = md5_hex(p.grad)
-        hashes[f"{name}@v2"] = md5_hex(p)  # after AdamW: weight decay (@v1), then the update (@v2)
+        hashes[f"{name}@v1"] = md5_hex(p)  # after the AdamW step, recorded as one call (AdamW0)
     t.save(path)
     return Recorded(path, t, hashes)
 

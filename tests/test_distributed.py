@@ -334,9 +334,9 @@ def test_ddp_replicas_agree(ddp_run, capsys) -> None:
     res = dr.diff_ranks(_paths(d))
     assert res.exit_code == 0 and res.departures == []
     assert res.collectives == {0: 5, 1: 5}
-    # 29 parameters before and 2 versions after AdamW's step, 29 averaged gradients, and the
-    # outputs of all_reduce, broadcast and all_gather_single.
-    assert res.compared == 29 * 3 + 29 + 3
+    # 29 parameters before and after AdamW's step (one call), the 3 state tensors it made for
+    # each, 29 averaged gradients, and the outputs of all_reduce, broadcast and all_gather_single.
+    assert res.compared == 29 * 2 + 29 * 3 + 29 + 3
     assert res.expected["local gradients"] > 29 and res.expected["inputs"] == 1
 
 
@@ -350,9 +350,10 @@ def test_ddp_rank_that_nudges_a_gradient_is_reported(ddp_perturbed_run, capsys) 
         (1, f"{param}.grad@v1", "reduced gradient", param, "add_0", "")
     assert first["stack"][-1]["code"].startswith("param.grad.add_(1e-6)")
     assert first["reason"] == f"only rank(s) 1 have {param}.grad@v1; rank(s) 0 do not"
-    # The parameter then steps differently on rank 1, and only that parameter.
+    # The parameter then steps differently on rank 1, and only that parameter: the state AdamW's
+    # step makes for it and its new value, both outputs of the step (one call).
     later = [(x["rank"], x["record"]) for x in out["departures"][1:]]
-    assert later == [(1, f"{param}@v2")]
+    assert later == [(1, f"{param}.exp_avg"), (1, f"{param}.exp_avg_sq"), (1, f"{param}@v1")]
     assert out["verdict"].startswith(f"RANK 1 DEPARTED first at reduced gradient {param}.grad@v1")
 
 
@@ -374,7 +375,9 @@ def test_fsdp2_traces_and_compares(tmp_path) -> None:
     assert a[a["all_gather_single1"].outputs[0]].md5 == b[b["all_gather_single1"].outputs[0]].md5
     res = dr.diff_ranks(traces)
     assert res.exit_code == 0, res.verdict()
-    assert res.compared == 8  # 5 all-gathered parameter sets; all_reduce, broadcast, all_gather_single
+    # 5 all-gathered parameter sets; all_reduce, broadcast, all_gather_single; and AdamW's step
+    # count of each of the 29 parameters (plain tensors: the DTensor state is not hashed).
+    assert res.compared == 8 + 29
     assert res.expected["rank-specific collective outputs"] == 3  # each rank's gradient shard
     assert res.not_comparable == {"not hashed: tensor subclass DTensor": sum(res.not_comparable.values())}
 

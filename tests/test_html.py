@@ -49,13 +49,15 @@ class Net(nn.Module):
         return self.out(self.head(h))
 
 
-def record_step(model: nn.Module | None = None, x: torch.Tensor | None = None) -> tracer.Trace:
-    """One training step of ``Net`` (or ``model``) with the optimizer step on its own line."""
+def record_step(model: nn.Module | None = None, x: torch.Tensor | None = None,
+                optimizer_ops: bool = True) -> tracer.Trace:
+    """One training step of ``Net`` (or ``model``) with the optimizer step on its own line (by
+    default with every op inside it recorded: many calls from one line, as a page groups them)."""
     torch.manual_seed(0)
     model = model or Net()
     x = torch.randn(2, 3, 8) if x is None else x
     opt = torch.optim.AdamW(model.parameters())
-    with tracer.trace(hash="md5") as t:
+    with tracer.trace(hash="md5", optimizer_ops=optimizer_ops) as t:
         loss = model(x).pow(2).mean()
         loss.backward()
         opt.step()

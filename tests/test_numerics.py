@@ -231,6 +231,25 @@ def test_inplace_error_names_the_saving_and_the_modifying_call():
     assert "failed in grad node sigmoid0/SigmoidBackward0" in note
 
 
+def test_failing_builtin_node_is_found_among_several_ready_ones():
+    # Built-in nodes get no pre-hook (one hook per node is cheaper), so the node that failed is
+    # inferred from the graph: when sigmoid's backward fails, exp's is ready too; the engine
+    # runs the higher sequence number first, and the note must name sigmoid's node, not exp's.
+    x = torch.randn(5, requires_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as info, \
+            tracer.trace(hash="none") as t:
+        a = torch.exp(x)
+        b = torch.sigmoid(x)  # saves its output
+        c = torch.tanh(x)
+        b.add_(1)
+        (a.sum() + b.sum() + c.sum()).backward()
+    note = info.value.__notes__[0]
+    assert "failed in grad node sigmoid0/SigmoidBackward0 [SigmoidBackward0]" in note
+    ran = t.backward_runs[0].order
+    assert "tanh0/TanhBackward0" in ran and "exp0/ExpBackward0" not in ran
+    assert "sigmoid0/SigmoidBackward0" not in ran
+
+
 def test_f_linear_error_in_module_reports_module_path():
     class Net(nn.Module):
         def __init__(self) -> None:

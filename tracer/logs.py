@@ -748,7 +748,8 @@ class LogScope:
                 listener = _LogListener(rec)
                 rec.listeners.append(listener)
         else:
-            light = _LightRecorder(Trace(), hash_algorithm="none", stacks=False, stats=False)
+            # Every op of an optimizer step, as a log scope always showed them.
+            light = _LightRecorder(Trace(), hash_algorithm="none", stacks=False, stats=False, optimizer_ops=True)
             listener = _LogListener(light)
             light.listeners.append(listener)
             light.install()

@@ -5,9 +5,14 @@ Hook points (see docs/design notes in DESIGN.md for why each one):
 - ``autograd.Function.apply`` is wrapped while a trace is active, since Functions do not go
   through ``__torch_function__`` (the wrapper checks the owning thread);
 - global module forward pre/post hooks give the module path of every call (owning thread only);
-- each grad node a call creates gets a pre-hook and a hook, which record the backward order and
-  the gradients each node received and produced; the hooks hold only a weak reference to the
-  recorder and a node name, never a tensor;
+- each grad node a call creates gets a hook, which records the backward order and the gradients
+  the node received and produced; nodes that run Python (custom backwards, accumulators with
+  hooks, saved-tensor unpack hooks) or that a listener follows also get a pre-hook, so calls
+  made inside them know their node. A failing node without one is inferred from the graph.
+  The hooks hold only a weak reference to the recorder and a node name, never a tensor, and do
+  nothing once the trace is closed;
+- ``optimizer.step()`` is one call (global pre-hook, per-optimizer post-hook), unless
+  ``optimizer_ops`` asks for every op inside it;
 - ``Tensor.backward`` / ``torch.autograd.backward`` / ``torch.autograd.grad`` arrive through the
   mode and delimit backward runs.
 
@@ -26,7 +31,7 @@ import warnings
 import weakref
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -39,6 +44,10 @@ from tracer.stacks import StackTable
 from tracer.weakmap import IdWeakMap
 
 _get_seq: Callable[[], int] | None = getattr(torch._C._autograd, "_get_sequence_nr", None)
+_CAPTURE_NOW = -1  # _finish_call's stack_id default: capture the stack at that moment
+# Private: the innermost saved-tensor hooks (None when none are active). Where it is missing,
+# hooks are assumed active (every node then gets the pre-hook, as before this mattered).
+_top_saved_hooks: Callable[[bool], Any] | None = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 _ACCUMULATE = "AccumulateGrad"
 _UINT64_MAX = 2**64 - 1
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
@@ -104,13 +113,25 @@ def _hidden_mutations(api: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     return [s for s in stats if isinstance(s, torch.Tensor)]
 
 
-def _runs_user_code(node: Any, kind: str) -> bool:
-    if isinstance(node, torch.autograd.function.BackwardCFunction):
+def _saved_tensor_hooks_active() -> bool:
+    """Whether saved-tensor hooks (non-reentrant checkpointing, CPU offload) are active: their
+    unpack side runs Python inside built-in grad nodes, whose calls need the running node."""
+    if _top_saved_hooks is None:
         return True
+    try:
+        return _top_saved_hooks(False) is not None
+    except TypeError:  # another signature: be conservative
+        return True
+
+
+_BackwardCFunction = torch.autograd.function.BackwardCFunction
+
+
+def _runs_user_code(node: Any, kind: str) -> bool:
     if kind == _ACCUMULATE:
         var = getattr(node, "variable", None)
         return getattr(var, "_post_accumulate_grad_hooks", None) is not None
-    return False
+    return isinstance(node, _BackwardCFunction)
 
 
 def _unique(ts: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -155,6 +176,21 @@ def _versions_of(ts: list[torch.Tensor]) -> list[int]:
         return [_version(t) for t in ts]
 
 
+class _OpenStep(NamedTuple):
+    """An optimizer step in progress, recorded as one call when it ends."""
+
+    optimizer: Any
+    frame: FrameType  # the frame running the step (torch's step wrapper), for step_running()
+    name: str
+    api: str
+    ins: list[torch.Tensor]
+    in_names: list[str]
+    versions: list[int]
+    seq: int
+    stack_id: int | None
+    tokens: list[Any] | None
+
+
 class _Mode(TorchFunctionMode):
     def __init__(self, recorder: Recorder) -> None:
         super().__init__()
@@ -172,6 +208,8 @@ class _Mode(TorchFunctionMode):
         except TypeError:  # an unhashable callable
             hit = None
         api, short, kind = hit if hit is not None else rec.api.describe(func)
+        if rec._step is not None and kind != "skip" and not rec.step_running():
+            rec.close_step("optimizer.step() raised; its changes up to there are recorded")
         if kind == "skip" or rec.paused or rec.stopped:
             return func(*args, **kwargs)
         if kind == "backward":
@@ -191,8 +229,13 @@ class Recorder:
     """Owns every hook of one active trace and turns what they see into trace records."""
 
     def __init__(self, trace: Trace, *, hash_algorithm: str = "md5", stacks: bool = True,
-                 stats: bool = True, on_records: Callable[[], None] | None = None) -> None:
+                 stats: bool = True, on_records: Callable[[], None] | None = None,
+                 optimizer_ops: bool = False) -> None:
         self.trace = trace
+        # False: each optimizer.step() is one call (see _open_step); True: every op inside it.
+        self.optimizer_ops = optimizer_ops
+        self._step: _OpenStep | None = None  # the optimizer step running now, recorded as one call
+        self._step_hooked: weakref.WeakSet[Any] = weakref.WeakSet()
         self.owner = threading.get_ident()
         self.lock = threading.RLock()
         self.api = naming.ApiNames()
@@ -230,6 +273,8 @@ class Recorder:
         # Grad nodes that run user Python (custom Function backwards, accumulators with
         # post-accumulate hooks such as an optimizer step in backward): flush checksums first.
         self._flush_before: set[str] = set()
+        # Saved-tensor hooks were active while the call being finished ran (see _register_node).
+        self._saved_hooks = True
         self._opaque: list[tuple[torch.nn.Module, Any, int | None, list[str], int, Any, Any]] = []
         self._module_handles: list[Any] = []
         self._run: BackwardRun | None = None
@@ -273,6 +318,11 @@ class Recorder:
         """Remove every mode, hook and wrapper. Safe to call twice."""
         if self.closed:
             return
+        if self._step is not None:  # the block ended inside optimizer.step() (it raised)
+            try:
+                self.close_step("optimizer.step() raised; its changes up to there are recorded")
+            except Exception:  # recording must not stop the uninstall
+                self._step = None
         self.closed = True
         try:
             self._mode.__exit__(None, None, None)
@@ -317,13 +367,26 @@ class Recorder:
 
     # ---- tensors ------------------------------------------------------------------------------
     def _new_tensor(self, t: torch.Tensor, name: str, role: str, producer: str | None,
-                    previous: str | None = None) -> str:
+                    previous: str | None = None, like: TensorRecord | None = None) -> str:
+        """Record a new tensor value. ``like``: the record of the version this one replaced,
+        when the call cannot have changed shape, strides, dtype or device (foreach in-place
+        ops): its metadata is reused instead of read again (an optimizer step makes ~10 new
+        versions of every parameter and state tensor)."""
         tensors = self.trace.tensors
         if name in tensors:  # never overwrite: disambiguate deterministically
             k = 1
             while f"{name}#{k}" in tensors:
                 k += 1
             name = f"{name}#{k}"
+        if like is not None:
+            try:
+                ver = t._version
+            except RuntimeError:  # inference tensors have no version counter
+                ver = 0
+            rec = TensorRecord(name, like.shape, like.dtype, like.device, role, producer, like.stride,
+                               like.contiguous, like.requires_grad, ver, self._tensor_seq, None, None, None,
+                               None, previous)
+            return self._add_record(rec, t, ver)
         try:
             stride: tuple[int, ...] | None = t.stride()
             contiguous = t.is_contiguous()
@@ -353,8 +416,12 @@ class Recorder:
         # Positional (the field order of TensorRecord): keyword binding cost as much as the rest.
         rec = TensorRecord(name, shape, dtype, device, role, producer, stride, contiguous, t.requires_grad, ver,
                            self._tensor_seq, None, None, None, None, previous)
+        return self._add_record(rec, t, ver)
+
+    def _add_record(self, rec: TensorRecord, t: torch.Tensor, ver: int) -> str:
+        name = rec.name
         self._tensor_seq += 1
-        tensors[name] = rec
+        self.trace.tensors[name] = rec
         self._tensor_names[t] = (name, ver)
         hasher = self.hasher
         # With nothing to hash or summarise, skip the call; a stand-in hasher (an async
@@ -436,7 +503,8 @@ class Recorder:
     def _finish_call(self, api: str, short: str, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any],
                      ins: list[torch.Tensor], in_names: list[str], outs: list[torch.Tensor],
                      mutated: list[torch.Tensor], seq: int, seq0: int | None,
-                     name: str | None = None, tokens: list[Any] | None = None) -> Call:
+                     name: str | None = None, tokens: list[Any] | None = None,
+                     stack_id: int | None = _CAPTURE_NOW) -> Call:
         if mutated:
             # By identity through a set: an in-place foreach op returns the ~150 tensors it also
             # mutated, and a pairwise test was quadratic in them.
@@ -449,7 +517,8 @@ class Recorder:
         grad_fns = [t.grad_fn for t in produced]
         seq1 = _get_seq() if _get_seq is not None else None
         with self.lock, torch._C.DisableTorchFunction():
-            stack_id = self.stack_table.capture() if self.stack_table is not None else None
+            if stack_id == _CAPTURE_NOW:
+                stack_id = self.stack_table.capture() if self.stack_table is not None else None
             if name is None:
                 name = self.counters.next(short)
             in_pos = {id(t): i for i, t in enumerate(ins)} if ins else None
@@ -460,6 +529,8 @@ class Recorder:
                 assert in_pos is not None
                 tensors = self.trace.tensors
                 versions = self._versions
+                # Foreach ops and optimizer steps never resize, restride or retype a tensor.
+                same_meta = kind == "optimizer" or api.startswith("torch._foreach_")
                 for j, t in enumerate(mutated):  # an optimizer's foreach op changes ~150 at once
                     old = in_names[in_pos[id(t)]]
                     old_rec = tensors.get(old)
@@ -468,7 +539,8 @@ class Recorder:
                     base = old.rsplit("@v", 1)[0] if "@v" in old else old  # _bump(_base_name(old)), inlined
                     n = versions.get(base, 0) + 1
                     versions[base] = n
-                    new = self._new_tensor(t, naming.version_name(base, n), role, name, previous=old)
+                    new = self._new_tensor(t, naming.version_name(base, n), role, name, previous=old,
+                                           like=old_rec if same_meta else None)
                     names_of[id(t)] = new
                     mutated_names[j] = new
             n_outs = len(outs)
@@ -497,6 +569,7 @@ class Recorder:
                     continue
                 if local_kinds is None:
                     local_kinds = {}
+                    self._saved_hooks = _saved_tensor_hooks_active()
                 root = self._collect_nodes(gf, seq0, seq1, name, stack_id, node_names, local_kinds)
                 if root is not None:
                     self._slot_tensor[(root, t.output_nr)] = names_of[id(t)]
@@ -598,15 +671,24 @@ class Recorder:
         self._node_seq += 1
         self.trace.grad_nodes.append(rec)
         self._node_recs[name] = rec
-        ref = self._self_ref
-        handles = self._handles
-        # One callable serves as pre-hook and hook (told apart by their arguments): half the
-        # objects per node, and a step makes hundreds of nodes.
-        hook = functools.partial(_node_hook, ref, name)
-        handles.append(node.register_prehook(hook))
-        handles.append(node.register_hook(hook))
-        if self.hasher.active and _runs_user_code(node, kind):
-            self._flush_before.add(name)
+        # Hook handles are not kept: the hooks go with their node (the backward frees it), and
+        # one that outlives the trace (a graph kept alive past the block) finds the recorder
+        # closed and returns at once. Keeping and removing them cost a Python call per hook.
+        user_code = _runs_user_code(node, kind)
+        if user_code or external or self._saved_hooks or (self.listeners and self._begin_listeners()):
+            # Something needs the node's start: its own Python code (custom backward, post-
+            # accumulate hooks) or a saved-tensor unpack hook records calls whose parent is the
+            # running node, and listeners such as the memory one attribute work to it. One
+            # callable serves as pre-hook and hook (told apart by their arguments).
+            hook = functools.partial(_node_hook, self._self_ref, name)
+            node.register_prehook(hook)
+            node.register_hook(hook)
+            if user_code and self.hasher.active:
+                self._flush_before.add(name)
+        else:
+            # A built-in node runs no Python: its hook alone sees what it received and made
+            # (one hook per node instead of two: half the registrations and engine callbacks).
+            node.register_hook(functools.partial(_node_done_hook, self._self_ref, name))
 
     def _link_edges(self, node: Any, name: str | None = None, nexts: Any = None) -> None:
         if name is None:
@@ -683,7 +765,15 @@ class Recorder:
             run.error = f"{type(exc).__name__}: {exc}"
             error = exc
             if isinstance(exc, Exception):
-                self._explain(exc, run, list(self._running))
+                running = list(self._running)
+                try:  # a node with no pre-hook does not show in _running: find it from the graph
+                    with torch._C.DisableTorchFunction():
+                        failing = self._infer_failing_node(_unique(flat_tensors(first)))
+                except Exception:  # never let the explanation hide the user's error
+                    failing = None
+                if failing is not None and failing not in running:
+                    running.append(failing)
+                self._explain(exc, run, running)
             raise
         finally:
             for li in self.listeners:
@@ -724,33 +814,66 @@ class Recorder:
         """A gradient's own name, with ``#k`` in the k-th backward run (k >= 1)."""
         return name if self._run_index <= 0 else f"{name}#{self._run_index}"
 
+    def _begin_listeners(self) -> bool:
+        """Whether an attached listener acts on a node's start (``on_node_begin``)."""
+        return any(type(li).on_node_begin is not Listener.on_node_begin for li in self.listeners)
+
+    def _current_run(self) -> BackwardRun:
+        if self._run is None:  # backward started where the trace could not see it
+            self._run_index += 1
+            self._run = BackwardRun(name=self.counters.next("backward"), api="(engine)", roots=[],
+                                    seq=len(self.trace.backward_runs))
+            self.trace.backward_runs.append(self._run)
+        return self._run
+
+    def _received_names(self, node: str, grad_outputs: tuple[Any, ...]) -> list[str | None]:
+        """Names of the gradients a node received (its ``grad_outputs``), recording new ones."""
+        names: list[str | None] = []
+        tensor_names = self._tensor_names
+        for i, g in enumerate(grad_outputs):
+            if not isinstance(g, torch.Tensor):
+                names.append(None)
+                continue
+            # A gradient already named (passed through unchanged) keeps its name; the new
+            # name is only formatted for a new tensor.
+            hit = tensor_names.get(g)
+            if hit is not None and hit[1] == _version(g):
+                names.append(hit[0])
+            else:
+                gname = self._slot_grad(node, i) or self._in_run(f"{node}:gin{i}")
+                names.append(self._new_tensor(g, gname, "grad", None))
+        return names
+
+    def _produced_names(self, node: str, grad_inputs: tuple[Any, ...]) -> list[str | None]:
+        """Names of the gradients a node produced (its ``grad_inputs``), recording new ones."""
+        edges = self._edges.get(node, ())
+        names: list[str | None] = []
+        tensor_names = self._tensor_names
+        for j, g in enumerate(grad_inputs):
+            if not isinstance(g, torch.Tensor):
+                names.append(None)
+                continue
+            hit = tensor_names.get(g)
+            if hit is not None and hit[1] == _version(g):
+                names.append(hit[0])
+                continue
+            dest, k = edges[j] if j < len(edges) else (None, 0)
+            # The gradient of a tensor when it alone flows into that slot; else this edge's
+            # own partial gradient.
+            gname = self._slot_grad(dest, k) if dest is not None and self._indegree.get((dest, k), 0) == 1 \
+                else None
+            names.append(self._new_tensor(g, gname or self._in_run(f"{node}:grad{j}"), "grad", node))
+        return names
+
     def node_begin(self, node: str, grad_outputs: tuple[Any, ...]) -> None:
         if self.stopped:
             return
         if node in self._flush_before:  # user code next, which may write into recorded tensors
             self.hasher.flush()
         with self.lock, torch._C.DisableTorchFunction():
-            if self._run is None:  # backward started where the trace could not see it
-                self._run_index += 1
-                self._run = BackwardRun(name=self.counters.next("backward"), api="(engine)", roots=[],
-                                        seq=len(self.trace.backward_runs))
-                self.trace.backward_runs.append(self._run)
-            names: list[str | None] = []
-            tensor_names = self._tensor_names
-            for i, g in enumerate(grad_outputs):
-                if not isinstance(g, torch.Tensor):
-                    names.append(None)
-                    continue
-                # A gradient already named (passed through unchanged) keeps its name; the new
-                # name is only formatted for a new tensor.
-                hit = tensor_names.get(g)
-                if hit is not None and hit[1] == _version(g):
-                    names.append(hit[0])
-                else:
-                    gname = self._slot_grad(node, i) or self._in_run(f"{node}:gin{i}")
-                    names.append(self._new_tensor(g, gname, "grad", None))
-            step = NodeRun(node, names, [])
-            self._run.steps.append(step)
+            run = self._current_run()
+            step = NodeRun(node, self._received_names(node, grad_outputs), [])
+            run.steps.append(step)
             self._open_steps[node] = step
             self._running.append(node)
             for li in self.listeners:
@@ -761,23 +884,7 @@ class Recorder:
             return
         with self.lock, torch._C.DisableTorchFunction():
             step = self._open_steps.pop(node, None)
-            edges = self._edges.get(node, ())
-            names: list[str | None] = []
-            tensor_names = self._tensor_names
-            for j, g in enumerate(grad_inputs):
-                if not isinstance(g, torch.Tensor):
-                    names.append(None)
-                    continue
-                hit = tensor_names.get(g)
-                if hit is not None and hit[1] == _version(g):
-                    names.append(hit[0])
-                    continue
-                dest, k = edges[j] if j < len(edges) else (None, 0)
-                # The gradient of a tensor when it alone flows into that slot; else this edge's
-                # own partial gradient.
-                gname = self._slot_grad(dest, k) if dest is not None and self._indegree.get((dest, k), 0) == 1 \
-                    else None
-                names.append(self._new_tensor(g, gname or self._in_run(f"{node}:grad{j}"), "grad", node))
+            names = self._produced_names(node, grad_inputs)
             if step is not None:
                 step.grads_out = names
                 # Listeners run while the node still counts as running: one that raises (the
@@ -788,6 +895,58 @@ class Recorder:
                 self._running.pop()
             elif node in self._running:
                 self._running.remove(node)
+
+    def node_done(self, node: str, grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
+        """A node with no pre-hook ran: what it received and what it produced, in one event."""
+        if self.stopped:
+            return
+        with self.lock, torch._C.DisableTorchFunction():
+            run = self._current_run()
+            step = NodeRun(node, self._received_names(node, grad_outputs), [])
+            run.steps.append(step)
+            step.grads_out = self._produced_names(node, grad_inputs)
+            if self.listeners:  # attached after this node was made: both events, back to back
+                self._running.append(node)
+                for li in self.listeners:
+                    li.on_node_begin(self.trace, node, step, grad_outputs)
+                for li in self.listeners:
+                    li.on_node_end(self.trace, node, step, grad_inputs)
+                self._running.pop()
+
+    def _infer_failing_node(self, roots: list[torch.Tensor]) -> str | None:
+        """The grad node a failed backward was running when that node had no pre-hook.
+
+        The engine runs a node once every node feeding it has finished, and among the ready
+        nodes the one with the highest sequence number first (accumulators, at the maximum,
+        before the rest). So the failing node is the ready, unfinished node that sorts first;
+        with several devices working in parallel this is a best guess."""
+        run = self._run
+        if run is None:
+            return None
+        done = {st.node for st in run.steps} - set(self._running)
+        preds: dict[str, set[str]] = {}
+        order: dict[str, int] = {}
+        todo = [t.grad_fn for t in roots if t.grad_fn is not None]
+        seen: set[int] = set()
+        while todo:
+            fn = todo.pop()
+            if id(fn) in seen:
+                continue
+            seen.add(id(fn))
+            name = self._node_name(fn)
+            if name is not None:
+                kind = type(fn).__name__
+                order[name] = _UINT64_MAX if kind == _ACCUMULATE else fn._sequence_nr()
+                preds.setdefault(name, set())
+            for nxt, _ in fn.next_functions:
+                if nxt is None:
+                    continue
+                dest = self._node_name(nxt)
+                if name is not None and dest is not None:
+                    preds.setdefault(dest, set()).add(name)
+                todo.append(nxt)
+        ready = [n for n, ps in preds.items() if n not in done and ps <= done and n in order]
+        return max(ready, key=lambda n: order[n]) if ready else None
 
     # ---- modules ------------------------------------------------------------------------------
     def _module_pre(self, module: torch.nn.Module, args: Any) -> None:
@@ -897,8 +1056,8 @@ class Recorder:
 
     # ---- optimizers ---------------------------------------------------------------------------
     def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if threading.get_ident() != self.owner or self.closed:
-            return
+        if threading.get_ident() != self.owner or self.closed or self._step is not None:
+            return  # (an open step: an optimizer stepped from inside another's step is part of it)
         self.hasher.flush()  # the step writes into parameters and state, in place
         with self.lock, torch._C.DisableTorchFunction():
             for group in optimizer.param_groups:
@@ -920,6 +1079,92 @@ class Recorder:
                     for key, v in optimizer.state.get(p, {}).items():
                         if isinstance(v, torch.Tensor) and v not in self._named:
                             self._named[v] = (f"{pname}.{key}", "state")
+        closure = (args[1] if len(args) > 1 else None) or (kwargs or {}).get("closure")
+        if not (self.optimizer_ops or self.paused or self.stopped or closure is not None):
+            # A closure (LBFGS) runs a forward and backward inside the step: those stay visible.
+            self._open_step(optimizer, sys._getframe(1))
+
+    def _open_step(self, optimizer: Any, frame: FrameType) -> None:
+        """Record ``optimizer.step()`` as one call: its inputs are the parameters, gradients and
+        state; its outputs the new versions of what it changed and the state it created. The
+        ops inside are not recorded (``optimizer_ops=True`` records them): a foreach AdamW step
+        makes ~10 versions of every parameter and state tensor, which cost more to record than
+        the rest of a step, and the values that matter are the ones the step leaves behind."""
+        cls = type(optimizer)
+        # Hooks run outside the mode's handler, where every tensor attribute read (p.grad) would
+        # go through the mode: hence DisableTorchFunction around all of this.
+        with self.lock, torch._C.DisableTorchFunction():
+            tensors: list[torch.Tensor] = []
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    tensors.append(p)
+                    if p.grad is not None:
+                        tensors.append(p.grad)
+                    for v in optimizer.state.get(p, {}).values():
+                        if isinstance(v, torch.Tensor):
+                            tensors.append(v)
+            ins = _unique(tensors)
+            vers = _versions_of(ins)
+            in_names = [self._name_at(t, v) for t, v in zip(ins, vers)]
+            seq = self._call_seq
+            self._call_seq += 1
+            name = self.counters.next(cls.__name__)
+            stack_id = self.stack_table.capture() if self.stack_table is not None else None
+        tokens = [li.before_call() for li in self.listeners] if self.listeners else None
+        self._step = _OpenStep(optimizer, frame, name, f"{cls.__module__}.{cls.__qualname__}.step", ins, in_names,
+                               vers, seq, stack_id, tokens)
+        self.paused = True
+        if optimizer not in self._step_hooked:
+            # Per optimizer, so it runs before the global post-hooks (a step trace's boundary).
+            self._step_hooked.add(optimizer)
+            self._handles.append(optimizer.register_step_post_hook(self._optimizer_post))
+
+    def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        st = self._step
+        if st is not None and st.optimizer is optimizer and threading.get_ident() == self.owner:
+            self.close_step()
+
+    def step_running(self) -> bool:
+        """Whether the open optimizer step is still running (its frame is on this thread's stack);
+        False once it raised, which skipped its post-hook."""
+        st = self._step
+        f: FrameType | None = sys._getframe(1)
+        while f is not None:
+            if st is not None and f is st.frame:
+                return True
+            f = f.f_back
+        return False
+
+    def close_step(self, error: str | None = None) -> None:
+        """End the open optimizer step: record it as one call (with ``error`` if it raised)."""
+        st = self._step
+        if st is None:
+            return
+        self._step = None
+        self.paused = False
+        optimizer = st.optimizer
+        created: list[torch.Tensor] = []
+        with self.lock, torch._C.DisableTorchFunction():
+            mutated = [t for t, v in zip(st.ins, st.versions) if _version(t) != v]
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    named = self._named.get(p)
+                    hit = self._tensor_names.get(p) if named is None else None
+                    owner = named[0] if named is not None else self._base_name(hit[0]) if hit is not None else None
+                    for key, v in optimizer.state.get(p, {}).items():
+                        # State made by this step (the first one): named after its parameter.
+                        if owner is not None and isinstance(v, torch.Tensor) and v not in self._named \
+                                and self._tensor_names.get(v) is None:
+                            self._named[v] = (f"{owner}.{key}", "state")
+                            self._new_tensor(v, f"{owner}.{key}", "state", st.name)
+                            created.append(v)
+        # Its outputs are what it changed (as an in-place op returns its target) and what it made.
+        with torch._C.DisableTorchFunction():
+            call = self._finish_call(st.api, type(optimizer).__name__, "optimizer", (), {}, st.ins,
+                                     st.in_names, mutated + created, mutated, st.seq, None, name=st.name,
+                                     tokens=st.tokens, stack_id=st.stack_id)
+        if error is not None:
+            call.error = error
 
     # ---- custom autograd Functions ------------------------------------------------------------
     def record_function(self, cls: type, apply: Callable[..., Any], args: tuple[Any, ...],
@@ -974,6 +1219,14 @@ def _node_hook(ref: weakref.ref[Recorder], name: str, grads: tuple[Any, ...], gr
             rec.node_begin(name, grads)
         else:
             rec.node_end(name, grads)
+
+
+def _node_done_hook(ref: weakref.ref[Recorder], name: str, grad_inputs: tuple[Any, ...],
+                    grad_outputs: tuple[Any, ...]) -> None:
+    """The only hook of a node that needs no pre-hook (see ``Recorder._register_node``)."""
+    rec = ref()
+    if rec is not None and not rec.closed:
+        rec.node_done(name, grad_inputs, grad_outputs)
 
 
 # ---- the autograd.Function.apply wrapper, installed while a trace is active ------------------------

@@ -49,7 +49,8 @@ def trace(*, hash: str = "md5", stacks: bool = True, stats: bool | None = None,
           out: str | os.PathLike[str] | None = None, flush_every: int = 1024,
           listeners: list[Listener] | None = None, memory: bool = False,
           max_calls: int | None = None, check_numerics: bool = False, raise_on_nonfinite: bool = False,
-          steps: str | None = None, every: int | None = None, **step_options: Any) -> Any:
+          optimizer_ops: bool = False, steps: str | None = None, every: int | None = None,
+          **step_options: Any) -> Any:
     """Record forward API calls, grad nodes, call stacks and tensor checksums of a block.
 
     ``hash``: ``"md5"`` (exact MD5 of every tensor, the default), ``"fast"`` (a 64-bit
@@ -66,6 +67,9 @@ def trace(*, hash: str = "md5", stacks: bool = True, stats: bool | None = None,
     the first non-finite tensor of forward and of backward is reported (``t.anomalies``).
     ``raise_on_nonfinite``: stop at the first NaN/Inf with ``NonFiniteError`` (syncs once per
     call to look at each output: costly on GPUs, meant for hunting, not for routine runs).
+    ``optimizer_ops``: record every op inside ``optimizer.step()``. By default a step is one call
+    (named after the optimizer class, ``AdamW0``) from the parameters, gradients and state to
+    the new versions it leaves behind; its intermediate tensors are not recorded.
     ``steps`` / ``every``: trace only chosen optimizer steps of a longer loop (``tracer.steps``).
 
     Only the thread that enters the block is traced. Nothing stays installed after the block,
@@ -76,7 +80,8 @@ def trace(*, hash: str = "md5", stacks: bool = True, stats: bool | None = None,
 
         return StepTrace(steps=steps, every=every, hash=hash, stacks=stacks, stats=stats, out=out,
                          flush_every=flush_every, listeners=listeners, memory=memory, max_calls=max_calls,
-                         check_numerics=check_numerics, raise_on_nonfinite=raise_on_nonfinite, **step_options)
+                         check_numerics=check_numerics, raise_on_nonfinite=raise_on_nonfinite,
+                         optimizer_ops=optimizer_ops, **step_options)
     max_bytes = step_options.pop("max_bytes", None)
     if step_options:
         raise TraceError(f"unknown option(s) for tracer.trace(): {', '.join(sorted(step_options))}")
@@ -86,7 +91,8 @@ def trace(*, hash: str = "md5", stacks: bool = True, stats: bool | None = None,
         listeners = [*(listeners or []), Bounds(max_bytes=int(max_bytes))]
     return TraceSession(hash=hash, stacks=stacks, stats=stats, out=out, flush_every=flush_every,
                         listeners=listeners, memory=memory, max_calls=max_calls,
-                        check_numerics=check_numerics, raise_on_nonfinite=raise_on_nonfinite)
+                        check_numerics=check_numerics, raise_on_nonfinite=raise_on_nonfinite,
+                        optimizer_ops=optimizer_ops)
 
 
 def check_numerics(*, raise_on_nonfinite: bool = False, stacks: bool = True,
@@ -113,13 +119,14 @@ class TraceSession:
                  out: str | os.PathLike[str] | None = None, flush_every: int = 1024,
                  listeners: list[Listener] | None = None, memory: bool = False,
                  max_calls: int | None = None, check_numerics: bool = False,
-                 raise_on_nonfinite: bool = False) -> None:
+                 raise_on_nonfinite: bool = False, optimizer_ops: bool = False) -> None:
         if hash not in ("md5", "fast", "none"):
             raise TraceError(f"hash must be 'md5', 'fast' or 'none', got {hash!r}")
         self.hash = hash
         self.stacks = stacks
         self.check_numerics = check_numerics or raise_on_nonfinite
         self.raise_on_nonfinite = raise_on_nonfinite
+        self.optimizer_ops = bool(optimizer_ops)
         self.stats = True if self.check_numerics else (hash != "none") if stats is None else stats
         self.out = None if out is None else os.fspath(out)
         self.flush_every = max(1, int(flush_every))
@@ -143,7 +150,7 @@ class TraceSession:
             raise TraceError("tracer.trace() is already active in this process; traces do not nest. "
                              "Close the outer `with tracer.trace()` block first, or trace the outer block only.")
         t = Trace(header={"hash": self.hash, "stacks": self.stacks, "stats": self.stats,
-                          "check_numerics": self.check_numerics,
+                          "check_numerics": self.check_numerics, "optimizer_ops": self.optimizer_ops,
                           "torch": torch.__version__, "gradtrace": __version__,
                           "python": platform.python_version()},
                   meta={"host": socket.gethostname(), "pid": os.getpid(), "cwd": os.getcwd(),
@@ -160,7 +167,8 @@ class TraceSession:
                 self.out = rank_path(self.out, dist_info["rank"])
                 t.meta["out"] = self.out
         rec = _recorder.Recorder(t, hash_algorithm=self.hash, stacks=self.stacks, stats=self.stats,
-                                 on_records=self._maybe_flush if self.out else None)
+                                 on_records=self._maybe_flush if self.out else None,
+                                 optimizer_ops=self.optimizer_ops)
         t.header["node_attribution"] = rec.node_attribution
         rec.max_calls = self.max_calls
         if self.hash == "fast":

@@ -241,7 +241,8 @@ class StepRecorder:
                  max_calls: int | None = None, max_bytes: int | None = None,
                  observer: StepObserver | None = None, hash: str = "md5", stacks: bool = True,
                  stats: bool | None = None, flush_every: int = 1024, listeners: list[Listener] | None = None,
-                 memory: bool = False, check_numerics: bool = False, raise_on_nonfinite: bool = False) -> None:
+                 memory: bool = False, check_numerics: bool = False, raise_on_nonfinite: bool = False,
+                 optimizer_ops: bool = False) -> None:
         if per_step_files and out is None:
             raise TraceError("per_step_files=True needs out= (the name the step files are made from)")
         for name, bound in (("max_calls", max_calls), ("max_bytes", max_bytes)):
@@ -255,7 +256,7 @@ class StepRecorder:
         self.options: dict[str, Any] = {"hash": hash, "stacks": stacks, "stats": stats,
                                         "flush_every": flush_every, "memory": memory,
                                         "check_numerics": check_numerics,
-                                        "raise_on_nonfinite": raise_on_nonfinite}
+                                        "raise_on_nonfinite": raise_on_nonfinite, "optimizer_ops": optimizer_ops}
         self.listeners = list(listeners or [])
         TraceSession(**self.options)  # refuses bad options now, not at the first chosen step
         self.steps: list[int] = []  # the steps traced, in order
@@ -416,12 +417,13 @@ class StepTrace(StepResults):
                  listeners: list[Listener] | None = None, memory: bool = False,
                  max_calls: int | None = None, check_numerics: bool = False, raise_on_nonfinite: bool = False,
                  max_bytes: int | None = None, per_step_files: bool = False, optimizer: Any = None,
-                 observer: StepObserver | None = None) -> None:
+                 observer: StepObserver | None = None, optimizer_ops: bool = False) -> None:
         self.selection = StepSelection.parse(steps, every)
         self.recorder = StepRecorder(out=out, per_step_files=per_step_files, max_calls=max_calls,
                                      max_bytes=max_bytes, observer=observer, hash=hash, stacks=stacks,
                                      stats=stats, flush_every=flush_every, listeners=listeners, memory=memory,
-                                     check_numerics=check_numerics, raise_on_nonfinite=raise_on_nonfinite)
+                                     check_numerics=check_numerics, raise_on_nonfinite=raise_on_nonfinite,
+                                     optimizer_ops=optimizer_ops)
         self.optimizer = optimizer
         self.step = 0  # the step running now
         self.manual = False  # the user marks boundaries with tracer.step(); optimizer steps don't count

@@ -1,0 +1,132 @@
+"""optimizer.step() recorded as one call (the default), or op by op (``optimizer_ops=True``)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+import torch.nn as nn
+
+import tracer
+
+
+def _md5(t: torch.Tensor) -> str:
+    return hashlib.md5(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _step_line() -> int:
+    with open(__file__) as f:
+        return next(i for i, line in enumerate(f, 1) if line.strip() == "opt.step()  # the step's line")
+
+
+def test_first_step_is_one_call_that_names_the_state_after_the_parameters() -> None:
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, foreach=True)
+    x = torch.randn(3, 4)
+    with tracer.trace() as t:
+        model(x).pow(2).mean().backward()
+        opt.step()  # the step's line
+    names = [n for n, _ in model.named_parameters()]
+    steps = [c for c in t.calls if c.kind == "optimizer"]
+    assert [(c.name, c.api) for c in steps] == [("AdamW0", "torch.optim.adamw.AdamW.step")]
+    call = steps[0]
+    assert not any(c.api.startswith("torch._foreach") for c in t.calls)  # the ops inside are not calls
+    assert call.stack[-1].line == _step_line() and call.phase == "forward"
+    # Inputs: each parameter and the gradient on it (no state exists before the first step).
+    assert call.inputs == [x for n in names for x in (n, f"{n}.grad")]
+    # Outputs: the new value of every parameter, then the state the step made, by parameter.
+    state = [f"{n}.{k}" for n in names for k in ("step", "exp_avg", "exp_avg_sq")]
+    assert call.outputs == [f"{n}@v1" for n in names] + state
+    assert call.mutated == [f"{n}@v1" for n in names]
+    for n, p in model.named_parameters():
+        rec = t[f"{n}@v1"]
+        assert (rec.role, rec.producer, rec.previous, rec.md5) == ("param", "AdamW0", n, _md5(p))
+        for key, value in opt.state[p].items():
+            srec = t[f"{n}.{key}"]
+            assert (srec.role, srec.producer, srec.md5) == ("state", "AdamW0", _md5(value))
+
+
+def test_later_steps_read_the_state_and_write_new_versions_of_it() -> None:
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    x = torch.randn(3, 4)
+    model(x).pow(2).mean().backward()
+    opt.step()  # state exists before the trace
+    opt.zero_grad()
+    with tracer.trace() as t:
+        model(x).pow(2).mean().backward()
+        opt.step()
+    call = t["AdamW0"]
+    n = "0.weight"
+    assert [i for i in call.inputs if i.startswith(n + ".")] == \
+        [f"{n}.grad", f"{n}.step", f"{n}.exp_avg", f"{n}.exp_avg_sq"]
+    assert {f"{n}@v1", f"{n}.step@v1", f"{n}.exp_avg@v1", f"{n}.exp_avg_sq@v1"} <= set(call.outputs)
+    assert t[f"{n}.exp_avg@v1"].md5 == _md5(opt.state[model[0].weight]["exp_avg"])
+
+
+def test_optimizer_ops_records_every_op_inside_the_step() -> None:
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, foreach=True)
+    with tracer.trace(optimizer_ops=True) as t:
+        model(torch.randn(3, 4)).pow(2).mean().backward()
+        opt.step()
+    assert t.header["optimizer_ops"] is True
+    assert not [c for c in t.calls if c.kind == "optimizer"]
+    foreach = [c for c in t.calls if c.api.startswith("torch._foreach")]
+    assert len(foreach) >= 5 and all(c.stack[-1].code == "opt.step()" for c in foreach)
+    assert t["0.weight@v2"].producer.startswith("_foreach_")  # weight decay, then the update
+
+
+class _Exploding(torch.optim.SGD):
+    """Changes the first parameter, then fails."""
+
+    def step(self, closure=None):  # type: ignore[override]
+        with torch.no_grad():
+            self.param_groups[0]["params"][0].add_(1.0)
+        raise RuntimeError("boom in the optimizer")
+
+
+def test_a_step_that_raises_is_recorded_with_its_error_and_recording_goes_on() -> None:
+    model = _model()
+    opt = _Exploding(model.parameters(), lr=0.1)
+    with tracer.trace() as t:
+        model(torch.randn(3, 4)).pow(2).mean().backward()
+        with pytest.raises(RuntimeError, match="boom"):
+            opt.step()
+        after = torch.ones(2) * 3  # recorded again: the step is over
+    call = t["_Exploding0"]
+    assert call.kind == "optimizer" and "raised" in (call.error or "")
+    assert call.outputs == ["0.weight@v1"]  # what it changed before failing
+    assert after is not None and t.calls[-1].name == "mul0" and t.calls[-1].inputs == ["ones0:out"]
+
+
+def test_a_step_that_raises_out_of_the_block_is_still_recorded() -> None:
+    model = _model()
+    opt = _Exploding(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="boom"), tracer.trace() as t:
+        model(torch.randn(3, 4)).pow(2).mean().backward()
+        opt.step()
+    assert t.status == "failed" and "raised" in (t["_Exploding0"].error or "")
+
+
+def test_a_closure_keeps_its_forward_and_backward_visible() -> None:
+    model = _model()
+    opt = torch.optim.LBFGS(model.parameters(), max_iter=2)
+    x = torch.randn(3, 4)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        return loss
+
+    with tracer.trace() as t:
+        opt.step(closure)
+    assert not [c for c in t.calls if c.kind == "optimizer"]
+    assert len(t.backward_runs) >= 2 and "linear0" in t  # the closure's passes are recorded
