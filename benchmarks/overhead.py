@@ -104,6 +104,10 @@ def configurations(device: torch.device) -> dict[str, tuple[str, Factory]]:
                      lambda: tracer.trace(hash="none", check_numerics=True)),
         "debugmode": ('DebugMode + log_tensor_hashes (private)', _debug_mode_with_hashes),
         "md5-nostats": ('trace(hash="md5", stats=False)', lambda: tracer.trace(hash="md5", stats=False)),
+        # Every op inside optimizer.step() recorded, as before the step became one call.
+        "stacks-ops": ('trace(hash="none", optimizer_ops=True)',
+                       lambda: tracer.trace(hash="none", optimizer_ops=True)),
+        "fast-ops": ('trace(hash="fast", optimizer_ops=True)', lambda: tracer.trace(hash="fast", optimizer_ops=True)),
     }
 
 
