@@ -39,12 +39,13 @@ class _Scope:
     """A frame known to be executing, and its user callers ``(code, f_lasti)``, innermost first;
     ``ids`` are their interned frame ids (outermost first) once a capture has needed them."""
 
-    __slots__ = ("callers", "frame", "ids")
+    __slots__ = ("callers", "frame", "ids", "prefix")
 
     def __init__(self, frame: FrameType, callers: tuple[tuple[CodeType, int], ...]) -> None:
         self.frame = frame
         self.callers = callers
         self.ids: tuple[int, ...] | None = None
+        self.prefix: int | None = None  # the number of ``ids`` among the table's distinct prefixes
 
 
 class StackTable:
@@ -67,6 +68,12 @@ class StackTable:
         # still executing cannot have changed (each is suspended in the call below it). The frame
         # object itself is held, so its id cannot be reused meanwhile.
         self._scopes: dict[int, _Scope] = {}
+        # Stacks that end inside a scope, by (prefix number, frames below the scope): a short key
+        # instead of the whole stack (the same layer code runs under twelve module calls, whose
+        # scopes are distinct objects with equal frames above them).
+        self._prefix_ids: dict[tuple[int, ...], int] = {}
+        self._prefixes: list[tuple[int, ...]] = []
+        self._by_prefix: dict[tuple[int, tuple[int, ...]], int] = {}
 
     def _is_internal(self, code: CodeType) -> bool:
         hit = self._internal.get(id(code))
@@ -89,15 +96,35 @@ class StackTable:
                 frame = sys._getframe(skip)
             except ValueError:  # a shallower stack than expected (python -c at module level)
                 frame = sys._getframe(1)
-        stack = self._user_frames(frame)
+        inner, scope = self._user_frames(frame)
+        if scope is None:
+            return self._intern_stack(inner)
+        prefix = scope.prefix if scope.prefix is not None else self._intern_prefix(scope)
+        key = (prefix, inner)
+        sid = self._by_prefix.get(key)
+        if sid is None:
+            sid = self._by_prefix[key] = self._intern_stack(self._prefixes[prefix] + inner)
+        return sid
+
+    def _intern_stack(self, stack: tuple[int, ...]) -> int:
         sid = self._stack_ids.get(stack)
         if sid is None:
             sid = self._stack_ids[stack] = len(self.stacks)
             self.stacks.append(stack)
         return sid
 
-    def _user_frames(self, frame: FrameType | None) -> tuple[int, ...]:
-        """Interned ids of the user frames from ``frame`` outwards, outermost first."""
+    def _intern_prefix(self, scope: _Scope) -> int:
+        ids = scope.ids if scope.ids is not None else self._intern_scope(scope)
+        pid = self._prefix_ids.get(ids)
+        if pid is None:
+            pid = self._prefix_ids[ids] = len(self._prefixes)
+            self._prefixes.append(ids)
+        scope.prefix = pid
+        return pid
+
+    def _user_frames(self, frame: FrameType | None) -> tuple[tuple[int, ...], _Scope | None]:
+        """Interned ids of the user frames from ``frame`` outwards, outermost first, up to the
+        innermost scope met (returned too: its frames come above these)."""
         f = frame
         ids: list[int] = []
         frame_ids = self._frame_ids
@@ -124,10 +151,7 @@ class StackTable:
                     break
             f = f.f_back
         ids.reverse()
-        if scope is None:
-            return tuple(ids)
-        above = scope.ids if scope.ids is not None else self._intern_scope(scope)
-        return above + tuple(ids)
+        return tuple(ids), scope
 
     def _intern_scope(self, scope: _Scope) -> tuple[int, ...]:
         # Frame ids are handed out innermost first, at the first capture that reaches a frame,
