@@ -4,7 +4,7 @@ Names are deterministic (counters start fresh in every trace, so the same progra
 same names twice), readable, and linked:
 
 - call ``linear3``: the fourth ``linear`` call of the trace (counters count from 0; a short
-  name ending in a digit gets an underscore, ``conv2d_0``, so names never run together);
+  name ending in a digit gets an underscore, ``log10_0``, so names never run together);
 - its output tensor ``linear3:out`` (``split2:out0``, ``split2:out1`` when it has several);
 - a tensor changed in place gets a new version ``linear3:out@v1`` (``...weight@v1``);
 - parameters and buffers by module path ``transformer.h.0.attn.c_attn.weight``; other tensors
