@@ -145,6 +145,17 @@ def test_grad_nodes_know_their_place_in_the_backward_run(step: tracer.Trace, pag
     assert run.order[0] == "mean0/MeanBackward0"
 
 
+def test_the_default_optimizer_step_is_one_box_with_its_params_in_and_out() -> None:
+    t = record_step(optimizer_ops=False)
+    calls = rows(embedded(render(t))["calls"])
+    step = next(c for c in calls if c["name"] == "AdamW0")
+    assert step["api"] == "torch.optim.adamw.AdamW.step" and step["kind"] == "optimizer"
+    names = [n for n, _ in Net().named_parameters()]
+    assert step["outputs"][:len(names)] == [f"{n}@v1" for n in names]
+    assert [c["name"] for c in calls if c["kind"] == "optimizer"] == ["AdamW0"]
+    assert not any(c["api"].startswith("torch._foreach") for c in calls)
+
+
 def test_groups_follow_modules_functions_and_the_optimizer_line(step: tracer.Trace, page: str) -> None:
     data = embedded(page)
     groups = rows(data["groups"])
