@@ -136,6 +136,13 @@ def test_sys_exit_with_a_message_and_every(script, capsys):
     assert [c.name for c in steps[2].calls] == ["ones0", "linear0", "sum0", "SGD0"]
 
 
+def test_optimizer_ops_option_records_the_ops_inside_the_step(script, capsys):
+    assert main_run(["--steps", "1", "--optimizer-ops", "-o", "ops.gtrace", script]) == 0
+    t = tracer.load("ops.gtrace")
+    assert t.header["optimizer_ops"] is True
+    assert [c.name for c in t.calls] == ["ones0", "linear0", "sum0", "add_0", "add_1"]  # SGD, op by op
+
+
 def test_module_mode_runs_like_python_dash_m(tmp_path, monkeypatch, capsys):
     pkg = tmp_path / "mypkg"
     pkg.mkdir()

@@ -305,6 +305,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="trace file (default: the program's name + .gtrace; .gz compresses)")
     p.add_argument("--hash", choices=("md5", "fast", "none"), default="md5",
                    help="tensor checksums: exact md5 (default), fast on-device fingerprints, or none")
+    p.add_argument("--optimizer-ops", action="store_true",
+                   help="record every op inside optimizer.step() (default: each step is one call)")
     p.add_argument("--report", action="store_true", help="also write the HTML report of each traced step")
     p.add_argument("--per-step-files", action="store_true",
                    help="one file per step (run.step10.gtrace) instead of all steps in one file")
@@ -341,7 +343,8 @@ def run_command(args: argparse.Namespace) -> int:
     progress = progress_for(sys.stderr, enabled=not args.no_progress)
     try:
         st = StepTrace(steps=steps, every=args.every, hash=args.hash, out=out, max_calls=args.max_calls,
-                       max_bytes=args.max_bytes, per_step_files=args.per_step_files, observer=progress)
+                       max_bytes=args.max_bytes, per_step_files=args.per_step_files, observer=progress,
+                       optimizer_ops=args.optimizer_ops)
     except TraceError as exc:
         raise UserError(str(exc)) from None
     code = _execute(program, st)
