@@ -363,16 +363,20 @@ class Hasher:
         fused = self._fused
         if fused is not None:
             fused.flush()
+            want_stats, want_fp = fused.stats, fused.fingerprint
+            isfinite = math.isfinite
+            # Thousands of rows at the end of a block: one Stats object and one hex string per
+            # row, shared by the records (views) of that row.
             for slots, res_f, res_i in fused.take(wait):
-                for recs, frow, irow in zip(slots, res_f, res_i):
-                    lo, hi, mean, absmax = frow
-                    nan, inf, lane_a, lane_b = irow
+                for recs, (lo, hi, mean, absmax), (nan, inf, lane_a, lane_b) in zip(slots, res_f, res_i):
+                    stats = (Stats(lo, hi, mean, absmax, nan, inf) if isfinite(lo)
+                             else Stats(None, None, None, None, nan, inf)) if want_stats else None
+                    fp = hex_of(lane_a, lane_b) if want_fp else None
                     for rec in recs:
-                        if fused.stats:
-                            rec.stats = Stats(lo, hi, mean, absmax, nan, inf) if math.isfinite(lo) \
-                                else Stats(None, None, None, None, nan, inf)
-                        if fused.fingerprint:
-                            rec.fingerprint = hex_of(lane_a, lane_b)
+                        if want_stats:
+                            rec.stats = stats
+                        if want_fp:
+                            rec.fingerprint = fp
         if wait:
             with self._lock:
                 rows, self._stat_rows = self._stat_rows, []
