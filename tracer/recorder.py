@@ -919,34 +919,26 @@ class Recorder:
         The engine runs a node once every node feeding it has finished, and among the ready
         nodes the one with the highest sequence number first (accumulators, at the maximum,
         before the rest). So the failing node is the ready, unfinished node that sorts first;
-        with several devices working in parallel this is a best guess."""
+        with several devices working in parallel this is a best guess. The graph is the one
+        recorded at forward time: the live one may have dropped the edges of nodes that ran."""
         run = self._run
         if run is None:
             return None
         done = {st.node for st in run.steps} - set(self._running)
-        preds: dict[str, set[str]] = {}
-        order: dict[str, int] = {}
-        todo = [t.grad_fn for t in roots if t.grad_fn is not None]
-        seen: set[int] = set()
+        seq_of = {name: sn for (sn, _kind), name in self._node_by_seq.items()}
+        todo = [n for n in (self._node_name(t.grad_fn) for t in roots if t.grad_fn is not None) if n is not None]
+        preds: dict[str, set[str]] = {n: set() for n in todo}
         while todo:
-            fn = todo.pop()
-            if id(fn) in seen:
-                continue
-            seen.add(id(fn))
-            name = self._node_name(fn)
-            if name is not None:
-                kind = type(fn).__name__
-                order[name] = _UINT64_MAX if kind == _ACCUMULATE else fn._sequence_nr()
-                preds.setdefault(name, set())
-            for nxt, _ in fn.next_functions:
-                if nxt is None:
+            name = todo.pop()
+            for dest, _slot in self._edges.get(name, ()):
+                if dest is None:
                     continue
-                dest = self._node_name(nxt)
-                if name is not None and dest is not None:
-                    preds.setdefault(dest, set()).add(name)
-                todo.append(nxt)
-        ready = [n for n, ps in preds.items() if n not in done and ps <= done and n in order]
-        return max(ready, key=lambda n: order[n]) if ready else None
+                if dest not in preds:
+                    preds[dest] = set()
+                    todo.append(dest)
+                preds[dest].add(name)
+        ready = [n for n, ps in preds.items() if n not in done and ps <= done]
+        return max(ready, key=lambda n: seq_of.get(n, _UINT64_MAX)) if ready else None
 
     # ---- modules ------------------------------------------------------------------------------
     def _module_pre(self, module: torch.nn.Module, args: Any) -> None:
