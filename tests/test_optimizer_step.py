@@ -130,3 +130,41 @@ def test_a_closure_keeps_its_forward_and_backward_visible() -> None:
         opt.step(closure)
     assert not [c for c in t.calls if c.kind == "optimizer"]
     assert len(t.backward_runs) >= 2 and "linear0" in t  # the closure's passes are recorded
+
+
+def test_two_optimizers_make_two_calls_each_with_its_own_parameters() -> None:
+    gen, disc = nn.Linear(4, 4), nn.Linear(4, 1)
+    opt_g = torch.optim.SGD(gen.parameters(), lr=0.1)
+    opt_d = torch.optim.Adam(disc.parameters(), lr=0.1)
+    with tracer.trace() as t:
+        disc(gen(torch.randn(2, 4))).sum().backward()
+        opt_d.step()
+        opt_g.step()
+    steps = [c for c in t.calls if c.kind == "optimizer"]
+    assert [c.name for c in steps] == ["Adam0", "SGD0"]
+    assert steps[0].mutated == ["Linear.weight@v1", "Linear.bias@v1"]  # disc: the second root module
+    assert steps[1].mutated == ["weight@v1", "bias@v1"]  # gen: the first root module
+
+
+def test_a_step_inside_backward_is_a_backward_call_of_its_accumulator() -> None:
+    # The "optimizer step in backward" pattern: one optimizer per parameter, stepped by a
+    # post-accumulate-grad hook as soon as that parameter's gradient is ready.
+    model = _model()
+    opts = {p: torch.optim.SGD([p], lr=0.1) for p in model.parameters()}
+
+    def step_now(p: torch.Tensor) -> None:
+        opts[p].step()
+        opts[p].zero_grad()
+
+    handles = [p.register_post_accumulate_grad_hook(step_now) for p in model.parameters()]
+    try:
+        with tracer.trace() as t:
+            model(torch.randn(3, 4)).pow(2).mean().backward()
+    finally:
+        for h in handles:
+            h.remove()
+    steps = [c for c in t.calls if c.kind == "optimizer"]
+    assert len(steps) == 4 and all(c.phase == "backward" for c in steps)
+    by_param = {c.mutated[0]: c for c in steps}
+    assert set(by_param) == {f"{n}@v1" for n, _ in model.named_parameters()}
+    assert by_param["0.weight@v1"].parent == "0.weight/AccumulateGrad"
