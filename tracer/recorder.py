@@ -1129,9 +1129,11 @@ class Recorder:
         """Whether the open optimizer step is still running (its frame is on this thread's stack);
         False once it raised, which skipped its post-hook."""
         st = self._step
+        if st is None:
+            return False
         f: FrameType | None = sys._getframe(1)
         while f is not None:
-            if st is not None and f is st.frame:
+            if f is st.frame:
                 return True
             f = f.f_back
         return False
