@@ -826,43 +826,30 @@ class Recorder:
             self.trace.backward_runs.append(self._run)
         return self._run
 
-    def _received_names(self, node: str, grad_outputs: tuple[Any, ...]) -> list[str | None]:
-        """Names of the gradients a node received (its ``grad_outputs``), recording new ones."""
+    def _grad_names(self, node: str, grads: tuple[Any, ...], produced: bool) -> list[str | None]:
+        """Names of the gradients a node received (``grad_outputs``) or, with ``produced``, made
+        (``grad_inputs``), recording the new ones. A gradient already named (passed through
+        unchanged) keeps its name; a new name is only formatted for a new tensor."""
+        edges = self._edges.get(node, ()) if produced else ()
         names: list[str | None] = []
         tensor_names = self._tensor_names
-        for i, g in enumerate(grad_outputs):
+        for i, g in enumerate(grads):
             if not isinstance(g, torch.Tensor):
                 names.append(None)
                 continue
-            # A gradient already named (passed through unchanged) keeps its name; the new
-            # name is only formatted for a new tensor.
             hit = tensor_names.get(g)
             if hit is not None and hit[1] == _version(g):
                 names.append(hit[0])
+            elif produced:
+                dest, k = edges[i] if i < len(edges) else (None, 0)
+                # The gradient of a tensor when it alone flows into that slot; else this edge's
+                # own partial gradient.
+                gname = self._slot_grad(dest, k) if dest is not None and self._indegree.get((dest, k), 0) == 1 \
+                    else None
+                names.append(self._new_tensor(g, gname or self._in_run(f"{node}:grad{i}"), "grad", node))
             else:
                 gname = self._slot_grad(node, i) or self._in_run(f"{node}:gin{i}")
                 names.append(self._new_tensor(g, gname, "grad", None))
-        return names
-
-    def _produced_names(self, node: str, grad_inputs: tuple[Any, ...]) -> list[str | None]:
-        """Names of the gradients a node produced (its ``grad_inputs``), recording new ones."""
-        edges = self._edges.get(node, ())
-        names: list[str | None] = []
-        tensor_names = self._tensor_names
-        for j, g in enumerate(grad_inputs):
-            if not isinstance(g, torch.Tensor):
-                names.append(None)
-                continue
-            hit = tensor_names.get(g)
-            if hit is not None and hit[1] == _version(g):
-                names.append(hit[0])
-                continue
-            dest, k = edges[j] if j < len(edges) else (None, 0)
-            # The gradient of a tensor when it alone flows into that slot; else this edge's
-            # own partial gradient.
-            gname = self._slot_grad(dest, k) if dest is not None and self._indegree.get((dest, k), 0) == 1 \
-                else None
-            names.append(self._new_tensor(g, gname or self._in_run(f"{node}:grad{j}"), "grad", node))
         return names
 
     def node_begin(self, node: str, grad_outputs: tuple[Any, ...]) -> None:
@@ -872,7 +859,7 @@ class Recorder:
             self.hasher.flush()
         with self.lock, torch._C.DisableTorchFunction():
             run = self._current_run()
-            step = NodeRun(node, self._received_names(node, grad_outputs), [])
+            step = NodeRun(node, self._grad_names(node, grad_outputs, False), [])
             run.steps.append(step)
             self._open_steps[node] = step
             self._running.append(node)
@@ -884,7 +871,7 @@ class Recorder:
             return
         with self.lock, torch._C.DisableTorchFunction():
             step = self._open_steps.pop(node, None)
-            names = self._produced_names(node, grad_inputs)
+            names = self._grad_names(node, grad_inputs, True)
             if step is not None:
                 step.grads_out = names
                 # Listeners run while the node still counts as running: one that raises (the
@@ -902,9 +889,9 @@ class Recorder:
             return
         with self.lock, torch._C.DisableTorchFunction():
             run = self._current_run()
-            step = NodeRun(node, self._received_names(node, grad_outputs), [])
+            step = NodeRun(node, self._grad_names(node, grad_outputs, False), [])
             run.steps.append(step)
-            step.grads_out = self._produced_names(node, grad_inputs)
+            step.grads_out = self._grad_names(node, grad_inputs, True)
             if self.listeners:  # attached after this node was made: both events, back to back
                 self._running.append(node)
                 for li in self.listeners:
