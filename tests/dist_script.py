@@ -88,11 +88,15 @@ def main() -> None:
 
         wrapped: nn.Module = DDP(model)
     else:
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        # The mesh named: fully_shard's default mesh is on CUDA whenever CUDA exists, even for a
+        # gloo run on a machine with fewer GPUs than ranks.
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         for blk in model.blocks:
-            fully_shard(blk)
-        wrapped = fully_shard(model)
+            fully_shard(blk, mesh=mesh)
+        wrapped = fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data shard
     idx = torch.randint(0, 32, (2, 8), generator=gen).to(device)

@@ -93,6 +93,12 @@ def test_launched_rank_info_reads_torchrun_environment(monkeypatch: pytest.Monke
     assert info["default_group"] == [0, 1, 2, 3] and info["launcher"] == "torchelastic"
 
 
+# all_gather_single and reduce_scatter_single are newer than some torch releases (2.11 lacks them);
+# there, the recorder and FSDP2 meet the older names.
+GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+
+
 # ---- one rank, in process --------------------------------------------------------------------------------
 @pytest.fixture
 def one_rank():
@@ -109,6 +115,7 @@ def one_rank():
 
 def test_collectives_recorded_as_calls(one_rank: None, tmp_path) -> None:
     before = _patched_state()
+    gather = getattr(dist, GATHER)
     x = torch.arange(4, dtype=torch.float32)
     with tracer.trace(out=tmp_path / "step.gtrace") as t:
         y = x * 2
@@ -116,7 +123,7 @@ def test_collectives_recorded_as_calls(one_rank: None, tmp_path) -> None:
         assert dist.all_reduce is not before["torch.distributed.all_reduce"]  # installed while tracing
         dist.broadcast(y, src=0)
         out = torch.empty(4)
-        dist.all_gather_single(out, y)
+        gather(out, y)
         dist.barrier()
         z = y + 1
         f = funcol.all_reduce(z, "sum", dist.group.WORLD)
@@ -129,7 +136,7 @@ def test_collectives_recorded_as_calls(one_rank: None, tmp_path) -> None:
     assert info["groups"] == [{"name": "0", "ranks": [0], "backend": "gloo"}]
 
     coll = [c for c in t.calls if c.kind == "collective"]
-    assert [c.name for c in coll] == ["all_reduce0", "broadcast0", "all_gather_single0", "barrier0", "all_reduce1"]
+    assert [c.name for c in coll] == ["all_reduce0", "broadcast0", f"{GATHER}0", "barrier0", "all_reduce1"]
     ar, bc, ag, bar, fr = coll
     # In place: the tensor's new value is a new version, produced by the collective.
     assert (ar.api, ar.inputs, ar.outputs, ar.args) == ("torch.distributed.all_reduce", ["mul0:out"],
@@ -305,8 +312,7 @@ def test_ddp_one_trace_per_rank_with_collectives(ddp_run) -> None:
         assert (info["rank"], info["world_size"], info["backend"], info["local_rank"], info["default_group"]) == \
             (rank, 2, "gloo", rank, [0, 1])
         coll = [c for c in t.calls if c.kind == "collective"]
-        gather = "all_gather_single0" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor0"
-        assert [c.name for c in coll] == ["ddp_allreduce0", "all_reduce0", "broadcast0", gather, "barrier0"]
+        assert [c.name for c in coll] == ["ddp_allreduce0", "all_reduce0", "broadcast0", f"{GATHER}0", "barrier0"]
         ddp = coll[0]
         params = [n for n, r in t.tensors.items() if r.role == "param" and r.previous is None]
         assert len(params) == 29 and params[0] == "module.emb.weight"
@@ -365,14 +371,13 @@ def test_fsdp2_traces_and_compares(tmp_path) -> None:
         names = [c.name for c in t.calls if c.kind == "collective"]
         # FSDP2 all-gathers each unit's parameters in forward (root, two blocks), again in
         # backward for the resharded blocks, and reduce-scatters their gradients.
-        assert [n for n in names if n.startswith("all_gather_single")] == [f"all_gather_single{i}" for i in range(6)]
-        assert [n for n in names if n.startswith("reduce_scatter_single")] == \
-            [f"reduce_scatter_single{i}" for i in range(3)]
-        rs = t["reduce_scatter_single0"]
+        assert [n for n in names if n.startswith(GATHER)] == [f"{GATHER}{i}" for i in range(6)]
+        assert [n for n in names if n.startswith(SCATTER)] == [f"{SCATTER}{i}" for i in range(3)]
+        rs = t[f"{SCATTER}0"]
         assert rs.args == "group=[0, 1], op='AVG'" and rs.phase == "backward"
-        assert t["all_gather_single1"].module == "blocks.0"
+        assert t[f"{GATHER}1"].module == "blocks.0"
     a, b = traces
-    assert a[a["all_gather_single1"].outputs[0]].md5 == b[b["all_gather_single1"].outputs[0]].md5
+    assert a[a[f"{GATHER}1"].outputs[0]].md5 == b[b[f"{GATHER}1"].outputs[0]].md5
     res = dr.diff_ranks(traces)
     assert res.exit_code == 0, res.verdict()
     # 5 all-gathered parameter sets; all_reduce, broadcast, all_gather_single; and AdamW's step
@@ -398,7 +403,7 @@ def test_gradtrace_run_under_torchrun_writes_one_file_per_rank(tmp_path) -> None
         t = tracer.load(path)
         assert (t.header["distributed"]["rank"], t.header["distributed"]["world_size"]) == (rank, 2)
         assert [c.name for c in t.calls if c.kind == "collective"] == \
-            ["ddp_allreduce0", "all_reduce0", "broadcast0", "all_gather_single0", "barrier0"]
+            ["ddp_allreduce0", "all_reduce0", "broadcast0", f"{GATHER}0", "barrier0"]
     assert not os.path.exists(tmp_path / "step.gtrace")
     assert _cli(_paths(tmp_path)) == 0
 
