@@ -1037,8 +1037,11 @@ class Recorder:
         if not self._opaque:
             self._install_module_hooks()
         outs = _unique(flat_tensors(output))
-        self._finish_call("torch.compile", "compiled", "compiled", (), {}, [], in_names, outs, [], seq, seq0,
-                          tokens=tokens)
+        # _finish_call reads the outputs' grad_fn before its own DisableTorchFunction: outside the
+        # mode's handler, without this each read would go through the mode.
+        with torch._C.DisableTorchFunction():
+            self._finish_call("torch.compile", "compiled", "compiled", (), {}, [], in_names, outs, [], seq, seq0,
+                              tokens=tokens)
         if self._module_stack:
             self._pop_modules(len(self._module_stack) - 1)
 
