@@ -127,3 +127,43 @@ def test_cpu_stats_equal_the_masked_reduction():
         assert (fast.nan, fast.inf) == (int(full[4]), int(full[5]))
         if fast.min is not None:
             assert fast.min == full[0] and fast.max == full[1] and abs(fast.mean - full[2]) < 1e-6
+
+
+SCALAR_CASES = [(dt, v) for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8,
+                                   torch.uint8, torch.int16, torch.int32, torch.int64)
+                for v in (0.0, -0.0, 1.0, -1.5, 3.0, 100.0, 2.0**40, float("nan"), float("inf"))] + \
+               [(torch.bool, True), (torch.bool, False), (torch.int64, 2**53 + 1), (torch.complex64, 1 + 2j),
+                (torch.uint16, 40000), (torch.float32, 1e-40)]
+
+
+@pytest.mark.parametrize("algorithm", ["md5", "fast"])
+def test_one_element_cpu_tensors_equal_the_general_path(algorithm):
+    """Scalars (an optimizer's step counts) take a shortcut from their value and bytes: the same
+    checksums, fingerprints and stats as the general CPU path, -0.0, NaN/Inf and the dtypes it
+    does not take (complex, unsigned 16-bit) included."""
+    from tracer import fingerprint as fp
+    from tracer.hashing import as_bytes, cpu_stats, host_bytes
+
+    values = []
+    for dt, v in SCALAR_CASES:
+        x = torch.tensor(v)
+        if dt.is_floating_point or dt.is_complex or dt == torch.bool or x.isfinite().all():
+            values.append(x.to(dt))
+    values.append(torch.arange(6, dtype=torch.float32)[4])  # a view at an offset into its storage
+    values.append(torch.tensor([[2.5]]))  # one element, two dimensions
+    values.append(torch.tensor(1.0 + 1.0j).conj())  # lazily conjugated: the general path resolves it
+    with tracer.trace(hash=algorithm) as t:
+        for x in values:
+            x.clone()
+    recs = [t.tensors[f"clone{i}:out"] for i in range(len(values))]
+    for x, rec in zip(values, recs):
+        b = as_bytes(x)  # kept alive while host_bytes' view of it is read
+        data = bytes(host_bytes(b))
+        if algorithm == "md5":
+            assert rec.md5 == hashlib.md5(data).hexdigest(), (x.dtype, x)
+        else:
+            assert rec.fingerprint == fp.fingerprint_reference(data), (x.dtype, x)
+        assert repr(rec.stats) == repr(cpu_stats(x.resolve_conj())), (x.dtype, x)
+    # NaN and Inf are counted, as by the general path.
+    nan = next(r for x, r in zip(values, recs) if x.dtype == torch.float32 and x.isnan().all())
+    assert (nan.stats.nan, nan.stats.min) == (1, None)
