@@ -12,6 +12,10 @@ gradtrace itself, in one process with the configurations taking turns:
 - ``+Python node hooks``: and a no-op Python post-hook on every such node;
 - ``+C++ node hooks`` (``--native``; needs a C++ compiler and ninja, builds with
   ``torch.utils.cpp_extension.load_inline``): the walk and a no-op hook both in C++ instead;
+- ``C++ op observer`` (``--native``): no Python at all, a native RecordFunction callback (the
+  profiler's hook point) keeping the name and sequence number of every ATen op and grad-node
+  run: the floor of a native recording core (whose names would be ATen's, not the Python
+  API's), before any tensor identity or stack;
 - ``gradtrace ...``: the shipped recorder, graph and names only, then with stacks.
 
 The difference between a floor row and gradtrace's row is the recorder's own bookkeeping; a
@@ -78,6 +82,31 @@ int64_t hook_new(const at::Tensor& t) {
 }
 // Node addresses are reused once a graph is freed: forget them between steps.
 int64_t reset() { seen.clear(); auto c = calls; calls = 0; return c; }
+
+// A native recorder's floor: a RecordFunction observer (the profiler's hook point) that sees
+// every ATen op and every grad-node run with no Python on the way, and keeps each one's name
+// and sequence number (nothing formatted, no tensor identities: those would cost more).
+#include <ATen/record_function.h>
+#include <mutex>
+static std::vector<std::pair<const char*, int64_t>> events;
+static std::mutex events_mutex;  // backward runs ops on the autograd engine's threads too
+static at::CallbackHandle observer = 0;
+static std::unique_ptr<at::ObserverContext> on_enter(const at::RecordFunction& fn) {
+  std::lock_guard<std::mutex> lock(events_mutex);
+  events.emplace_back(fn.name(), fn.seqNr());
+  return nullptr;
+}
+void observe() {
+  events.reserve(1 << 16);
+  observer = at::addGlobalCallback(at::RecordFunctionCallback(on_enter)
+      .scopes({at::RecordScope::FUNCTION, at::RecordScope::BACKWARD_FUNCTION}));
+}
+int64_t unobserve() {
+  at::removeCallback(observer);
+  int64_t n = (int64_t)events.size();
+  events.clear();
+  return n;
+}
 """
 
 
@@ -146,6 +175,15 @@ def _with_module_hooks(mode: TorchFunctionMode, after: Callable[[], Any] | None 
             after()
 
 
+@contextlib.contextmanager
+def _observing(native: Any) -> Iterator[None]:
+    native.observe()
+    try:
+        yield
+    finally:
+        native.unobserve()
+
+
 def configurations(native: Any) -> dict[str, Callable[[], contextlib.AbstractContextManager[Any]]]:
     rows: dict[str, Callable[[], contextlib.AbstractContextManager[Any]]] = {
         "plain": contextlib.nullcontext,
@@ -156,6 +194,7 @@ def configurations(native: Any) -> dict[str, Callable[[], contextlib.AbstractCon
     }
     if native is not None:
         rows["+C++ node hooks"] = lambda: _with_module_hooks(_NodeMode(None, native.hook_new), native.reset)
+        rows["C++ op observer"] = lambda: _observing(native)
     rows['gradtrace hash="none", stacks=False'] = lambda: tracer.trace(hash="none", stacks=False)
     rows['gradtrace hash="none"'] = lambda: tracer.trace(hash="none")
     return rows
@@ -195,7 +234,7 @@ def _build_native() -> Any:
     from torch.utils.cpp_extension import load_inline
 
     try:
-        return load_inline("gradtrace_floor_hooks", cpp_sources=NATIVE_SOURCE, functions=["hook_new", "reset"])
+        return load_inline("gradtrace_floor_hooks", cpp_sources=NATIVE_SOURCE, functions=["hook_new", "reset", "observe", "unobserve"])
     except Exception as exc:  # no compiler, no ninja, no headers: the row is left out
         print(f"C++ node hooks left out: cannot build ({type(exc).__name__}: {exc})", file=sys.stderr)
         return None
