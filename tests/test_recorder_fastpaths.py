@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
+import subprocess
 import sys
+import textwrap
 import weakref
 from collections.abc import Iterator
 
@@ -19,9 +22,12 @@ import torch.nn as nn
 import tracer
 from tracer import naming
 from tracer import recorder as recorder_mod
+from tracer.identity import identity
 from tracer.model import Call, GradNode, TensorRecord
 from tracer.stacks import StackTable
 from tracer.weakmap import IdWeakMap
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class _Block(nn.Module):
@@ -102,7 +108,7 @@ def test_a_generator_frame_is_never_a_scope() -> None:
     table.open_scope(frame)  # type: ignore[arg-type]
     assert table._scopes == {}
     table.open_scope(sys._getframe())
-    assert list(table._scopes) == [id(sys._getframe())]
+    assert list(table._scopes) == [sys._getframe()]
     table.close_scope(sys._getframe())
     assert table._scopes == {}
 
@@ -124,10 +130,10 @@ def test_weak_map_sweeps_dead_entries_and_never_returns_a_stale_value() -> None:
     # An entry whose object died answers nothing, also for a new object under the same key.
     dead = _Obj()
     m[dead] = 99
-    entry = m._d[id(dead)]
+    entry = m._d[identity(dead)]
     del dead
     other = _Obj()
-    m._d[id(other)] = entry
+    m._d[identity(other)] = entry
     assert m.get(other) is None and other not in m
     m.clear()
     assert len(m) == 0
@@ -319,3 +325,29 @@ def test_a_stand_in_hasher_is_called_even_when_nothing_is_hashed() -> None:
             rec.hasher = saved
     assert t.tensors["add0:out"].hash_note is None
     assert t.tensors["mul0:out"].hash_note == "not hashed: async collective, result not ready when issued"
+
+
+def test_identity_keys_are_unique_among_live_objects_and_raise_no_audit_event() -> None:
+    """The recorder's identity keys (tracer.identity) tell live objects apart as id() does, also
+    for tensors, whose class defines __hash__. And they raise no audit event: a library's audit
+    hook (filelock 4 installs one on Python 3.12+) would otherwise run on every look-up. The
+    hook goes in a subprocess, since an audit hook cannot be removed."""
+    objs = [torch.ones(1) for _ in range(1000)] + [object() for _ in range(1000)] + [sys._getframe()]
+    assert len({identity(o) for o in objs}) == len(objs)
+    assert identity(objs[0]) == identity(objs[0])
+    script = textwrap.dedent("""
+        import sys, torch
+        from tracer.identity import identity
+        from tracer.weakmap import IdWeakMap
+        seen = []
+        sys.addaudithook(lambda event, args: event == "builtins.id" and seen.append(event))
+        t, m = torch.ones(1), IdWeakMap()
+        m[t] = 1
+        assert m.get(t) == 1 and identity(t) == identity(t)
+        before = len(seen)
+        id(t)
+        print(before, len(seen))
+    """)
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.split() == ["0", "1"]  # none from the map; the hook does see a plain id()

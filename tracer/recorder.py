@@ -38,6 +38,7 @@ from torch.overrides import TorchFunctionMode
 
 from tracer import naming
 from tracer.hashing import Hasher
+from tracer.identity import identity
 from tracer.listeners import Listener
 from tracer.model import BackwardRun, Call, GradNode, NodeRun, TensorRecord, Trace
 from tracer.stacks import StackTable
@@ -141,13 +142,14 @@ def _unique(ts: list[torch.Tensor]) -> list[torch.Tensor]:
         return ts
     if n == 2:
         return ts if ts[0] is not ts[1] else ts[:1]
-    if len({id(t) for t in ts}) == n:  # the usual case: no repeat, keep the list
+    if len({identity(t) for t in ts}) == n:  # the usual case: no repeat, keep the list
         return ts
     seen: set[int] = set()
     res = []
     for t in ts:
-        if id(t) not in seen:
-            seen.add(id(t))
+        key = identity(t)
+        if key not in seen:
+            seen.add(key)
             res.append(t)
     return res
 
@@ -497,19 +499,25 @@ class Recorder:
             mutated += [t for t in _hidden_mutations(api, args, kwargs) if all(t is not m for m in mutated)]
         if not outs and not mutated:
             return out  # metadata queries and conversions: noise, not a call
-        self._finish_call(api, short, kind, args, kwargs, ins, in_names, outs, mutated, seq, seq0, tokens=tokens)
+        # The stack starts at the caller of the mode's handler: capture <- _finish_call <-
+        # record_call <- _Mode.__torch_function__ <- the caller.
+        self._finish_call(api, short, kind, args, kwargs, ins, in_names, outs, mutated, seq, seq0, tokens=tokens,
+                          skip=4)
         return out
 
     def _finish_call(self, api: str, short: str, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any],
                      ins: list[torch.Tensor], in_names: list[str], outs: list[torch.Tensor],
                      mutated: list[torch.Tensor], seq: int, seq0: int | None,
                      name: str | None = None, tokens: list[Any] | None = None,
-                     stack_id: int | None = _CAPTURE_NOW) -> Call:
+                     stack_id: int | None = _CAPTURE_NOW, skip: int = 2) -> Call:
+        """Record a finished call. ``skip``: where the stack capture starts, counted outwards from
+        the capture's own frame (0); every frame it jumps must be the recorder's. Jumped frames
+        are not read, and under an audit hook each read frame costs one (see tracer.identity)."""
         if mutated:
             # By identity through a set: an in-place foreach op returns the ~150 tensors it also
             # mutated, and a pairwise test was quadratic in them.
-            out_ids = {id(o) for o in outs}
-            produced = outs + [t for t in mutated if id(t) not in out_ids]
+            out_ids = {identity(o) for o in outs}
+            produced = outs + [t for t in mutated if identity(t) not in out_ids]
         else:
             produced = outs
         # Read grad_fn inside the bracket: an in-place change through a view regenerates the
@@ -518,10 +526,10 @@ class Recorder:
         seq1 = _get_seq() if _get_seq is not None else None
         with self.lock, torch._C.DisableTorchFunction():
             if stack_id == _CAPTURE_NOW:
-                stack_id = self.stack_table.capture() if self.stack_table is not None else None
+                stack_id = self.stack_table.capture(skip) if self.stack_table is not None else None
             if name is None:
                 name = self.counters.next(short)
-            in_pos = {id(t): i for i, t in enumerate(ins)} if ins else None
+            in_pos = {identity(t): i for i, t in enumerate(ins)} if ins else None
             names_of: dict[int, str] = {}
             # Lists of exactly the right length, filled in place (they are kept in the Call).
             mutated_names = [""] * len(mutated)
@@ -532,7 +540,7 @@ class Recorder:
                 # Foreach ops and optimizer steps never resize, restride or retype a tensor.
                 same_meta = kind == "optimizer" or api.startswith("torch._foreach_")
                 for j, t in enumerate(mutated):  # an optimizer's foreach op changes ~150 at once
-                    old = in_names[in_pos[id(t)]]
+                    old = in_names[in_pos[identity(t)]]
                     old_rec = tensors.get(old)
                     role = old_rec.role if old_rec is not None and old_rec.role in ("param", "buffer", "state") \
                         else "output"
@@ -541,13 +549,13 @@ class Recorder:
                     versions[base] = n
                     new = self._new_tensor(t, naming.version_name(base, n), role, name, previous=old,
                                            like=old_rec if same_meta else None)
-                    names_of[id(t)] = new
+                    names_of[identity(t)] = new
                     mutated_names[j] = new
             n_outs = len(outs)
             out_names = [""] * n_outs
             tensor_names = self._tensor_names
             for i, t in enumerate(outs):
-                key = id(t)
+                key = identity(t)
                 known = names_of.get(key)
                 if known is None and in_pos is not None and key in in_pos:
                     known = in_names[in_pos[key]]  # returned an input unchanged (x.to(x.dtype))
@@ -572,7 +580,7 @@ class Recorder:
                     self._saved_hooks = _saved_tensor_hooks_active()
                 root = self._collect_nodes(gf, seq0, seq1, name, stack_id, node_names, local_kinds)
                 if root is not None:
-                    self._slot_tensor[(root, t.output_nr)] = names_of[id(t)]
+                    self._slot_tensor[(root, t.output_nr)] = names_of[identity(t)]
             running = self._running
             # Positional, in Call's field order: this runs for every recorded call.
             call = Call(name, api, self._module_stack[-1] if self._module_stack else "", in_names, out_names,

@@ -21,6 +21,7 @@ from types import CodeType, FrameType
 
 import torch
 
+from tracer.identity import identity
 from tracer.model import Frame
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -53,9 +54,10 @@ class StackTable:
 
     def __init__(self, keep_internal: bool = False) -> None:
         self.keep_internal = keep_internal
-        # Keyed by id(code): code objects compare *equal by content* (the file name is not part
-        # of it), so two identical functions in different files would share an entry. The code
-        # objects themselves are kept in _frame_keys / _codes, so their ids cannot be reused.
+        # Keyed by the code object's identity (tracer.identity, not id(): no audit event per
+        # frame): code objects compare *equal by content* (the file name is not part of it), so
+        # two identical functions in different files would share an entry. The code objects
+        # themselves are kept in _frame_keys / _codes, so their identities cannot be reused.
         self._frame_ids: dict[tuple[int, int], int] = {}
         self._frame_keys: list[tuple[CodeType, int]] = []
         self._codes: list[CodeType] = []
@@ -67,7 +69,7 @@ class StackTable:
         # capture walks only up to the innermost scope it meets: the frames above a frame that is
         # still executing cannot have changed (each is suspended in the call below it). The frame
         # object itself is held, so its id cannot be reused meanwhile.
-        self._scopes: dict[int, _Scope] = {}
+        self._scopes: dict[FrameType, _Scope] = {}  # frames hash and compare by identity
         # Stacks that end inside a scope, by (prefix number, frames below the scope): a short key
         # instead of the whole stack (the same layer code runs under twelve module calls, whose
         # scopes are distinct objects with equal frames above them).
@@ -76,13 +78,13 @@ class StackTable:
         self._by_prefix: dict[tuple[int, tuple[int, ...]], int] = {}
 
     def _is_internal(self, code: CodeType) -> bool:
-        hit = self._internal.get(id(code))
+        hit = self._internal.get(identity(code))
         if hit is None:
             fn = code.co_filename
             hit = fn.startswith(_INTERNAL_PREFIXES) or any(n in fn for n in _STDLIB_NOISE)
             if self.keep_internal or fn.endswith(_DEMO_SUFFIX):
                 hit = False
-            self._internal[id(code)] = hit
+            self._internal[identity(code)] = hit
             self._codes.append(code)
         return hit
 
@@ -133,20 +135,20 @@ class StackTable:
         scope: _Scope | None = None
         while f is not None:
             code = f.f_code
-            is_int = internal.get(id(code))
+            is_int = internal.get(identity(code))
             if is_int is None:
                 is_int = self._is_internal(code)
             if not is_int:
                 lasti = f.f_lasti
-                key = (id(code), lasti)
+                key = (identity(code), lasti)
                 fid = frame_ids.get(key)
                 if fid is None:
                     fid = frame_ids[key] = len(self._frame_keys)
                     self._frame_keys.append((code, lasti))
                 ids.append(fid)
             if scopes:
-                hit = scopes.get(id(f))
-                if hit is not None and hit.frame is f:
+                hit = scopes.get(f)
+                if hit is not None:
                     scope = hit
                     break
             f = f.f_back
@@ -159,7 +161,7 @@ class StackTable:
         ids: list[int] = []
         frame_ids = self._frame_ids
         for code, lasti in scope.callers:
-            key = (id(code), lasti)
+            key = (identity(code), lasti)
             fid = frame_ids.get(key)
             if fid is None:
                 fid = frame_ids[key] = len(self._frame_keys)
@@ -181,23 +183,21 @@ class StackTable:
         outer: tuple[tuple[CodeType, int], ...] = ()
         while f is not None:
             code = f.f_code
-            is_int = internal.get(id(code))
+            is_int = internal.get(identity(code))
             if is_int is None:
                 is_int = self._is_internal(code)
             if not is_int:
                 callers.append((code, f.f_lasti))
-            hit = scopes.get(id(f))
-            if hit is not None and hit.frame is f:
+            hit = scopes.get(f)
+            if hit is not None:
                 outer = hit.callers
                 break
             f = f.f_back
-        self._scopes[id(frame)] = _Scope(frame, (*callers, *outer) if outer else tuple(callers))
+        self._scopes[frame] = _Scope(frame, (*callers, *outer) if outer else tuple(callers))
 
     def close_scope(self, frame: FrameType | None) -> None:
         if frame is not None:
-            scope = self._scopes.get(id(frame))
-            if scope is not None and scope.frame is frame:
-                del self._scopes[id(frame)]
+            self._scopes.pop(frame, None)
 
     def clear_scopes(self) -> None:
         """Let go of every held frame (the trace is ending)."""

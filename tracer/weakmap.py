@@ -1,7 +1,8 @@
 """A fast identity map from live tensors to small values, holding only weak references.
 
 ``torch.utils.weak.WeakIdKeyDictionary`` dereferences through ``_fix_weakref`` on every
-comparison, which made it the largest single cost of recording. Here the key is ``id(t)`` and
+comparison, which made it the largest single cost of recording. Here the key is the object's
+identity (``tracer.identity``: ``id()`` without its audit event) and
 the entry is a weak reference that carries its value in a slot; a look-up checks that the
 reference still points at the same object, so a recycled id never returns a stale value.
 
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import weakref
 from typing import Any, Generic, TypeVar
+
+from tracer.identity import identity
 
 V = TypeVar("V")
 
@@ -35,7 +38,7 @@ class IdWeakMap(Generic[V]):
         self._sweep_at = _SWEEP_MIN
 
     def get(self, obj: Any) -> V | None:
-        entry = self._d.get(id(obj))
+        entry = self._d.get(identity(obj))
         if entry is None or entry() is not obj:
             return None
         value: V = entry.value
@@ -48,7 +51,7 @@ class IdWeakMap(Generic[V]):
         entry = _Entry(obj)
         entry.value = value
         d = self._d
-        d[id(obj)] = entry
+        d[identity(obj)] = entry
         if len(d) >= self._sweep_at:
             self._sweep()
 
