@@ -124,6 +124,15 @@ class StackTable:
         scope.prefix = pid
         return pid
 
+    def _frame_id(self, code: CodeType, lasti: int) -> int:
+        """The interned id of one frame (``_user_frames`` inlines this in its hot loop)."""
+        key = (identity(code), lasti)
+        fid = self._frame_ids.get(key)
+        if fid is None:
+            fid = self._frame_ids[key] = len(self._frame_keys)
+            self._frame_keys.append((code, lasti))
+        return fid
+
     def _user_frames(self, frame: FrameType | None) -> tuple[tuple[int, ...], _Scope | None]:
         """Interned ids of the user frames from ``frame`` outwards, outermost first, up to the
         innermost scope met (returned too: its frames come above these)."""
@@ -158,15 +167,7 @@ class StackTable:
     def _intern_scope(self, scope: _Scope) -> tuple[int, ...]:
         # Frame ids are handed out innermost first, at the first capture that reaches a frame,
         # exactly as a full walk would: the saved frame table does not depend on scopes.
-        ids: list[int] = []
-        frame_ids = self._frame_ids
-        for code, lasti in scope.callers:
-            key = (identity(code), lasti)
-            fid = frame_ids.get(key)
-            if fid is None:
-                fid = frame_ids[key] = len(self._frame_keys)
-                self._frame_keys.append((code, lasti))
-            ids.append(fid)
+        ids = [self._frame_id(code, lasti) for code, lasti in scope.callers]
         ids.reverse()
         scope.ids = tuple(ids)
         return scope.ids
