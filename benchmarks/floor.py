@@ -48,7 +48,7 @@ from torch.overrides import TorchFunctionMode
 import tracer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from overhead import build, time_step  # a sibling script, not a package
+from overhead import default_workload, time_step  # a sibling script, not a package
 
 NATIVE_SOURCE = r"""
 #include <torch/extension.h>
@@ -247,11 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--native", action="store_true", help="add the C++ node-hook row")
     args = p.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cpu":
-        torch.set_num_threads(1)
-    model = args.model or ("gpt2-small" if device.type == "cuda" else "tiny12")
-    w = build(model, device, None, None, torch.bfloat16 if device.type == "cuda" else None, foreach=True)
+    model, w = default_workload(args.device, args.model)
+    device = w.device
     rows = configurations(_build_native() if args.native else None)
     counter = _NodeMode(None)
     with counter:

@@ -78,6 +78,17 @@ def build(model: str, device: torch.device, batch: int | None, seq: int | None,
     return Workload(m, ids, opt, device, autocast)
 
 
+def default_workload(device_name: str, model: str | None) -> tuple[str, Workload]:
+    """The benchmark step of ``phases.py`` and ``floor.py`` and its model's name: tiny12 on one
+    CPU thread, GPT-2 small under bf16 autocast on CUDA, foreach AdamW, unless ``model`` names
+    another."""
+    device = torch.device(device_name)
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    name = model or ("gpt2-small" if device.type == "cuda" else "tiny12")
+    return name, build(name, device, None, None, torch.bfloat16 if device.type == "cuda" else None, foreach=True)
+
+
 Factory = Callable[[], contextlib.AbstractContextManager[Any]]
 
 

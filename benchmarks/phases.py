@@ -26,7 +26,7 @@ import torch
 import tracer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from overhead import build  # a sibling script, not a package
+from overhead import default_workload  # a sibling script, not a package
 
 CONFIGS: dict[str, Callable[[], Any]] = {
     "plain": contextlib.nullcontext,
@@ -65,11 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", default="plain,nostacks,stacks,stacks-ops,fast")
     p.add_argument("--repeats", type=int, default=9)
     args = p.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cpu":
-        torch.set_num_threads(1)
-    model = args.model or ("gpt2-small" if device.type == "cuda" else "tiny12")
-    w = build(model, device, None, None, torch.bfloat16 if device.type == "cuda" else None, foreach=True)
+    model, w = default_workload(args.device, args.model)
+    device = w.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     names = args.configs.split(",")
     unknown = [n for n in names if n not in CONFIGS]
