@@ -274,7 +274,7 @@ class Hasher:
             return False
         value = t.item()
         if self.want_stats:
-            stats = scalar_stats(value)
+            stats = _scalar_stats(value)
             if stats is None:  # NaN or Inf: the general path counts them
                 return False
             rec.stats = stats
@@ -462,13 +462,14 @@ _SCALAR_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.
                             torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64})
 
 
-def scalar_stats(value: float | int | bool) -> Stats | None:
+def _scalar_stats(value: float | int | bool) -> Stats | None:
     """``cpu_stats`` of a one-element tensor from its value; None when it is NaN or infinite."""
     v = float(value)
     if not math.isfinite(v):
         return None
-    # As cpu_stats: the float64 sum of one value (0.0 + v, so -0.0 gives 0.0), divided by one.
-    return Stats(v, v, (0.0 + v) / 1, v if v >= -v else -v, 0, 0)
+    # The mean as cpu_stats makes it: the float64 sum of one value, which is 0.0 + v (so -0.0
+    # gives 0.0); absmax as there too.
+    return Stats(v, v, 0.0 + v, v if v >= -v else -v, 0, 0)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -486,7 +487,7 @@ def _cpu_fingerprint(t: torch.Tensor) -> str:
 
     if t.numel() * t.element_size() <= 64:
         b = as_bytes(t)  # alive while its bytes are read
-        return fp.fingerprint_reference(bytes(host_bytes(b)))
+        return _small_fingerprint(bytes(host_bytes(b)))
     return fp.fingerprint(t)
 
 
