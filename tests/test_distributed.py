@@ -318,17 +318,17 @@ def test_ddp_one_trace_per_rank_with_collectives(ddp_run) -> None:
         assert len(params) == 29 and params[0] == "module.emb.weight"
         # DDP's all-reduce: local gradients in, averaged gradients (on the parameters) out.
         assert ddp.inputs == [f"{p}@grad" for p in params]
-        assert ddp.outputs == [f"{p}.grad" for p in params]
+        assert ddp.outputs == [f"{p}@grad@v1" for p in params]
         assert (ddp.api, ddp.phase, ddp.args) == (
             "torch.nn.parallel.DistributedDataParallel.reducer.allreduce", "forward",
             "group=[0, 1], buckets=1, bucket_bytes=[30592], during='backward0'")
         assert ddp.stack[-1].code == "loss.backward()"
-        assert t["module.head.weight.grad"].md5 == results[rank]["head_grad_md5"]
+        assert t["module.head.weight@grad@v1"].md5 == results[rank]["head_grad_md5"]
         assert t["all_reduce0"].outputs == ["clone0:out@v1"]
         assert t["clone0:out@v1"].md5 == results[rank]["total_md5"]
     a, b = traces
     # Reduced values agree, local ones differ (each rank had its own data).
-    assert a["module.head.weight.grad"].md5 == b["module.head.weight.grad"].md5
+    assert a["module.head.weight@grad@v1"].md5 == b["module.head.weight@grad@v1"].md5
     assert a["module.head.weight@grad"].md5 != b["module.head.weight@grad"].md5
     assert a["clone0:out@v1"].md5 == b["clone0:out@v1"].md5
 
@@ -353,14 +353,14 @@ def test_ddp_rank_that_nudges_a_gradient_is_reported(ddp_perturbed_run, capsys) 
     first = out["first"]
     param = f"module.{PERTURBED}"
     assert (first["rank"], first["record"], first["what"], first["param"], first["call"], first["module"]) == \
-        (1, f"{param}.grad@v1", "reduced gradient", param, "add_0", "")
+        (1, f"{param}@grad@v2", "reduced gradient", param, "add_0", "")
     assert first["stack"][-1]["code"].startswith("param.grad.add_(1e-6)")
-    assert first["reason"] == f"only rank(s) 1 have {param}.grad@v1; rank(s) 0 do not"
+    assert first["reason"] == f"only rank(s) 1 have {param}@grad@v2; rank(s) 0 do not"
     # The parameter then steps differently on rank 1, and only that parameter: the state AdamW's
     # step makes for it and its new value, both outputs of the step (one call).
     later = [(x["rank"], x["record"]) for x in out["departures"][1:]]
     assert later == [(1, f"{param}.exp_avg"), (1, f"{param}.exp_avg_sq"), (1, f"{param}@v1")]
-    assert out["verdict"].startswith(f"RANK 1 DEPARTED first at reduced gradient {param}.grad@v1")
+    assert out["verdict"].startswith(f"RANK 1 DEPARTED first at reduced gradient {param}@grad@v2")
 
 
 def test_fsdp2_traces_and_compares(tmp_path) -> None:

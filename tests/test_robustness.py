@@ -307,10 +307,10 @@ def test_gradient_changed_in_place_before_the_optimizer_gets_a_new_version():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with tracer.trace() as t:
         model(torch.randn(2, 3)).sum().backward()
-        opt.step()  # names the gradient on the parameter: weight.grad
+        opt.step()  # names the gradient on the parameter: weight@grad
         with torch._C.DisableTorchFunction():  # an in-place change no traced call sees (a C++ hook)
             model.weight.grad.mul_(0.5)
         opt.step()
-    versions = [r for r in t.tensors.values() if r.previous == "weight.grad"]
-    assert [r.name for r in versions] == ["weight.grad@v1"]
+    versions = [r for r in t.tensors.values() if r.previous == "weight@grad"]
+    assert [r.name for r in versions] == ["weight@grad@v1"]
     assert versions[0].md5 == tracer.md5_of(model.weight.grad)

@@ -583,9 +583,10 @@ def _record_ddp(rec: Any, ddp: Any, run: BackwardRun) -> None:
         if hit is not None:  # the local gradient, averaged in place
             prev = hit[0]
             out = rec._new_tensor(g, rec._bump(rec._base_name(prev)), "grad", name, previous=prev)
-        else:  # the parameter holds another tensor (a bucket view)
+        else:  # the parameter holds another tensor (a bucket view): a new version of its gradient
             prev = local if local in rec.trace.tensors else None
-            out = rec._new_tensor(g, f"{pname}.grad", "grad", name, previous=prev)
+            base = f"{pname}@grad"
+            out = rec._new_leaf_grad(g, rec._bump(base) if base in rec.trace.tensors else base, name, prev)
         if prev is not None:
             ins.append(prev)
         outs.append(out)

@@ -125,6 +125,8 @@ class Fused:
         # device, and an event marking the kernels' end (None on the CPU).
         self.done: list[tuple[list[list[TensorRecord]], torch.Tensor, torch.Tensor, Any]] = []
         self.launches = 0
+        # The last launch's end per (device, stream): a writer on another stream waits for it.
+        self.events: dict[tuple[torch.device, int], Any] = {}
 
     def add(self, rec: TensorRecord, t: torch.Tensor) -> bool:
         """Queue ``t`` for ``rec``; False when this path cannot take it (the caller falls back).
@@ -190,6 +192,12 @@ class Fused:
     def has_waiting(self) -> bool:
         return bool(self._batches)
 
+    def take_events(self) -> list[tuple[tuple[torch.device, int], Any]]:
+        """The launches' end events per (device, stream) since the last call."""
+        events = list(self.events.items())
+        self.events.clear()
+        return events
+
     def _launch(self, key: tuple[int, int, torch.dtype]) -> None:
         batch = self._batches.pop(key)
         if not batch.slots:
@@ -224,6 +232,7 @@ class Fused:
             if dev.type == "cuda":
                 event = torch.cuda.Event()
                 event.record()
+                self.events[(dev, handle)] = event
         self.launches += 2
         self.done.append((batch.slots, res_f, res_i, event))
 

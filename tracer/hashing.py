@@ -214,7 +214,8 @@ class Hasher:
         # without a GPU exercises the batching and its flush rules end to end.
         self._interpret = os.environ.get("GRADTRACE_FUSED_INTERPRET") == "1"
         self._lock = threading.Lock()
-        self._side_streams: dict[int, Any] = {}
+        # The last MD5 copy queued per (device, stream): writers on other streams wait for it.
+        self._copy_events: dict[tuple[torch.device, int], Any] = {}
         self.capturing_skipped = 0
 
     # ---- submission (training thread or autograd threads) ---------------------------------------
@@ -236,6 +237,14 @@ class Hasher:
         if reason is not None:
             rec.hash_note = f"not hashed: {reason}"
             return
+        try:
+            self._submit_slow(rec, t)
+        except RuntimeError as exc:  # e.g. a storage freed and not yet reallocated (FSDP): never
+            # an error in the user's code; the record says why it has no checksum.
+            rec.hash_note = f"not hashed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+
+    def _submit_slow(self, rec: TensorRecord, t: torch.Tensor) -> None:
+        """Every tensor the batched CUDA path did not take."""
         with torch._C.DisableTorchFunction():
             on_cpu = t.device.type == "cpu"
             if on_cpu and not self._interpret:
@@ -314,14 +323,31 @@ class Hasher:
         if self._fused is not None:
             self._fused.flush()
 
-    def before_call(self, api: str, kind: str, kwargs: dict[str, Any]) -> None:
-        """Called by the recorder before running a call: flush if the call may write into its
-        inputs, which may be tensors still waiting to be read."""
+    def before_write(self) -> None:
+        """Called by the recorder before code that may write into tensors it recorded (an op that
+        writes an argument, a custom Function, backward, the optimizer step): every tensor still
+        waiting for its checksum or stats is read first, on every stream (no host sync)."""
         fused = self._fused
-        if fused is None or not fused.has_waiting:
-            return
-        if kind != "op" or writes_inputs(api) or "out" in kwargs or kwargs.get("inplace") is True:
+        if fused is not None and fused.has_waiting:
             fused.flush()
+        if self._copy_events or (fused is not None and fused.events):
+            self._order_after_reads()
+
+    def _order_after_reads(self) -> None:
+        """Make the current stream of each device wait until our reads of its tensors (MD5 copies,
+        stats kernels) that were queued on *other* streams have run. A read queued on the
+        current stream is already ordered before whatever the current stream runs next."""
+        import torch.cuda
+
+        with torch._C.DisableTorchFunction():
+            events = list(self._copy_events.items())
+            if self._fused is not None:
+                events += self._fused.take_events()
+            self._copy_events.clear()
+            for (device, stream), event in events:
+                current = torch.cuda.current_stream(device)
+                if current.cuda_stream != stream:
+                    current.wait_event(event)
 
     def _pool_get(self) -> ThreadPoolExecutor:
         if self._pool is None:
@@ -349,20 +375,19 @@ class Hasher:
             self._inflight += n
 
     def _copy_to_host(self, b: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Queue a copy of ``b``'s bytes into pinned host memory, on the current stream: after the
+        op that made them, and before anything that stream runs next, so a later in-place write
+        (``relu_``, a residual ``add_``, the optimizer) cannot reach the bytes first. Copying on
+        a side stream, ordered only after the producer, raced with such writes. The copy is not
+        waited for here; a worker thread waits on its event and hashes."""
         dev = b.device
-        key = dev.index if dev.index is not None else torch.cuda.current_device()
-        stream = self._side_streams.get(key)
-        if stream is None:
-            stream = self._side_streams[key] = torch.cuda.Stream(device=dev)
-        current = torch.cuda.current_stream(dev)
-        stream.wait_stream(current)
+        stream = torch.cuda.current_stream(dev)
         host = torch.empty(b.numel(), dtype=torch.uint8, pin_memory=True)
-        with torch.cuda.stream(stream):
-            host.copy_(b, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
-        # The device bytes must outlive the copy even if the training thread frees them.
-        b.record_stream(stream)
+        host.copy_(b, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(stream)
+        # A writer on another stream is ordered after this copy by before_write().
+        self._copy_events[(dev, stream.cuda_stream)] = event
         return host, event
 
     def _reserve(self, n: int) -> None:
@@ -436,24 +461,6 @@ class Hasher:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-
-
-_INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
-                              "__imod__", "__ipow__", "__ilshift__", "__irshift__", "__iand__", "__ior__",
-                              "__ixor__", "__imatmul__"})
-# Functions that update buffers in place without a trailing underscore (running statistics).
-_WRITING_FUNCTIONS = frozenset({"torch.nn.functional.batch_norm", "torch.batch_norm", "torch.nn.functional.instance_norm",
-                                "torch.instance_norm", "torch.native_batch_norm", "torch._native_batch_norm_legit"})
-
-
-@functools.lru_cache(maxsize=4096)
-def writes_inputs(api: str) -> bool:
-    """Whether an API may write into a tensor argument: PyTorch's in-place convention (a trailing
-    underscore: ``add_``, ``_foreach_mul_``, ``copy_``), in-place operators, and batch norm."""
-    short = api.rsplit(".", 1)[-1]
-    if short.startswith("__"):
-        return short in _INPLACE_DUNDERS
-    return short.endswith("_") or api in _WRITING_FUNCTIONS
 
 
 # Dtypes whose one value cpu_stats turns into the same Python float as float(t.item()) (the

@@ -91,6 +91,8 @@ class TensorRecord:
     hash_note: str | None = None
     stats: Stats | None = None
     previous: str | None = None  # the name of the value this one replaced (in-place change)
+    # Memory nobody wrote (``torch.empty_like``): no checksum, no stats, never compared.
+    uninitialized: bool = False
 
     @property
     def numel(self) -> int:
@@ -110,6 +112,8 @@ class TensorRecord:
             "stats": None if self.stats is None else self.stats.to_json(),
             "previous": self.previous,
         }
+        if self.uninitialized:
+            out["uninitialized"] = True
         return out
 
     @classmethod
@@ -123,7 +127,7 @@ class TensorRecord:
             version=int(d.get("version", 0)), seq=int(d.get("seq", 0)), md5=d.get("md5"),
             fingerprint=d.get("fingerprint"), hash_note=d.get("hash_note"),
             stats=None if d.get("stats") is None else Stats.from_json(d["stats"]),
-            previous=d.get("previous"),
+            previous=d.get("previous"), uninitialized=d.get("uninitialized", False) is True,
         )
 
 

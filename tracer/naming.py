@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from tracer.effects import Writes, op_writes
+
 # Tensor methods and torch functions that only read metadata or convert to Python: never
 # recorded (they make no tensor). The general rule in the recorder also drops any call that
 # neither returns a tensor nor changes one; this set only saves the cost of checking.
@@ -121,20 +123,29 @@ def _short(attr: str) -> str:
     return attr
 
 
+Described = tuple[str, str, str, "Writes | None"]
+
+
 class ApiNames:
-    """Caches ``_describe`` per function object (a dict hit on the hot path)."""
+    """Caches, per function object (a dict hit on the hot path): its qualified API name, short
+    name and kind (``_describe``), and the arguments it writes (``tracer.effects``)."""
 
     def __init__(self) -> None:
-        self._cache: dict[Any, tuple[str, str, str]] = {}
+        self._cache: dict[Any, Described] = {}
 
-    def describe(self, func: Any) -> tuple[str, str, str]:
+    def describe(self, func: Any) -> Described:
         try:
             hit = self._cache.get(func)
         except TypeError:  # an unhashable callable
-            return _describe(func)
+            return _described(func)
         if hit is None:
-            hit = self._cache[func] = _describe(func)
+            hit = self._cache[func] = _described(func)
         return hit
+
+
+def _described(func: Any) -> Described:
+    api, short, kind = _describe(func)
+    return api, short, kind, (op_writes(func, api) if kind in ("op", "custom_op") else None)
 
 
 class Counters:

@@ -25,6 +25,7 @@ outputs reach it (documented in the trace header as ``node_attribution``).
 from __future__ import annotations
 
 import functools
+import itertools
 import sys
 import threading
 import warnings
@@ -37,6 +38,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from tracer import naming
+from tracer.effects import UNINITIALISED, Writes
 from tracer.hashing import Hasher
 from tracer.identity import identity
 from tracer.listeners import Listener
@@ -51,6 +53,12 @@ _CAPTURE_NOW = -1  # _finish_call's stack_id default: capture the stack at that 
 _top_saved_hooks: Callable[[bool], Any] | None = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 _ACCUMULATE = "AccumulateGrad"
 _UINT64_MAX = 2**64 - 1
+# Accumulator nodes are marked in their ``metadata`` dict (which lives as long as the C++ node,
+# unlike its Python wrapper, and cannot be weakly referenced) with (trace id, node name): a new
+# accumulator object for a parameter already named (its first graph died: gradient accumulation,
+# a discarded forward) is then told apart from one already hooked.
+_NODE_TAG = "gradtrace"
+_TRACE_IDS = itertools.count()
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 
@@ -98,22 +106,6 @@ def flat_tensors(obj: Any, out: list[torch.Tensor] | None = None, depth: int = 0
     return out
 
 
-def _hidden_mutations(api: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    """Tensors an op changes in place without bumping their version counter.
-
-    Batch norm updates its running statistics inside the kernel, invisibly to ``_version``;
-    the trace still has to show them as new versions, or a diff would miss drifting stats.
-    """
-    if api != "torch.nn.functional.batch_norm":
-        return []
-    training = kwargs.get("training", args[5] if len(args) > 5 else False)
-    if not training:
-        return []
-    stats = [kwargs.get("running_mean", args[1] if len(args) > 1 else None),
-             kwargs.get("running_var", args[2] if len(args) > 2 else None)]
-    return [s for s in stats if isinstance(s, torch.Tensor)]
-
-
 def _saved_tensor_hooks_active() -> bool:
     """Whether saved-tensor hooks (non-reentrant checkpointing, CPU offload) are active: their
     unpack side runs Python inside built-in grad nodes, whose calls need the running node."""
@@ -133,6 +125,33 @@ def _runs_user_code(node: Any, kind: str) -> bool:
         var = getattr(node, "variable", None)
         return getattr(var, "_post_accumulate_grad_hooks", None) is not None
     return isinstance(node, _BackwardCFunction)
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    """Which storage a tensor's bytes live in (0 when it has none that can be read): the storage
+    object's identity, not its address, which a later allocation may reuse once it is freed
+    (FSDP frees and reallocates parameter storages every step). ``_cdata`` is private; the
+    address is the fallback."""
+    try:
+        s = t.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+        return 0
+    key = getattr(s, "_cdata", None)
+    if key is None:
+        try:
+            key = s.data_ptr()
+        except (RuntimeError, NotImplementedError):
+            return 0
+    return key if s.nbytes() else 0  # type: ignore[no-any-return]
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors show the same bytes the same way (``p`` and ``p.data``)."""
+    try:
+        return a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape \
+            and a.stride() == b.stride()
+    except (RuntimeError, NotImplementedError):
+        return False
 
 
 def _unique(ts: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -191,6 +210,7 @@ class _OpenStep(NamedTuple):
     seq: int
     stack_id: int | None
     tokens: list[Any] | None
+    written: set[int]  # identities of the tensors the step writes, whatever their versions say
 
 
 class _Mode(TorchFunctionMode):
@@ -209,7 +229,7 @@ class _Mode(TorchFunctionMode):
             hit = rec.api._cache.get(func)
         except TypeError:  # an unhashable callable
             hit = None
-        api, short, kind = hit if hit is not None else rec.api.describe(func)
+        api, short, kind, writes = hit if hit is not None else rec.api.describe(func)
         if rec._step is not None and kind != "skip" and not rec.step_running():
             rec.close_step("optimizer.step() raised; its changes up to there are recorded")
         if kind == "skip" or rec.paused or rec.stopped:
@@ -224,7 +244,7 @@ class _Mode(TorchFunctionMode):
             if wrapped is not None:
                 return wrapped(*args, **kwargs)
             kind = "op"
-        return rec.record_call(func, api, short, kind, args, kwargs)
+        return rec.record_call(func, api, short, kind, args, kwargs, writes)
 
 
 class Recorder:
@@ -265,10 +285,17 @@ class Recorder:
         self._parents: list[str] = []  # enclosing custom Function calls
         self._running: list[str] = []  # grad nodes running now (nesting in backward)
         self._node_by_seq: dict[tuple[int, str], str] = {}
-        self._acc_by_var: IdWeakMap[str] = IdWeakMap()
+        self.trace_id = next(_TRACE_IDS)
+        self._acc_by_var: IdWeakMap[str] = IdWeakMap()  # leaf tensor -> its accumulator's name
+        self._acc_vars: dict[str, weakref.ref[torch.Tensor]] = {}  # accumulator name -> its leaf
+        # Accumulator running now -> the name of its leaf's .grad before it ran (None: no .grad).
+        self._grad_before: dict[str, str | None] = {}
+        self._aliases: dict[int, list[weakref.ref[torch.Tensor]]] = {}  # storage address -> tensors
         self._edges: dict[str, tuple[tuple[str | None, int], ...]] = {}  # node -> (dest node, slot) per output
         self._node_recs: dict[str, GradNode] = {}
         self._slot_tensor: dict[tuple[str, int], str] = {}
+        # Edges into each (node, input slot) in the graph the running backward walks: a gradient
+        # that alone flows into a tensor's slot is that tensor's gradient (see _grad_names).
         self._indegree: dict[tuple[str, int], int] = {}
         self._versions: dict[str, int] = {}
         self._handles: list[Any] = []
@@ -369,11 +396,13 @@ class Recorder:
 
     # ---- tensors ------------------------------------------------------------------------------
     def _new_tensor(self, t: torch.Tensor, name: str, role: str, producer: str | None,
-                    previous: str | None = None, like: TensorRecord | None = None) -> str:
+                    previous: str | None = None, like: TensorRecord | None = None,
+                    uninitialized: bool = False) -> str:
         """Record a new tensor value. ``like``: the record of the version this one replaced,
         when the call cannot have changed shape, strides, dtype or device (foreach in-place
         ops): its metadata is reused instead of read again (an optimizer step makes ~10 new
-        versions of every parameter and state tensor)."""
+        versions of every parameter and state tensor). ``uninitialized``: memory nobody wrote
+        (``torch.empty_like``): recorded, never hashed."""
         tensors = self.trace.tensors
         if name in tensors:  # never overwrite: disambiguate deterministically
             k = 1
@@ -418,6 +447,9 @@ class Recorder:
         # Positional (the field order of TensorRecord): keyword binding cost as much as the rest.
         rec = TensorRecord(name, shape, dtype, device, role, producer, stride, contiguous, t.requires_grad, ver,
                            self._tensor_seq, None, None, None, None, previous)
+        if uninitialized:
+            rec.uninitialized = True
+            rec.hash_note = f"not hashed: uninitialised memory (made by {producer}); its first write is a new version"
         return self._add_record(rec, t, ver)
 
     def _add_record(self, rec: TensorRecord, t: torch.Tensor, ver: int) -> str:
@@ -425,6 +457,8 @@ class Recorder:
         self._tensor_seq += 1
         self.trace.tensors[name] = rec
         self._tensor_names[t] = (name, ver)
+        if rec.uninitialized:
+            return name
         hasher = self.hasher
         # With nothing to hash or summarise, skip the call; a stand-in hasher (an async
         # collective's outputs get a note instead of a checksum) is always called.
@@ -450,9 +484,79 @@ class Recorder:
                                     previous=name)
         named = self._named.get(t)
         if named is not None:
-            return self._new_tensor(t, named[0], named[1], None)
+            name = self._new_tensor(t, named[0], named[1], None)
+            self._index_alias(t)
+            return name
+        if self._running:
+            name = self._name_leaf_grad(t, version)
+            if name is not None:
+                return name
+        if self._aliases:
+            name = self._alias_name(t, version)
+            if name is not None:
+                return name
         self._inputs += 1
-        return self._new_tensor(t, f"input{self._inputs - 1}", "input", None)
+        name = self._new_tensor(t, f"input{self._inputs - 1}", "input", None)
+        self._index_alias(t)
+        return name
+
+    # ---- aliases: tensors that share a named tensor's storage -----------------------------------
+    # ``p.data``, ``p.detach()`` and views share p's bytes; ``.data`` does not even share its
+    # version counter. Tensors from outside the block (parameters, buffers, optimizer state,
+    # inputs, leaves' gradients) are indexed by storage, so that a write through an alias makes a
+    # new version of the tensor it aliases. Outputs of calls are not indexed (thousands per step);
+    # a write into one through a view still shows as a new version of its base.
+    def _index_alias(self, t: torch.Tensor) -> None:
+        key = _storage_key(t)
+        if key:
+            self._aliases.setdefault(key, []).append(weakref.ref(t))
+
+    def _alias_name(self, t: torch.Tensor, version: int) -> str | None:
+        """The name of an indexed tensor that ``t`` is the same view of (``p.data``), if any."""
+        key = _storage_key(t)
+        for ref in self._aliases.get(key, ()) if key else ():
+            o = ref()
+            if o is not None and o is not t and _same_view(o, t) and _storage_key(o) == key:
+                hit = self._tensor_names.get(o)
+                if hit is None:
+                    continue
+                name = self._name_at(o, _version(o))  # a new version first, if o changed unseen
+                self._tensor_names[t] = (name, version)
+                self._aliases[key].append(weakref.ref(t))
+                return name
+        return None
+
+    def _write_through_aliases(self, mutated: list[torch.Tensor], names: dict[int, str], call: str,
+                               ins: list[torch.Tensor]) -> None:
+        """A call that changed ``mutated`` changed every named tensor sharing their bytes too. Its
+        own inputs excepted: an op keeps what it reads (an in-place all-gather's input is a slice
+        of its output, rewritten with the same bytes)."""
+        done = set(names)
+        done.update(identity(t) for t in ins)
+        for t in mutated:
+            new = names[identity(t)]
+            others: list[torch.Tensor] = []
+            key = _storage_key(t) if self._aliases else 0
+            if key:  # (an entry whose storage has changed since, by set_ or resize, is not an alias)
+                others += [o for o in (r() for r in self._aliases.get(key, ()))
+                           if o is not None and _storage_key(o) == key]
+            base = t._base
+            if base is not None:
+                others.append(base)
+            for o in others:
+                k = identity(o)
+                if k in done:
+                    continue
+                hit = self._tensor_names.get(o)
+                if hit is None:
+                    continue
+                done.add(k)
+                if _same_view(o, t):  # the same bytes seen through another tensor object
+                    self._tensor_names[o] = (new, _version(o))
+                else:
+                    old = self.trace.tensors.get(hit[0])
+                    role = old.role if old is not None else "input"
+                    self._new_tensor(o, self._bump(self._base_name(hit[0])), role, call, previous=hit[0])
 
     @staticmethod
     def _base_name(name: str) -> str:
@@ -465,7 +569,7 @@ class Recorder:
 
     # ---- forward calls ------------------------------------------------------------------------
     def record_call(self, func: Any, api: str, short: str, kind: str, args: tuple[Any, ...],
-                    kwargs: dict[str, Any]) -> Any:
+                    kwargs: dict[str, Any], writes: Writes | None = None) -> Any:
         ins = _call_tensors(args, kwargs)
         vers = _versions_of(ins)
         # Lists of exactly the right length (not grown by appends): they are kept in the Call.
@@ -479,8 +583,9 @@ class Recorder:
             self._call_seq += 1
         tokens = [li.before_call() for li in self.listeners] if self.listeners else None
         seq0 = _get_seq() if _get_seq is not None else None
-        if self.hasher.active:  # tensors waiting for a batched checksum: read them before a write
-            self.hasher.before_call(api, kind, kwargs)
+        if self.hasher.active and (writes is not None or kind != "op" or "out" in kwargs
+                                   or kwargs.get("inplace") is True):
+            self.hasher.before_write()  # tensors waiting for a checksum are read before a write
         self.op_depth += 1
         try:
             out = func(*args, **kwargs)
@@ -493,10 +598,12 @@ class Recorder:
         mutated: list[torch.Tensor] = []
         if ins:
             now = _versions_of(ins)
-            if now != vers:  # one comparison in C for the usual call that changes nothing
+            written = writes.tensors(args, kwargs) if writes is not None else None
+            if written:  # what the op's schema says it writes, whatever the version counters say
+                ids = {identity(t) for t in written}
+                mutated = [t for t, v, n in zip(ins, vers, now) if n != v or identity(t) in ids]
+            elif now != vers:  # one comparison in C for the usual call that changes nothing
                 mutated = [t for t, v, n in zip(ins, vers, now) if n != v]
-        if short == "batch_norm":
-            mutated += [t for t in _hidden_mutations(api, args, kwargs) if all(t is not m for m in mutated)]
         if not outs and not mutated:
             return out  # metadata queries and conversions: noise, not a call
         # The stack starts at the caller of the mode's handler: capture <- _finish_call <-
@@ -551,6 +658,8 @@ class Recorder:
                                            like=old_rec if same_meta else None)
                     names_of[identity(t)] = new
                     mutated_names[j] = new
+                self._write_through_aliases(mutated, names_of, name, ins)
+            uninit = short in UNINITIALISED
             n_outs = len(outs)
             out_names = [""] * n_outs
             tensor_names = self._tensor_names
@@ -567,7 +676,8 @@ class Recorder:
                     if hit is not None and hit[1] == _version(t):
                         known = hit[0]
                 if known is None:
-                    known = self._new_tensor(t, naming.output_name(name, i, n_outs), "output", name)
+                    known = self._new_tensor(t, naming.output_name(name, i, n_outs), "output", name,
+                                             uninitialized=uninit)
                 names_of[key] = known
                 out_names[i] = known
             node_names: list[str] = []
@@ -621,7 +731,7 @@ class Recorder:
         bracket = seq0 is not None and seq1 is not None
         kind = type(root).__name__
         if kind == _ACCUMULATE:
-            return self._node_name(root)
+            return self._accumulator(root)
         sn = root._sequence_nr()
         key = (sn, kind)
         # The cheap bracket test first: an output can carry an earlier call's node.
@@ -667,23 +777,56 @@ class Recorder:
     def _node_name(self, node: Any) -> str | None:
         kind = type(node).__name__
         if kind == _ACCUMULATE:
-            var = getattr(node, "variable", None)
-            return self._acc_by_var.get(var) if var is not None else None
+            tag = node.metadata.get(_NODE_TAG)
+            return tag[1] if tag is not None and tag[0] == self.trace_id else None
         return self._node_by_seq.get((node._sequence_nr(), kind))
+
+    def _accumulator(self, node: Any) -> str:
+        """The name of a leaf's accumulator node, hooking every accumulator object the first time
+        it is seen. Autograd makes a new ``AccumulateGrad`` for a parameter whenever the last graph
+        holding the old one dies (gradient accumulation, a discarded forward): each new object is
+        the same accumulator for the trace (one name, one record) but needs its own hooks."""
+        md = node.metadata
+        tag = md.get(_NODE_TAG)
+        if tag is not None and tag[0] == self.trace_id:
+            return tag[1]  # type: ignore[no-any-return]
+        var = node.variable
+        name = self._acc_by_var.get(var)
+        if name is None:
+            tname = self._base_name(self.name_of(var))
+            name = f"{tname}/AccumulateGrad"
+            self._acc_by_var[var] = name
+            self._acc_vars[name] = weakref.ref(var)
+            self._slot_tensor[(name, 0)] = tname
+            self._register_node(node, name, _ACCUMULATE, None, tname, None, external=False)
+        else:
+            self._hook_node(node, name, _ACCUMULATE, external=False)
+        md[_NODE_TAG] = (self.trace_id, name)
+        return name
 
     def _register_node(self, node: Any, name: str, kind: str, call: str | None, param: str | None,
                        stack_id: int | None, external: bool, key: tuple[int, str] | None = None) -> None:
-        if kind != _ACCUMULATE:
+        if kind != _ACCUMULATE:  # accumulators are known by their leaf (see _accumulator)
             self._node_by_seq[key if key is not None else self._node_key(node)] = name
+        self._add_node_record(name, kind, call, param, stack_id, external)
+        self._hook_node(node, name, kind, external)
+
+    def _add_node_record(self, name: str, kind: str, call: str | None, param: str | None,
+                         stack_id: int | None, external: bool) -> None:
         rec = GradNode(name, kind, call, param, [], stack_id, self._node_seq, external)
         self._node_seq += 1
         self.trace.grad_nodes.append(rec)
         self._node_recs[name] = rec
+
+    def _hook_node(self, node: Any, name: str, kind: str, external: bool) -> None:
         # Hook handles are not kept: the hooks go with their node (the backward frees it), and
         # one that outlives the trace (a graph kept alive past the block) finds the recorder
         # closed and returns at once. Keeping and removing them cost a Python call per hook.
         user_code = _runs_user_code(node, kind)
-        if user_code or external or self._saved_hooks or (self.listeners and self._begin_listeners()):
+        # Accumulators always get both: the pre-hook notes the leaf's .grad before it runs, the
+        # hook names what it became (the gradient itself, or a new version accumulated into it).
+        if user_code or external or kind == _ACCUMULATE or self._saved_hooks \
+                or (self.listeners and self._begin_listeners()):
             # Something needs the node's start: its own Python code (custom backward, post-
             # accumulate hooks) or a saved-tensor unpack hook records calls whose parent is the
             # running node, and listeners such as the memory one attribute work to it. One
@@ -706,7 +849,6 @@ class Recorder:
             nexts = node.next_functions
         rec_next: list[str | None] = []
         edges: list[tuple[str | None, int]] = []
-        indegree = self._indegree
         node_by_seq = self._node_by_seq
         for nxt, k in nexts:
             if nxt is None:
@@ -715,16 +857,13 @@ class Recorder:
                 # _node_name inlined (once per edge); _dest_name names what is not known yet.
                 kind = type(nxt).__name__
                 if kind == _ACCUMULATE:
-                    var = getattr(nxt, "variable", None)
-                    dest = self._acc_by_var.get(var) if var is not None else None
+                    dest = self._accumulator(nxt)
                 else:
                     dest = node_by_seq.get((nxt._sequence_nr(), kind))
-                if dest is None:
-                    dest = self._dest_name(nxt)
+                    if dest is None:
+                        dest = self._dest_name(nxt)
             rec_next.append(dest)
             edges.append((dest, k))
-            if dest is not None:
-                indegree[(dest, k)] = indegree.get((dest, k), 0) + 1
         # A tuple of (str, int) tuples: the garbage collector stops tracking it after one look.
         self._edges[name] = tuple(edges)
         self._node_recs[name].next = rec_next
@@ -735,13 +874,7 @@ class Recorder:
             return known
         kind = type(node).__name__
         if kind == _ACCUMULATE:
-            var = node.variable
-            tname = self._base_name(self.name_of(var))
-            name = f"{tname}/AccumulateGrad"
-            self._acc_by_var[var] = name
-            self._register_node(node, name, kind, None, tname, None, external=False)
-            self._slot_tensor[(name, 0)] = tname
-            return name
+            return self._accumulator(node)
         # Created before the traced block (or by code the trace could not see).
         name = self.counters.next(f"external/{kind}")
         self._register_node(node, name, kind, None, None, None, external=True)
@@ -759,11 +892,12 @@ class Recorder:
             self._run_index += 1
             self._run = run
             self.trace.backward_runs.append(run)
+            self._indegree = self._indegree_from(_unique(flat_tensors(first)))
         for li in self.listeners:
             li.on_backward_begin(self.trace, run)
         # Waiting checksums are read before the backward: gradient accumulation and custom
         # backward code may write into tensors already recorded.
-        self.hasher.flush()
+        self.hasher.before_write()
         self._in_backward += 1
         error: BaseException | None = None
         try:
@@ -799,6 +933,32 @@ class Recorder:
             self.on_records()
         return out
 
+    def _indegree_all(self) -> dict[tuple[str, int], int]:
+        indegree: dict[tuple[str, int], int] = {}
+        for edges in self._edges.values():
+            for dest, k in edges:
+                if dest is not None:
+                    indegree[(dest, k)] = indegree.get((dest, k), 0) + 1
+        return indegree
+
+    def _indegree_from(self, roots: list[torch.Tensor]) -> dict[tuple[str, int], int]:
+        """Edges into each (node, slot) of the recorded graph reachable from ``roots``. Counted per
+        backward run: with gradient accumulation each micro-batch's graph has its own edges into
+        the same accumulators, and each run's gradient of a parameter is that parameter's."""
+        todo = [n for n in (self._node_name(t.grad_fn) for t in roots if t.grad_fn is not None) if n is not None]
+        seen = set(todo)
+        indegree: dict[tuple[str, int], int] = {}
+        edges = self._edges
+        while todo:
+            for dest, k in edges.get(todo.pop(), ()):
+                if dest is None:
+                    continue
+                indegree[(dest, k)] = indegree.get((dest, k), 0) + 1
+                if dest not in seen:
+                    seen.add(dest)
+                    todo.append(dest)
+        return indegree
+
     def _explain(self, exc: Exception, run: BackwardRun, running: list[str]) -> None:
         from tracer.explain import add_note, explain_backward_error
 
@@ -828,6 +988,7 @@ class Recorder:
 
     def _current_run(self) -> BackwardRun:
         if self._run is None:  # backward started where the trace could not see it
+            self._indegree = self._indegree_all()
             self._run_index += 1
             self._run = BackwardRun(name=self.counters.next("backward"), api="(engine)", roots=[],
                                     seq=len(self.trace.backward_runs))
@@ -864,13 +1025,15 @@ class Recorder:
         if self.stopped:
             return
         if node in self._flush_before:  # user code next, which may write into recorded tensors
-            self.hasher.flush()
+            self.hasher.before_write()
         with self.lock, torch._C.DisableTorchFunction():
             run = self._current_run()
             step = NodeRun(node, self._grad_names(node, grad_outputs, False), [])
             run.steps.append(step)
             self._open_steps[node] = step
             self._running.append(node)
+            if node in self._acc_vars:
+                self._note_grad_before(node)
             for li in self.listeners:
                 li.on_node_begin(self.trace, node, step, grad_outputs)
 
@@ -880,6 +1043,8 @@ class Recorder:
         with self.lock, torch._C.DisableTorchFunction():
             step = self._open_steps.pop(node, None)
             names = self._grad_names(node, grad_inputs, True)
+            if node in self._acc_vars:
+                self._name_accumulated(node, step)
             if step is not None:
                 step.grads_out = names
                 # Listeners run while the node still counts as running: one that raises (the
@@ -890,6 +1055,72 @@ class Recorder:
                 self._running.pop()
             elif node in self._running:
                 self._running.remove(node)
+
+    # ---- a leaf's .grad -------------------------------------------------------------------------
+    # The gradient a backward run brings to a leaf ``p`` is ``p@grad`` (``p@grad#k`` in the k-th
+    # run). When the leaf had no .grad, that gradient becomes its .grad (the very tensor, or a copy
+    # of the same bytes), so .grad carries that name. When .grad existed, the run adds into it:
+    # in place, a new version ``<.grad's name>@v<n>``; out of place (create_graph), likewise a new
+    # version of ``p@grad``. A .grad from before the block, first seen here, is ``p@grad@v0``.
+    def _grad_of_leaf(self, acc: str) -> torch.Tensor | None:
+        ref = self._acc_vars.get(acc)
+        var = ref() if ref is not None else None
+        return None if var is None else var.grad
+
+    def _note_grad_before(self, acc: str) -> None:
+        """Pre-hook of an accumulator: the name of its leaf's .grad before the run adds to it."""
+        g = self._grad_of_leaf(acc)
+        if g is None:
+            self._grad_before[acc] = None
+            return
+        hit = self._tensor_names.get(g)
+        if hit is not None and hit[1] == _version(g):
+            self._grad_before[acc] = hit[0]
+        elif hit is not None:  # changed where the trace could not see it
+            self._grad_before[acc] = self._name_at(g, _version(g))
+        else:
+            base = f"{self._slot_tensor[(acc, 0)]}@grad"
+            self._grad_before[acc] = self._new_leaf_grad(g, naming.version_name(base, 0), None, None)
+
+    def _new_leaf_grad(self, g: torch.Tensor, name: str, producer: str | None, previous: str | None) -> str:
+        name = self._new_tensor(g, name, "grad", producer, previous=previous)
+        self._index_alias(g)
+        return name
+
+    def _name_accumulated(self, acc: str, step: NodeRun | None) -> None:
+        """Hook of an accumulator (it has run): give its leaf's .grad its name."""
+        before = self._grad_before.pop(acc, None)
+        g = self._grad_of_leaf(acc)
+        if g is None:
+            return
+        ver = _version(g)
+        hit = self._tensor_names.get(g)
+        if hit is not None:
+            if hit[1] != ver:  # accumulated in place
+                base = self._base_name(hit[0])
+                self._new_leaf_grad(g, self._bump(base), acc, hit[0])
+            return  # else: the incoming gradient itself, already named
+        incoming = step.grads_in[0] if step is not None and step.grads_in else None
+        if before is None and incoming is not None:
+            # A copy of the incoming gradient (it was still referenced, so not stolen): the same
+            # bytes under the same name.
+            self._tensor_names[g] = (incoming, ver)
+            self._index_alias(g)
+            return
+        base = f"{self._slot_tensor[(acc, 0)]}@grad"  # added out of place into the old .grad
+        self._new_leaf_grad(g, self._bump(base) if base in self.trace.tensors else base, acc, before)
+
+    def _name_leaf_grad(self, t: torch.Tensor, version: int) -> str | None:
+        """A tensor seen for the first time while an accumulator runs (a post-accumulate-grad hook
+        reading .grad): the .grad the accumulator has just made, named as its hook would."""
+        acc = self._running[-1]
+        if acc not in self._acc_vars or self._grad_of_leaf(acc) is not t:
+            return None
+        self._name_accumulated(acc, self._open_steps.get(acc))
+        hit = self._tensor_names.get(t)
+        # What the accumulator's own hook will find: .grad named, unchanged since.
+        self._grad_before[acc] = None if hit is None else hit[0]
+        return None if hit is None else hit[0]
 
     def node_done(self, node: str, grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
         """A node with no pre-hook ran: what it received and what it produced, in one event."""
@@ -1057,7 +1288,7 @@ class Recorder:
     def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if threading.get_ident() != self.owner or self.closed or self._step is not None:
             return  # (an open step: an optimizer stepped from inside another's step is part of it)
-        self.hasher.flush()  # the step writes into parameters and state, in place
+        self.hasher.before_write()  # the step writes into parameters and state, in place
         with self.lock, torch._C.DisableTorchFunction():
             for group in optimizer.param_groups:
                 for p in group["params"]:
@@ -1069,10 +1300,10 @@ class Recorder:
                     if g is not None:
                         hit = self._tensor_names.get(g)
                         if hit is None:
-                            # Accumulated into an existing .grad (or cloned by the accumulator): the
-                            # value on the parameter, produced by its leaf accumulator.
-                            acc = f"{pname}/AccumulateGrad"
-                            self._new_tensor(g, f"{pname}.grad", "grad", acc if acc in self._node_recs else None)
+                            # A .grad no backward of the block made (set by hand, or before the block).
+                            base = f"{pname}@grad"
+                            self._new_leaf_grad(g, self._bump(base) if base in self.trace.tensors else base,
+                                                None, None)
                         elif hit[1] != _version(g):
                             self.name_of(g)  # changed in place since it was named: a new version
                     for key, v in optimizer.state.get(p, {}).items():
@@ -1094,14 +1325,26 @@ class Recorder:
         # go through the mode: hence DisableTorchFunction around all of this.
         with self.lock, torch._C.DisableTorchFunction():
             tensors: list[torch.Tensor] = []
+            # What the step writes: every parameter that has a gradient and that parameter's
+            # state, and, when GradScaler passes its scale in (fused optimizers unscale in
+            # place), the gradients too. Fused optimizers write all of it without bumping a
+            # version counter, so the versions cannot tell.
+            written: set[int] = set()
+            unscales = getattr(optimizer, "grad_scale", None) is not None
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     tensors.append(p)
-                    if p.grad is not None:
-                        tensors.append(p.grad)
+                    g = p.grad
+                    if g is not None:
+                        tensors.append(g)
+                        written.add(identity(p))
+                        if unscales:
+                            written.add(identity(g))
                     for v in optimizer.state.get(p, {}).values():
                         if isinstance(v, torch.Tensor):
                             tensors.append(v)
+                            if g is not None:
+                                written.add(identity(v))
             ins = _unique(tensors)
             vers = _versions_of(ins)
             in_names = [self._name_at(t, v) for t, v in zip(ins, vers)]
@@ -1111,7 +1354,7 @@ class Recorder:
             stack_id = self.stack_table.capture() if self.stack_table is not None else None
         tokens = [li.before_call() for li in self.listeners] if self.listeners else None
         self._step = _OpenStep(optimizer, frame, name, f"{cls.__module__}.{cls.__qualname__}.step", ins, in_names,
-                               vers, seq, stack_id, tokens)
+                               vers, seq, stack_id, tokens, written)
         self.paused = True
         if optimizer not in self._step_hooked:
             # Per optimizer, so it runs before the global post-hooks (a step trace's boundary).
@@ -1146,7 +1389,9 @@ class Recorder:
         optimizer = st.optimizer
         created: list[torch.Tensor] = []
         with self.lock, torch._C.DisableTorchFunction():
-            mutated = [t for t, v in zip(st.ins, st.versions) if _version(t) != v]
+            # A step that raised wrote what its version counters say, no more can be known.
+            written = st.written if error is None else set()
+            mutated = [t for t, v in zip(st.ins, st.versions) if identity(t) in written or _version(t) != v]
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     named = self._named.get(p)

@@ -1,0 +1,132 @@
+"""What an op does besides returning its outputs: the arguments it writes, the outputs it leaves
+uninitialised.
+
+Version counters do not tell every write. ``torch._fused_adamw_`` (fused Adam/AdamW/SGD) and
+``torch._amp_foreach_non_finite_check_and_unscale_`` (``GradScaler``'s unscale) change their
+arguments without bumping ``_version``; batch norm updates its running statistics inside the
+kernel. So the arguments an op writes are taken from its ATen schema (an argument typed
+``Tensor(a!)`` or ``Tensor(a!)[]`` is written), from PyTorch's in-place naming convention, and
+from a short list of ops whose schema does not say so. Looked up once per function object.
+
+``torch.empty`` and its kin return memory nobody wrote: hashing it would make two identical runs
+differ, and its stats are noise. Their outputs are recorded as uninitialised; the first write
+into one is a new version, hashed as usual.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# Tensor-returning ops whose result holds uninitialised memory (by their short name).
+UNINITIALISED = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided",
+                           "empty_permuted"})
+
+_INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+                              "__imod__", "__ipow__", "__ilshift__", "__irshift__", "__iand__", "__ior__",
+                              "__ixor__", "__imatmul__"})
+
+
+@dataclass(frozen=True, slots=True)
+class Writes:
+    """The arguments an op writes: positional ``positions`` and keyword ``names``; ``when``, if
+    set, says whether a given call writes at all (batch norm only in training)."""
+
+    positions: tuple[int, ...]
+    names: frozenset[str] = frozenset()
+    when: Callable[[tuple[Any, ...], dict[str, Any]], bool] | None = None
+
+    def tensors(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+        """The tensors this call writes into."""
+        out: list[torch.Tensor] = []
+        if self.when is not None and not self.when(args, kwargs):
+            return out
+        for i in self.positions:
+            if i < len(args):
+                _collect(args[i], out)
+        if kwargs:
+            for k in self.names:
+                if k in kwargs:
+                    _collect(kwargs[k], out)
+        return out
+
+
+def _collect(value: Any, out: list[torch.Tensor]) -> None:
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+    elif isinstance(value, list | tuple):
+        out.extend(v for v in value if isinstance(v, torch.Tensor))
+
+
+def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], i: int, name: str, default: Any) -> Any:
+    return args[i] if len(args) > i else kwargs.get(name, default)
+
+
+# Ops that update running statistics without their schema saying so (Python-level signatures:
+# the positions of running_mean/running_var and of the flag that makes them update).
+_HIDDEN: dict[str, Writes] = {
+    "torch.nn.functional.batch_norm": Writes((1, 2), frozenset({"running_mean", "running_var"}),
+                                             lambda a, k: bool(_arg(a, k, 5, "training", False))),
+    "torch.batch_norm": Writes((3, 4), frozenset({"running_mean", "running_var"}),
+                               lambda a, k: bool(_arg(a, k, 5, "training", False))),
+    "torch.native_batch_norm": Writes((3, 4), frozenset({"running_mean", "running_var"}),
+                                      lambda a, k: bool(_arg(a, k, 5, "training", False))),
+    "torch.nn.functional.instance_norm": Writes((1, 2), frozenset({"running_mean", "running_var"}),
+                                                lambda a, k: bool(_arg(a, k, 5, "use_input_stats", True))),
+    "torch.instance_norm": Writes((3, 4), frozenset({"running_mean", "running_var"}),
+                                  lambda a, k: bool(_arg(a, k, 5, "use_input_stats", True))),
+}
+
+
+def op_writes(func: Any, api: str) -> Writes | None:
+    """The arguments ``func`` (seen by the recorder as ``api``) may write, or None."""
+    hidden = _HIDDEN.get(api)
+    if hidden is not None:
+        return hidden
+    schemas = _schemas(func, api)
+    positions: set[int] = set()
+    names: set[str] = set()
+    for schema in schemas:
+        for i, a in enumerate(schema.arguments):
+            info = a.alias_info
+            if info is not None and info.is_write:
+                names.add(a.name)
+                if not a.kwarg_only:
+                    positions.add(i)
+    short = api.rsplit(".", 1)[-1]
+    if not positions and not names and api.startswith("Tensor.") and (
+            short in _INPLACE_DUNDERS or (short.endswith("_") and not short.startswith("__"))):
+        positions.add(0)  # an in-place method without a schema of its own: it writes self
+    if not positions and not names:
+        return None
+    return Writes(tuple(sorted(positions)), frozenset(names))
+
+
+def _schemas(func: Any, api: str) -> list[Any]:
+    """ATen schemas of the op behind ``func`` (every overload of its name), or none."""
+    if isinstance(func, torch._ops.OpOverload):
+        return [func._schema]
+    packet = func if isinstance(func, torch._ops.OpOverloadPacket) else None
+    if packet is None:
+        if api.startswith("Tensor."):
+            attr = api[len("Tensor."):]
+        elif api.startswith("torch.") and api.count(".") == 1:
+            attr = api[len("torch."):]
+        else:
+            return []
+        if attr.startswith("__"):
+            return []
+        try:
+            packet = getattr(torch.ops.aten, attr)
+        except (AttributeError, RuntimeError):
+            return []
+    out = []
+    try:
+        for overload in packet.overloads():
+            out.append(getattr(packet, overload)._schema)
+    except (AttributeError, RuntimeError):
+        return []
+    return out
