@@ -533,6 +533,9 @@ def _forward(a: Trace, b: Trace, cmp: Comparer, rows: list[Pair]) -> tuple[Diver
         return "source", f"{role} {na}"
 
     for r in rows:
+        # Calls a grad node's own code made (a custom backward) belong to the backward section.
+        if (r.a is not None and a.calls[r.a].phase != "forward") or (r.b is not None and b.calls[r.b].phase != "forward"):
+            continue
         if r.b is None:
             assert r.a is not None
             c = a.calls[r.a]
@@ -634,6 +637,12 @@ def _backward(a: Trace, b: Trace, cmp: Comparer, calls: dict[str, str],
                 continue
             sa, sb = a_steps[p.a], b_steps[p.b]
             node, kind = _node_kind(a, sa.node)
+            # The node's own code first (the ops of a custom backward): the first of them whose
+            # inputs match but outputs differ is where the difference entered.
+            inner = _inner_origin(a, b, cmp, sa, sb, calls, d)
+            if inner is not None:
+                ranks[id(inner[0])] = rank
+                rank += 1
             row = Row(sa.node, sb.node, _node_module(a, node), kind)
             d.rows.append(row)
             d.compared += 1
@@ -646,6 +655,17 @@ def _backward(a: Trace, b: Trace, cmp: Comparer, calls: dict[str, str],
                 if any(c.status == "unknown" for _, _, c in outs):
                     row.status = "unknown"
                     d.unknown += 1
+                continue
+            if inner is not None and not any(c.status == "differ" for _, _, c in ins):
+                irow, reason = inner
+                call = node.call if node is not None else None
+                if call is not None and not touched.get(call):
+                    same = "matched" if cmp.tol is None else "stayed within tolerance"
+                    reason = f"backward-only: {reason} while {call} {same} in forward (nondeterministic backward?)"
+                cause[sa.node] = "backward"
+                irow.status, irow.note = "new", reason
+                row.status = "contaminated"
+                sec.candidates.append((ranks[id(irow)], irow, reason))
                 continue
             kinds = set()
             for x, y, c in ins:
@@ -683,6 +703,44 @@ def _backward(a: Trace, b: Trace, cmp: Comparer, calls: dict[str, str],
         d.stack_a = getattr(na, "stack", ())
         d.stack_b = getattr(nb, "stack", ())
     return d
+
+
+def _inner_origin(a: Trace, b: Trace, cmp: Comparer, sa: Any, sb: Any, calls: dict[str, str],
+                  d: Divergence) -> tuple[Row, str] | None:
+    """The first call a node's own code made (nested calls first) whose inputs match but whose
+    outputs differ: a row for it (added to ``d``) and the reason, or None."""
+    if not sa.calls:
+        return None
+    a_calls = {c.name: c for c in a.calls}
+    b_calls = {c.name: c for c in b.calls}
+    children: dict[str, list[Any]] = {}
+    for c in a.calls:
+        if c.parent is not None:
+            children.setdefault(c.parent, []).append(c)
+
+    def post_order(names: list[str]) -> list[Any]:
+        out: list[Any] = []
+        for n in names:
+            c = a_calls.get(n)
+            if c is not None:
+                out += post_order([k.name for k in children.get(n, [])])
+                out.append(c)
+        return out
+
+    for ca in post_order(sa.calls):
+        cb = b_calls.get(calls.get(ca.name, ""))
+        if cb is None:
+            continue
+        ins = _compare_lists(cmp, ca.inputs, cb.inputs)
+        outs = _compare_lists(cmp, ca.outputs, cb.outputs)
+        if any(c.status == "differ" for _, _, c in outs) and not any(c.status == "differ" for _, _, c in ins):
+            row = Row(ca.name, cb.name, ca.module, ca.api)
+            for _, _, c in outs:
+                row.max_abs = _max_opt(row.max_abs, c.abs)
+                row.max_rel = _max_opt(row.max_rel, c.rel)
+            d.rows.append(row)
+            return row, f"{ca.name} in the backward of {sa.node}: {_out_reason(outs, row, cmp.tol)}"
+    return None
 
 
 # ---- parameters ----------------------------------------------------------------------------------
@@ -864,7 +922,7 @@ def _render(result: DiffResult, console: Console) -> None:
         console.print(tx(f"note: {n}", "dim"))
     console.print(tx(f"A: {result.a_label}   B: {result.b_label}", "dim"))
     for side, report in result.numerics().items():
-        for anomaly in (report.forward, report.backward):
+        for anomaly in report.anomalies():
             if anomaly is not None:
                 console.print(tx(f"{side}: {anomaly.describe()}", "red"))
 

@@ -278,7 +278,7 @@ def _render_nonfinite(trace: Trace, console: Console) -> None:
         return
     # The verdict first: where the first non-finite value was made, forward and backward.
     report = trace.anomalies
-    for anomaly in (report.forward, report.backward):
+    for anomaly in report.anomalies():
         if anomaly is not None:
             console.print(Text(anomaly.describe(), style="bold red"))
     table = Table(title=f"Tensors with NaN or Inf ({len(bad)} of {len(with_stats)})", box=box.SIMPLE_HEAD,

@@ -88,7 +88,8 @@ def call_line(trace: Trace, call: Call, calls: dict[str, Call], *, hashes: bool 
     outs = ", ".join(describe_tensor(trace, o, hashes=hashes) for o in call.outputs) or "-"
     line = (f"{indent}{call.name}  {short_api(call.api)}  {call.module or '-'}  "
             f"({', '.join(call.inputs)}) -> {outs}")
-    if call.phase == "backward":
+    if call.phase == "backward" and (call.parent is None or call.parent not in calls):
+        # Made by a grad node's own code; a call nested in another call shows by its indent.
         line += f"  [in backward of {call.parent}]" if call.parent else "  [in backward]"
     if call.error:
         line += f"  !! {call.error}"

@@ -18,13 +18,14 @@ def update_golden(request: pytest.FixtureRequest) -> bool:
     return bool(request.config.getoption("--update-golden"))
 
 
-def _installed_state() -> tuple[int, int, int, object]:
+def _installed_state() -> tuple[int, int, int, object, object]:
     from torch.nn.modules import module as nn_module
     from torch.overrides import _get_current_function_mode_stack
 
     return (len(nn_module._global_forward_pre_hooks), len(nn_module._global_forward_hooks),
             len(_get_current_function_mode_stack()),
-            torch.autograd.function.Function.__dict__["apply"])
+            torch.autograd.function.Function.__dict__["apply"],
+            torch.autograd.function.BackwardCFunction.__dict__["apply"])
 
 
 @pytest.fixture(autouse=True)

@@ -213,8 +213,11 @@ def test_nondeterministic_backward_found_in_backward_while_forward_matches() -> 
     first = r.forward.rows.index(grad_rows[0])
     assert all(row.status == "equal" for row in r.forward.rows[:first])
     assert r.forward.summary().startswith("equal up to backward;")
-    assert r.backward.origin_a == "Noisy0/NoisyBackward"
-    assert r.backward.reason.startswith("backward-only: gradients in match, outputs differ while Noisy0 matched")
+    # The op inside Noisy's backward() that drew the noise, named with its line.
+    assert r.backward.origin_a == "randn0" and a["randn0"].parent == "Noisy0/NoisyBackward"
+    assert r.backward.reason.startswith("backward-only: randn0 in the backward of Noisy0/NoisyBackward: "
+                                        "inputs match, outputs differ while Noisy0 matched")
+    assert r.backward.stack_a[-1].code == "return g + 1e-3 * torch.randn(g.shape, generator=gen)"
     order = a.backward_runs[0].order
     before = order[: order.index("Noisy0/NoisyBackward")]
     assert all(row.status == "equal" for row in r.backward.rows if row.a in before)
@@ -343,7 +346,7 @@ def test_mismatched_and_corrupt_inputs_exit_2(tmp_path, capsys, base) -> None:
     # two readable traces of different format versions: refused, never "equal"
     other = tracer.load(good)
     other.header["version"] = 0
-    with pytest.raises(DiffError, match=r"format versions differ \(A: 1, B: 0\)"):
+    with pytest.raises(DiffError, match=rf"format versions differ \(A: {tracer.SCHEMA_VERSION}, B: 0\)"):
         diff(tracer.load(good), other)
 
 

@@ -317,8 +317,10 @@ def test_nested_custom_functions_log_with_increasing_indentation(logs, traced):
     ]
     indent = {m.split()[1]: len(m) - len(m[4:].lstrip()) - 4 for m in fwd}
     assert indent["mul0"] > indent["Scale0"] > indent["Shift0"] > indent["Wrap0"] == 0
-    inside = ["bwd     Scale1 Scale.apply", "bwd   Shift1 Shift.apply"] if traced else []
-    # Inside a trace, Functions applied in a node's backward show under that node.
+    inside = ["bwd       mul1 Tensor.mul", "bwd     Scale1 Scale.apply", "bwd     add1 Tensor.add",
+              "bwd   Shift1 Shift.apply", "bwd   neg1 Tensor.neg"] if traced else []
+    # Inside a trace, the calls a node's backward makes (ops and Functions, nested as in forward)
+    # show under that node.
     assert bwd == ["bwd> Wrap0/WrapBackward Wrap.apply", *inside, "bwd< Wrap0/WrapBackward Wrap.apply",
                    "bwd> input0/AccumulateGrad", "bwd< input0/AccumulateGrad"]
 

@@ -58,14 +58,19 @@ def test_nan_written_by_a_custom_backward_is_its_origin():
         loss = model(x, pad).sum()
         loss.backward()
     report = t.anomalies
+    # The -inf of the padding mask stays inside the Function's forward: not an anomaly.
     assert report.forward is None, "forward is clean"
     bwd = report.backward
-    assert bwd.producer == "PaddedAttention0/PaddedAttentionBackward" and bwd.origin
-    assert bwd.producer_kind == "PaddedAttentionBackward" and bwd.nan > 0 and bwd.inf == 0
-    assert bwd.stack[-1].code == "h = PaddedAttention.apply(q, k, v, pad_mask)" and not bwd.from_forward
-    assert t.anomalies.backward.stack[-2].line == line  # the user's line that ran the model
+    # The op inside the custom backward that wrote the NaN, on its own line inside backward().
+    assert (bwd.producer, bwd.node, bwd.producer_kind) == (
+        "masked_fill1", "PaddedAttention0/PaddedAttentionBackward", "Tensor.masked_fill")
+    assert bwd.origin and bwd.nan > 0 and bwd.inf == 0 and not bwd.from_forward
+    assert bwd.stack[-1].function == "PaddedAttention.backward"
+    assert bwd.stack[-1].code.startswith("dq = dq.masked_fill(pad_mask[:, :, None], float(\"nan\"))")
+    assert t["masked_fill1"].phase == "backward" and t["masked_fill1"].parent == bwd.node
+    assert t["PaddedAttention0"].stack[-2].line == line  # the user's line that ran the model
     assert bwd.contaminated > 0 and "qkv" in bwd.contaminated_by_module
-    assert "PaddedAttention0/PaddedAttentionBackward" in str(report)
+    assert "in the backward of PaddedAttention0/PaddedAttentionBackward" in str(report)
 
 
 class Block(nn.Module):
@@ -115,7 +120,9 @@ def test_inf_returned_by_a_backward_is_caught_where_detect_anomaly_is_silent():
     with pytest.warns(tracer.NumericsWarning), tracer.check_numerics() as t:
         InfGrad.apply(x).sum().backward()
     bwd = t.anomalies.backward
-    assert bwd.producer == "InfGrad0/InfGradBackward" and bwd.inf == 3 and bwd.nan == 0 and bwd.origin
+    assert (bwd.producer, bwd.node) == ("div0", "InfGrad0/InfGradBackward")  # the op in its backward()
+    assert bwd.kind == "inf" and bwd.inf == 3 and bwd.nan == 0 and bwd.origin
+    assert bwd.stack[-1].code == "return g / torch.zeros_like(g)  # +Inf, not NaN"
 
 
 def test_raise_on_nonfinite_stops_at_the_first_one():
@@ -300,5 +307,6 @@ def test_raise_on_nonfinite_in_backward_names_the_node():
     with pytest.raises(tracer.NonFiniteError, match="first Inf in backward") as info, \
             tracer.trace(raise_on_nonfinite=True):
         InfGrad.apply(x).sum().backward()
-    assert info.value.anomaly.producer == "InfGrad0/InfGradBackward"
+    assert (info.value.anomaly.producer, info.value.anomaly.node) == ("div0", "InfGrad0/InfGradBackward")
+    assert info.value.anomaly.stack[-1].code == "return g / torch.zeros_like(g)  # +Inf, not NaN"
     assert "failed in grad node InfGrad0/InfGradBackward" in info.value.__notes__[0]

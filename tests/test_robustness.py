@@ -162,7 +162,9 @@ def test_gradient_checkpointing(reentrant):
     with tracer.trace() as t:
         y = checkpoint.checkpoint(model, x, use_reentrant=reentrant)
         y.sum().backward()
-    assert t.status == "ok" and len(t.backward_runs) == 1
+    # Reentrant checkpointing recomputes the forward in its backward and runs a backward of its
+    # own there: a second, nested backward run.
+    assert t.status == "ok" and len(t.backward_runs) == (2 if reentrant else 1)
     assert x.grad is not None and model.layers[0].weight.grad is not None
     assert [c.name for c in t.calls if c.api == "torch.nn.functional.linear"][:2] == ["linear0", "linear1"]
     if reentrant:

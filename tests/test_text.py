@@ -151,11 +151,13 @@ def test_nested_functions_indent_and_backward_phase_calls():
         "    mul0  Tensor.mul  -  (input0) -> mul0:out f32[2,2]",
         "  add0  Tensor.add  -  (Double0:out) -> add0:out f32[2,2]",
     ]
-    # Double applied inside Outer's backward is a call made by the running grad node (the ops
-    # inside it run under the engine, where the mode sees nothing).
-    assert f"Double1  {double_fwd}  -  (Outer0:out@grad) -> Double1:out f32[2,2]  [in backward of Outer0/OuterBackward]" \
-        in lines
-    assert "backward0  Outer0/OuterBackward  <- Outer0:out@grad -> Double1:out f32[2,2]" in lines
+    # Double applied inside Outer's backward is a call made by the running grad node, and the op
+    # inside it a call nested in Double1.
+    i = lines.index(f"Double1  {double_fwd}  -  (Outer0:out@grad) -> Double1:out f32[2,2]  "
+                    "[in backward of Outer0/OuterBackward]")
+    assert lines[i + 1] == "  mul1  Tensor.mul  -  (Outer0:out@grad) -> mul1:out f32[2,2]"
+    # What it returns flows alone into input0's accumulator: input0's gradient.
+    assert "backward0  Outer0/OuterBackward  <- Outer0:out@grad -> input0@grad f32[2,2]" in lines
 
 
 def test_failed_trace_ends_with_status_line():

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 FORMAT = "gradtrace"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 class TraceFormatError(ValueError):
@@ -188,6 +188,9 @@ class GradNode:
     A leaf accumulator has ``param`` set to the name of the tensor it accumulates into.
     ``next`` lists, for each of the node's outputs, the name of the node the gradient flows to
     (None where PyTorch has no edge). ``external`` nodes were created before the traced block.
+    ``parent`` names the grad node whose backward created this one (a backward run with
+    ``create_graph=True``, as in a gradient penalty); such a node has no ``call`` and its stack
+    is the line that started that backward run.
     """
 
     name: str
@@ -198,14 +201,18 @@ class GradNode:
     stack_id: int | None = None
     seq: int = 0
     external: bool = False
+    parent: str | None = None
     stack: tuple[Frame, ...] = field(default=(), compare=False, repr=False)
     grads_in: list[str | None] = field(default_factory=list, compare=False, repr=False)
     grads_out: list[str | None] = field(default_factory=list, compare=False, repr=False)
 
     def to_json(self) -> dict[str, Any]:
-        return {"t": "node", "name": self.name, "kind": self.kind, "call": self.call,
-                "param": self.param, "next": self.next, "stack": self.stack_id, "seq": self.seq,
-                "external": self.external}
+        out = {"t": "node", "name": self.name, "kind": self.kind, "call": self.call,
+               "param": self.param, "next": self.next, "stack": self.stack_id, "seq": self.seq,
+               "external": self.external}
+        if self.parent is not None:
+            out["parent"] = self.parent
+        return out
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> GradNode:
@@ -215,16 +222,18 @@ class GradNode:
             raise TraceFormatError(f"node {d.get('name')!r}: 'next' must be a list of names")
         return cls(name=_str(d, "name"), kind=_str(d, "kind"), call=d.get("call"), param=d.get("param"),
                    next=list(nxt), stack_id=_opt_int(d, "stack"), seq=int(d.get("seq", 0)),
-                   external=bool(d.get("external", False)))
+                   external=bool(d.get("external", False)), parent=_opt_str(d, "parent"))
 
 
 @dataclass(slots=True)
 class NodeRun:
-    """One execution of a grad node in a backward run: the gradients it received and produced."""
+    """One execution of a grad node in a backward run: the gradients it received and produced,
+    and the calls its own code made (the ops of a custom Function's ``backward``)."""
 
     node: str
     grads_in: list[str | None]
     grads_out: list[str | None]
+    calls: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -251,16 +260,20 @@ class BackwardRun:
         return {"t": "backward", "name": self.name, "api": self.api, "roots": self.roots,
                 "stack": self.stack_id, "outputs": self.outputs, "status": self.status,
                 "error": self.error, "seq": self.seq,
-                "steps": [[s.node, s.grads_in, s.grads_out] for s in self.steps]}
+                "steps": [[s.node, s.grads_in, s.grads_out, s.calls] if s.calls else [s.node, s.grads_in, s.grads_out]
+                          for s in self.steps]}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> BackwardRun:
         _require(d, "name", "api", "roots")
         steps = []
         for s in d.get("steps", []):
-            if not (isinstance(s, list) and len(s) == 3 and isinstance(s[0], str)):
+            if not (isinstance(s, list) and len(s) in (3, 4) and isinstance(s[0], str)):
                 raise TraceFormatError(f"backward {d.get('name')!r}: malformed step {s!r}")
-            steps.append(NodeRun(s[0], list(s[1]), list(s[2])))
+            calls = s[3] if len(s) == 4 else []
+            if not (isinstance(calls, list) and all(isinstance(c, str) for c in calls)):
+                raise TraceFormatError(f"backward {d.get('name')!r}: malformed calls of step {s[0]!r}")
+            steps.append(NodeRun(s[0], list(s[1]), list(s[2]), list(calls)))
         return cls(name=_str(d, "name"), api=_str(d, "api"), roots=_strs(d, "roots"),
                    stack_id=_opt_int(d, "stack"), steps=steps, outputs=_strs(d, "outputs"),
                    status=str(d.get("status", "ok")), error=d.get("error"), seq=int(d.get("seq", 0)))
@@ -453,6 +466,13 @@ def _ints(d: dict[str, Any], key: str) -> list[int]:
     if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
         raise TraceFormatError(f"{d.get('t')} record: {key!r} must be a list of integers")
     return list(v)
+
+
+def _opt_str(d: dict[str, Any], key: str) -> str | None:
+    v = d.get(key)
+    if v is not None and not isinstance(v, str):
+        raise TraceFormatError(f"{d.get('t')} record: {key!r} must be a string")
+    return v
 
 
 def _opt_int(d: dict[str, Any], key: str) -> int | None:

@@ -1,37 +1,56 @@
-"""Finding the first non-finite value (NaN or Inf), forward and backward, from a trace's stats.
+"""Finding the first NaN and the first Inf, forward and backward, from a trace's stats.
 
 Every tensor's stats carry NaN and Inf counts computed on its own device and fetched in one batch
 at the end of the block, so checking costs no synchronisation per op. The analysis here is a pure
 function of the trace data: it works on a live trace and on a loaded file alike.
 
-The **origin** is the first record whose outputs are non-finite while all of its inputs were
-finite: the op that made the bad value. When the inputs were already non-finite (they came from
-outside the block, or an earlier phase) the first record is a **propagation** and the report says
-so. Everything non-finite after the first one is counted as contaminated, per module.
+NaN and Inf are hunted separately, because ``-inf`` is ordinary data in attention
+(``masked_fill(mask, -inf)``, ``where(m, x, -inf)``) while a NaN almost never is. An Inf written
+from a constant argument (an ``inf`` among the call's non-tensor arguments) is **intended**, and
+so is one that only carries intended Infs on; intended Infs are counted, never reported, and never
+hide a NaN. Every other Inf is reported like a NaN.
+
+The **origin** of a NaN is the first record whose outputs hold NaN while none of its inputs did:
+the op that made it (an Inf among its inputs is allowed: ``inf - inf``). The origin of an Inf is
+the first record whose outputs hold an unintended Inf while its inputs held none. When the inputs
+already held the bad value (they came from outside the block, or an earlier phase) the first
+record is a **propagation** and the report says so. Later records holding the same kind of bad
+value are counted as contaminated, per module.
+
+Calls nest: the ops inside a custom ``autograd.Function``'s forward come before the Function
+call itself, and in backward the ops a grad node's own code ran (a custom ``backward()``) come
+before the node's outputs; so the innermost op, with its line, is the one named.
 """
 
 from __future__ import annotations
 
+import re
 from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from tracer.listeners import Listener
-from tracer.model import Frame, TensorRecord, Trace
+from tracer.model import Call, Frame, GradNode, NodeRun, TensorRecord, Trace
+
+# An inf among a call's argument text: "-inf", "inf", "fill_value=-inf", "[0.0, inf]".
+_INF_CONSTANT = re.compile(r"(?<![\w.])-?inf(?![\w])")
+FramesOf = Callable[[int | None], tuple[Frame, ...]]
 
 
 @dataclass
 class Anomaly:
-    """The first non-finite tensor of one phase and what it contaminated."""
+    """The first NaN (``kind="nan"``) or unintended Inf (``kind="inf"``) of one phase and what
+    it contaminated."""
 
     phase: str  # "forward" or "backward"
     tensor: str
     producer: str  # call or grad node name
     producer_kind: str  # API name or PyTorch node class
     module: str
-    origin: bool  # True: inputs were finite, this op made the value non-finite
+    origin: bool  # True: inputs were free of it, this op made the value non-finite
     nan: int
     inf: int
     stack: tuple[Frame, ...] = ()
@@ -42,109 +61,217 @@ class Anomaly:
     # backward only: the node's forward call already had non-finite inputs or outputs, so the
     # backward values follow from the forward anomaly rather than from a faulty backward.
     from_forward: bool = False
+    kind: str = "nan"
+    node: str | None = None  # backward: the grad node whose own code ran the producing call
 
-    def describe(self) -> str:
-        what = "NaN" if self.nan and not self.inf else "Inf" if self.inf and not self.nan else "NaN/Inf"
-        role = "origin" if self.origin else f"propagated from non-finite input(s) {', '.join(self.bad_inputs)}"
+    @property
+    def what(self) -> str:
+        return "NaN" if self.kind == "nan" else "Inf"
+
+    def describe(self, full: bool = False) -> str:
+        """The anomaly in a few lines: what, where, the user's line, then what it contaminated
+        (``full``: every module, else the count and the first and last module)."""
+        role = "origin" if self.origin else f"propagated from input(s) {', '.join(self.bad_inputs)}"
         if self.from_forward:
             role += " (its forward call already saw non-finite values: see the forward report)"
-        lines = [f"first {what} in {self.phase}: {self.tensor} ({self.nan} NaN, {self.inf} Inf) made by "
-                 f"{self.producer} [{self.producer_kind}] in module {self.module or '<root>'} — {role}"]
+        where = f"{self.producer} [{self.producer_kind}]"
+        if self.node is not None:
+            where += f" in the backward of {self.node}"
+        lines = [f"first {self.what} in {self.phase}: {self.tensor} ({self.nan} NaN, {self.inf} Inf) made by "
+                 f"{where} in module {self.module or '<root>'} — {role}"]
         if self.stack:
             f = self.stack[-1]
             lines.append(f'  File "{f.file}", line {f.line}, in {f.function}')
             lines.append(f"    {f.code}")
         if self.contaminated:
-            per = ", ".join(f"{m or '<root>'}: {n}" for m, n in sorted(self.contaminated_by_module.items()))
-            lines.append(f"  then {self.contaminated} more non-finite record(s) ({per})")
+            lines.append(f"  then {self.contaminated} more record(s) with {self.what} {_modules_text(self, full)}")
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
-        return {"phase": self.phase, "tensor": self.tensor, "producer": self.producer,
+        return {"phase": self.phase, "kind": self.kind, "tensor": self.tensor, "producer": self.producer,
                 "producer_kind": self.producer_kind, "module": self.module, "origin": self.origin,
-                "nan": self.nan, "inf": self.inf, "bad_inputs": self.bad_inputs,
+                "nan": self.nan, "inf": self.inf, "bad_inputs": self.bad_inputs, "node": self.node,
                 "contaminated": self.contaminated, "contaminated_by_module": self.contaminated_by_module,
                 "backward_run": self.backward_run, "from_forward": self.from_forward,
                 "stack": [[f.file, f.line, f.function, f.code] for f in self.stack]}
 
 
+def _modules_text(a: Anomaly, full: bool) -> str:
+    mods = [m or "<root>" for m in a.contaminated_by_module]
+    if full or len(mods) <= 3:
+        return "(" + ", ".join(f"{m}: {n}" for m, n in zip(mods, a.contaminated_by_module.values())) + ")"
+    return f"in {len(mods)} modules, {mods[0]} … {mods[-1]}"
+
+
 @dataclass
 class NumericsReport:
-    """The first non-finite tensor in forward and in backward (None where all was finite)."""
+    """The first NaN and the first unintended Inf of forward and of backward (None where there
+    was none); ``intended_inf``: records whose Inf came from a constant (attention masks)."""
 
-    forward: Anomaly | None
-    backward: Anomaly | None
+    forward_nan: Anomaly | None
+    forward_inf: Anomaly | None
+    backward_nan: Anomaly | None
+    backward_inf: Anomaly | None
     checked: int  # tensors whose stats were available
-    unchecked: int  # tensors without stats (not hashed: meta, sparse, ...; or stats off)
+    unchecked: int  # tensors without stats (not hashed: meta, sparse, uninitialised...; or stats off)
+    intended_inf: int = 0
+
+    @property
+    def forward(self) -> Anomaly | None:
+        """The forward anomaly that matters most: the first NaN, else the first Inf."""
+        return self.forward_nan or self.forward_inf
+
+    @property
+    def backward(self) -> Anomaly | None:
+        return self.backward_nan or self.backward_inf
+
+    def anomalies(self) -> list[Anomaly]:
+        """Every anomaly found, forward first, NaN before Inf."""
+        return [a for a in (self.forward_nan, self.forward_inf, self.backward_nan, self.backward_inf)
+                if a is not None]
 
     @property
     def clean(self) -> bool:
-        return self.forward is None and self.backward is None
+        return not self.anomalies()
 
-    def __str__(self) -> str:
+    def describe(self, full: bool = False) -> str:
         if self.checked == 0:
             return "numerics: no tensor stats in this trace (record with check_numerics=True)"
+        tail = f" ({self.intended_inf} record(s) with an intended Inf, e.g. -inf attention masks)" \
+            if self.intended_inf else ""
         if self.clean:
-            return f"numerics: all {self.checked} checked tensors finite"
-        parts = [a.describe() for a in (self.forward, self.backward) if a is not None]
-        if self.forward is None:
-            parts.insert(0, "forward: all finite")
-        if self.backward is None:
-            parts.append("backward: all finite")
+            return f"numerics: all {self.checked} checked tensors finite{tail}"
+        parts = []
+        for phase, found in (("forward", (self.forward_nan, self.forward_inf)),
+                             ("backward", (self.backward_nan, self.backward_inf))):
+            present = [a.describe(full) for a in found if a is not None]
+            parts += present or [f"{phase}: no NaN, no unintended Inf"]
+        if tail:
+            parts.append(tail.strip(" ()"))
         return "\n".join(parts)
 
+    def __str__(self) -> str:
+        return self.describe()
+
     def to_json(self) -> dict[str, Any]:
-        return {"forward": None if self.forward is None else self.forward.to_json(),
-                "backward": None if self.backward is None else self.backward.to_json(),
-                "checked": self.checked, "unchecked": self.unchecked}
+        def j(a: Anomaly | None) -> dict[str, Any] | None:
+            return None if a is None else a.to_json()
+        return {"forward": j(self.forward), "backward": j(self.backward),
+                "forward_nan": j(self.forward_nan), "forward_inf": j(self.forward_inf),
+                "backward_nan": j(self.backward_nan), "backward_inf": j(self.backward_inf),
+                "intended_inf": self.intended_inf, "checked": self.checked, "unchecked": self.unchecked}
+
+
+def has_inf_constant(args: str) -> bool:
+    """Whether a call's argument text holds an infinite constant (``masked_fill(m, -inf)``)."""
+    return "inf" in args and _INF_CONSTANT.search(args) is not None
+
+
+def _nan(rec: TensorRecord | None) -> int:
+    return rec.stats.nan if rec is not None and rec.stats is not None else 0
+
+
+def _inf(rec: TensorRecord | None) -> int:
+    return rec.stats.inf if rec is not None and rec.stats is not None else 0
 
 
 def _bad(rec: TensorRecord | None) -> bool:
     return rec is not None and rec.stats is not None and not rec.stats.finite
 
 
-def find_anomalies(trace: Trace) -> NumericsReport:
-    """Locate the first non-finite tensor in forward and in backward."""
+class _Hunt:
+    """The first NaN and first unintended Inf of one phase, and what came after each."""
+
+    def __init__(self, phase: str, frames_of: FramesOf | None) -> None:
+        self.phase = phase
+        self.frames_of = frames_of
+        self.first: dict[str, Anomaly] = {}
+        self.counts: dict[str, Counter[str]] = {"nan": Counter(), "inf": Counter()}
+
+    def stack(self, stack_id: int | None, recorded: tuple[Frame, ...]) -> tuple[Frame, ...]:
+        return self.frames_of(stack_id) if self.frames_of is not None and not recorded else recorded
+
+    def see(self, kind: str, module: str, make: Callable[[], Anomaly]) -> None:
+        if kind in self.first:
+            self.counts[kind][module] += 1
+        else:
+            self.first[kind] = make()
+
+    def result(self) -> tuple[Anomaly | None, Anomaly | None]:
+        for kind, a in self.first.items():
+            a.contaminated = sum(self.counts[kind].values())
+            a.contaminated_by_module = dict(self.counts[kind])
+        return self.first.get("nan"), self.first.get("inf")
+
+
+def find_anomalies(trace: Trace, frames_of: FramesOf | None = None) -> NumericsReport:
+    """Locate the first NaN and the first unintended Inf in forward and in backward.
+    ``frames_of``: symbolises a stack id (a live trace whose stacks are not resolved yet)."""
     tensors = trace.tensors
     checked = sum(1 for r in tensors.values() if r.stats is not None)
-    forward = _first_forward(trace)
-    backward = _first_backward(trace)
-    return NumericsReport(forward, backward, checked, len(tensors) - checked)
+    calls = {c.name: c for c in trace.calls}
+    children: dict[str, list[Call]] = {}
+    for c in trace.calls:
+        if c.parent is not None:
+            children.setdefault(c.parent, []).append(c)
+    intended: set[str] = set()
+    fwd = _forward(trace, calls, children, intended, frames_of)
+    bwd = _backward(trace, calls, children, intended, frames_of)
+    return NumericsReport(*fwd, *bwd, checked, len(tensors) - checked, intended_inf=len(intended))
 
 
-def _first_forward(trace: Trace) -> Anomaly | None:
+def _post_order(roots: list[Call], children: dict[str, list[Call]]) -> Iterator[Call]:
+    """Calls with the calls nested in them first (a Function after the ops inside it)."""
+    for c in roots:
+        kids = children.get(c.name)
+        if kids:
+            yield from _post_order(kids, children)
+        yield c
+
+
+def _check_call(hunt: _Hunt, trace: Trace, call: Call, intended: set[str], node: str | None = None,
+                backward_run: str | None = None) -> None:
+    """Look at one call's own outputs (and the versions it wrote) for NaN and Inf."""
     tensors = trace.tensors
-    first: Anomaly | None = None
-    counts: Counter[str] = Counter()
-    # Inside a custom Function whose own outputs are finite, a non-finite intermediate (the -inf
-    # of an attention mask before softmax) is the Function's business, not an anomaly.
-    by_name = {c.name: c for c in trace.calls}
-    sealed: set[str] = set()
-    for call in trace.calls:
-        if call.kind == "function" and not any(_bad(tensors.get(o)) for o in call.outputs):
-            sealed.add(call.name)
-    for call in trace.calls:
-        if call.phase != "forward" or _inside(call.parent, by_name, sealed):
-            continue
-        bad_out = [o for o in call.outputs if tensors.get(o) is not None and tensors[o].producer == call.name
-                   and _bad(tensors[o])]
+    outs = [o for o in [*call.outputs, *call.mutated] if (r := tensors.get(o)) is not None and r.producer == call.name]
+    nan_out = [o for o in outs if _nan(tensors[o])]
+    inf_out = [o for o in outs if _inf(tensors[o])]
+    if inf_out:
+        inf_in = [i for i in call.inputs if _inf(tensors.get(i))]
+        if has_inf_constant(call.args) or (inf_in and all(i in intended for i in inf_in)):
+            intended.update(inf_out)
+            inf_out = []
+    for kind, bad_out, count in (("nan", nan_out, _nan), ("inf", inf_out, _inf)):
         if not bad_out:
             continue
-        if first is None:
+
+        def make(bad_out: list[str] = bad_out, count: Callable[[TensorRecord | None], int] = count,
+                 kind: str = kind) -> Anomaly:
             rec = tensors[bad_out[0]]
             assert rec.stats is not None
-            bad_in = [i for i in call.inputs if _bad(tensors.get(i))]
-            first = Anomaly("forward", rec.name, call.name, call.api, call.module, not bad_in, rec.stats.nan,
-                            rec.stats.inf, call.stack, bad_in)
-        else:
-            counts[call.module] += 1
-    if first is not None:
-        first.contaminated = sum(counts.values())
-        first.contaminated_by_module = dict(counts)
-    return first
+            bad_in = [i for i in call.inputs if count(tensors.get(i))]
+            return Anomaly(hunt.phase, rec.name, call.name, call.api, call.module, not bad_in, rec.stats.nan,
+                           rec.stats.inf, hunt.stack(call.stack_id, call.stack), bad_in, kind=kind, node=node,
+                           backward_run=backward_run)
+        hunt.see(kind, call.module, make)
 
 
-def _inside(parent: str | None, calls: dict[str, Any], sealed: set[str]) -> bool:
+def _forward(trace: Trace, calls: dict[str, Call], children: dict[str, list[Call]], intended: set[str],
+             frames_of: FramesOf | None) -> tuple[Anomaly | None, Anomaly | None]:
+    tensors = trace.tensors
+    hunt = _Hunt("forward", frames_of)
+    # Inside a custom Function whose own outputs are finite, a non-finite intermediate is the
+    # Function's business (it did not escape), not an anomaly.
+    sealed = {c.name for c in trace.calls
+              if c.kind == "function" and not any(_bad(tensors.get(o)) for o in c.outputs)}
+    roots = [c for c in trace.calls if c.phase == "forward" and (c.parent is None or c.parent not in calls)]
+    for call in _post_order(roots, children):
+        if call.phase == "forward" and not _inside(call.parent, calls, sealed):
+            _check_call(hunt, trace, call, intended)
+    return hunt.result()
+
+
+def _inside(parent: str | None, calls: dict[str, Call], sealed: set[str]) -> bool:
     while parent is not None:
         if parent in sealed:
             return True
@@ -153,37 +280,45 @@ def _inside(parent: str | None, calls: dict[str, Any], sealed: set[str]) -> bool
     return False
 
 
-def _first_backward(trace: Trace) -> Anomaly | None:
-    tensors = trace.tensors
+def _backward(trace: Trace, calls: dict[str, Call], children: dict[str, list[Call]], intended: set[str],
+              frames_of: FramesOf | None) -> tuple[Anomaly | None, Anomaly | None]:
     nodes = {n.name: n for n in trace.grad_nodes}
-    calls = {c.name: c for c in trace.calls}
-    first: Anomaly | None = None
-    counts: Counter[str] = Counter()
+    hunt = _Hunt("backward", frames_of)
     for run in trace.backward_runs:
         for step in run.steps:
             node = nodes.get(step.node)
             call = calls.get(node.call) if node is not None and node.call else None
             module = call.module if call is not None else ""
-            bad_in = [g for g in step.grads_in if g is not None and _bad(tensors.get(g))]
-            bad_out = [g for g in step.grads_out if g is not None and _bad(tensors.get(g))]
-            if not bad_out and not (bad_in and first is None and not step.grads_out):
-                continue
-            if first is None:
-                name = (bad_out or bad_in)[0]
-                rec = tensors[name]
-                assert rec.stats is not None
-                origin = bool(bad_out) and not bad_in
-                first = Anomaly("backward", name, step.node, node.kind if node else "?", module, origin,
-                                rec.stats.nan, rec.stats.inf, node.stack if node else (), bad_in,
-                                backward_run=run.name,
-                                from_forward=call is not None and any(
-                                    _bad(tensors.get(t)) for t in [*call.inputs, *call.outputs]))
-            else:
-                counts[module] += 1
-    if first is not None:
-        first.contaminated = sum(counts.values())
-        first.contaminated_by_module = dict(counts)
-    return first
+            # The node's own code first (a custom backward): the innermost op is the origin.
+            inner = [calls[c] for c in step.calls if c in calls]
+            for c in _post_order(inner, children):
+                _check_call(hunt, trace, c, intended, node=step.node, backward_run=run.name)
+            _check_step(hunt, trace, run.name, step, node, call, module, frames_of)
+    return hunt.result()
+
+
+def _check_step(hunt: _Hunt, trace: Trace, run: str, step: NodeRun, node: GradNode | None, call: Call | None,
+                module: str, frames_of: FramesOf | None) -> None:
+    tensors = trace.tensors
+    for kind, count in (("nan", _nan), ("inf", _inf)):
+        bad_in = [g for g in step.grads_in if g is not None and count(tensors.get(g))]
+        bad_out = [g for g in step.grads_out if g is not None and count(tensors.get(g))]
+        # An accumulator (no outputs) that received a bad gradient still shows where it ended.
+        if not bad_out and not (bad_in and kind not in hunt.first and not step.grads_out):
+            continue
+
+        def make(bad_in: list[str] = bad_in, bad_out: list[str] = bad_out, kind: str = kind) -> Anomaly:
+            rec = tensors[(bad_out or bad_in)[0]]
+            assert rec.stats is not None
+            stack = node.stack if node is not None else ()
+            if not stack and frames_of is not None and node is not None:
+                stack = frames_of(node.stack_id)
+            return Anomaly("backward", rec.name, step.node, node.kind if node else "?", module,
+                           bool(bad_out) and not bad_in, rec.stats.nan, rec.stats.inf, stack, bad_in,
+                           backward_run=run, kind=kind,
+                           from_forward=call is not None and any(
+                               _bad(tensors.get(t)) for t in [*call.inputs, *call.outputs]))
+        hunt.see(kind, module, make)
 
 
 class NonFiniteError(FloatingPointError):
@@ -195,7 +330,8 @@ class NonFiniteError(FloatingPointError):
 
 
 class NonFiniteGuard(Listener):
-    """Listener behind ``raise_on_nonfinite``: checks each output and gradient as it is made.
+    """Listener behind ``raise_on_nonfinite``: checks each output and gradient as it is made, by
+    the rules of ``find_anomalies`` (a NaN always, an Inf unless intended).
 
     Reading whether a tensor is finite synchronises with the device once per call: this mode is
     for hunting a NaN, not for routine runs (``check_numerics`` alone costs no sync per op).
@@ -203,28 +339,41 @@ class NonFiniteGuard(Listener):
 
     def __init__(self, recorder: Any) -> None:
         self._recorder = recorder
+        self._intended: set[str] = set()  # tensors whose Inf is intended (see the module docstring)
 
     @staticmethod
-    def _finite(tensors: Any) -> bool:
+    def _nonfinite(tensors: Any) -> tuple[bool, bool]:
+        """(any NaN, any Inf) among the tensors, in one device read per tensor."""
+        nan = inf = False
         for t in tensors:
             if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) and t.numel() \
-                    and t.layout == torch.strided and not t.is_meta and not bool(torch.isfinite(t).all()):
-                return False
-        return True
+                    and t.layout == torch.strided and not t.is_meta and type(t) in (torch.Tensor, torch.nn.Parameter):
+                a, b = torch.stack((torch.isnan(t).any(), torch.isinf(t).any())).tolist()
+                nan, inf = nan or bool(a), inf or bool(b)
+        return nan, inf
 
     def _raise(self, trace: Trace, phase: str) -> None:
-        self._recorder.hasher.drain(wait=True)
-        report = find_anomalies(trace)
+        rec = self._recorder
+        rec.hasher.drain(wait=True)
+        table = rec.stack_table
+        report = find_anomalies(trace, table.frames_of if table is not None else None)
         anomaly = report.forward if phase == "forward" else report.backward
         if anomaly is not None:
             raise NonFiniteError(anomaly)
 
     def on_call(self, trace: Trace, call: Any, token: Any, outputs: list[torch.Tensor]) -> None:
         with torch._C.DisableTorchFunction():
-            if not self._finite(outputs):
-                self._raise(trace, "forward")
+            nan, inf = self._nonfinite(outputs)
+        if inf and not nan and (has_inf_constant(call.args) or any(i in self._intended for i in call.inputs)):
+            # An Inf from a constant, or carried on from one (any other Inf among the inputs
+            # would have stopped the run where it was made).
+            self._intended.update([*call.outputs, *call.mutated])
+            return
+        if nan or inf:
+            self._raise(trace, call.phase)
 
     def on_node_end(self, trace: Trace, node: str, step: Any, grads: tuple[Any, ...]) -> None:
         with torch._C.DisableTorchFunction():
-            if not self._finite(grads):
-                self._raise(trace, "backward")
+            nan, inf = self._nonfinite(grads)
+        if nan or inf:
+            self._raise(trace, "backward")

@@ -127,6 +127,17 @@ def _runs_user_code(node: Any, kind: str) -> bool:
     return isinstance(node, _BackwardCFunction)
 
 
+def _creates_graph(api: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a backward call passes ``create_graph=True`` (by keyword or position)."""
+    if "create_graph" in kwargs:
+        return bool(kwargs["create_graph"])
+    # Positions: Tensor.backward(self, gradient, retain_graph, create_graph),
+    # autograd.backward(tensors, grad_tensors, retain_graph, create_graph),
+    # autograd.grad(outputs, inputs, grad_outputs, retain_graph, create_graph).
+    pos = 4 if api.endswith(".grad") else 3
+    return len(args) > pos and bool(args[pos])
+
+
 def _storage_key(t: torch.Tensor) -> int:
     """Which storage a tensor's bytes live in (0 when it has none that can be read): the storage
     object's identity, not its address, which a later allocation may reuse once it is freed
@@ -290,7 +301,12 @@ class Recorder:
         self._acc_vars: dict[str, weakref.ref[torch.Tensor]] = {}  # accumulator name -> its leaf
         # Accumulator running now -> the name of its leaf's .grad before it ran (None: no .grad).
         self._grad_before: dict[str, str | None] = {}
-        self._aliases: dict[int, list[weakref.ref[torch.Tensor]]] = {}  # storage address -> tensors
+        self._aliases: dict[int, list[weakref.ref[torch.Tensor]]] = {}  # storage -> tensors
+        self._node_modules: dict[str, str] = {}  # nodes that run user code -> their call's module
+        # A backward run with create_graph=True makes grad nodes while it runs; those are
+        # adopted by the node that made them (see _adopt_nodes).
+        self._create_graph = False
+        self._bwd_seq0: tuple[int, int] | None = None  # (thread, sequence number) at its start
         self._edges: dict[str, tuple[tuple[str | None, int], ...]] = {}  # node -> (dest node, slot) per output
         self._node_recs: dict[str, GradNode] = {}
         self._slot_tensor: dict[tuple[str, int], str] = {}
@@ -380,6 +396,11 @@ class Recorder:
     def function_depth(self) -> int:
         """How many custom Function forwards enclose the call being recorded."""
         return len(self._parents)
+
+    @property
+    def in_backward(self) -> bool:
+        """Whether a backward run of this trace is in progress."""
+        return self._in_backward > 0
 
     @property
     def running_node(self) -> str | None:
@@ -692,12 +713,19 @@ class Recorder:
                 if root is not None:
                     self._slot_tensor[(root, t.output_nr)] = names_of[identity(t)]
             running = self._running
+            parent = self._parents[-1] if self._parents else (running[-1] if running else None)
+            if self._module_stack:
+                module = self._module_stack[-1]
+            else:  # in backward: the module of the running node's forward call
+                module = self._node_modules.get(running[-1], "") if running else ""
             # Positional, in Call's field order: this runs for every recorded call.
-            call = Call(name, api, self._module_stack[-1] if self._module_stack else "", in_names, out_names,
-                        naming.short_args(args, kwargs), node_names, stack_id,
-                        self._parents[-1] if self._parents else (running[-1] if running else None),
-                        kind, "backward" if self._in_backward else "forward", seq, mutated_names)
+            call = Call(name, api, module, in_names, out_names, naming.short_args(args, kwargs), node_names,
+                        stack_id, parent, kind, "backward" if self._in_backward else "forward", seq, mutated_names)
             self.trace.calls.append(call)
+            if running and parent == running[-1]:  # made by a grad node's own code
+                step = self._open_steps.get(parent)
+                if step is not None:
+                    step.calls.append(name)
             if self.listeners:
                 for li, tok in zip(self.listeners, tokens or [None] * len(self.listeners)):
                     li.on_call(self.trace, call, tok, produced)
@@ -823,6 +851,8 @@ class Recorder:
         # one that outlives the trace (a graph kept alive past the block) finds the recorder
         # closed and returns at once. Keeping and removing them cost a Python call per hook.
         user_code = _runs_user_code(node, kind)
+        if user_code and self._module_stack:
+            self._node_modules[name] = self._module_stack[-1]
         # Accumulators always get both: the pre-hook notes the leaf's .grad before it runs, the
         # hook names what it became (the gradient itself, or a new version accumulated into it).
         if user_code or external or kind == _ACCUMULATE or self._saved_hooks \
@@ -883,16 +913,23 @@ class Recorder:
 
     # ---- backward -----------------------------------------------------------------------------
     def record_backward(self, func: Any, api: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """One backward run, from ``Tensor.backward``, ``autograd.backward`` or ``autograd.grad``.
+        A run started inside another one (``autograd.grad`` in a custom Function's backward) is
+        recorded as a run of its own; the outer run's state is put back when it ends."""
+        outer = (self._run, self._run_index, self._indegree, self._create_graph, self._bwd_seq0)
         with self.lock, torch._C.DisableTorchFunction():
             first = args[0] if args else kwargs.get("tensors", kwargs.get("outputs"))
             roots = [self.name_of(t) for t in _unique(flat_tensors(first))]
             stack_id = self.stack_table.capture() if self.stack_table is not None else None
             run = BackwardRun(name=self.counters.next("grad" if api.endswith(".grad") else "backward"),
                               api=api, roots=roots, stack_id=stack_id, seq=len(self.trace.backward_runs))
-            self._run_index += 1
+            self._run_index = run.seq  # gradients of the k-th run are named ...#k
             self._run = run
             self.trace.backward_runs.append(run)
             self._indegree = self._indegree_from(_unique(flat_tensors(first)))
+            self._create_graph = _creates_graph(api, args, kwargs)
+            if self._create_graph and _get_seq is not None:
+                self._bwd_seq0 = (threading.get_ident(), _get_seq())
         for li in self.listeners:
             li.on_backward_begin(self.trace, run)
         # Waiting checksums are read before the backward: gradient accumulation and custom
@@ -906,7 +943,9 @@ class Recorder:
             run.status = "failed"
             run.error = f"{type(exc).__name__}: {exc}"
             error = exc
-            if isinstance(exc, Exception):
+            # The outermost run explains the error once, with every level still running (a
+            # nested run leaves its running nodes in place for it).
+            if isinstance(exc, Exception) and outer[0] is None:
                 running = list(self._running)
                 try:  # a node with no pre-hook does not show in _running: find it from the graph
                     with torch._C.DisableTorchFunction():
@@ -921,9 +960,10 @@ class Recorder:
             for li in self.listeners:
                 li.on_backward_end(self.trace, run, error)
             self._in_backward -= 1
-            self._run = None
-            self._running.clear()
-            self._open_steps.clear()
+            self._run, self._run_index, self._indegree, self._create_graph, self._bwd_seq0 = outer
+            if self._run is None:
+                self._running.clear()
+                self._open_steps.clear()
         if api.endswith(".grad"):
             with self.lock, torch._C.DisableTorchFunction():
                 results = flat_tensors(out)
@@ -989,13 +1029,14 @@ class Recorder:
     def _current_run(self) -> BackwardRun:
         if self._run is None:  # backward started where the trace could not see it
             self._indegree = self._indegree_all()
-            self._run_index += 1
+            self._run_index = len(self.trace.backward_runs)
             self._run = BackwardRun(name=self.counters.next("backward"), api="(engine)", roots=[],
                                     seq=len(self.trace.backward_runs))
             self.trace.backward_runs.append(self._run)
         return self._run
 
-    def _grad_names(self, node: str, grads: tuple[Any, ...], produced: bool) -> list[str | None]:
+    def _grad_names(self, node: str, grads: tuple[Any, ...], produced: bool,
+                    own_calls: list[str] | None = None) -> list[str | None]:
         """Names of the gradients a node received (``grad_outputs``) or, with ``produced``, made
         (``grad_inputs``), recording the new ones. A gradient already named (passed through
         unchanged) keeps its name; a new name is only formatted for a new tensor."""
@@ -1007,19 +1048,28 @@ class Recorder:
                 names.append(None)
                 continue
             hit = tensor_names.get(g)
-            if hit is not None and hit[1] == _version(g):
+            if hit is not None and hit[1] == _version(g) and not (own_calls and self._made_by(hit[0], own_calls)):
                 names.append(hit[0])
             elif produced:
+                # A gradient the node's own code made (a custom backward: named by the op that
+                # made it) is also recorded under its gradient name, so <param>@grad exists.
                 dest, k = edges[i] if i < len(edges) else (None, 0)
                 # The gradient of a tensor when it alone flows into that slot; else this edge's
                 # own partial gradient.
                 gname = self._slot_grad(dest, k) if dest is not None and self._indegree.get((dest, k), 0) == 1 \
                     else None
+                if hit is not None and gname is None:
+                    names.append(hit[0])
+                    continue
                 names.append(self._new_tensor(g, gname or self._in_run(f"{node}:grad{i}"), "grad", node))
             else:
                 gname = self._slot_grad(node, i) or self._in_run(f"{node}:gin{i}")
                 names.append(self._new_tensor(g, gname, "grad", None))
         return names
+
+    def _made_by(self, tensor: str, calls: list[str]) -> bool:
+        rec = self.trace.tensors.get(tensor)
+        return rec is not None and rec.producer in calls
 
     def node_begin(self, node: str, grad_outputs: tuple[Any, ...]) -> None:
         if self.stopped:
@@ -1042,7 +1092,9 @@ class Recorder:
             return
         with self.lock, torch._C.DisableTorchFunction():
             step = self._open_steps.pop(node, None)
-            names = self._grad_names(node, grad_inputs, True)
+            names = self._grad_names(node, grad_inputs, True, step.calls if step is not None else None)
+            if self._create_graph:
+                self._adopt_nodes(node, grad_inputs)
             if node in self._acc_vars:
                 self._name_accumulated(node, step)
             if step is not None:
@@ -1131,6 +1183,8 @@ class Recorder:
             step = NodeRun(node, self._grad_names(node, grad_outputs, False), [])
             run.steps.append(step)
             step.grads_out = self._grad_names(node, grad_inputs, True)
+            if self._create_graph:
+                self._adopt_nodes(node, grad_inputs)
             if self.listeners:  # attached after this node was made: both events, back to back
                 self._running.append(node)
                 for li in self.listeners:
@@ -1138,6 +1192,28 @@ class Recorder:
                 for li in self.listeners:
                     li.on_node_end(self.trace, node, step, grad_inputs)
                 self._running.pop()
+
+    def _adopt_nodes(self, parent: str, grads: tuple[Any, ...]) -> None:
+        """Grad nodes that ``parent``'s backward has just made (``create_graph=True``: a gradient
+        penalty's double backward) belong to it: named ``<parent>/<class>``, with the stack of
+        the line that started the backward run. Without this they would be found later as
+        nodes from outside the block."""
+        run = self._run
+        stack_id = run.stack_id if run is not None else None
+        seq0 = None
+        if self._bwd_seq0 is not None and self._bwd_seq0[0] == threading.get_ident():
+            seq0 = self._bwd_seq0[1]  # (on an engine thread of its own: no lower bound)
+        seq1 = _get_seq() if _get_seq is not None and seq0 is not None else None
+        names: list[str] = []
+        local_kinds: dict[str, int] = {}
+        for g in grads:
+            gf = g.grad_fn if isinstance(g, torch.Tensor) else None
+            if gf is None or type(gf).__name__ == _ACCUMULATE or self._node_name(gf) is not None:
+                continue
+            self._collect_nodes(gf, seq0, seq1, parent, stack_id, names, local_kinds)
+        for n in names:
+            rec = self._node_recs[n]
+            rec.call, rec.parent = None, parent
 
     def _infer_failing_node(self, roots: list[torch.Tensor]) -> str | None:
         """The grad node a failed backward was running when that node had no pre-hook.
@@ -1481,19 +1557,47 @@ _ORIGINAL_APPLY = _FunctionBase.__dict__["apply"]
 _ACTIVE: Recorder | None = None
 
 
+# Private (the node the autograd engine runs on this thread); without it, Functions applied on an
+# engine thread (CUDA backward) are not recorded.
+_current_autograd_node: Callable[[], Any] | None = getattr(torch._C, "_current_autograd_node", None)
+
+
+def _on_traced_thread(rec: Recorder) -> bool:
+    """The trace's own thread, or an autograd engine thread running one of its backward passes."""
+    if threading.get_ident() == rec.owner:
+        return True
+    return bool(rec.in_backward) and _current_autograd_node is not None and _current_autograd_node() is not None
+
+
 def _traced_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
     rec = _ACTIVE
     original = _ORIGINAL_APPLY.__func__
-    if rec is None or rec.closed or rec.paused or rec.stopped or rec.op_depth \
-            or threading.get_ident() != rec.owner:
+    if rec is None or rec.closed or rec.paused or rec.stopped or rec.op_depth or not _on_traced_thread(rec):
         return original(cls, *args, **kwargs)
     return rec.record_function(cls, original, args, kwargs)
+
+
+# ---- custom backward code: BackwardCFunction.apply runs a Function's backward (or vjp) -------------
+# The whole backward pass runs inside the mode's handler for Tensor.backward, where the mode is
+# off (and on CUDA it runs on engine threads, where it never was on). To see the ops a custom
+# Function's backward makes, a mode of the same recorder is pushed around that code alone: they
+# become calls nested under the running grad node, with their stacks inside backward().
+_ORIGINAL_BACKWARD_APPLY = _BackwardCFunction.__dict__["apply"]
+
+
+def _traced_backward_apply(self: Any, *args: Any) -> Any:
+    rec = _ACTIVE
+    if rec is None or rec.closed or rec.paused or rec.stopped or not rec.in_backward:
+        return _ORIGINAL_BACKWARD_APPLY(self, *args)
+    with _Mode(rec):
+        return _ORIGINAL_BACKWARD_APPLY(self, *args)
 
 
 def _install_apply_wrapper(rec: Recorder) -> None:
     global _ACTIVE
     _ACTIVE = rec
     _FunctionBase.apply = classmethod(_traced_apply)  # type: ignore[method-assign,assignment]
+    _BackwardCFunction.apply = _traced_backward_apply  # type: ignore[method-assign]
 
 
 def _uninstall_apply_wrapper(rec: Recorder) -> None:
@@ -1501,6 +1605,7 @@ def _uninstall_apply_wrapper(rec: Recorder) -> None:
     if _ACTIVE is rec:
         _ACTIVE = None
         _FunctionBase.apply = _ORIGINAL_APPLY  # type: ignore[method-assign]
+        _BackwardCFunction.apply = _ORIGINAL_BACKWARD_APPLY  # type: ignore[method-assign]
 
 
 def active_recorder() -> Recorder | None:
