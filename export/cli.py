@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -59,14 +60,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(func(args) or 0)
+        code = int(func(args) or 0)
+        sys.stdout.flush()  # here, not at exit, so that a closed pipe is seen below
+        return code
     except (UserError, TraceFormatError) as exc:
         print(f"gradtrace {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except BrokenPipeError:  # `gradtrace md5 x | head` closes the pipe: not an error
-        return 0
+    except BrokenPipeError:
+        # `gradtrace diff a b | head -1` closed the pipe: not an error, and the exit status must
+        # not depend on the reader. A command whose verdict is known before it prints (diff) puts
+        # it in args.exit_code. Python's own flush at exit would fail again: point stdout at
+        # /dev/null first.
+        _silence_stdout()
+        return int(getattr(args, "exit_code", 0))
     except KeyboardInterrupt:
         return 130
+
+
+def _silence_stdout() -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no real file descriptor (tests capture stdout)
+        pass
 
 
 if __name__ == "__main__":

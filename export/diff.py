@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from export.align import Pair, align_calls, align_steps, call_mapping
 from export.cli import UserError
 from tracer.model import SCHEMA_VERSION, Frame, GradNode, Stats, TensorRecord, Trace
+from tracer.naming import gradient_of
 from tracer.numerics import NumericsReport, find_anomalies
 
 if TYPE_CHECKING:
@@ -71,8 +72,9 @@ class Tolerance:
 class Compared:
     """One tensor of A against its counterpart in B.
 
-    ``status`` is ``equal``, ``differ`` or ``unknown`` (not recorded, or neither hash nor stats to
-    judge by). ``abs``/``rel`` are the largest stat differences where both tensors have stats.
+    ``status`` is ``equal``, ``differ``, ``unknown`` (not recorded, or neither hash nor stats to
+    judge by) or ``skipped`` (uninitialised memory: nothing to compare). ``abs``/``rel`` are the
+    largest stat differences where both tensors have stats.
     """
 
     status: str
@@ -121,6 +123,8 @@ class Comparer:
     def _compare(self, ra: TensorRecord | None, rb: TensorRecord | None) -> Compared:
         if ra is None or rb is None:
             return Compared("unknown", why="not recorded")
+        if ra.uninitialized or rb.uninitialized:  # memory nobody wrote (torch.empty_like): never compared
+            return Compared("skipped", why="uninitialised memory")
         if ra.shape != rb.shape:
             return Compared("differ", INF, INF, f"shape {list(ra.shape)} vs {list(rb.shape)}")
         sd = stat_diff(ra.stats, rb.stats)
@@ -326,7 +330,23 @@ class DiffResult:
 
     @property
     def differing_params(self) -> list[ParamDiff]:
-        return [p for p in self.params if p.differs]
+        """Parameters that differ, those whose value before the step differs first."""
+        bad = [p for p in self.params if p.differs]
+        return [p for p in bad if p.value.status == "differ"] + [p for p in bad if p.value.status != "differ"]
+
+    def _changed_values(self) -> str:
+        """The parameters whose value differs before the step, named, each with the first call
+        that read it when forward found no origin (a change rounded away by that call)."""
+        changed = [p.name for p in self.params if p.value.status == "differ" or p.only_in]
+        if not changed:
+            return ""
+        text = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+        head = f"value of {text} differs" if len(changed) == 1 else f"values of {text} differ"
+        if self.forward.origin is None and self.trace_a is not None:
+            reader = next((c.name for c in self.trace_a.calls if c.phase == "forward" and changed[0] in c.inputs), None)
+            if reader is not None:
+                head += f" (first read by {reader}, whose outputs matched)"
+        return head
 
     def verdict(self) -> str:
         """The one-line answer, printed first."""
@@ -348,7 +368,9 @@ class DiffResult:
             return f"EQUAL within {self.tolerance}{at}{tail}"
         parts = [f"forward: {f.summary()}", f"backward: {b.summary()}"]
         if self.differing_params:
-            parts.append(f"{len(self.differing_params)} parameter(s) differ")
+            changed = self._changed_values()
+            n = len(self.differing_params)
+            parts.append(changed + (f"; {n} parameter(s) differ in all" if changed else f"{n} parameter(s) differ"))
         head = "DIVERGED" if self.tolerance is None else f"BEYOND TOLERANCE ({self.tolerance})"
         if self.tolerance is not None and f.origin is not None:
             head += f", within it up to rel {_fmt(f.before_origin)}"
@@ -505,7 +527,7 @@ class _Section:
 
 
 # ---- forward ------------------------------------------------------------------------------------
-def _forward(a: Trace, b: Trace, cmp: Comparer, rows: list[Pair]) -> tuple[Divergence, dict[str, bool]]:
+def _forward(a: Trace, b: Trace, cmp: Comparer, rows: list[Pair]) -> tuple[Divergence, dict[str, str]]:
     """Evaluate aligned calls; also returns, per A call, whether any of its tensors differ."""
     sec = _Section("forward")
     d = sec.div
@@ -513,8 +535,13 @@ def _forward(a: Trace, b: Trace, cmp: Comparer, rows: list[Pair]) -> tuple[Diver
     removed_a = {a.calls[r.a].name for r in rows if r.b is None and r.a is not None}
     inserted_b = {b.calls[r.b].name for r in rows if r.a is None and r.b is not None}
     cause: dict[str, str] = {}  # A call -> why its outputs differ
-    touched: dict[str, bool] = {}
+    touched: dict[str, str] = {}  # A call -> what of it differs ("" when nothing)
     ranks = _post_order(a)
+    first_reader: dict[str, str] = {}  # A tensor -> the first forward call that read it
+    for c in a.calls:
+        if c.phase == "forward":
+            for i in c.inputs:
+                first_reader.setdefault(i, c.name)
 
     def input_cause(na: str | None, nb: str | None) -> tuple[str, str]:
         ra = a.tensors.get(na) if na else None
@@ -554,7 +581,8 @@ def _forward(a: Trace, b: Trace, cmp: Comparer, rows: list[Pair]) -> tuple[Diver
         sec.finish_row(row, outs)
         diff_in = [(x, y) for x, y, c in ins if c.status == "differ"]
         diff_out = [x for x, _, c in outs if c.status == "differ"]
-        touched[ca.name] = bool(diff_in or diff_out)
+        touched[ca.name] = (f"its input {', '.join(x or y or '?' for x, y in diff_in)} differs" if diff_in
+                            else "its outputs differ" if diff_out else "")
         if not diff_out:
             if any(c.status == "unknown" for _, _, c in outs):
                 row.status = "unknown"
@@ -564,8 +592,16 @@ def _forward(a: Trace, b: Trace, cmp: Comparer, rows: list[Pair]) -> tuple[Diver
         kinds = {k for k, _ in causes}
         if kinds <= {"source"}:
             leaves = [t for k, t in causes if k == "source"]
-            reason = (_out_reason(outs, row, cmp.tol) if not leaves
-                      else f"first call to read changed {', '.join(leaves)}")
+            changed = [x or y or "?" for (x, y), (k, _) in zip(diff_in, causes) if k == "source"]
+            if not leaves:
+                reason = _out_reason(outs, row, cmp.tol)
+            else:
+                earlier = sorted({first_reader[n] for n in changed if first_reader.get(n, ca.name) != ca.name})
+                if not earlier:
+                    reason = f"first call to read the changed {', '.join(leaves)}: input differs, outputs differ"
+                else:  # an earlier reader's outputs came out equal (the change was rounded away)
+                    reason = (f"reads the changed {', '.join(leaves)} (read first by {', '.join(earlier)}, whose "
+                              "outputs matched): input differs, outputs differ")
             cause[ca.name] = "forward"
             row.status, row.note = "new", reason
             sec.candidates.append((ranks[r.a], row, reason))
@@ -602,7 +638,7 @@ def _node_kind(trace: Trace, name: str) -> tuple[GradNode | None, str]:
 
 
 def _backward(a: Trace, b: Trace, cmp: Comparer, calls: dict[str, str],
-              touched: dict[str, bool]) -> Divergence:
+              touched: dict[str, str]) -> Divergence:
     sec = _Section("backward")
     d = sec.div
     cause: dict[str, str] = {}  # A node -> cause of its differing gradients
@@ -682,7 +718,7 @@ def _backward(a: Trace, b: Trace, cmp: Comparer, calls: dict[str, str],
             if kinds <= {"source"}:
                 call = node.call if node is not None else None
                 if call is not None and touched.get(call):
-                    reason = f"forward values saved by {call} differ (its forward call diverged)"
+                    reason = f"forward values saved by {call} differ ({touched[call]})"
                 elif call is not None:
                     same = "matched" if cmp.tol is None else "stayed within tolerance"
                     reason = (f"backward-only: {_out_reason(outs, row, cmp.tol, 'gradients in')} while "
@@ -750,10 +786,18 @@ def _leaf_params(t: Trace) -> list[str]:
 
 
 def _grad_name(t: Trace, p: str) -> str | None:
-    for n in (f"{p}.grad", f"{p}@grad"):
-        if n in t.tensors:
-            return n
-    return None
+    """The gradient of ``p`` that the optimizer step read (with gradient accumulation, the sum of
+    the micro-batches' gradients), else the last value of ``p``'s gradient in the trace."""
+    for c in t.calls:
+        if c.kind == "optimizer":
+            for i in c.inputs:
+                if gradient_of(i) == p:
+                    return i
+    last = None
+    for n, rec in t.tensors.items():  # in recording order
+        if rec.role == "grad" and gradient_of(n) == p and "#" not in n:
+            last = n
+    return last if last is not None else (f"{p}@grad" if f"{p}@grad" in t.tensors else None)
 
 
 def _last_version(t: Trace, p: str) -> str | None:
@@ -877,17 +921,18 @@ def _run(args: argparse.Namespace) -> int:
     if args.ranks:
         from export.diff_ranks import run_paths
 
-        return run_paths([args.a, args.b, *args.more], as_json=args.json)
+        return run_paths([args.a, args.b, *args.more], as_json=args.json, args=args)
     if args.more:
         raise UserError("diff compares two traces; pass --ranks to compare one trace per rank")
 
-    from rich.console import Console
-
     result = diff(args.a, args.b, rtol=args.rtol, atol=args.atol)
+    args.exit_code = result.exit_code  # the verdict, whatever happens to the output (a closed pipe)
     if args.json:
         print(json.dumps(result.to_json(), indent=2, sort_keys=True, allow_nan=False))
     else:
-        result.render(Console(highlight=False))
+        from export.summary import make_console
+
+        result.render(make_console())
     if args.html:
         from export.diff_html import diff_html
 

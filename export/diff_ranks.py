@@ -466,8 +466,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.set_defaults(func=_run)
 
 
-def run_paths(paths: Sequence[str], *, as_json: bool = False) -> int:
-    """Compare per-rank trace files and print the result; the exit status (for ``diff --ranks``)."""
+def run_paths(paths: Sequence[str], *, as_json: bool = False, args: argparse.Namespace | None = None) -> int:
+    """Compare per-rank trace files and print the result; the exit status (for ``diff --ranks``),
+    also put in ``args.exit_code`` before anything is printed (see ``export.cli.main``)."""
     from export.cli import UserError
 
     for path in paths:
@@ -476,6 +477,8 @@ def run_paths(paths: Sequence[str], *, as_json: bool = False) -> int:
     result = diff_ranks(list(paths))
     if result.problems:
         raise UserError("; ".join(result.problems))
+    if args is not None:
+        args.exit_code = result.exit_code
     if as_json:
         print(json.dumps(result.to_json(), indent=2, sort_keys=True, allow_nan=False))
     else:
@@ -486,7 +489,7 @@ def run_paths(paths: Sequence[str], *, as_json: bool = False) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    return run_paths(args.traces, as_json=args.json)
+    return run_paths(args.traces, as_json=args.json, args=args)
 
 
 # ---- terminal output --------------------------------------------------------------------------------------

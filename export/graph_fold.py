@@ -650,7 +650,7 @@ class _Builder:
                     self.add_edge(self.target(c.name), self.node_for_grad(self.gnodes[g]), "link", "")
         for n in self.t.grad_nodes:  # a parameter (and its .grad read later) <-> its accumulator
             if n.param is not None:
-                for name in (n.param, n.param + ".grad"):
+                for name in (n.param, n.param + "@grad", n.param + ".grad"):  # (.grad: format version 1)
                     src = self.ids.get(("sourceforward", self.rep.tensor(name)))
                     if src is not None:
                         self.add_edge(src, self.node_for_grad(n), "link", "")

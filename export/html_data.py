@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tracer.model import Call, GradNode, Stats, TensorRecord, Trace
+from tracer.naming import gradient_of
 
 PAYLOAD_VERSION = 1
 
@@ -307,8 +308,8 @@ class _Builder:
     def _base_tensor(self, name: str) -> str:
         base = _VERSION_SUFFIX.sub("", name)
         rec = self.trace.tensors.get(name)
-        if rec is not None and rec.role == "grad" and base.endswith(".grad"):
-            base = base[: -len(".grad")]
+        if rec is not None and rec.role == "grad":
+            base = gradient_of(name) or base
         return base
 
     def _param_of(self, members: list[int]) -> str | None:

@@ -42,11 +42,20 @@ _ITEMSIZE = {
 
 
 # ---- shared helpers --------------------------------------------------------------------------------
-def make_console() -> Console:
+class _StdoutConsole(Console):
+    """rich's Console exits with status 1 when stdout's reader goes away (``| head``); gradtrace
+    raises BrokenPipeError instead, so ``export.cli.main`` keeps the command's own status."""
+
+    def on_broken_pipe(self) -> None:
+        raise BrokenPipeError
+
+
+def make_console(**options: Any) -> Console:
     """A console on stdout: rich on a terminal, plain and 120 columns wide when piped."""
     tty = sys.stdout.isatty()
-    return Console(file=sys.stdout, width=None if tty else PLAIN_WIDTH, highlight=False,
-                   soft_wrap=False)
+    kwargs: dict[str, Any] = {"file": sys.stdout, "width": None if tty else PLAIN_WIDTH, "highlight": False,
+                              "soft_wrap": False, **options}
+    return _StdoutConsole(**kwargs)
 
 
 def load_trace(path: str) -> Trace:

@@ -171,7 +171,7 @@ def test_one_ulp_weight_change_origin_is_first_reader(base, ulp) -> None:
     assert readers[0] == "linear4"
     assert (f.origin_a, f.origin_b) == ("linear4", "linear4")
     assert f.origin.module == "layers.1.attn.qkv"
-    assert f.reason == "first call to read changed param layers.1.attn.qkv.weight"
+    assert f.reason == "first call to read the changed param layers.1.attn.qkv.weight: input differs, outputs differ"
     assert f.stack_a[-1].code == "q, k, v = self.qkv(x).split(D, dim=-1)"
     assert f.stack_b[-1].code == f.stack_a[-1].code and f.stack_a[-1].file == __file__
     # everything before the origin matches; nothing in layer 0 is contaminated
@@ -186,7 +186,8 @@ def test_one_ulp_weight_change_origin_is_first_reader(base, ulp) -> None:
 
     b = r.backward
     assert (b.origin_a, b.origin_b) == ("cross_entropy0/LogSoftmaxBackward0",) * 2
-    assert b.reason == "forward values saved by cross_entropy0 differ (its forward call diverged)"
+    # what differed in that forward call: its input (the logits), not "the call diverged"
+    assert b.reason == "forward values saved by cross_entropy0 differ (its input flatten0:out differs)"
     order = base.backward_runs[0].order
     assert order.index("cross_entropy0/LogSoftmaxBackward0") == 1  # right after NllLossBackward0
     assert [row.status for row in b.rows[:1]] == ["equal"]
@@ -364,7 +365,8 @@ def test_render_verdict_first_then_tables(base, ulp) -> None:
     diff(base, ulp).render(Console(file=buf, width=200, color_system=None))
     lines = buf.getvalue().splitlines()
     assert lines[0].startswith("DIVERGED — forward: first at linear4 (torch.nn.functional.linear in "
-                               "layers.1.attn.qkv): first call to read changed param layers.1.attn.qkv.weight")
+                               "layers.1.attn.qkv): first call to read the changed param layers.1.attn.qkv.weight: "
+                               "input differs, outputs differ")
     text = buf.getvalue()
     assert "Summary" in text and "First forward divergence" in text and "First backward divergence" in text
     assert "q, k, v = self.qkv(x).split(D, dim=-1)" in text

@@ -19,6 +19,7 @@ same names twice), readable, and linked:
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import Any
 
@@ -177,6 +178,18 @@ def version_name(base: str, version: int) -> str:
 
 def grad_suffix(run_index: int) -> str:
     return "@grad" if run_index == 0 else f"@grad#{run_index}"
+
+
+# <tensor>@grad, <tensor>@grad#<k> (k-th backward run), either with @v<n> (accumulated into);
+# version-1 files spelled a leaf's .grad <tensor>.grad.
+_GRADIENT = re.compile(r"^(?P<of>.+?)(?:@grad|\.grad)(?:#\d+)?(?:@v\d+)?$")
+
+
+def gradient_of(name: str) -> str | None:
+    """The tensor a gradient's name belongs to (``w`` for ``w@grad``, ``w@grad#1``, ``w@grad@v2``),
+    or None when ``name`` is not a gradient's name."""
+    m = _GRADIENT.match(name)
+    return m.group("of") if m else None
 
 
 def short_args(args: tuple[Any, ...], kwargs: dict[str, Any], limit: int = 120) -> str:

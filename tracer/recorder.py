@@ -127,6 +127,14 @@ def _runs_user_code(node: Any, kind: str) -> bool:
     return isinstance(node, _BackwardCFunction)
 
 
+def _grad_fn(t: torch.Tensor) -> Any:
+    """``t.grad_fn``, or None where reading it raises (a no_grad view whose base changed)."""
+    try:
+        return t.grad_fn
+    except RuntimeError:
+        return None
+
+
 def _creates_graph(api: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether a backward call passes ``create_graph=True`` (by keyword or position)."""
     if "create_graph" in kwargs:
@@ -650,7 +658,10 @@ class Recorder:
             produced = outs
         # Read grad_fn inside the bracket: an in-place change through a view regenerates the
         # base's grad_fn lazily (CopySlices), and it must land on this call.
-        grad_fns = [t.grad_fn for t in produced]
+        try:
+            grad_fns = [t.grad_fn for t in produced]
+        except RuntimeError:  # a view made under no_grad whose base changed in place refuses it
+            grad_fns = [_grad_fn(t) for t in produced]
         seq1 = _get_seq() if _get_seq is not None else None
         with self.lock, torch._C.DisableTorchFunction():
             if stack_id == _CAPTURE_NOW:
@@ -701,6 +712,10 @@ class Recorder:
                                              uninitialized=uninit)
                 names_of[key] = known
                 out_names[i] = known
+            if len(produced) > n_outs:
+                # What it wrote without returning it (foreach in-place ops, GradScaler's unscale
+                # return nothing) is among its outputs too.
+                out_names += [names_of[identity(t)] for t in produced[n_outs:]]
             node_names: list[str] = []
             local_kinds: dict[str, int] | None = None
             for t, gf in zip(produced, grad_fns):
@@ -985,7 +1000,7 @@ class Recorder:
         """Edges into each (node, slot) of the recorded graph reachable from ``roots``. Counted per
         backward run: with gradient accumulation each micro-batch's graph has its own edges into
         the same accumulators, and each run's gradient of a parameter is that parameter's."""
-        todo = [n for n in (self._node_name(t.grad_fn) for t in roots if t.grad_fn is not None) if n is not None]
+        todo = [n for n in (self._node_name(gf) for gf in map(_grad_fn, roots) if gf is not None) if n is not None]
         seen = set(todo)
         indegree: dict[tuple[str, int], int] = {}
         edges = self._edges
@@ -1083,6 +1098,7 @@ class Recorder:
             self._open_steps[node] = step
             self._running.append(node)
             if node in self._acc_vars:
+                self._name_leaf_incoming(node, step, grad_outputs)
                 self._note_grad_before(node)
             for li in self.listeners:
                 li.on_node_begin(self.trace, node, step, grad_outputs)
@@ -1118,6 +1134,18 @@ class Recorder:
         ref = self._acc_vars.get(acc)
         var = ref() if ref is not None else None
         return None if var is None else var.grad
+
+    def _name_leaf_incoming(self, acc: str, step: NodeRun, grads: tuple[Any, ...]) -> None:
+        """The gradient reaching a leaf's accumulator is that leaf's gradient, ``p@grad``, even when
+        the same tensor already has another name (passed through unchanged: ``(a + b)`` hands one
+        tensor to both accumulators): it is then recorded under that name too."""
+        slot = self._slot_grad(acc, 0)
+        g = grads[0] if grads else None
+        if slot is None or not isinstance(g, torch.Tensor) or not step.grads_in or step.grads_in[0] == slot:
+            return
+        if slot in self.trace.tensors:  # already recorded in this run (cannot happen twice): keep it
+            return
+        step.grads_in[0] = self._new_tensor(g, slot, "grad", None)
 
     def _note_grad_before(self, acc: str) -> None:
         """Pre-hook of an accumulator: the name of its leaf's .grad before the run adds to it."""
@@ -1207,7 +1235,7 @@ class Recorder:
         names: list[str] = []
         local_kinds: dict[str, int] = {}
         for g in grads:
-            gf = g.grad_fn if isinstance(g, torch.Tensor) else None
+            gf = _grad_fn(g) if isinstance(g, torch.Tensor) else None
             if gf is None or type(gf).__name__ == _ACCUMULATE or self._node_name(gf) is not None:
                 continue
             self._collect_nodes(gf, seq0, seq1, parent, stack_id, names, local_kinds)
@@ -1228,7 +1256,7 @@ class Recorder:
             return None
         done = {st.node for st in run.steps} - set(self._running)
         seq_of = {name: sn for (sn, _kind), name in self._node_by_seq.items()}
-        todo = [n for n in (self._node_name(t.grad_fn) for t in roots if t.grad_fn is not None) if n is not None]
+        todo = [n for n in (self._node_name(gf) for gf in map(_grad_fn, roots) if gf is not None) if n is not None]
         preds: dict[str, set[str]] = {n: set() for n in todo}
         while todo:
             name = todo.pop()
