@@ -328,6 +328,12 @@ class Hasher:
         writes an argument, a custom Function, backward, the optimizer step): every tensor still
         waiting for its checksum or stats is read first, on every stream (no host sync)."""
         fused = self._fused
+        if fused is None and not self._copy_events:
+            return
+        if torch.cuda.is_initialized() and _capturing():
+            # Nothing runs while a CUDA graph is captured (the writes happen at replay), and a
+            # launch or a wait on uncaptured work would break the capture: later.
+            return
         if fused is not None and fused.has_waiting:
             fused.flush()
         if self._copy_events or (fused is not None and fused.events):
