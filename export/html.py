@@ -32,7 +32,7 @@ from typing import Any
 
 from export.html_data import build_payload
 from export.memory_svg import MEMORY_CSS, memory_svg
-from tracer.model import Trace
+from tracer.model import Trace, install_view
 
 DEFAULT_MAX_BYTES = 20_000_000
 NOTEBOOK_INLINE_MAX_BYTES = 400_000  # a notebook embeds the full page only when it is this small
@@ -298,3 +298,6 @@ def register(subparsers: Any) -> None:
 
 
 __all__ = ["DEFAULT_MAX_BYTES", "default_output", "html", "json_for_script", "notebook_html", "register", "render"]
+
+
+install_view("notebook", notebook_html)  # Trace._repr_html_ in notebooks, once export is imported

@@ -9,8 +9,7 @@ from __future__ import annotations
 import os
 import warnings
 
-from tracer.fileformat import load
-from tracer.model import Trace
+from tracer.model import Trace, load
 
 
 def load_with_notes(path: str | os.PathLike[str]) -> tuple[Trace, list[str]]:

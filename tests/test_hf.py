@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tracer
-from tracer.fileformat import load_steps
+from tracer.model import load_steps
 
 
 def test_hf_trainer_callback_traces_the_chosen_steps_of_a_tiny_gpt2(tmp_path):

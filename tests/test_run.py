@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 import tracer
-from tracer.fileformat import load_steps
+from tracer.model import load_steps
 from tracer.run import main_run, register
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-from tracer.fileformat import TruncatedTraceWarning, load
 from tracer.hashing import md5_of
 from tracer.logs import get_log_level, log_scope, set_log_level
 from tracer.memory import MemoryRecord, memory_summary, record_memory
@@ -25,6 +24,8 @@ from tracer.model import (
     TensorRecord,
     Trace,
     TraceFormatError,
+    TruncatedTraceWarning,
+    load,
 )
 from tracer.numerics import NonFiniteError, NumericsReport
 from tracer.session import NumericsWarning, TraceError, __version__, check_numerics, explain_errors, trace

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from tracer.listeners import Listener
-from tracer.model import Call, Frame, GradNode, NodeRun, TensorRecord, Trace
+from tracer.model import Call, Frame, GradNode, NodeRun, TensorRecord, Trace, install_view
 
 # An inf among a call's argument text: "-inf", "inf", "fill_value=-inf", "[0.0, inf]".
 _INF_CONSTANT = re.compile(r"(?<![\w.])-?inf(?![\w])")
@@ -377,3 +377,5 @@ class NonFiniteGuard(Listener):
             nan, inf = self._nonfinite(grads)
         if nan or inf:
             self._raise(trace, "backward")
+
+install_view("anomalies", find_anomalies)

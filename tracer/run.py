@@ -380,7 +380,7 @@ def _reports(st: StepTrace, progress: StepObserver) -> list[str]:
     except ImportError:
         print("gradtrace: --report: the HTML exporter (export.html) is not available", file=sys.stderr)
         return []
-    from tracer.fileformat import load_steps
+    from tracer.model import load_steps
 
     written = []
     console = getattr(progress, "console", None)

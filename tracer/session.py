@@ -16,9 +16,8 @@ from typing import Any
 import torch
 
 from tracer import recorder as _recorder
-from tracer.fileformat import StreamWriter
 from tracer.listeners import Listener
-from tracer.model import Trace
+from tracer.model import StreamWriter, Trace
 
 __version__ = "0.1.0"
 

@@ -16,7 +16,7 @@ run at plain speed (``benchmarks/untraced_steps.py`` measures it).
 
 Each chosen step is a complete trace whose header carries ``"step": N``. With ``out=`` the steps
 are streamed one after another into that file (``tracer.load(path, step=N)`` and
-``tracer.fileformat.load_steps(path)`` read them back) or, with ``per_step_files=True``, into
+``tracer.model.load_steps(path)`` read them back) or, with ``per_step_files=True``, into
 ``run.step10.gtrace``, ``run.step40.gtrace``; without ``out`` they stay in memory
 (``StepTrace.traces``). ``max_calls`` / ``max_bytes`` bound the whole run, all steps together:
 when a bound is reached, the step being recorded stops cleanly (its trace says so), a warning
@@ -35,9 +35,8 @@ from types import TracebackType
 from typing import Any
 
 from tracer import recorder as _recorder
-from tracer.fileformat import StreamWriter
 from tracer.listeners import Listener
-from tracer.model import Trace
+from tracer.model import StreamWriter, Trace
 from tracer.session import TraceError, TraceSession
 
 _ACTIVE: StepTrace | None = None

@@ -1,4 +1,4 @@
-"""Reading and writing ``.gtrace`` files: JSON lines, optionally gzip, never executed.
+"""Reading ``.gtrace`` files: JSON lines, optionally gzip, validated, never executed.
 
 A file is a ``header`` record, then any mix of ``meta``, ``frame``, ``stack``, ``module``,
 ``tensor``, ``call``, ``node`` and ``backward`` records, then an ``end`` record. Records may come
@@ -16,14 +16,13 @@ returns them all.
 from __future__ import annotations
 
 import gzip
-import io
 import json
 import os
 import re
 import warnings
-from typing import IO, Any
+from typing import Any
 
-from tracer.model import (
+from tracer.model.records import (
     FORMAT,
     SCHEMA_VERSION,
     BackwardRun,
@@ -31,61 +30,14 @@ from tracer.model import (
     Frame,
     GradNode,
     TensorRecord,
-    Trace,
     TraceFormatError,
 )
-
-GZIP_MAGIC = b"\x1f\x8b"
+from tracer.model.trace import Trace
+from tracer.model.writer import GZIP_MAGIC
 
 
 class TruncatedTraceWarning(UserWarning):
     """The trace file ended before its end record; what was written is returned."""
-
-
-def _open_write(path: str, gz: bool | None = None, append: bool = False) -> IO[str]:
-    # Appending to a gzip file adds a gzip member; readers decompress members back to back.
-    if str(path).endswith(".gz") if gz is None else gz:
-        return io.TextIOWrapper(gzip.open(path, "ab" if append else "wb"), encoding="utf-8")
-    return open(path, "a" if append else "w", encoding="utf-8")
-
-
-def _dumps(record: dict[str, Any]) -> str:
-    # allow_nan: stats of tensors full of Inf are real data; JSON's NaN/Infinity extension is
-    # what Python reads back, and the loader accepts nothing else beyond strict JSON.
-    return json.dumps(record, separators=(",", ":"), ensure_ascii=False)
-
-
-def write_trace(trace: Trace, path: str) -> None:
-    """Write a complete trace in canonical record order."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with _open_write(tmp, gz=str(path).endswith(".gz")) as fh:
-        for rec in trace.records():
-            fh.write(_dumps(rec))
-            fh.write("\n")
-    os.replace(tmp, path)
-
-
-class StreamWriter:
-    """Appends records to a trace file as recording goes, flushing so a crash loses little.
-
-    ``append=True`` adds a segment after what the file holds (a multi-step file) instead of
-    starting the file afresh.
-    """
-
-    def __init__(self, path: str, append: bool = False) -> None:
-        self.path = str(path)
-        self._fh: IO[str] | None = _open_write(self.path, append=append)
-
-    def write(self, records: list[dict[str, Any]]) -> None:
-        if self._fh is None or not records:
-            return
-        self._fh.write("".join(_dumps(r) + "\n" for r in records))
-        self._fh.flush()
-
-    def close(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
 
 
 def _read_lines(path: str) -> list[str]:

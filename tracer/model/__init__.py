@@ -1,0 +1,41 @@
+"""The trace data model, the layer everything else stands on: plain records, the ``Trace`` that
+links them by name, the name grammar, and the file format (reading and streaming). Pure data:
+nothing here imports torch, so a trace loads and renders without it."""
+
+from tracer.model.fileformat import TruncatedTraceWarning, load, load_steps
+from tracer.model.records import (
+    FORMAT,
+    SCHEMA_VERSION,
+    BackwardRun,
+    Call,
+    Frame,
+    GradNode,
+    NodeRun,
+    Record,
+    Stats,
+    TensorRecord,
+    TraceFormatError,
+)
+from tracer.model.trace import Trace, install_view
+from tracer.model.writer import StreamWriter, write_trace
+
+__all__ = [
+    "FORMAT",
+    "SCHEMA_VERSION",
+    "BackwardRun",
+    "Call",
+    "Frame",
+    "GradNode",
+    "NodeRun",
+    "Record",
+    "Stats",
+    "StreamWriter",
+    "TensorRecord",
+    "Trace",
+    "TraceFormatError",
+    "TruncatedTraceWarning",
+    "install_view",
+    "load",
+    "load_steps",
+    "write_trace",
+]

@@ -1,0 +1,198 @@
+"""``Trace``: one recorded block (usually a training step), its records linked by unified names."""
+
+from __future__ import annotations
+
+import difflib
+import html
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from tracer.model.records import (
+    FORMAT,
+    SCHEMA_VERSION,
+    BackwardRun,
+    Call,
+    Frame,
+    GradNode,
+    NodeRun,
+    Record,
+    TensorRecord,
+)
+from tracer.model.writer import write_trace
+
+if TYPE_CHECKING:
+    from tracer.analysis.numerics import NumericsReport
+
+
+class _Views:
+    """Views of a trace that live in upper layers and plug themselves in when imported, so that
+    the data model imports nothing above it: the numerics analysis (``tracer.analysis``, which
+    ``import tracer`` always loads) and the notebook view (``export``)."""
+
+    anomalies: Callable[[Trace], NumericsReport] | None = None
+    notebook: Callable[[Trace], str] | None = None
+
+
+_views = _Views()
+
+
+def install_view(name: str, fn: Callable[..., Any]) -> None:
+    """Plug in ``Trace.anomalies`` (``"anomalies"``) or ``Trace._repr_html_`` (``"notebook"``)."""
+    if name not in ("anomalies", "notebook"):
+        raise ValueError(f"unknown trace view {name!r}")
+    setattr(_views, name, fn)
+
+
+@dataclass(slots=True)
+class Trace:
+    """A recorded step: calls, grad nodes, tensors and backward runs, linked by unified names.
+
+    ``header`` holds what makes two traces comparable (format version, hash algorithm, torch
+    version, settings); ``meta`` holds what does not (host, time, paths, argv) and is ignored by
+    ``diff``. ``status`` is ``ok``, ``failed`` (the traced block raised: ``error`` says what) or
+    ``truncated`` (the file ended before its end record).
+    """
+
+    header: dict[str, Any] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+    calls: list[Call] = field(default_factory=list)
+    grad_nodes: list[GradNode] = field(default_factory=list)
+    tensors: dict[str, TensorRecord] = field(default_factory=dict)
+    backward_runs: list[BackwardRun] = field(default_factory=list)
+    modules: dict[str, str] = field(default_factory=dict)
+    frames: list[Frame] = field(default_factory=list)
+    stacks: list[tuple[int, ...]] = field(default_factory=list)
+    status: str = "ok"
+    error: dict[str, str] | None = None
+    notes: list[str] = field(default_factory=list)
+    # Allocation/free events of a memory record (``trace(memory=True)``): plain dicts whose
+    # fields tracer/memory.py defines and docs/trace-format.md documents.
+    memory: list[dict[str, Any]] = field(default_factory=list)
+    _index: dict[str, Record] | None = field(default=None, compare=False, repr=False)
+
+    # ---- look-up -------------------------------------------------------------------------
+    @property
+    def index(self) -> dict[str, Record]:
+        if self._index is None:
+            idx: dict[str, Record] = {}
+            for rec in [*self.tensors.values(), *self.grad_nodes, *self.backward_runs, *self.calls]:
+                idx[rec.name] = rec
+            self._index = idx
+        return self._index
+
+    def __getitem__(self, name: str) -> Record:
+        try:
+            return self.index[name]
+        except KeyError:
+            close = difflib.get_close_matches(name, list(self.index), n=5, cutoff=0.6)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise KeyError(f"no call, tensor, grad node or backward run named {name!r} in this trace{hint}") from None
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name in self.index
+
+    def get(self, name: str) -> Record | None:
+        return self.index.get(name)
+
+    @property
+    def anomalies(self) -> NumericsReport:
+        """The first NaN and the first unintended Inf in forward and in backward
+        (``tracer.analysis.numerics.find_anomalies``)."""
+        if _views.anomalies is None:
+            raise RuntimeError("tracer.analysis.numerics is not imported: `import tracer` installs it")
+        return _views.anomalies(self)
+
+    @property
+    def hash_algorithm(self) -> str:
+        return str(self.header.get("hash", "none"))
+
+    def stack_of(self, stack_id: int | None) -> tuple[Frame, ...]:
+        if stack_id is None or stack_id >= len(self.stacks):
+            return ()
+        return tuple(self.frames[i] for i in self.stacks[stack_id])
+
+    def tensors_in_order(self) -> list[TensorRecord]:
+        return sorted(self.tensors.values(), key=lambda t: t.seq)
+
+    def invalidate(self) -> None:
+        """Drop cached look-ups after the lists were changed."""
+        self._index = None
+
+    def resolve(self) -> None:
+        """Attach stacks and per-node gradient names to records (after load or recording)."""
+        # One tuple per distinct stack, shared by every record made at that line: a step has
+        # thousands of records and a few hundred distinct stacks.
+        stacks: dict[int | None, tuple[Frame, ...]] = {}
+
+        def stack(stack_id: int | None) -> tuple[Frame, ...]:
+            hit = stacks.get(stack_id)
+            if hit is None:
+                hit = stacks[stack_id] = self.stack_of(stack_id)
+            return hit
+
+        for c in self.calls:
+            c.stack = stack(c.stack_id)
+        for b in self.backward_runs:
+            b.stack = stack(b.stack_id)
+        by_name = {n.name: n for n in self.grad_nodes}
+        last: dict[str, NodeRun] = {}
+        for b in self.backward_runs:
+            for s in b.steps:
+                if s.node in by_name:  # the last run that executed a node wins
+                    last[s.node] = s
+        for n in self.grad_nodes:
+            n.stack = stack(n.stack_id)
+            s = last.get(n.name) if by_name[n.name] is n else None
+            if s is None:
+                n.grads_in, n.grads_out = [], []
+            else:
+                n.grads_in, n.grads_out = list(s.grads_in), list(s.grads_out)
+        self.invalidate()
+
+    # ---- records -------------------------------------------------------------------------
+    def header_record(self) -> dict[str, Any]:
+        return {"t": "header", "format": FORMAT, "version": SCHEMA_VERSION, **{
+            k: v for k, v in self.header.items() if k not in ("t", "format", "version")}}
+
+    def end_record(self) -> dict[str, Any]:
+        return {"t": "end", "status": self.status, "error": self.error, "notes": self.notes,
+                "counts": {"calls": len(self.calls), "grad_nodes": len(self.grad_nodes),
+                           "tensors": len(self.tensors), "backward_runs": len(self.backward_runs)}}
+
+    def records(self) -> Iterator[dict[str, Any]]:
+        """Every record of the trace in canonical order (what ``save`` writes)."""
+        yield self.header_record()
+        yield {"t": "meta", **self.meta}
+        for i, f in enumerate(self.frames):
+            yield f.to_json(i)
+        for i, s in enumerate(self.stacks):
+            yield {"t": "stack", "id": i, "frames": list(s)}
+        for path, cls in self.modules.items():
+            yield {"t": "module", "path": path, "class": cls}
+        for t in self.tensors_in_order():
+            yield t.to_json()
+        for c in self.calls:
+            yield c.to_json()
+        for n in self.grad_nodes:
+            yield n.to_json()
+        for b in self.backward_runs:
+            yield b.to_json()
+        for m in self.memory:
+            yield {"t": "memory", **m}
+        yield self.end_record()
+
+    def save(self, path: str) -> None:
+        """Write the whole trace as JSON lines (gzip when the path ends in ``.gz``)."""
+        write_trace(self.records(), path)
+
+    # ---- display -------------------------------------------------------------------------
+    def __repr__(self) -> str:
+        return (f"<Trace {self.status}: {len(self.calls)} calls, {len(self.grad_nodes)} grad nodes, "
+                f"{len(self.tensors)} tensors, {len(self.backward_runs)} backward runs, hash={self.hash_algorithm}>")
+
+    def _repr_html_(self) -> str:
+        """The notebook view: the one ``export`` installs (``import export``), else the repr."""
+        if _views.notebook is not None:
+            return _views.notebook(self)
+        return f"<pre>{html.escape(repr(self))}</pre>"
