@@ -1,4 +1,4 @@
-"""Throughput of the batched stats/fingerprint kernel (tracer.fused) on its own, on CUDA.
+"""Throughput of the batched stats/fingerprint kernel (tracer.record.checksums.fused) on its own, on CUDA.
 
 562 bf16 tensors shaped like a GPT-2 small step's (8 x 1024 tokens: hidden states, MLP
 activations, two logits-sized tensors, biases and weights; 3.3 GB), queued and launched as the
@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from tracer.fused import Fused, triton_usable
 from tracer.model import TensorRecord
+from tracer.record.checksums.fused import Fused, triton_usable
 
 
 def main() -> int:

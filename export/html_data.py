@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tracer.model import Call, GradNode, Stats, TensorRecord, Trace
-from tracer.naming import gradient_of
+from tracer.model.names import gradient_of
 
 PAYLOAD_VERSION = 1
 

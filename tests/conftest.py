@@ -35,7 +35,7 @@ def nothing_left_installed():
     yield
     after = _installed_state()
     assert after == before, f"tracer left something installed: before={before} after={after}"
-    from tracer.recorder import active_recorder
+    from tracer.record.recorder import active_recorder
 
     assert active_recorder() is None, "a recorder is still active after the test"
 

@@ -102,8 +102,7 @@ def main() -> None:
     idx = torch.randint(0, 32, (2, 8), generator=gen).to(device)
 
     import tracer
-    from tracer import recorder as _rec
-
+    from tracer.record import recorder as _rec
     # all_gather_single is newer than some torch releases (2.11 lacks it): use what exists.
     names = [n for n in ("all_reduce", "broadcast", "barrier", "all_gather_single") if hasattr(dist, n)]
     before = {name: getattr(dist, name) for name in names}

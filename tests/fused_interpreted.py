@@ -1,4 +1,4 @@
-"""The batched Triton path of ``tracer.fused``, run on the CPU under Triton's interpreter.
+"""The batched Triton path of ``tracer.record.checksums.fused``, run on the CPU under Triton's interpreter.
 
 Run by tests/test_fused.py in a subprocess, because ``TRITON_INTERPRET=1`` must be set before
 triton is first imported. Prints one JSON object on stdout:
@@ -20,10 +20,11 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from tracer import fused
-from tracer.fingerprint import fingerprint_reference, hex_of
-from tracer.hashing import as_bytes, host_bytes, stats_tensor
 from tracer.model import TensorRecord
+from tracer.record.checksums import fused
+from tracer.record.checksums.bytes import as_bytes, host_bytes
+from tracer.record.checksums.fingerprint import fingerprint_reference, hex_of
+from tracer.record.checksums.stats import stats_tensor
 
 
 def _cases() -> dict[str, torch.Tensor]:

@@ -113,7 +113,7 @@ def test_md5_is_of_the_bytes_before_a_write_on_another_stream():
 @pytest.mark.parametrize("kind", ["AdamW", "SGD"])
 def test_fused_optimizer_on_cuda_records_parameters_and_state_after_the_step(kind, hash_kind):
     from tests.test_recipes import _md5
-    from tracer.fingerprint import fingerprint
+    from tracer.record.checksums.fingerprint import fingerprint
 
     torch.manual_seed(0)
     model = MLP(width=64, depth=3).cuda()

@@ -178,7 +178,7 @@ def test_async_collective_recorded_at_issue_without_hash(one_rank: None) -> None
 
 def test_collective_for_records_a_reference_taken_before_the_trace(one_rank: None) -> None:
     from tracer.distributed import collective_for
-    from tracer.recorder import active_recorder
+    from tracer.record.recorder import active_recorder
 
     all_reduce = c10d.all_reduce  # what `from torch.distributed import all_reduce` would hold
     with tracer.trace() as t:
@@ -388,14 +388,14 @@ def test_fsdp2_traces_and_compares(tmp_path) -> None:
 
 
 def _session_uses_launcher_env() -> bool:
-    import tracer.session
+    import tracer.record.session
 
-    return "launched_rank_info" in inspect.getsource(tracer.session)
+    return "launched_rank_info" in inspect.getsource(tracer.record.session)
 
 
 @pytest.mark.skipif(not _session_uses_launcher_env(),
                     reason="gradtrace run traces step 0 from the program's start, before init_process_group: "
-                           "needs tracer.session._distributed_info to fall back to launched_rank_info()")
+                           "needs tracer.record.session._distributed_info to fall back to launched_rank_info()")
 def test_gradtrace_run_under_torchrun_writes_one_file_per_rank(tmp_path) -> None:
     _torchrun(tmp_path, "--out", str(tmp_path / "step.gtrace"), "--steps", "0", SCRIPT,
               "--out", "unused", "--untraced", launcher=["-m", "tracer.run"])

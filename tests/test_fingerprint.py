@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import tracer
-from tracer.fingerprint import ALGORITHM, fingerprint, fingerprint_reference
-from tracer.hashing import as_bytes, host_bytes
+from tracer.record.checksums.bytes import as_bytes, host_bytes
+from tracer.record.checksums.fingerprint import ALGORITHM, fingerprint, fingerprint_reference
 
 
 def test_every_single_bit_flip_changes_the_fingerprint():

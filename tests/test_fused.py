@@ -1,4 +1,4 @@
-"""The batched Triton path for stats and fast fingerprints (tracer.fused).
+"""The batched Triton path for stats and fast fingerprints (tracer.record.checksums.fused).
 
 Without a GPU the kernels run under Triton's CPU interpreter in a subprocess
 (tests/fused_interpreted.py); on a GPU they run compiled, against the torch path.
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import tracer
-from tracer.fingerprint import fingerprint, hex_of
-from tracer.hashing import stats_tensor
+from tracer.record.checksums.fingerprint import fingerprint, hex_of
+from tracer.record.checksums.stats import stats_tensor
 
 ROOT = Path(__file__).resolve().parent.parent
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
@@ -78,8 +78,8 @@ def test_batched_trace_equals_the_immediate_path_despite_in_place_changes(interp
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_batches_equal_the_torch_path(dtype):
-    from tracer.fused import Fused
     from tracer.model import TensorRecord
+    from tracer.record.checksums.fused import Fused
 
     src = torch.randn(257, 129, device="cuda")
     src[3, 5] = float("nan")
@@ -111,8 +111,8 @@ def test_cuda_batches_equal_the_torch_path(dtype):
 def test_cuda_tensor_over_two_to_the_31_elements():
     """Offsets past 2^31 (the 32-bit index bug class): one tensor of 2^31 + 7 bytes, its last
     byte set; the batched kernel agrees with the torch path, and that last byte counts."""
-    from tracer.fused import Fused
     from tracer.model import TensorRecord
+    from tracer.record.checksums.fused import Fused
 
     n = (1 << 31) + 7
     x = torch.zeros(n, dtype=torch.uint8, device="cuda")

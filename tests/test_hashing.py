@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import tracer
-from tracer.hashing import Hasher, stats_tensor
 from tracer.model import TensorRecord
+from tracer.record.checksums.hasher import Hasher
+from tracer.record.checksums.stats import stats_tensor
 
 
 def reference_md5(t: torch.Tensor) -> str:
@@ -113,7 +114,7 @@ def test_hash_none_records_no_checksums():
 def test_cpu_stats_equal_the_masked_reduction():
     """The CPU fast path (min/max first, masked reduction only when something is not finite)
     against the plain per-tensor reduction the CUDA fallback path uses."""
-    from tracer.hashing import _reduce_one, cpu_stats
+    from tracer.record.checksums.stats import _reduce_one, cpu_stats
 
     xs = [torch.randn(n) for n in (1, 3, 100, 70_000, 5, 64, 65, 4096)]
     xs[2][4] = float("nan")
@@ -141,8 +142,9 @@ def test_one_element_cpu_tensors_equal_the_general_path(algorithm):
     """Scalars (an optimizer's step counts) take a shortcut from their value and bytes: the same
     checksums, fingerprints and stats as the general CPU path, -0.0, NaN/Inf and the dtypes it
     does not take (complex, unsigned 16-bit) included."""
-    from tracer import fingerprint as fp
-    from tracer.hashing import as_bytes, cpu_stats, host_bytes
+    from tracer.record.checksums import fingerprint as fp
+    from tracer.record.checksums.bytes import as_bytes, host_bytes
+    from tracer.record.checksums.stats import cpu_stats
 
     values = []
     for dt, v in SCALAR_CASES:

@@ -28,7 +28,7 @@ def test_hf_trainer_callback_traces_the_chosen_steps_of_a_tiny_gpt2(tmp_path):
 
     class Spy(tf.TrainerCallback):  # what is installed while the Trainer runs each step's forward
         def on_step_begin(self, args, state, control, **kw):
-            from tracer.recorder import active_recorder
+            from tracer.record.recorder import active_recorder
 
             seen.append(active_recorder() is not None)
 

@@ -33,7 +33,7 @@ from tracer.logs import (
     parse_env,
     set_log_level,
 )
-from tracer.recorder import active_recorder
+from tracer.record.recorder import active_recorder
 
 
 class Collect(logging.Handler):

@@ -20,12 +20,12 @@ import torch
 import torch.nn as nn
 
 import tracer
-from tracer import naming
-from tracer import recorder as recorder_mod
-from tracer.identity import identity
 from tracer.model import Call, GradNode, TensorRecord
-from tracer.stacks import StackTable
-from tracer.weakmap import IdWeakMap
+from tracer.record import naming
+from tracer.record import recorder as recorder_mod
+from tracer.record.identity import identity
+from tracer.record.stacks import StackTable
+from tracer.record.weakmap import IdWeakMap
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -328,7 +328,7 @@ def test_a_stand_in_hasher_is_called_even_when_nothing_is_hashed() -> None:
 
 
 def test_identity_keys_are_unique_among_live_objects_and_raise_no_audit_event() -> None:
-    """The recorder's identity keys (tracer.identity) tell live objects apart as id() does, also
+    """The recorder's identity keys (tracer.record.identity) tell live objects apart as id() does, also
     for tensors, whose class defines __hash__. And they raise no audit event: a library's audit
     hook (filelock 4 installs one on Python 3.12+) would otherwise run on every look-up. The
     hook goes in a subprocess, since an audit hook cannot be removed."""
@@ -337,8 +337,8 @@ def test_identity_keys_are_unique_among_live_objects_and_raise_no_audit_event() 
     assert identity(objs[0]) == identity(objs[0])
     script = textwrap.dedent("""
         import sys, torch
-        from tracer.identity import identity
-        from tracer.weakmap import IdWeakMap
+        from tracer.record.identity import identity
+        from tracer.record.weakmap import IdWeakMap
         seen = []
         sys.addaudithook(lambda event, args: event == "builtins.id" and seen.append(event))
         t, m = torch.ones(1), IdWeakMap()

@@ -229,7 +229,7 @@ def test_max_calls_stops_recording_cleanly_and_says_so(tmp_trace):
 
 
 def test_listeners_see_calls_and_nodes():
-    from tracer.listeners import Listener
+    from tracer.record.listeners import Listener
 
     class Tap(Listener):
         def __init__(self) -> None:

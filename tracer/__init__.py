@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-from tracer.hashing import md5_of
 from tracer.logs import get_log_level, log_scope, set_log_level
 from tracer.memory import MemoryRecord, memory_summary, record_memory
 from tracer.model import (
@@ -28,7 +27,15 @@ from tracer.model import (
     load,
 )
 from tracer.numerics import NonFiniteError, NumericsReport
-from tracer.session import NumericsWarning, TraceError, __version__, check_numerics, explain_errors, trace
+from tracer.record.checksums.bytes import md5_of
+from tracer.record.session import (
+    NumericsWarning,
+    TraceError,
+    __version__,
+    check_numerics,
+    explain_errors,
+    trace,
+)
 from tracer.steps import step
 
 __all__ = [

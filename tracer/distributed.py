@@ -1,6 +1,6 @@
 """Distributed training: rank metadata, one file per rank, collectives recorded as calls.
 
-``tracer.session`` calls into this module when a ``torch.distributed`` process group is
+``tracer.record.session`` calls into this module when a ``torch.distributed`` process group is
 initialized: ``rank_info()`` for the trace header (``launched_rank_info()`` when torchrun started
 the process but the group does not exist yet), ``rank_path()`` for the per-rank file name, and
 ``attach(recorder)`` once the recorder is installed; the function ``attach`` returns removes
@@ -57,8 +57,8 @@ from typing import Any
 
 import torch
 
-from tracer.listeners import Listener
 from tracer.model import BackwardRun, Call, Trace
+from tracer.record.listeners import Listener
 
 # ---- which collectives, and which of their arguments they write ----------------------------------
 
@@ -256,7 +256,7 @@ def _describe_args(bound: inspect.BoundArguments) -> dict[str, Any]:
 
 
 def _flat(obj: Any) -> list[torch.Tensor]:
-    from tracer.recorder import flat_tensors
+    from tracer.record.recorder import flat_tensors
 
     if type(obj).__name__ == "P2POp":
         return [obj.tensor]
@@ -438,7 +438,7 @@ class _Attachment:
         """Name the inputs, run the collective (waited for by ``waiter`` for functional ones, whose
         results are their outputs), and record the call."""
         functional = waiter is not None
-        from tracer.recorder import _get_seq
+        from tracer.record.recorder import _get_seq
 
         try:
             with rec.lock, torch._C.DisableTorchFunction():
@@ -561,8 +561,9 @@ def _funcol_op_name(func: Any) -> str | None:
 
 
 def _record_ddp(rec: Any, ddp: Any, run: BackwardRun) -> None:
-    from tracer import naming
-    from tracer.recorder import _version
+    from tracer.model import names
+    from tracer.record import naming
+    from tracer.record.recorder import _version
 
     name = rec.counters.next(DDP_CALL)
     params = getattr(ddp, "_module_parameters", None) or [p for p in ddp.parameters() if p.requires_grad]
@@ -575,7 +576,7 @@ def _record_ddp(rec: Any, ddp: Any, run: BackwardRun) -> None:
         if named is None or g is None:
             continue
         pname = named[0]
-        local = f"{pname}{naming.grad_suffix(run_index)}"
+        local = f"{pname}{names.grad_suffix(run_index)}"
         hit = rec._tensor_names.get(g)
         if hit is not None and hit[1] == _version(g):
             # Unchanged since the trace named it: DDP wrote nothing here (an unused parameter).

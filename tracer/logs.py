@@ -31,7 +31,7 @@ tensors: on a GPU each such line waits for the device once (the price of that de
 
 Where lines come from:
 
-- Inside ``tracer.trace()``: the trace's recorder calls a listener (``tracer.listeners``). Global
+- Inside ``tracer.trace()``: the trace's recorder calls a listener (``tracer.record.listeners``). Global
   levels (``set_log_level``, ``GRADTRACE_LOG``) log every traced call and grad node at those
   levels; a ``log_scope`` logs the calls of its block, and the grad nodes its calls created when
   they run, for as long as the trace lasts. ``trace()`` must enclose ``log_scope``, not the other
@@ -72,10 +72,11 @@ from typing import IO, Any
 
 import torch
 
-from tracer.hashing import stats_tensor, unhashable_reason
-from tracer.listeners import Listener
 from tracer.model import Call, GradNode, NodeRun, Stats, Trace
-from tracer.recorder import Recorder, active_recorder
+from tracer.record.checksums.bytes import unhashable_reason
+from tracer.record.checksums.stats import stats_tensor
+from tracer.record.listeners import Listener
+from tracer.record.recorder import Recorder, active_recorder
 
 ROOT = "gradtrace"
 ENV_VAR = "GRADTRACE_LOG"
@@ -739,7 +740,7 @@ class LogScope:
         rec = active_recorder()
         if rec is not None and not rec.closed:
             if rec.owner != threading.get_ident():
-                from tracer.session import TraceError
+                from tracer.record.session import TraceError
 
                 raise TraceError("tracer.log_scope(): another thread is being traced (or logged); only the "
                                  "thread that holds the active trace can log a scope")
@@ -778,7 +779,7 @@ class LogScope:
         light = self._light
         self._leave()
         self._light = None
-        from tracer.session import TraceError
+        from tracer.record.session import TraceError
 
         if light is not None and isinstance(exc, TraceError) and "already active" in str(exc):
             raise TraceError("tracer.trace() cannot start inside tracer.log_scope() when no trace encloses "

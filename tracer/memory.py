@@ -58,8 +58,8 @@ from typing import Any
 
 import torch
 
-from tracer.listeners import Listener
 from tracer.model import BackwardRun, Call, NodeRun, Trace
+from tracer.record.listeners import Listener
 
 CSV_FIELDS = ("seq", "action", "bytes", "device", "addr", "allocated_after", "reserved_after", "owner",
               "after", "phase", "tensor", "module", "kind", "line")
@@ -693,7 +693,7 @@ def record_memory(**trace_options: Any) -> Iterator[MemoryRecord]:
     Runs a light trace (``hash="none"``, stacks on) with ``memory=True``; ``trace_options`` go to
     ``tracer.trace``. ``rec.trace`` is that trace.
     """
-    from tracer.session import trace as _trace
+    from tracer.record.session import trace as _trace
 
     opts: dict[str, Any] = {"hash": "none", "stacks": True, **trace_options, "memory": True}
     rec = MemoryRecord()

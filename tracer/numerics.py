@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from tracer.listeners import Listener
 from tracer.model import Call, Frame, GradNode, NodeRun, TensorRecord, Trace, install_view
+from tracer.record.listeners import Listener
 
 # An inf among a call's argument text: "-inf", "inf", "fill_value=-inf", "[0.0, inf]".
 _INF_CONSTANT = re.compile(r"(?<![\w.])-?inf(?![\w])")

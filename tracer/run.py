@@ -29,7 +29,7 @@ from types import TracebackType
 from typing import Any, TextIO
 
 from tracer.model import Trace
-from tracer.session import TraceError
+from tracer.record.session import TraceError
 from tracer.steps import StepObserver, StepTrace
 
 

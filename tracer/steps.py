@@ -34,10 +34,10 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from tracer import recorder as _recorder
-from tracer.listeners import Listener
 from tracer.model import StreamWriter, Trace
-from tracer.session import TraceError, TraceSession
+from tracer.record import recorder as _recorder
+from tracer.record.listeners import Listener
+from tracer.record.session import TraceError, TraceSession
 
 _ACTIVE: StepTrace | None = None
 

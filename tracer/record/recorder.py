@@ -37,14 +37,14 @@ from typing import Any, NamedTuple
 import torch
 from torch.overrides import TorchFunctionMode
 
-from tracer import naming
-from tracer.effects import UNINITIALISED, Writes
-from tracer.hashing import Hasher
-from tracer.identity import identity
-from tracer.listeners import Listener
-from tracer.model import BackwardRun, Call, GradNode, NodeRun, TensorRecord, Trace
-from tracer.stacks import StackTable
-from tracer.weakmap import IdWeakMap
+from tracer.model import BackwardRun, Call, GradNode, NodeRun, TensorRecord, Trace, names
+from tracer.record import naming
+from tracer.record.checksums.hasher import Hasher
+from tracer.record.effects import UNINITIALISED, Writes
+from tracer.record.identity import identity
+from tracer.record.listeners import Listener
+from tracer.record.stacks import StackTable
+from tracer.record.weakmap import IdWeakMap
 
 _get_seq: Callable[[], int] | None = getattr(torch._C._autograd, "_get_sequence_nr", None)
 _CAPTURE_NOW = -1  # _finish_call's stack_id default: capture the stack at that moment
@@ -594,7 +594,7 @@ class Recorder:
     def _bump(self, base: str) -> str:
         n = self._versions.get(base, 0) + 1
         self._versions[base] = n
-        return naming.version_name(base, n)
+        return names.version_name(base, n)
 
     # ---- forward calls ------------------------------------------------------------------------
     def record_call(self, func: Any, api: str, short: str, kind: str, args: tuple[Any, ...],
@@ -648,7 +648,7 @@ class Recorder:
                      stack_id: int | None = _CAPTURE_NOW, skip: int = 2) -> Call:
         """Record a finished call. ``skip``: where the stack capture starts, counted outwards from
         the capture's own frame (0); every frame it jumps must be the recorder's. Jumped frames
-        are not read, and under an audit hook each read frame costs one (see tracer.identity)."""
+        are not read, and under an audit hook each read frame costs one (see tracer.record.identity)."""
         if mutated:
             # By identity through a set: an in-place foreach op returns the ~150 tensors it also
             # mutated, and a pairwise test was quadratic in them.
@@ -686,7 +686,7 @@ class Recorder:
                     base = old.rsplit("@v", 1)[0] if "@v" in old else old  # _bump(_base_name(old)), inlined
                     n = versions.get(base, 0) + 1
                     versions[base] = n
-                    new = self._new_tensor(t, naming.version_name(base, n), role, name, previous=old,
+                    new = self._new_tensor(t, names.version_name(base, n), role, name, previous=old,
                                            like=old_rec if same_meta else None)
                     names_of[identity(t)] = new
                     mutated_names[j] = new
@@ -708,7 +708,7 @@ class Recorder:
                     if hit is not None and hit[1] == _version(t):
                         known = hit[0]
                 if known is None:
-                    known = self._new_tensor(t, naming.output_name(name, i, n_outs), "output", name,
+                    known = self._new_tensor(t, names.output_name(name, i, n_outs), "output", name,
                                              uninitialized=uninit)
                 names_of[key] = known
                 out_names[i] = known
@@ -982,7 +982,7 @@ class Recorder:
         if api.endswith(".grad"):
             with self.lock, torch._C.DisableTorchFunction():
                 results = flat_tensors(out)
-                run.outputs = [self._new_tensor(t, naming.output_name(run.name, i, len(results)), "grad", run.name)
+                run.outputs = [self._new_tensor(t, names.output_name(run.name, i, len(results)), "grad", run.name)
                                for i, t in enumerate(results)]
         if self.on_records is not None:
             self.on_records()
@@ -1031,7 +1031,7 @@ class Recorder:
         """``<tensor>@grad`` for the gradient into ``node``'s input ``slot`` when that slot is a
         named tensor's (the suffix says which backward run), else None."""
         base = self._slot_tensor.get((node, slot))
-        return None if base is None else f"{base}{naming.grad_suffix(max(self._run_index, 0))}"
+        return None if base is None else f"{base}{names.grad_suffix(max(self._run_index, 0))}"
 
     def _in_run(self, name: str) -> str:
         """A gradient's own name, with ``#k`` in the k-th backward run (k >= 1)."""
@@ -1160,7 +1160,7 @@ class Recorder:
             self._grad_before[acc] = self._name_at(g, _version(g))
         else:
             base = f"{self._slot_tensor[(acc, 0)]}@grad"
-            self._grad_before[acc] = self._new_leaf_grad(g, naming.version_name(base, 0), None, None)
+            self._grad_before[acc] = self._new_leaf_grad(g, names.version_name(base, 0), None, None)
 
     def _new_leaf_grad(self, g: torch.Tensor, name: str, producer: str | None, previous: str | None) -> str:
         name = self._new_tensor(g, name, "grad", producer, previous=previous)

@@ -2,7 +2,7 @@
 
 ``torch.utils.weak.WeakIdKeyDictionary`` dereferences through ``_fix_weakref`` on every
 comparison, which made it the largest single cost of recording. Here the key is the object's
-identity (``tracer.identity``: ``id()`` without its audit event) and
+identity (``tracer.record.identity``: ``id()`` without its audit event) and
 the entry is a weak reference that carries its value in a slot; a look-up checks that the
 reference still points at the same object, so a recycled id never returns a stale value.
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, Generic, TypeVar
 
-from tracer.identity import identity
+from tracer.record.identity import identity
 
 V = TypeVar("V")
 

@@ -21,12 +21,13 @@ from types import CodeType, FrameType
 
 import torch
 
-from tracer.identity import identity
 from tracer.model import Frame
+from tracer.record.identity import identity
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_OWN_DIRS = tuple(os.path.dirname(os.path.abspath(p)) + os.sep for p in (
-    __file__, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "export", "x")))
+# gradtrace's own packages: tracer/ (this file is tracer/record/stacks.py) and export/ beside it.
+_TRACER_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_OWN_DIRS = (_TRACER_DIR + os.sep, os.path.join(os.path.dirname(_TRACER_DIR), "export") + os.sep)
 _INTERNAL_PREFIXES = (_TORCH_DIR, *_OWN_DIRS)
 # Frames of Python's own machinery (contextlib's __exit__, threading) are never the user's line.
 # The bundled demo model lives inside the package but is user code for the purpose of stacks.
@@ -54,7 +55,7 @@ class StackTable:
 
     def __init__(self, keep_internal: bool = False) -> None:
         self.keep_internal = keep_internal
-        # Keyed by the code object's identity (tracer.identity, not id(): no audit event per
+        # Keyed by the code object's identity (tracer.record.identity, not id(): no audit event per
         # frame): code objects compare *equal by content* (the file name is not part of it), so
         # two identical functions in different files would share an entry. The code objects
         # themselves are kept in _frame_keys / _codes, so their identities cannot be reused.

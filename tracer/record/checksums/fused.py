@@ -17,8 +17,8 @@ While a tensor waits, its bytes must not change and its memory must not be reuse
 - a batch is flushed when it holds ``MAX_TENSORS`` tensors or ``DEFAULT_MAX_BYTES`` bytes
   (``max_bytes`` in ``Fused``), which bounds the memory kept alive.
 
-The kernel implements exactly ``tracer.fingerprint`` (tests compare it with the Python
-reference) and the stats of ``tracer.hashing.stats_tensor``: min, max, absmax and the sum over
+The kernel implements exactly ``tracer.record.checksums.fingerprint`` (tests compare it with the Python
+reference) and the stats of ``tracer.record.checksums.hasher.stats_tensor``: min, max, absmax and the sum over
 finite values (float32 for 16-bit floats, float64 for 64-bit and 32-bit integer types), NaN and
 finite counts. The sum is reduced in a fixed order, so the same bytes give the same mean.
 """
@@ -73,15 +73,15 @@ def kernels(interpret: bool = False) -> tuple[Any, Any]:
     module under Triton's CPU interpreter (tests on machines without a GPU); Triton reads
     ``TRITON_INTERPRET`` when the kernels are decorated, i.e. at import."""
     if not interpret:
-        from tracer import _fused_kernels as mod
+        from tracer.record.checksums import _kernels as mod  # imports triton
     else:
         import importlib.util
 
         saved = os.environ.get("TRITON_INTERPRET")
         os.environ["TRITON_INTERPRET"] = "1"
         try:
-            path = os.path.join(os.path.dirname(__file__), "_fused_kernels.py")
-            spec = importlib.util.spec_from_file_location("tracer._fused_kernels_interpreted", path)
+            path = os.path.join(os.path.dirname(__file__), "_kernels.py")
+            spec = importlib.util.spec_from_file_location("tracer.record.checksums._kernels_interpreted", path)
             assert spec is not None and spec.loader is not None
             mod = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(mod)

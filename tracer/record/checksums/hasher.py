@@ -1,8 +1,6 @@
 """Checksums and stats of tensors, kept off the training thread's critical path where possible.
 
-MD5 is of the tensor's logical contents in its own dtype, row-major, as bytes: equal to
-``hashlib.md5(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()).hexdigest()``.
-Shape and dtype are recorded beside the hash, not in it.
+What is hashed is ``tracer.record.checksums.bytes``; the stats, ``tracer.record.checksums.stats``.
 
 How the bytes get hashed:
 - CPU, small tensors: hashed at once (cheaper than any hand-off).
@@ -16,7 +14,7 @@ that makes many gigabytes of tensors.
 
 Stats (min, max, mean, absmax over finite values; NaN and Inf counts) and ``hash="fast"``
 fingerprints of CUDA tensors are computed on the device by batched Triton kernels
-(``tracer.fused``) where Triton is installed, else by a few torch kernels per tensor; either way
+(``tracer.record.checksums.fused``) where Triton is installed, else by a few torch kernels per tensor; either way
 the results stay on the device and are fetched in one copy per device at ``drain``. On the CPU
 they are computed at once (reading a CPU result costs no sync).
 """
@@ -36,6 +34,17 @@ from typing import Any
 import torch
 
 from tracer.model import Stats, TensorRecord
+from tracer.record.checksums import fingerprint as fp
+from tracer.record.checksums.bytes import ALLOWED_TYPES, as_bytes, host_bytes, unhashable_reason
+from tracer.record.checksums.fused import Fused, triton_usable
+from tracer.record.checksums.stats import (
+    _SCALAR_DTYPES,
+    _reduce_one,
+    _scalar_stats,
+    _stats_from_row,
+    _stats_input,
+    cpu_stats,
+)
 
 HASH_ALGORITHMS = ("md5", "fast", "none")
 INLINE_BYTES = 256 * 1024
@@ -53,141 +62,16 @@ def _default_inflight() -> int:
 
 DEFAULT_INFLIGHT_BYTES = _default_inflight()
 
-_ALLOWED_TYPES = (torch.Tensor, torch.nn.Parameter)
 _STRIDED = torch.strided
 # Whether the current CUDA stream is capturing a graph, without torch.cuda's Python wrapper
 # (private; the public function is the fallback).
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
 
 
-def unhashable_reason(t: torch.Tensor) -> str | None:
-    """Why a tensor's bytes cannot be hashed, or None when they can."""
-    if type(t) not in _ALLOWED_TYPES:
-        name = type(t).__name__
-        if name == "FakeTensor":
-            return "fake tensor (no data)"
-        if name == "FunctionalTensor":
-            return "functional tensor (no data)"
-        return f"tensor subclass {name}"
-    if t.is_meta:
-        return "meta tensor (no data)"
-    if t.layout != torch.strided:
-        return f"{str(t.layout).replace('torch.', '')} layout"
-    if t.is_quantized:
-        return "quantized tensor"
-    if getattr(t, "is_nested", False):
-        return "nested tensor"
-    if t.device.type not in ("cpu", "cuda"):
-        return f"device {t.device.type} not supported for hashing"
-    return None
-
-
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's logical contents as a flat contiguous uint8 tensor on its own device."""
-    x = t.detach()
-    if x.is_conj():
-        x = x.resolve_conj()
-    if x.is_neg():
-        x = x.resolve_neg()
-    return x.contiguous().reshape(-1).view(torch.uint8)
-
-
-def host_bytes(b: torch.Tensor) -> memoryview:
-    """A zero-copy read-only view of a contiguous CPU uint8 tensor's bytes, for hashlib.
-
-    Not ``.numpy()``: that marks the storage non-resizable, and code such as FSDP2 resizes the
-    storages of tensors the trace hashes (it failed with "Trying to resize storage that is not
-    resizable"). The view is valid while ``b`` is alive, which callers guarantee.
-    """
-    n = b.numel()
-    if n == 0:
-        return memoryview(b"")
-    return memoryview((ctypes.c_char * n).from_address(b.data_ptr())).cast("B")
-
-
-def md5_of(t: torch.Tensor) -> str:
-    """Synchronous reference MD5 of a tensor (copies to host)."""
-    b = as_bytes(t)
-    if b.device.type != "cpu":
-        b = b.cpu()
-    return hashlib.md5(host_bytes(b)).hexdigest()
-
-
-def stats_tensor(t: torch.Tensor) -> torch.Tensor | None:
-    """[min, max, mean, absmax, nan, inf, n_finite] of one tensor as float64 on its device.
-
-    The torch path's reduction (also the reference the batched kernel is tested against).
-    """
-    flat = _stats_input(t)
-    if flat is None:
-        return None
-    return _reduce_one(flat)
-
-
-def cpu_stats(t: torch.Tensor) -> Stats | None:
-    """Stats of a CPU tensor now: one fused min/max pass and one sum when all values are finite
-    (min and max reveal any NaN or Inf), the masked reduction only when they are not."""
-    x = t.detach()
-    if x.numel() == 0:
-        return None
-    if x.is_complex():
-        x = torch.view_as_real(x.resolve_conj())
-    if x.dtype == torch.bool:
-        x = x.view(torch.uint8)
-    x = x.reshape(-1)
-    if (x.is_floating_point() and x.element_size() < 4) or not (x.is_floating_point() or x.dtype in _AMINMAX_INT):
-        x = x.float()
-    lo, hi = torch.aminmax(x)
-    lo_f, hi_f = float(lo), float(hi)
-    if math.isfinite(lo_f) and math.isfinite(hi_f):
-        mean = float(x.sum(dtype=torch.float64)) / x.numel()
-        # absmax reuses max's float object when max dominates (no new object per record).
-        return Stats(lo_f, hi_f, mean, hi_f if hi_f >= -lo_f else -lo_f, 0, 0)
-    return _stats_from_row(_reduce_one(x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)).tolist())
-
-
-_AMINMAX_INT = frozenset({torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64})
-
-
-def _stats_input(t: torch.Tensor) -> torch.Tensor | None:
-    """A flat contiguous float copy of ``t`` (a snapshot: later in-place changes don't reach it)."""
-    x = t.detach()
-    if x.numel() == 0:
-        return None
-    if x.is_complex():
-        x = torch.view_as_real(x.resolve_conj())
-    target = torch.float64 if x.dtype in _WIDE else torch.float32
-    return x.reshape(-1).to(target, copy=True)
-
-
-_WIDE = frozenset({torch.float64, torch.int64, torch.int32, *(getattr(torch, n) for n in ("uint32", "uint64")
-                                                            if hasattr(torch, n))})
-
-
-def _reduce_one(data: torch.Tensor) -> torch.Tensor:
-    finite = torch.isfinite(data)
-    zero = torch.zeros((), dtype=data.dtype, device=data.device)
-    n_fin = finite.sum(dtype=torch.float64)
-    n_nan = torch.isnan(data).sum(dtype=torch.float64)
-    lo = torch.where(finite, data, torch.inf).amin().double()
-    hi = torch.where(finite, data, -torch.inf).amax().double()
-    total = torch.where(finite, data, zero).sum(dtype=torch.float64)
-    absmax = torch.where(finite, data.abs(), zero).amax().double()
-    n_inf = data.numel() - n_fin - n_nan
-    return torch.stack([lo, hi, total / n_fin.clamp(min=1), absmax, n_nan, n_inf, n_fin])
-
-
-def _stats_from_row(row: list[float]) -> Stats:
-    lo, hi, mean, absmax, nan, inf, n_fin = row
-    if n_fin == 0:  # no finite value at all: min/max/mean have no meaning
-        return Stats(None, None, None, None, int(nan), int(inf))
-    return Stats(lo, hi, mean, absmax, int(nan), int(inf))
-
-
 class Hasher:
     """Queues checksum and stats work for tensor records and fills the records in when done.
 
-    CUDA stats and fingerprints go through ``tracer.fused`` (Triton, batched) where Triton is
+    CUDA stats and fingerprints go through ``tracer.record.checksums.fused`` (Triton, batched) where Triton is
     usable, else through per-tensor torch ops; both stay on the device until ``drain``.
     """
 
@@ -207,7 +91,7 @@ class Hasher:
         # Per-tensor device results of the torch path, fetched at drain.
         self._stat_rows: list[tuple[TensorRecord, torch.Tensor]] = []
         self._fingerprints: list[tuple[TensorRecord, torch.Tensor, int]] = []
-        self._fused: Any = None  # tracer.fused.Fused, made on the first CUDA tensor
+        self._fused: Any = None  # tracer.record.checksums.fused.Fused, made on the first CUDA tensor
         self._fused_tried = False
         # Tests only: CPU tensors through the batched kernels under Triton's CPU interpreter
         # (TRITON_INTERPRET=1 must be set before triton is first imported), so a machine
@@ -224,7 +108,7 @@ class Hasher:
             return
         # The common case first, with as few tensor attribute reads as possible: this runs for
         # every tensor a step makes (thousands), and each read costs a fraction of a microsecond.
-        if t.is_cuda and not self._interpret and type(t) in _ALLOWED_TYPES and t.layout is _STRIDED \
+        if t.is_cuda and not self._interpret and type(t) in ALLOWED_TYPES and t.layout is _STRIDED \
                 and not t.is_quantized and not t.is_nested and self.algorithm != "md5":
             if _capturing():
                 rec.hash_note = "not hashed: CUDA graph capture in progress"
@@ -269,9 +153,7 @@ class Hasher:
                 if fused is None or not fused.add(rec, t):
                     self._submit_torch(rec, t, self.want_stats, fast)
             elif fast:  # empty: nothing to read
-                from tracer.fingerprint import finish
-
-                rec.fingerprint = finish(0, 0, 0)
+                rec.fingerprint = fp.finish(0, 0, 0)
             if self.algorithm == "md5":
                 self._submit_md5(rec, t)
 
@@ -296,8 +178,6 @@ class Hasher:
 
     def _make_fused(self) -> Any:
         self._fused_tried = True
-        from tracer.fused import Fused, triton_usable
-
         if triton_usable():
             self._fused = Fused(stats=self.want_stats, fingerprint=self.algorithm == "fast",
                                 interpret=self._interpret)
@@ -308,9 +188,7 @@ class Hasher:
         row = _reduce_one(_stats_input(t)) if stats else None  # type: ignore[arg-type]
         sums = None
         if fast:
-            from tracer.fingerprint import lane_sums
-
-            sums = lane_sums(t)
+            sums = fp.lane_sums(t)
         with self._lock:
             if row is not None:
                 self._stat_rows.append((rec, row))
@@ -410,8 +288,7 @@ class Hasher:
     def drain(self, wait: bool = False) -> None:
         """Fill in finished checksums and stats: all of them if ``wait`` (one fetch per device,
         the only synchronisation), else those whose kernels or copies have already finished."""
-        from tracer.fingerprint import finish, hex_of
-
+        finish, hex_of = fp.finish, fp.hex_of
         fused = self._fused
         if fused is not None:
             fused.flush()
@@ -423,12 +300,12 @@ class Hasher:
                 for recs, (lo, hi, mean, absmax), (nan, inf, lane_a, lane_b) in zip(slots, res_f, res_i):
                     stats = (Stats(lo, hi, mean, absmax, nan, inf) if isfinite(lo)
                              else Stats(None, None, None, None, nan, inf)) if want_stats else None
-                    fp = hex_of(lane_a, lane_b) if want_fp else None
+                    digest = hex_of(lane_a, lane_b) if want_fp else None
                     for rec in recs:
                         if want_stats:
                             rec.stats = stats
                         if want_fp:
-                            rec.fingerprint = fp
+                            rec.fingerprint = digest
         if wait:
             with self._lock:
                 rows, self._stat_rows = self._stat_rows, []
@@ -469,35 +346,15 @@ class Hasher:
             self._pool = None
 
 
-# Dtypes whose one value cpu_stats turns into the same Python float as float(t.item()) (the
-# unsigned 16/32/64-bit types go through float32 there, so they are left to it).
-_SCALAR_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool,
-                            torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64})
-
-
-def _scalar_stats(value: float | int | bool) -> Stats | None:
-    """``cpu_stats`` of a one-element tensor from its value; None when it is NaN or infinite."""
-    v = float(value)
-    if not math.isfinite(v):
-        return None
-    # The mean as cpu_stats makes it: the float64 sum of one value, which is 0.0 + v (so -0.0
-    # gives 0.0); absmax as there too.
-    return Stats(v, v, 0.0 + v, v if v >= -v else -v, 0, 0)
-
-
 @functools.lru_cache(maxsize=4096)
 def _small_fingerprint(data: bytes) -> str:
     """The fingerprint of a few bytes in plain Python; the same few values (step counts) recur."""
-    from tracer import fingerprint as fp
-
     return fp.fingerprint_reference(data)
 
 
 def _cpu_fingerprint(t: torch.Tensor) -> str:
     """A CPU tensor's fingerprint now: tiny ones (scalars such as an optimizer's step count)
     in plain Python, which beats a dozen torch kernel launches; larger ones in torch."""
-    from tracer import fingerprint as fp
-
     if t.numel() * t.element_size() <= 64:
         b = as_bytes(t)  # alive while its bytes are read
         return _small_fingerprint(bytes(host_bytes(b)))

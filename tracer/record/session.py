@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from tracer import recorder as _recorder
-from tracer.listeners import Listener
 from tracer.model import StreamWriter, Trace
+from tracer.record import recorder as _recorder
+from tracer.record.listeners import Listener
 
 __version__ = "0.1.0"
 
@@ -53,12 +53,12 @@ def trace(*, hash: str = "md5", stacks: bool = True, stats: bool | None = None,
     """Record forward API calls, grad nodes, call stacks and tensor checksums of a block.
 
     ``hash``: ``"md5"`` (exact MD5 of every tensor, the default), ``"fast"`` (a 64-bit
-    order-sensitive fingerprint computed on the tensor's device, ``tracer.fingerprint``) or
+    order-sensitive fingerprint computed on the tensor's device, ``tracer.record.checksums.fingerprint``) or
     ``"none"``.
     ``stacks``: capture the user's call stack of every call (cheap, on by default).
     ``stats``: min/max/mean/absmax/NaN/Inf of every tensor (default: on when hashing).
     ``out``: stream the trace to this file while recording (a crash keeps what was flushed).
-    ``listeners``: extra ``tracer.listeners.Listener`` objects to attach to the recorder.
+    ``listeners``: extra ``tracer.record.listeners.Listener`` objects to attach to the recorder.
     ``memory``: also record every allocation and free, attributed to calls and grad nodes.
     ``max_calls``: stop recording cleanly after this many calls (the trace says so).
     ``max_bytes``: likewise once the trace's records reach about this many bytes.
@@ -171,7 +171,7 @@ class TraceSession:
         t.header["node_attribution"] = rec.node_attribution
         rec.max_calls = self.max_calls
         if self.hash == "fast":
-            from tracer.fingerprint import ALGORITHM
+            from tracer.record.checksums.fingerprint import ALGORITHM
 
             t.header["fingerprint"] = ALGORITHM
         if self.memory:

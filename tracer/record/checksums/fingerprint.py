@@ -16,18 +16,20 @@ Why these properties hold:
   a coincidence in both lanes (``torch.hash_tensor``'s XOR loses order and cancels equal
   pairs; this does not).
 
-Why 32-bit lanes: the GPU kernel (``tracer.fused``) reads every byte a training step makes
+Why 32-bit lanes: the GPU kernel (``tracer.record.checksums.fused``) reads every byte a training step makes
 (tens of GB for GPT-2 small), so the mix must cost fewer integer instructions per word than
 the memory system takes to deliver it; 64-bit multiplies are emulated on GPUs and cost 4x.
 
 This module is the definition: ``fingerprint_reference`` in plain Python (slow, obviously
 right), ``fingerprint_tensor`` in torch integer ops (any device, the fallback where Triton is
-missing), and the Triton kernel in ``tracer.fused`` must agree with both bit for bit.
+missing), and the Triton kernel in ``tracer.record.checksums.fused`` must agree with both bit for bit.
 """
 
 from __future__ import annotations
 
 import torch
+
+from tracer.record.checksums.bytes import as_bytes
 
 ALGORITHM = "gtfp2-fmix32x2-64"
 MASK32 = 0xFFFFFFFF
@@ -90,8 +92,6 @@ def _fmix(x: torch.Tensor, c: tuple[int, int, int, int, int]) -> torch.Tensor:
 
 def lane_sums(t: torch.Tensor) -> torch.Tensor:
     """The two lane sums (int64 [2], each < 2^32) of ``t``'s bytes, on its device, no sync."""
-    from tracer.hashing import as_bytes
-
     b = as_bytes(t)
     n = b.numel()
     pad = (-n) % 4

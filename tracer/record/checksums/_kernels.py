@@ -1,9 +1,9 @@
-"""The Triton kernels behind ``tracer.fused`` (imported only where Triton is used).
+"""The Triton kernels behind ``tracer.record.checksums.fused`` (imported only where Triton is used).
 
 ``partials``: one program per 256 KiB of a tensor (a batch of tensors per launch, found by a
 binary search over the batch's first-program table) reads its bytes once and writes partial
 stats and fingerprint lane sums. ``finalize``: one program per tensor folds its partials in a
-fixed order and applies the fingerprint's final mix. Constants come from ``tracer.fingerprint``,
+fixed order and applies the fingerprint's final mix. Constants come from ``tracer.record.checksums.fingerprint``,
 which defines the algorithm.
 """
 
@@ -11,7 +11,7 @@ which defines the algorithm.
 import triton
 import triton.language as tl
 
-from tracer import fingerprint as fp
+from tracer.record.checksums import fingerprint as fp
 
 KA0: tl.constexpr = tl.constexpr(fp.KEY_A[0])
 KA1: tl.constexpr = tl.constexpr(fp.KEY_A[1])

@@ -1,0 +1,156 @@
+"""One display vocabulary: how names, shapes, dtypes, sizes and trace paths are written, by every
+view of a trace (the summary, DOT, HTML, diff, the logs, ``show``, the memory tables).
+
+Pure functions of strings and numbers: no torch, so a loaded trace renders without it. The HTML
+report's JavaScript (export/assets/report.js) writes shapes and API names the same way.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+# ---- APIs and modules ------------------------------------------------------------------------------
+_API_PREFIXES = (("torch.nn.functional.", "F."), ("__main__.", ""))
+
+
+def short_api(api: str) -> str:
+    """``torch.nn.functional.linear`` -> ``F.linear``; a script's own ``__main__.MyFn.apply`` ->
+    ``MyFn.apply``; anything else as it is."""
+    for long, short in _API_PREFIXES:
+        if api.startswith(long):
+            return short + api[len(long):]
+    return api
+
+
+def function_label(api: str) -> str:
+    """A custom Function's call by its class: ``mypkg.layers.MyFn.apply`` -> ``MyFn.apply``."""
+    parts = api.split(".")
+    return ".".join(parts[-2:]) if len(parts) > 2 else short_api(api)
+
+
+def module_depth(path: str) -> int:
+    """How deep a module path is: the root module ``""`` is 0, ``h.0.mlp`` is 3."""
+    return 0 if not path else path.count(".") + 1
+
+
+def within(path: str, prefix: str) -> bool:
+    """Whether module ``path`` is ``prefix`` or lies below it (``""`` contains everything)."""
+    return prefix == "" or path == prefix or path.startswith(prefix + ".")
+
+
+def param_module(name: str) -> str:
+    """The module path of a parameter or buffer name: ``0.l1.weight`` -> ``0.l1``."""
+    return name.rpartition(".")[0]
+
+
+# ---- tensors ----------------------------------------------------------------------------------------
+_DTYPE_SHORT = {
+    "float64": "f64", "float32": "f32", "float16": "f16", "bfloat16": "bf16",
+    "int64": "i64", "int32": "i32", "int16": "i16", "int8": "i8",
+    "uint8": "u8", "uint16": "u16", "uint32": "u32", "uint64": "u64",
+    "complex64": "c64", "complex128": "c128", "complex32": "c32", "bool": "bool",
+}
+
+
+def short_dtype(dtype: str) -> str:
+    """``float32`` -> ``f32``, ``bfloat16`` -> ``bf16``; unknown dtypes as they are."""
+    return _DTYPE_SHORT.get(dtype, dtype)
+
+
+def shape_compact(shape: tuple[int, ...] | list[int]) -> str:
+    """``[2,3,8]``: text, the summary and the logs (next to a short dtype: ``f32[2,3,8]``)."""
+    return "[" + ",".join(str(s) for s in shape) + "]"
+
+
+def shape_spaced(shape: tuple[int, ...] | list[int]) -> str:
+    """``[2, 3, 8]``: DOT edge labels."""
+    return "[" + ", ".join(str(s) for s in shape) + "]"
+
+
+def shape_times(shape: tuple[int, ...] | list[int]) -> str:
+    """``2×3×8``, ``scalar`` for a 0-d tensor: the HTML report."""
+    return "×".join(str(s) for s in shape) if len(shape) else "scalar"
+
+
+# ---- numbers ----------------------------------------------------------------------------------------
+_KiB, _MiB, _GiB = 1 << 10, 1 << 20, 1 << 30
+
+
+def format_bytes(n: int | None, exact: bool = False) -> str:
+    """Memory in binary units: ``1.5 KiB``, ``-2.0 MiB`` (``exact``: ``2 MiB`` when whole);
+    ``-`` for None."""
+    if n is None:
+        return "-"
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit, size in (("GiB", _GiB), ("MiB", _MiB), ("KiB", _KiB)):
+        if n >= size:
+            v = n / size
+            return f"{sign}{v:.0f} {unit}" if exact and v == int(v) else f"{sign}{v:.1f} {unit}"
+    return f"{sign}{n} B"
+
+
+def format_size(n: int) -> str:
+    """A file's size in decimal units: ``812 bytes``, ``14 kB``, ``3.2 MB``."""
+    if abs(n) < 1000:
+        return f"{n} bytes"
+    if abs(n) < 1_000_000:
+        return f"{n / 1000:.0f} kB"
+    return f"{n / 1_000_000:.1f} MB"
+
+
+def format_number(x: float | None, digits: int = 4) -> str:
+    """A float in ``digits`` significant digits; ``-`` for None; ``inf``, ``-inf``, ``nan``."""
+    if x is None:
+        return "-"
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    return f"{x:.{digits}g}"
+
+
+def json_number(x: float | None) -> float | str | None:
+    """A number for strict JSON: non-finite values as the strings ``nan``, ``inf``, ``-inf``."""
+    if x is None or math.isfinite(x):
+        return x
+    return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+
+
+def plural(n: int, noun: str, nouns: str | None = None) -> str:
+    """``1 backward run``, ``2 backward runs``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {nouns or noun + 's'}"
+
+
+def clip(text: str, limit: int = 40) -> str:
+    """One line of at most ``limit`` characters, whitespace runs collapsed, ``…`` if cut."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+# ---- trace files ------------------------------------------------------------------------------------
+TRACE_SUFFIXES = (".gtrace.gz", ".gtrace", ".jsonl.gz", ".jsonl", ".json.gz", ".json")
+
+
+def split_trace_suffix(path: str) -> tuple[str, str]:
+    """``run.gtrace.gz`` -> (``run``, ``.gtrace.gz``); a name without a trace suffix keeps its
+    own extension as the suffix (``run.txt`` -> (``run``, ``.txt``))."""
+    for suffix in TRACE_SUFFIXES:
+        if path.endswith(suffix) and len(path) > len(suffix):
+            return path[: -len(suffix)], suffix
+    stem, ext = os.path.splitext(path)
+    return stem, ext
+
+
+def with_tag(path: str, tag: str) -> str:
+    """A sibling file named with a tag before the trace suffix: ``step.gtrace`` + ``rank0`` ->
+    ``step.rank0.gtrace`` (one file per rank, per step)."""
+    stem, suffix = split_trace_suffix(path)
+    return f"{stem}.{tag}{suffix}"
+
+
+def sibling(path: str, ext: str) -> str:
+    """The file a view of a trace goes to by default: ``step.gtrace.gz`` + ``.html`` ->
+    ``step.html``."""
+    return split_trace_suffix(path)[0] + ext

@@ -1,0 +1,1 @@
+"""The recording layer: what runs inside the user's process while a block is traced."""

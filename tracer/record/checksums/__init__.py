@@ -1,0 +1,1 @@
+"""Checksums (exact MD5, on-device fingerprints) and stats of the tensors a trace records."""

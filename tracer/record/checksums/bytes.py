@@ -1,0 +1,68 @@
+"""A tensor's logical contents as bytes: what is hashed, and why some tensors cannot be.
+
+MD5 is of the tensor's logical contents in its own dtype, row-major, as bytes: equal to
+``hashlib.md5(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()).hexdigest()``.
+Shape and dtype are recorded beside the hash, not in it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+
+import torch
+
+ALLOWED_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def unhashable_reason(t: torch.Tensor) -> str | None:
+    """Why a tensor's bytes cannot be hashed, or None when they can."""
+    if type(t) not in ALLOWED_TYPES:
+        name = type(t).__name__
+        if name == "FakeTensor":
+            return "fake tensor (no data)"
+        if name == "FunctionalTensor":
+            return "functional tensor (no data)"
+        return f"tensor subclass {name}"
+    if t.is_meta:
+        return "meta tensor (no data)"
+    if t.layout != torch.strided:
+        return f"{str(t.layout).replace('torch.', '')} layout"
+    if t.is_quantized:
+        return "quantized tensor"
+    if getattr(t, "is_nested", False):
+        return "nested tensor"
+    if t.device.type not in ("cpu", "cuda"):
+        return f"device {t.device.type} not supported for hashing"
+    return None
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's logical contents as a flat contiguous uint8 tensor on its own device."""
+    x = t.detach()
+    if x.is_conj():
+        x = x.resolve_conj()
+    if x.is_neg():
+        x = x.resolve_neg()
+    return x.contiguous().reshape(-1).view(torch.uint8)
+
+
+def host_bytes(b: torch.Tensor) -> memoryview:
+    """A zero-copy read-only view of a contiguous CPU uint8 tensor's bytes, for hashlib.
+
+    Not ``.numpy()``: that marks the storage non-resizable, and code such as FSDP2 resizes the
+    storages of tensors the trace hashes (it failed with "Trying to resize storage that is not
+    resizable"). The view is valid while ``b`` is alive, which callers guarantee.
+    """
+    n = b.numel()
+    if n == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * n).from_address(b.data_ptr())).cast("B")
+
+
+def md5_of(t: torch.Tensor) -> str:
+    """Synchronous reference MD5 of a tensor (copies to host)."""
+    b = as_bytes(t)
+    if b.device.type != "cpu":
+        b = b.cpu()
+    return hashlib.md5(host_bytes(b)).hexdigest()

@@ -1,0 +1,98 @@
+"""Stats of a tensor's values (min, max, mean, absmax over finite values; NaN and Inf counts):
+the torch reference reduction, the CPU fast path, and a one-element tensor from its value."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tracer.model import Stats
+
+
+def stats_tensor(t: torch.Tensor) -> torch.Tensor | None:
+    """[min, max, mean, absmax, nan, inf, n_finite] of one tensor as float64 on its device.
+
+    The torch path's reduction (also the reference the batched kernel is tested against).
+    """
+    flat = _stats_input(t)
+    if flat is None:
+        return None
+    return _reduce_one(flat)
+
+
+def cpu_stats(t: torch.Tensor) -> Stats | None:
+    """Stats of a CPU tensor now: one fused min/max pass and one sum when all values are finite
+    (min and max reveal any NaN or Inf), the masked reduction only when they are not."""
+    x = t.detach()
+    if x.numel() == 0:
+        return None
+    if x.is_complex():
+        x = torch.view_as_real(x.resolve_conj())
+    if x.dtype == torch.bool:
+        x = x.view(torch.uint8)
+    x = x.reshape(-1)
+    if (x.is_floating_point() and x.element_size() < 4) or not (x.is_floating_point() or x.dtype in _AMINMAX_INT):
+        x = x.float()
+    lo, hi = torch.aminmax(x)
+    lo_f, hi_f = float(lo), float(hi)
+    if math.isfinite(lo_f) and math.isfinite(hi_f):
+        mean = float(x.sum(dtype=torch.float64)) / x.numel()
+        # absmax reuses max's float object when max dominates (no new object per record).
+        return Stats(lo_f, hi_f, mean, hi_f if hi_f >= -lo_f else -lo_f, 0, 0)
+    return _stats_from_row(_reduce_one(x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)).tolist())
+
+
+_AMINMAX_INT = frozenset({torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64})
+
+
+def _stats_input(t: torch.Tensor) -> torch.Tensor | None:
+    """A flat contiguous float copy of ``t`` (a snapshot: later in-place changes don't reach it)."""
+    x = t.detach()
+    if x.numel() == 0:
+        return None
+    if x.is_complex():
+        x = torch.view_as_real(x.resolve_conj())
+    target = torch.float64 if x.dtype in _WIDE else torch.float32
+    return x.reshape(-1).to(target, copy=True)
+
+
+_WIDE = frozenset({torch.float64, torch.int64, torch.int32, *(getattr(torch, n) for n in ("uint32", "uint64")
+                                                            if hasattr(torch, n))})
+
+
+def _reduce_one(data: torch.Tensor) -> torch.Tensor:
+    finite = torch.isfinite(data)
+    zero = torch.zeros((), dtype=data.dtype, device=data.device)
+    n_fin = finite.sum(dtype=torch.float64)
+    n_nan = torch.isnan(data).sum(dtype=torch.float64)
+    lo = torch.where(finite, data, torch.inf).amin().double()
+    hi = torch.where(finite, data, -torch.inf).amax().double()
+    total = torch.where(finite, data, zero).sum(dtype=torch.float64)
+    absmax = torch.where(finite, data.abs(), zero).amax().double()
+    n_inf = data.numel() - n_fin - n_nan
+    return torch.stack([lo, hi, total / n_fin.clamp(min=1), absmax, n_nan, n_inf, n_fin])
+
+
+def _stats_from_row(row: list[float]) -> Stats:
+    lo, hi, mean, absmax, nan, inf, n_fin = row
+    if n_fin == 0:  # no finite value at all: min/max/mean have no meaning
+        return Stats(None, None, None, None, int(nan), int(inf))
+    return Stats(lo, hi, mean, absmax, int(nan), int(inf))
+
+
+
+# Dtypes whose one value cpu_stats turns into the same Python float as float(t.item()) (the
+# unsigned 16/32/64-bit types go through float32 there, so they are left to it).
+_SCALAR_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool,
+                            torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64})
+
+
+def _scalar_stats(value: float | int | bool) -> Stats | None:
+    """``cpu_stats`` of a one-element tensor from its value; None when it is NaN or infinite."""
+    v = float(value)
+    if not math.isfinite(v):
+        return None
+    # The mean as cpu_stats makes it: the float64 sum of one value, which is 0.0 + v (so -0.0
+    # gives 0.0); absmax as there too.
+    return Stats(v, v, 0.0 + v, v if v >= -v else -v, 0, 0)
