@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 
 import tracer
-from tracer.logs import ConsoleHandler, log_scope
+from tracer.features.logs import ConsoleHandler, log_scope
 
 
 class _Drop(logging.Handler):

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from overhead import _quiet, build
 
 import tracer
-from tracer.memory import MemoryRecord
+from tracer.analysis.memory import MemoryRecord
 
 
 def time_step(w: object, make_ctx: Callable[[], contextlib.AbstractContextManager[object]]) -> float:

@@ -23,7 +23,7 @@ COMMAND_MODULES = (
     "export.dot",       # dot
     "export.html",      # report
     "export.diff",      # diff
-    "tracer.run",       # run
+    "tracer.loops.program",       # run
     "export.memory_cli",  # memory
     "export.diff_ranks",  # diff-ranks
 )

@@ -37,9 +37,9 @@ from typing import TYPE_CHECKING, Any
 
 from export.align import Pair, align_calls, align_steps, call_mapping
 from export.cli import UserError
+from tracer.analysis.numerics import NumericsReport, find_anomalies
 from tracer.model import SCHEMA_VERSION, Frame, GradNode, Stats, TensorRecord, Trace
 from tracer.model.names import gradient_of
-from tracer.numerics import NumericsReport, find_anomalies
 
 if TYPE_CHECKING:
     from rich.console import Console

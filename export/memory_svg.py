@@ -24,7 +24,7 @@ def memory_svg(trace: Trace, max_points: int = 2000) -> str | None:
     """The timeline SVG, or None when the trace has no memory record."""
     if not trace.memory:
         return None
-    from export.memory_cli import memory_timeline_data
+    from tracer.analysis.memory import memory_timeline_data
 
     data: dict[str, Any] = memory_timeline_data(trace, max_points=max_points)
     points = data.get("points") or []

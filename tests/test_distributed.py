@@ -25,7 +25,7 @@ import torch.distributed.distributed_c10d as c10d
 
 import tracer
 from export import diff_ranks as dr
-from tracer.distributed import C10D, FUNCOL, launched_rank_info, rank_path
+from tracer.features.distributed import C10D, FUNCOL, launched_rank_info, rank_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "dist_script.py")
@@ -177,7 +177,7 @@ def test_async_collective_recorded_at_issue_without_hash(one_rank: None) -> None
 
 
 def test_collective_for_records_a_reference_taken_before_the_trace(one_rank: None) -> None:
-    from tracer.distributed import collective_for
+    from tracer.features.distributed import collective_for
     from tracer.record.recorder import active_recorder
 
     all_reduce = c10d.all_reduce  # what `from torch.distributed import all_reduce` would hold
@@ -398,7 +398,7 @@ def _session_uses_launcher_env() -> bool:
                            "needs tracer.record.session._distributed_info to fall back to launched_rank_info()")
 def test_gradtrace_run_under_torchrun_writes_one_file_per_rank(tmp_path) -> None:
     _torchrun(tmp_path, "--out", str(tmp_path / "step.gtrace"), "--steps", "0", SCRIPT,
-              "--out", "unused", "--untraced", launcher=["-m", "tracer.run"])
+              "--out", "unused", "--untraced", launcher=["-m", "tracer.loops.program"])
     for rank, path in enumerate(_paths(tmp_path)):
         t = tracer.load(path)
         assert (t.header["distributed"]["rank"], t.header["distributed"]["world_size"]) == (rank, 2)

@@ -1,4 +1,4 @@
-"""Scoped logs (tracer.logs): levels, log_scope forward/backward lines, handlers, GRADTRACE_LOG.
+"""Scoped logs (tracer.features.logs): levels, log_scope forward/backward lines, handlers, GRADTRACE_LOG.
 
 Weights and inputs are small multiples of 1/2, so every value, statistic and MD5 below is exact
 on any CPU.
@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 import tracer
-from tracer.logs import (
+from tracer.features.logs import (
     STATS,
     VALUES,
     ConsoleHandler,
@@ -362,7 +362,7 @@ def test_nan_and_inf_are_counted_and_names_and_checksums_come_from_the_trace(log
 
 
 def test_parse_levels_and_components():
-    from tracer.logs import parse_level
+    from tracer.features.logs import parse_level
 
     assert [parse_level(v) for v in ("debug", "names", "shapes", "stats", "VALUES", "15", 7)] == [10, 20, 10, 7, 5, 15, 7]
     with pytest.raises(ValueError, match="not a log level: 'loud'"):
@@ -472,7 +472,7 @@ def test_gradtrace_log_environment_variable(logs):
 
 
 def test_gradtrace_log_is_read_on_import():
-    code = "import tracer.logs as l; print(sorted(l.get_log_level().items()))"
+    code = "import tracer.features.logs as l; print(sorted(l.get_log_level().items()))"
     env = {**os.environ, "GRADTRACE_LOG": "forward=DEBUG,backward=INFO"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -489,7 +489,7 @@ def test_global_levels_log_every_traced_call(logs):
     assert logs.lines == ["fwd ones0 torch.ones", "fwd mul0 Tensor.mul", "fwd sum0 Tensor.sum"]
     set_log_level({"forward": "WARNING", "backward": "INFO"})
     with tracer.trace(hash="none") as t:
-        from tracer.logs import attach_if_enabled
+        from tracer.features.logs import attach_if_enabled
 
         attach_if_enabled(active_recorder())  # what trace() does when it starts
         x = torch.ones(2, requires_grad=True)

@@ -20,7 +20,9 @@ import torch.nn as nn
 
 import tracer
 from tests.models import hf_model
-from tracer.memory import MemoryListener, MemoryRecord, memory_summary, record_memory
+from tracer.analysis.memory import MemoryRecord
+from tracer.api import record_memory
+from tracer.features.memory import MemoryListener, memory_summary
 
 PLANTED = 1 << 20  # elements of the planted temporary: 4 MiB of float32
 
@@ -225,7 +227,7 @@ def test_save_load_csv_table_and_cli(tmp_trace, tmp_path, capsys, monkeypatch):
 
 
 def test_timeline_data_marks_peak_and_backward():
-    from export.memory_cli import memory_timeline_data
+    from tracer.analysis.memory import memory_timeline_data
 
     model = planted_model()
     with tracer.trace(hash="none", memory=True) as t:
@@ -257,7 +259,7 @@ def test_plot_png_and_svg(tmp_path, monkeypatch):
         assert "<svg" in fh.read()
     with pytest.raises(ValueError, match=r"\.png, \.svg"):
         rec.plot(os.fspath(tmp_path / "m.gif"))
-    from export.memory_cli import PlotUnavailable
+    from tracer.analysis.memory_views import PlotUnavailable
 
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     with pytest.raises(PlotUnavailable, match=r"^plot needs matplotlib: pip install"):
@@ -380,7 +382,7 @@ def test_cuda_deltas_mode_accounts_every_byte():
 _FRAG_SCRIPT = """
 import json, torch
 from tests.test_memory import gpt2_step_record
-from tracer.memory import memory_summary
+from tracer.features.memory import memory_summary
 rec, _ = gpt2_step_record()
 s = memory_summary()
 print(json.dumps({k: s[k] for k in ("fragmentation", "free_fragmentation", "reserved", "max_reserved",

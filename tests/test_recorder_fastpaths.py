@@ -310,7 +310,7 @@ def test_backward_steps_pair_each_nodes_gradients() -> None:
 
 
 def test_a_stand_in_hasher_is_called_even_when_nothing_is_hashed() -> None:
-    from tracer.distributed import _NoHash
+    from tracer.features.distributed import _NoHash
 
     x = torch.randn(3)
     with tracer.trace(hash="none", stacks=False) as t:

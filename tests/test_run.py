@@ -11,8 +11,8 @@ import textwrap
 import pytest
 
 import tracer
+from tracer.loops.program import main_run, register
 from tracer.model import load_steps
-from tracer.run import main_run, register
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "examples", "train.py")
@@ -43,9 +43,9 @@ def _gradtrace_run() -> list[str]:
     """The real command line: `python -m tracer run` once the CLI lists the command."""
     from export.cli import COMMAND_MODULES
 
-    if "tracer.run" in COMMAND_MODULES:
+    if "tracer.loops.program" in COMMAND_MODULES:
         return [sys.executable, "-m", "tracer", "run"]
-    return [sys.executable, "-m", "tracer.run"]
+    return [sys.executable, "-m", "tracer.loops.program"]
 
 
 @pytest.fixture

@@ -14,10 +14,10 @@ from torch.overrides import _get_current_function_mode_stack
 
 import tracer
 from tests.models import MLP
+from tracer.loops.steps import StepSelection, StepTrace, step_path
+from tracer.loops.steps import step as mark_step
 from tracer.model import load_steps
 from tracer.record.checksums.bytes import md5_of
-from tracer.steps import StepSelection, StepTrace, step_path
-from tracer.steps import step as mark_step
 
 ORIGINAL_APPLY = torch.autograd.function.Function.__dict__["apply"]
 

@@ -6,12 +6,19 @@
         loss.backward()
     t.save("step.gtrace")
     print(t["linear3"].stack[-1])
+
+The data model and its analyses (``load``, ``Trace``, the records, ``t.anomalies``) import
+without torch, so a saved trace can be read anywhere; the names that record (``trace`` and the
+rest) import torch on first use.
 """
 
 from __future__ import annotations
 
-from tracer.logs import get_log_level, log_scope, set_log_level
-from tracer.memory import MemoryRecord, memory_summary, record_memory
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from tracer.analysis.memory import MemoryRecord
+from tracer.analysis.numerics import Anomaly, NonFiniteError, NumericsReport
 from tracer.model import (
     SCHEMA_VERSION,
     BackwardRun,
@@ -25,25 +32,49 @@ from tracer.model import (
     TraceFormatError,
     TruncatedTraceWarning,
     load,
+    load_steps,
 )
-from tracer.numerics import NonFiniteError, NumericsReport
-from tracer.record.checksums.bytes import md5_of
-from tracer.record.session import (
-    NumericsWarning,
-    TraceError,
-    __version__,
-    check_numerics,
-    explain_errors,
-    trace,
-)
-from tracer.steps import step
+from tracer.options import TraceError
+from tracer.version import __version__
+
+if TYPE_CHECKING:  # the names resolved on first use, below
+    from tracer.api import check_numerics, explain_errors, record_memory, step, trace
+    from tracer.features.logs import get_log_level, log_scope, set_log_level
+    from tracer.features.memory import memory_summary
+    from tracer.record.checksums.bytes import md5_of
+    from tracer.record.listeners import Listener
+    from tracer.record.session import NumericsWarning, TraceSession
+
+# Names that import torch: resolved on first access (PEP 562).
+_LAZY = {
+    "trace": "tracer.api", "check_numerics": "tracer.api", "explain_errors": "tracer.api",
+    "record_memory": "tracer.api", "step": "tracer.api",
+    "memory_summary": "tracer.features.memory",
+    "get_log_level": "tracer.features.logs", "log_scope": "tracer.features.logs",
+    "set_log_level": "tracer.features.logs",
+    "md5_of": "tracer.record.checksums.bytes",
+    "Listener": "tracer.record.listeners",
+    "NumericsWarning": "tracer.record.session", "TraceSession": "tracer.record.session",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tracer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "SCHEMA_VERSION",
+    "Anomaly",
     "BackwardRun",
     "Call",
     "Frame",
     "GradNode",
+    "Listener",
     "MemoryRecord",
     "NodeRun",
     "NonFiniteError",
@@ -54,12 +85,14 @@ __all__ = [
     "Trace",
     "TraceError",
     "TraceFormatError",
+    "TraceSession",
     "TruncatedTraceWarning",
     "__version__",
     "check_numerics",
     "explain_errors",
     "get_log_level",
     "load",
+    "load_steps",
     "log_scope",
     "md5_of",
     "memory_summary",

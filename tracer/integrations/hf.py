@@ -27,7 +27,7 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("tracer.integrations.hf needs the transformers package (pip install transformers)") from exc
 
-from tracer.steps import StepRecorder, StepResults, StepSelection
+from tracer.loops.steps import StepRecorder, StepResults, StepSelection
 
 
 class TraceCallback(TrainerCallback, StepResults):

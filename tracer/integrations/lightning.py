@@ -26,7 +26,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     except ImportError as exc:
         raise ImportError("tracer.integrations.lightning needs lightning (or pytorch_lightning)") from exc
 
-from tracer.steps import StepRecorder, StepResults, StepSelection
+from tracer.loops.steps import StepRecorder, StepResults, StepSelection
 
 
 class TraceCallback(Callback, StepResults):

@@ -95,7 +95,7 @@ def _describe(func: Any) -> tuple[str, str, str]:
     if short in NOISE:
         return SKIP
     # Collectives change tensors in place without bumping versions: the mode hands them to
-    # tracer.distributed (decided once per function here, not per call).
+    # tracer.features.distributed (decided once per function here, not per call).
     return api, _short(short), "collective" if module.startswith("torch.distributed") else "op"
 
 

@@ -257,7 +257,7 @@ class _Mode(TorchFunctionMode):
             return rec.record_backward(func, api, args, kwargs)
         if kind == "collective":
             # References to collectives taken before the trace land here, not in the wrappers.
-            from tracer.distributed import collective_for
+            from tracer.features.distributed import collective_for
 
             wrapped = collective_for(rec, func)
             if wrapped is not None:
@@ -589,7 +589,7 @@ class Recorder:
 
     @staticmethod
     def _base_name(name: str) -> str:
-        return name.rsplit("@v", 1)[0] if "@v" in name else name
+        return names.base_name(name)
 
     def _bump(self, base: str) -> str:
         n = self._versions.get(base, 0) + 1
@@ -683,7 +683,8 @@ class Recorder:
                     old_rec = tensors.get(old)
                     role = old_rec.role if old_rec is not None and old_rec.role in ("param", "buffer", "state") \
                         else "output"
-                    base = old.rsplit("@v", 1)[0] if "@v" in old else old  # _bump(_base_name(old)), inlined
+                    head, sep, tail = old.rpartition("@v")  # names.base_name(old), inlined
+                    base = head if sep and tail.isdigit() else old
                     n = versions.get(base, 0) + 1
                     versions[base] = n
                     new = self._new_tensor(t, names.version_name(base, n), role, name, previous=old,
@@ -1015,7 +1016,7 @@ class Recorder:
         return indegree
 
     def _explain(self, exc: Exception, run: BackwardRun, running: list[str]) -> None:
-        from tracer.explain import add_note, explain_backward_error
+        from tracer.analysis.explain import add_note, explain_backward_error
 
         try:
             with self.lock, torch._C.DisableTorchFunction():

@@ -1,4 +1,5 @@
-"""``tracer.trace()``: the context manager users put around a training step."""
+"""``TraceSession``: one traced block, from installing the recorder to the finished ``Trace``
+(what ``tracer.trace()`` returns without ``steps``/``every``)."""
 
 from __future__ import annotations
 
@@ -16,14 +17,10 @@ from typing import Any
 import torch
 
 from tracer.model import StreamWriter, Trace
+from tracer.options import TraceError
 from tracer.record import recorder as _recorder
 from tracer.record.listeners import Listener
-
-__version__ = "0.1.0"
-
-
-class TraceError(RuntimeError):
-    """Misuse of the tracer (an accidental nested trace, bad options)."""
+from tracer.version import __version__
 
 
 def _distributed_info() -> dict[str, Any] | None:
@@ -35,77 +32,13 @@ def _distributed_info() -> dict[str, Any] | None:
         return None
     if not dist.is_available():
         return None
-    from tracer.distributed import launched_rank_info, rank_info
+    from tracer.features.distributed import launched_rank_info, rank_info
 
     return rank_info() if dist.is_initialized() else launched_rank_info()
 
 
 class NumericsWarning(RuntimeWarning):
     """``check_numerics`` found a NaN or Inf; the message is the report."""
-
-
-def trace(*, hash: str = "md5", stacks: bool = True, stats: bool | None = None,
-          out: str | os.PathLike[str] | None = None, flush_every: int = 1024,
-          listeners: list[Listener] | None = None, memory: bool = False,
-          max_calls: int | None = None, check_numerics: bool = False, raise_on_nonfinite: bool = False,
-          optimizer_ops: bool = False, steps: str | None = None, every: int | None = None,
-          **step_options: Any) -> Any:
-    """Record forward API calls, grad nodes, call stacks and tensor checksums of a block.
-
-    ``hash``: ``"md5"`` (exact MD5 of every tensor, the default), ``"fast"`` (a 64-bit
-    order-sensitive fingerprint computed on the tensor's device, ``tracer.record.checksums.fingerprint``) or
-    ``"none"``.
-    ``stacks``: capture the user's call stack of every call (cheap, on by default).
-    ``stats``: min/max/mean/absmax/NaN/Inf of every tensor (default: on when hashing).
-    ``out``: stream the trace to this file while recording (a crash keeps what was flushed).
-    ``listeners``: extra ``tracer.record.listeners.Listener`` objects to attach to the recorder.
-    ``memory``: also record every allocation and free, attributed to calls and grad nodes.
-    ``max_calls``: stop recording cleanly after this many calls (the trace says so).
-    ``max_bytes``: likewise once the trace's records reach about this many bytes.
-    ``check_numerics``: stats (NaN/Inf counts) for every tensor even without hashing; at the end
-    the first non-finite tensor of forward and of backward is reported (``t.anomalies``).
-    ``raise_on_nonfinite``: stop at the first NaN/Inf with ``NonFiniteError`` (syncs once per
-    call to look at each output: costly on GPUs, meant for hunting, not for routine runs).
-    ``optimizer_ops``: record every op inside ``optimizer.step()``. By default a step is one call
-    (named after the optimizer class, ``AdamW0``) from the parameters, gradients and state to
-    the new versions it leaves behind; its intermediate tensors are not recorded.
-    ``steps`` / ``every``: trace only chosen optimizer steps of a longer loop (``tracer.steps``).
-
-    Only the thread that enters the block is traced. Nothing stays installed after the block,
-    also when it raises; then the trace is marked ``failed`` and the exception propagates.
-    """
-    if steps is not None or every is not None:
-        from tracer.steps import StepTrace
-
-        return StepTrace(steps=steps, every=every, hash=hash, stacks=stacks, stats=stats, out=out,
-                         flush_every=flush_every, listeners=listeners, memory=memory, max_calls=max_calls,
-                         check_numerics=check_numerics, raise_on_nonfinite=raise_on_nonfinite,
-                         optimizer_ops=optimizer_ops, **step_options)
-    max_bytes = step_options.pop("max_bytes", None)
-    if step_options:
-        raise TraceError(f"unknown option(s) for tracer.trace(): {', '.join(sorted(step_options))}")
-    if max_bytes is not None:
-        from tracer.steps import Bounds
-
-        listeners = [*(listeners or []), Bounds(max_bytes=int(max_bytes))]
-    return TraceSession(hash=hash, stacks=stacks, stats=stats, out=out, flush_every=flush_every,
-                        listeners=listeners, memory=memory, max_calls=max_calls,
-                        check_numerics=check_numerics, raise_on_nonfinite=raise_on_nonfinite,
-                        optimizer_ops=optimizer_ops)
-
-
-def check_numerics(*, raise_on_nonfinite: bool = False, stacks: bool = True,
-                   out: str | os.PathLike[str] | None = None) -> TraceSession:
-    """A light trace that only looks for NaN/Inf (no checksums); ``t.anomalies`` says where."""
-    return TraceSession(hash="none", stacks=stacks, stats=True, out=out, check_numerics=True,
-                        raise_on_nonfinite=raise_on_nonfinite)
-
-
-def explain_errors(*, out: str | os.PathLike[str] | None = None) -> TraceSession:
-    """A light trace (names, links and stacks; no checksums, no stats) whose purpose is to
-    explain exceptions raised in backward: the failing grad node, the call and line that
-    created it, and every enclosing custom-Function level."""
-    return TraceSession(hash="none", stacks=True, stats=False, out=out)
 
 
 class TraceSession:
@@ -159,7 +92,7 @@ class TraceSession:
         dist_info = _distributed_info()
         if dist_info is not None:
             # One file per rank (step.rank0.gtrace, ...), each saying where it ran.
-            from tracer.distributed import rank_path
+            from tracer.features.distributed import rank_path
 
             t.header["distributed"] = dist_info
             if self.out:
@@ -175,15 +108,15 @@ class TraceSession:
 
             t.header["fingerprint"] = ALGORITHM
         if self.memory:
-            from tracer.memory import MemoryListener
+            from tracer.features.memory import MemoryListener
 
             self.listeners.append(MemoryListener())
         if self.raise_on_nonfinite:
-            from tracer.numerics import NonFiniteGuard
+            from tracer.features.numerics import NonFiniteGuard
 
             self.listeners.append(NonFiniteGuard(rec))
         rec.listeners.extend(self.listeners)
-        from tracer.logs import attach_if_enabled
+        from tracer.features.logs import attach_if_enabled
 
         attach_if_enabled(rec)  # GRADTRACE_LOG / set_log_level() levels log the whole trace
         self._recorder = rec
@@ -207,7 +140,7 @@ class TraceSession:
             gc.set_threshold(max(t0, 50_000), max(t1, 50), max(t2, 100))
         rec.install()
         if dist_info is not None:
-            from tracer.distributed import attach
+            from tracer.features.distributed import attach
 
             self._detach_distributed = attach(rec)
         return t

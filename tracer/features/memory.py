@@ -1,5 +1,6 @@
-"""Memory records: every allocation and free of a traced block, attributed to the call or grad node
-that made it.
+"""Recording memory: every allocation and free of a traced block, attributed to the call or grad
+node that made it (the record is ``tracer.analysis.memory.MemoryRecord``), and the allocator's
+state now (``memory_summary``).
 
     with tracer.record_memory() as rec:          # or tracer.trace(memory=True) / MemoryRecord.from_trace
         loss = model(x).pow(2).mean(); loss.backward()
@@ -52,17 +53,13 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from tracer.analysis.memory import BUCKETS, MemorySummary, bucket_label
 from tracer.model import BackwardRun, Call, NodeRun, Trace
 from tracer.record.listeners import Listener
-
-CSV_FIELDS = ("seq", "action", "bytes", "device", "addr", "allocated_after", "reserved_after", "owner",
-              "after", "phase", "tensor", "module", "kind", "line")
 
 # Ops that return a new tensor over an existing storage without being a view (no ``_base``).
 _ALIAS_APIS = frozenset({"detach", "detach_", "alias", "data", "__get__", "requires_grad_", "set_",
@@ -490,248 +487,6 @@ class MemoryListener(Listener):
         return None, after, ""
 
 
-# ---- the record as users see it ----------------------------------------------------------------
-@dataclass
-class PeakTensor:
-    """One tensor live at the peak: its name (None: unnamed), bytes, producer and allocating owner."""
-
-    name: str | None
-    bytes: int
-    producer: str | None
-    owner: str | None
-
-    @property
-    def label(self) -> str:
-        """The name, or what is known of a block no tensor name was seen for (an op's temporary,
-        a library workspace)."""
-        return self.name or f"(unnamed, from {self.owner or 'unknown'})"
-
-
-@dataclass
-class Peak:
-    """The highest point of ``allocated_after`` on one device and what was live then."""
-
-    device: str
-    seq: int
-    allocated: int
-    reserved: int | None
-    owner: str | None
-    phase: str
-    tensors: list[PeakTensor] = field(default_factory=list)
-    untracked: int = 0  # bytes allocated then that no event of the record accounts for (from before it)
-
-    def __str__(self) -> str:
-        top = ", ".join(f"{t.label} {_fmt_bytes(t.bytes)}" for t in self.tensors[:3])
-        return (f"peak {_fmt_bytes(self.allocated)} on {self.device} at #{self.seq} ({self.phase}, "
-                f"{self.owner or 'unknown'}); largest live: {top or 'none tracked'}")
-
-
-class MemoryRecord:
-    """The allocation and free events of one traced block, with views of them.
-
-    ``events``: the dicts described in this module's docstring; ``trace``: the trace they belong to
-    (module paths, stacks and producers come from it).
-    """
-
-    def __init__(self, events: list[dict[str, Any]] | None = None, trace: Trace | None = None) -> None:
-        self.events: list[dict[str, Any]] = list(events or [])
-        self.trace = trace
-        self._peak: Peak | None = None
-
-    @classmethod
-    def from_trace(cls, trace: Trace) -> MemoryRecord:
-        return cls(trace.memory, trace)
-
-    def _fill(self, trace: Trace) -> None:
-        self.events = list(trace.memory)
-        self.trace = trace
-        self._peak = None
-
-    # ---- figures ---------------------------------------------------------------------------------
-    @property
-    def allocs(self) -> list[dict[str, Any]]:
-        return [e for e in self.events if e["action"] == "alloc"]
-
-    @property
-    def frees(self) -> list[dict[str, Any]]:
-        return [e for e in self.events if e["action"] == "free"]
-
-    def devices(self) -> list[str]:
-        """Devices with events, the one with the most allocated bytes first."""
-        by: dict[str, int] = {}
-        for e in self.events:
-            if e["action"] in ("alloc", "free"):
-                by[e["device"]] = by.get(e["device"], 0) + (e["bytes"] if e["action"] == "alloc" else 0)
-        return sorted(by, key=lambda d: (-by[d], d))
-
-    def net(self, device: str | None = None) -> int:
-        """Bytes allocated minus bytes freed in the block (on one device, or all)."""
-        return sum(e["bytes"] if e["action"] == "alloc" else -e["bytes"] for e in self.events
-                   if e["action"] in ("alloc", "free") and (device is None or e["device"] == device))
-
-    def marker(self, action: str, device: str) -> dict[str, Any] | None:
-        return next((e for e in self.events if e["action"] == action and e["device"] == device), None)
-
-    def source(self, device: str) -> str | None:
-        m = self.marker("start", device)
-        return None if m is None else m.get("source")
-
-    def by_owner(self) -> dict[str | None, dict[str, int]]:
-        """owner -> {allocs, alloc_bytes, frees, free_bytes}."""
-        out: dict[str | None, dict[str, int]] = {}
-        for e in self.events:
-            if e["action"] not in ("alloc", "free"):
-                continue
-            d = out.setdefault(e["owner"], {"allocs": 0, "alloc_bytes": 0, "frees": 0, "free_bytes": 0})
-            if e["action"] == "alloc":
-                d["allocs"] += 1
-                d["alloc_bytes"] += e["bytes"]
-            else:
-                d["frees"] += 1
-                d["free_bytes"] += e["bytes"]
-        return out
-
-    def attributed_fraction(self, device: str | None = None, inside_only: bool = False) -> float:
-        """Share of allocated bytes whose owner is a named call, grad node or backward run."""
-        allocs = [e for e in self.allocs if device is None or e["device"] == device]
-        total = sum(e["bytes"] for e in allocs)
-        named = sum(e["bytes"] for e in allocs if e["owner"] is not None and not (inside_only and e.get("after")))
-        return named / total if total else 1.0
-
-    # ---- owners' context from the trace ----------------------------------------------------------
-    def owner_kind(self, owner: str | None) -> str:
-        if owner is None:
-            return ""
-        rec = self.trace.get(owner) if self.trace is not None else None
-        if rec is None:
-            return "node" if "/" in owner else ("backward" if owner.startswith(("backward", "grad")) else "call")
-        return {"Call": "call", "GradNode": "node", "BackwardRun": "backward"}.get(type(rec).__name__, "")
-
-    def module_of(self, owner: str | None) -> str | None:
-        """Module path of an owner (a grad node: its call's module); None where there is none."""
-        if owner is None or self.trace is None:
-            return None
-        rec = self.trace.get(owner)
-        call = getattr(rec, "call", None)
-        if isinstance(call, str):
-            rec = self.trace.get(call)
-        elif getattr(rec, "param", None):  # a leaf's accumulator: the module owning the parameter
-            return rec.param.rsplit(".", 1)[0] if "." in rec.param else ""  # type: ignore[union-attr]
-        module = getattr(rec, "module", None)
-        return module if isinstance(module, str) else None
-
-    def stack_of(self, owner: str | None) -> tuple[Any, ...]:
-        if owner is None or self.trace is None:
-            return ()
-        rec = self.trace.get(owner)
-        stack = getattr(rec, "stack", ())
-        if not stack and getattr(rec, "call", None):
-            stack = getattr(self.trace.get(rec.call), "stack", ())  # type: ignore[union-attr]
-        return tuple(stack)
-
-    # ---- the peak --------------------------------------------------------------------------------
-    @property
-    def peak(self) -> Peak | None:
-        """The peak of the busiest device (most bytes allocated), or None without events."""
-        if self._peak is None:
-            devs = self.devices()
-            if devs:
-                self._peak = self.peak_of(devs[0])
-        return self._peak
-
-    def peak_of(self, device: str) -> Peak | None:
-        evs = [e for e in self.events if e["device"] == device and e["action"] in ("alloc", "free", "start")]
-        if not evs:
-            return None
-        best = max(range(len(evs)), key=lambda i: (evs[i]["allocated_after"] or 0, -i))
-        live: dict[Any, dict[str, Any]] = {}
-        for e in evs[:best + 1]:
-            if e["action"] == "alloc":
-                live[e["addr"]] = e
-            elif e["action"] == "free":
-                live.pop(e["addr"], None)
-        at = evs[best]
-        tensors = []
-        for e in sorted(live.values(), key=lambda e: (-e["bytes"], e["seq"])):
-            name = e.get("tensor")
-            trec = self.trace.tensors.get(name) if self.trace is not None and name else None
-            tensors.append(PeakTensor(name, e["bytes"], trec.producer if trec is not None else e["owner"], e["owner"]))
-        tracked = sum(t.bytes for t in tensors)
-        return Peak(device=device, seq=at["seq"], allocated=at["allocated_after"] or 0,
-                    reserved=at["reserved_after"], owner=at["owner"], phase=at["phase"], tensors=tensors,
-                    untracked=max(0, (at["allocated_after"] or 0) - tracked))
-
-    # ---- views -----------------------------------------------------------------------------------
-    def table(self, top: int = 15) -> Any:
-        """Rich tables: totals, top allocators, per module, forward vs backward, the peak."""
-        from export.memory_cli import record_tables
-
-        return record_tables(self, top=top)
-
-    def to_csv(self, path: str) -> None:
-        """One row per event (``CSV_FIELDS``), with the owner's module, kind and user line."""
-        from export.memory_cli import write_csv
-
-        write_csv(self, path)
-
-    def plot(self, path: str) -> None:
-        """Allocated (and reserved) over the events, backward shaded, peak marked: PNG or SVG."""
-        from export.memory_cli import plot_record
-
-        plot_record(self, path)
-
-    def __repr__(self) -> str:
-        peak = self.peak
-        return (f"<MemoryRecord {len(self.allocs)} allocs, {len(self.frees)} frees, net {_fmt_bytes(self.net())}"
-                f"{'' if peak is None else f', peak {_fmt_bytes(peak.allocated)} on {peak.device}'}>")
-
-
-@contextlib.contextmanager
-def record_memory(**trace_options: Any) -> Iterator[MemoryRecord]:
-    """Record every allocation and free of the block; the record is filled when the block ends.
-
-    Runs a light trace (``hash="none"``, stacks on) with ``memory=True``; ``trace_options`` go to
-    ``tracer.trace``. ``rec.trace`` is that trace.
-    """
-    from tracer.record.session import trace as _trace
-
-    opts: dict[str, Any] = {"hash": "none", "stacks": True, **trace_options, "memory": True}
-    rec = MemoryRecord()
-    t: Trace | None = None
-    try:
-        with _trace(**opts) as t:
-            yield rec
-    finally:
-        if t is not None:
-            rec._fill(t)
-
-
-# ---- the allocator's state now --------------------------------------------------------------------
-# Block-size buckets of the distribution (lower bounds in bytes), as in Paddle's memory summary.
-_MiB, _GiB = 1 << 20, 1 << 30
-BUCKETS = (0, _MiB, 4 * _MiB, 16 * _MiB, 64 * _MiB, 256 * _MiB, _GiB, 3 * _GiB)
-
-
-def bucket_label(i: int) -> str:
-    lo = BUCKETS[i]
-    hi = BUCKETS[i + 1] if i + 1 < len(BUCKETS) else None
-    return f"[{_fmt_bytes(lo, exact=True)}, {'∞' if hi is None else _fmt_bytes(hi, exact=True)})"
-
-
-class MemorySummary(dict):  # type: ignore[type-arg]
-    """A dict of figures that prints as rich tables (``print(summary)``; ``summary["allocated"]``)."""
-
-    def __rich_console__(self, console: Any, options: Any) -> Any:
-        from export.memory_cli import summary_tables
-
-        yield summary_tables(self)
-
-    def __str__(self) -> str:
-        from export.memory_cli import render_text
-
-        return render_text(self)
-
-
 def memory_summary(device: Any = None) -> MemorySummary:
     """The memory state now: the caching allocator's figures on CUDA, what can be known on CPU.
 
@@ -864,15 +619,3 @@ def _rss() -> tuple[int | None, int | None]:
     except (ImportError, OSError):
         peak = None
     return rss, peak
-
-
-def _fmt_bytes(n: int | None, exact: bool = False) -> str:
-    if n is None:
-        return "-"
-    sign = "-" if n < 0 else ""
-    n = abs(n)
-    for unit, size in (("GiB", _GiB), ("MiB", _MiB), ("KiB", 1024)):
-        if n >= size:
-            v = n / size
-            return f"{sign}{v:.0f} {unit}" if exact and v == int(v) else f"{sign}{v:.1f} {unit}"
-    return f"{sign}{n} B"

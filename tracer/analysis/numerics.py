@@ -30,10 +30,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from tracer.model import Call, Frame, GradNode, NodeRun, TensorRecord, Trace, install_view
-from tracer.record.listeners import Listener
 
 # An inf among a call's argument text: "-inf", "inf", "fill_value=-inf", "[0.0, inf]".
 _INF_CONSTANT = re.compile(r"(?<![\w.])-?inf(?![\w])")
@@ -329,53 +326,4 @@ class NonFiniteError(FloatingPointError):
         self.anomaly = anomaly
 
 
-class NonFiniteGuard(Listener):
-    """Listener behind ``raise_on_nonfinite``: checks each output and gradient as it is made, by
-    the rules of ``find_anomalies`` (a NaN always, an Inf unless intended).
-
-    Reading whether a tensor is finite synchronises with the device once per call: this mode is
-    for hunting a NaN, not for routine runs (``check_numerics`` alone costs no sync per op).
-    """
-
-    def __init__(self, recorder: Any) -> None:
-        self._recorder = recorder
-        self._intended: set[str] = set()  # tensors whose Inf is intended (see the module docstring)
-
-    @staticmethod
-    def _nonfinite(tensors: Any) -> tuple[bool, bool]:
-        """(any NaN, any Inf) among the tensors, in one device read per tensor."""
-        nan = inf = False
-        for t in tensors:
-            if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) and t.numel() \
-                    and t.layout == torch.strided and not t.is_meta and type(t) in (torch.Tensor, torch.nn.Parameter):
-                a, b = torch.stack((torch.isnan(t).any(), torch.isinf(t).any())).tolist()
-                nan, inf = nan or bool(a), inf or bool(b)
-        return nan, inf
-
-    def _raise(self, trace: Trace, phase: str) -> None:
-        rec = self._recorder
-        rec.hasher.drain(wait=True)
-        table = rec.stack_table
-        report = find_anomalies(trace, table.frames_of if table is not None else None)
-        anomaly = report.forward if phase == "forward" else report.backward
-        if anomaly is not None:
-            raise NonFiniteError(anomaly)
-
-    def on_call(self, trace: Trace, call: Any, token: Any, outputs: list[torch.Tensor]) -> None:
-        with torch._C.DisableTorchFunction():
-            nan, inf = self._nonfinite(outputs)
-        if inf and not nan and (has_inf_constant(call.args) or any(i in self._intended for i in call.inputs)):
-            # An Inf from a constant, or carried on from one (any other Inf among the inputs
-            # would have stopped the run where it was made).
-            self._intended.update([*call.outputs, *call.mutated])
-            return
-        if nan or inf:
-            self._raise(trace, call.phase)
-
-    def on_node_end(self, trace: Trace, node: str, step: Any, grads: tuple[Any, ...]) -> None:
-        with torch._C.DisableTorchFunction():
-            nan, inf = self._nonfinite(grads)
-        if nan or inf:
-            self._raise(trace, "backward")
-
-install_view("anomalies", find_anomalies)
+install_view("anomalies", find_anomalies)  # Trace.anomalies

@@ -740,7 +740,7 @@ class LogScope:
         rec = active_recorder()
         if rec is not None and not rec.closed:
             if rec.owner != threading.get_ident():
-                from tracer.record.session import TraceError
+                from tracer.options import TraceError
 
                 raise TraceError("tracer.log_scope(): another thread is being traced (or logged); only the "
                                  "thread that holds the active trace can log a scope")
@@ -779,7 +779,7 @@ class LogScope:
         light = self._light
         self._leave()
         self._light = None
-        from tracer.record.session import TraceError
+        from tracer.options import TraceError
 
         if light is not None and isinstance(exc, TraceError) and "already active" in str(exc):
             raise TraceError("tracer.trace() cannot start inside tracer.log_scope() when no trace encloses "

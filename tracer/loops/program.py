@@ -6,7 +6,7 @@
 gradtrace's options come before the program, the program's own arguments after it (as with
 ``python`` itself): ``sys.argv``, ``__name__ == "__main__"``, ``sys.path[0]`` and the exit code
 are what ``python script.py`` / ``python -m module`` would give. Steps are counted from
-``optimizer.step()`` calls (or ``tracer.step()`` marks in the program); see ``tracer.steps``.
+``optimizer.step()`` calls (or ``tracer.step()`` marks in the program); see ``tracer.loops.steps``.
 The program's own output is left alone: everything gradtrace says goes to stderr, as a live
 line per traced step on a terminal and as plain lines otherwise.
 """
@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TextIO
 
+from tracer.loops.steps import StepObserver, StepTrace
 from tracer.model import Trace
-from tracer.record.session import TraceError
-from tracer.steps import StepObserver, StepTrace
+from tracer.options import TraceError
 
 
 # ---- the program -------------------------------------------------------------------------------
@@ -400,7 +400,7 @@ def _reports(st: StepTrace, progress: StepObserver) -> list[str]:
 
 
 def main_run(argv: Sequence[str] | None = None) -> int:
-    """``gradtrace run`` on its own (``python -m tracer.run ...``)."""
+    """``gradtrace run`` on its own (``python -m tracer.loops.program ...``)."""
     from export.cli import UserError
 
     parser = argparse.ArgumentParser(prog="gradtrace run", **_PARSER)

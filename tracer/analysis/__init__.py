@@ -1,0 +1,1 @@
+"""Pure functions of a Trace (live or loaded): numerics, error explanations, memory views."""
