@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import inspect
 import json
 import os
 import socket
@@ -387,15 +386,6 @@ def test_fsdp2_traces_and_compares(tmp_path) -> None:
     assert res.not_comparable == {"not hashed: tensor subclass DTensor": sum(res.not_comparable.values())}
 
 
-def _session_uses_launcher_env() -> bool:
-    import tracer.record.session
-
-    return "launched_rank_info" in inspect.getsource(tracer.record.session)
-
-
-@pytest.mark.skipif(not _session_uses_launcher_env(),
-                    reason="gradtrace run traces step 0 from the program's start, before init_process_group: "
-                           "needs tracer.record.session._distributed_info to fall back to launched_rank_info()")
 def test_gradtrace_run_under_torchrun_writes_one_file_per_rank(tmp_path) -> None:
     _torchrun(tmp_path, "--out", str(tmp_path / "step.gtrace"), "--steps", "0", SCRIPT,
               "--out", "unused", "--untraced", launcher=["-m", "tracer.loops.program"])

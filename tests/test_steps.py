@@ -14,7 +14,7 @@ from torch.overrides import _get_current_function_mode_stack
 
 import tracer
 from tests.models import MLP
-from tracer.loops.steps import StepSelection, StepTrace, step_path
+from tracer.loops.steps import StepSelection, step_path
 from tracer.loops.steps import step as mark_step
 from tracer.model import load_steps
 from tracer.record.checksums.bytes import md5_of
@@ -249,13 +249,28 @@ def test_step_specs(spec, inside, outside):
     ({"steps": ""}, "is not a step number"),
     ({"every": 0}, "every must be a positive"),
     ({"steps": [1, -1]}, "ints >= 0"),
-    ({"steps": "1", "hash": "sha1"}, "hash must be"),  # checked by TraceSession itself
+    ({"steps": "1", "hash": "sha1"}, "hash must be"),
     ({"steps": "1", "per_step_files": True}, "needs out="),
     ({"steps": "1", "max_bytes": 0}, "max_bytes must be a positive"),
+    ({"steps": "1", "foo": 1}, r"unknown option\(s\) for tracer.trace\(\): foo"),
+    # the same checks, in one place, whether or not steps are chosen
+    ({"max_calls": 0}, "max_calls must be a positive integer, got 0"),
+    ({"max_calls": True}, "max_calls must be a positive integer, got True"),
+    ({"max_bytes": -5}, "max_bytes must be a positive integer, got -5"),
+    ({"flush_every": 0}, "flush_every must be a positive integer"),
+    ({"stats": "yes"}, "stats must be True, False or None"),
+    ({"hash": "sha1"}, "hash must be 'md5', 'fast' or 'none', got 'sha1'"),
+    ({"per_step_files": True}, r"unknown option\(s\) for tracer.trace\(\): per_step_files \(only with steps= or every=\)"),
 ])
 def test_bad_options_are_refused(kwargs, message):
     with pytest.raises(tracer.TraceError, match=message):
-        StepTrace(**kwargs)
+        tracer.trace(**kwargs)
+
+
+def test_record_memory_refuses_steps():
+    with pytest.raises(tracer.TraceError, match=r"unknown option\(s\) for tracer.trace\(\): steps"), \
+            tracer.record_memory(steps="0"):
+        pass
 
 
 # ---- the multi-step file format ----------------------------------------------------------------

@@ -4,95 +4,118 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterable, Iterator
+from typing import Any, overload
 
 from tracer.analysis.memory import MemoryRecord
-from tracer.features.bounds import Bounds
-from tracer.loops.steps import StepTrace, step
+from tracer.features.plugins import session_plugins
+from tracer.loops.steps import StepObserver, StepTrace, step
 from tracer.model import Trace
-from tracer.options import TraceError
+from tracer.options import HashKind, TraceError, TraceOptions
 from tracer.record.listeners import Listener
 from tracer.record.session import TraceSession
 
 __all__ = ["check_numerics", "explain_errors", "record_memory", "step", "trace"]
 
 
-def trace(*, hash: str = "md5", stacks: bool = True, stats: bool | None = None,
+StepSpec = str | int | Iterable[int]
+
+
+@overload
+def trace(*, hash: HashKind = ..., stacks: bool = ..., stats: bool | None = ...,
+          out: str | os.PathLike[str] | None = ..., flush_every: int = ..., listeners: Iterable[Listener] = ...,
+          memory: bool = ..., max_calls: int | None = ..., max_bytes: int | None = ...,
+          check_numerics: bool = ..., raise_on_nonfinite: bool = ..., optimizer_ops: bool = ...,
+          steps: None = None, every: None = None) -> TraceSession: ...
+
+
+@overload
+def trace(*, hash: HashKind = ..., stacks: bool = ..., stats: bool | None = ...,
+          out: str | os.PathLike[str] | None = ..., flush_every: int = ..., listeners: Iterable[Listener] = ...,
+          memory: bool = ..., max_calls: int | None = ..., max_bytes: int | None = ...,
+          check_numerics: bool = ..., raise_on_nonfinite: bool = ..., optimizer_ops: bool = ...,
+          steps: StepSpec | None = ..., every: int | None = ..., per_step_files: bool = ...,
+          optimizer: Any = ..., observer: StepObserver | None = ...) -> StepTrace: ...
+
+
+def trace(*, hash: HashKind = "md5", stacks: bool = True, stats: bool | None = None,
           out: str | os.PathLike[str] | None = None, flush_every: int = 1024,
-          listeners: list[Listener] | None = None, memory: bool = False,
-          max_calls: int | None = None, check_numerics: bool = False, raise_on_nonfinite: bool = False,
-          optimizer_ops: bool = False, steps: str | None = None, every: int | None = None,
-          **step_options: Any) -> Any:
+          listeners: Iterable[Listener] = (), memory: bool = False, max_calls: int | None = None,
+          max_bytes: int | None = None, check_numerics: bool = False, raise_on_nonfinite: bool = False,
+          optimizer_ops: bool = False, steps: StepSpec | None = None, every: int | None = None,
+          **step_options: Any) -> TraceSession | StepTrace:
     """Record forward API calls, grad nodes, call stacks and tensor checksums of a block.
 
     ``hash``: ``"md5"`` (exact MD5 of every tensor, the default), ``"fast"`` (a 64-bit
-    order-sensitive fingerprint computed on the tensor's device, ``tracer.record.checksums.fingerprint``) or
-    ``"none"``.
+    order-sensitive fingerprint computed on the tensor's device) or ``"none"``.
     ``stacks``: capture the user's call stack of every call (cheap, on by default).
     ``stats``: min/max/mean/absmax/NaN/Inf of every tensor (default: on when hashing).
     ``out``: stream the trace to this file while recording (a crash keeps what was flushed).
-    ``listeners``: extra ``tracer.record.listeners.Listener`` objects to attach to the recorder.
+    ``flush_every``: calls between two flushes of a streamed file.
+    ``listeners``: extra ``tracer.Listener`` objects to attach to the recorder.
     ``memory``: also record every allocation and free, attributed to calls and grad nodes.
     ``max_calls``: stop recording cleanly after this many calls (the trace says so).
     ``max_bytes``: likewise once the trace's records reach about this many bytes.
     ``check_numerics``: stats (NaN/Inf counts) for every tensor even without hashing; at the end
-    the first non-finite tensor of forward and of backward is reported (``t.anomalies``).
-    ``raise_on_nonfinite``: stop at the first NaN/Inf with ``NonFiniteError`` (syncs once per
-    call to look at each output: costly on GPUs, meant for hunting, not for routine runs).
+    the first NaN and the first unintended Inf of forward and of backward are reported
+    (``t.anomalies``).
+    ``raise_on_nonfinite``: stop at the first NaN or unintended Inf with ``NonFiniteError`` (reads
+    each output once: costly on GPUs, meant for hunting, not for routine runs).
     ``optimizer_ops``: record every op inside ``optimizer.step()``. By default a step is one call
     (named after the optimizer class, ``AdamW0``) from the parameters, gradients and state to
     the new versions it leaves behind; its intermediate tensors are not recorded.
-    ``steps`` / ``every``: trace only chosen optimizer steps of a longer loop (``tracer.loops.steps``).
+    ``steps`` / ``every``: trace only chosen optimizer steps of a longer loop; then
+    ``per_step_files``, ``optimizer`` and ``observer`` too (``tracer.loops.steps.StepTrace``),
+    and what this returns is a ``StepTrace``, else a ``TraceSession`` (``with ... as t`` gives
+    the ``Trace``).
 
     Only the thread that enters the block is traced. Nothing stays installed after the block,
     also when it raises; then the trace is marked ``failed`` and the exception propagates.
     """
+    options = TraceOptions(hash=hash, stacks=stacks, stats=stats, out=out, flush_every=flush_every,
+                           listeners=tuple(listeners), memory=memory, max_calls=max_calls, max_bytes=max_bytes,
+                           check_numerics=check_numerics, raise_on_nonfinite=raise_on_nonfinite,
+                           optimizer_ops=optimizer_ops)
     if steps is not None or every is not None:
-        return StepTrace(steps=steps, every=every, hash=hash, stacks=stacks, stats=stats, out=out,
-                         flush_every=flush_every, listeners=listeners, memory=memory, max_calls=max_calls,
-                         check_numerics=check_numerics, raise_on_nonfinite=raise_on_nonfinite,
-                         optimizer_ops=optimizer_ops, **step_options)
-    max_bytes = step_options.pop("max_bytes", None)
+        unknown = sorted(set(step_options) - {"per_step_files", "optimizer", "observer"})
+        if unknown:
+            raise TraceError(f"unknown option(s) for tracer.trace(): {', '.join(unknown)}")
+        return StepTrace(options, steps=steps, every=every, **step_options)
     if step_options:
-        raise TraceError(f"unknown option(s) for tracer.trace(): {', '.join(sorted(step_options))}")
-    if max_bytes is not None:
-        listeners = [*(listeners or []), Bounds(max_bytes=int(max_bytes))]
-    return TraceSession(hash=hash, stacks=stacks, stats=stats, out=out, flush_every=flush_every,
-                        listeners=listeners, memory=memory, max_calls=max_calls,
-                        check_numerics=check_numerics, raise_on_nonfinite=raise_on_nonfinite,
-                        optimizer_ops=optimizer_ops)
+        hint = " (only with steps= or every=)" if set(step_options) <= {"per_step_files", "optimizer", "observer"} else ""
+        raise TraceError(f"unknown option(s) for tracer.trace(): {', '.join(sorted(step_options))}{hint}")
+    return TraceSession(options, plugins=session_plugins(options))
 
 
 def check_numerics(*, raise_on_nonfinite: bool = False, stacks: bool = True,
                    out: str | os.PathLike[str] | None = None) -> TraceSession:
     """A light trace that only looks for NaN/Inf (no checksums); ``t.anomalies`` says where."""
-    return TraceSession(hash="none", stacks=stacks, stats=True, out=out, check_numerics=True,
-                        raise_on_nonfinite=raise_on_nonfinite)
+    options = TraceOptions(hash="none", stacks=stacks, stats=True, out=out, check_numerics=True,
+                           raise_on_nonfinite=raise_on_nonfinite)
+    return TraceSession(options, plugins=session_plugins(options))
 
 
 def explain_errors(*, out: str | os.PathLike[str] | None = None) -> TraceSession:
     """A light trace (names, links and stacks; no checksums, no stats) whose purpose is to
     explain exceptions raised in backward: the failing grad node, the call and line that
     created it, and every enclosing custom-Function level."""
-    return TraceSession(hash="none", stacks=True, stats=False, out=out)
+    options = TraceOptions(hash="none", stacks=True, stats=False, out=out)
+    return TraceSession(options, plugins=session_plugins(options))
 
 
 @contextlib.contextmanager
 def record_memory(**trace_options: Any) -> Iterator[MemoryRecord]:
     """Record every allocation and free of the block; the record is filled when the block ends.
 
-    Runs a light trace (``hash="none"``, stacks on) with ``memory=True``; ``trace_options`` go to
-    ``tracer.trace``. ``rec.trace`` is that trace.
+    Runs a light trace (``hash="none"``, stacks on) with ``memory=True``; ``trace_options`` are
+    ``tracer.trace``'s (not ``steps``/``every``). ``rec.trace`` is that trace.
     """
-    opts: dict[str, Any] = {"hash": "none", "stacks": True, **trace_options, "memory": True}
+    options = TraceOptions.from_kwargs(**{"hash": "none", "stacks": True, **trace_options, "memory": True})
     rec = MemoryRecord()
     t: Trace | None = None
     try:
-        with trace(**opts) as t:
+        with TraceSession(options, plugins=session_plugins(options)) as t:
             yield rec
     finally:
         if t is not None:
-            rec._fill(t)
-
-
+            rec.fill(t)

@@ -1,7 +1,97 @@
-"""Options of a trace, and the error for their misuse."""
+"""The options of a trace, validated once: ``TraceOptions``. Every layer takes this object; none
+re-lists or re-checks the keywords. ``TraceError`` is the error for their misuse.
+
+``tracer.trace(...)`` builds one from its keywords; ``TraceOptions.from_kwargs(**kw)`` does the
+same for callers that pass options through (``record_memory``, the framework callbacks,
+``gradtrace run``), refusing unknown keywords by name.
+"""
 
 from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any, Literal
+
+HashKind = Literal["md5", "fast", "none"]
+HASH_ALGORITHMS: tuple[HashKind, ...] = ("md5", "fast", "none")
 
 
 class TraceError(RuntimeError):
     """Misuse of the tracer (an accidental nested trace, bad options)."""
+
+
+def _positive(name: str, value: object, *, optional: bool = True) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise TraceError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _flag(name: str, value: object, *, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, bool):
+        allowed = "True, False or None" if optional else "True or False"
+        raise TraceError(f"{name} must be {allowed}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class TraceOptions:
+    """What a trace records and where it goes (see ``tracer.trace`` for each option).
+
+    ``stats=None`` means: on when hashing or checking numerics (``effective_stats``);
+    ``raise_on_nonfinite`` implies ``check_numerics`` (``numerics``).
+    """
+
+    hash: HashKind = "md5"
+    stacks: bool = True
+    stats: bool | None = None
+    out: str | None = None
+    flush_every: int = 1024
+    listeners: tuple[Any, ...] = ()
+    memory: bool = False
+    max_calls: int | None = None
+    max_bytes: int | None = None
+    check_numerics: bool = False
+    raise_on_nonfinite: bool = False
+    optimizer_ops: bool = False
+
+    def __post_init__(self) -> None:
+        if self.hash not in HASH_ALGORITHMS:
+            raise TraceError(f"hash must be 'md5', 'fast' or 'none', got {self.hash!r}")
+        for name in ("stacks", "memory", "check_numerics", "raise_on_nonfinite", "optimizer_ops"):
+            _flag(name, getattr(self, name))
+        _flag("stats", self.stats, optional=True)
+        _positive("flush_every", self.flush_every, optional=False)
+        _positive("max_calls", self.max_calls)
+        _positive("max_bytes", self.max_bytes)
+        if self.out is not None:
+            if not isinstance(self.out, str | os.PathLike):
+                raise TraceError(f"out must be a path, got {self.out!r}")
+            object.__setattr__(self, "out", os.fspath(self.out))
+        if not isinstance(self.listeners, tuple):
+            object.__setattr__(self, "listeners", tuple(self.listeners or ()))
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> TraceOptions:
+        """Options from keywords, refusing unknown ones (``TraceError`` naming them)."""
+        unknown = sorted(set(kwargs) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise TraceError(f"unknown option(s) for tracer.trace(): {', '.join(unknown)}")
+        return cls(**kwargs)
+
+    def replace(self, **changes: Any) -> TraceOptions:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def numerics(self) -> bool:
+        """Whether NaN/Inf are looked for (``check_numerics`` or ``raise_on_nonfinite``)."""
+        return self.check_numerics or self.raise_on_nonfinite
+
+    @property
+    def effective_stats(self) -> bool:
+        """Whether every tensor's stats are computed."""
+        if self.numerics:
+            return True
+        return self.hash != "none" if self.stats is None else self.stats

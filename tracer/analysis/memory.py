@@ -106,7 +106,8 @@ class MemoryRecord:
     def from_trace(cls, trace: Trace) -> MemoryRecord:
         return cls(trace.memory, trace)
 
-    def _fill(self, trace: Trace) -> None:
+    def fill(self, trace: Trace) -> None:
+        """Take the events of ``trace`` (``record_memory`` fills its record when the block ends)."""
         self.events = list(trace.memory)
         self.trace = trace
         self._peak = None

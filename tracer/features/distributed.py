@@ -373,6 +373,7 @@ class _Attachment:
         rec = self.ref()
         if rec is not None:
             _ATTACHED.pop(rec, None)
+            rec.collective_hook = None
         self.by_original.clear()
         while self.patches:
             mod, name, original = self.patches.pop()
@@ -628,6 +629,7 @@ def attach(recorder: Any) -> Callable[[], None]:
         att.detach()
         raise
     _ATTACHED[recorder] = att
+    recorder.collective_hook = collective_for
     return att.detach
 
 
@@ -653,3 +655,28 @@ def collective_for(recorder: Any, func: Any) -> Callable[..., Any] | None:
         if name is not None:
             hit = att.by_original[func] = att.funcol_op_wrapper(func, name)
     return hit
+
+
+def distributed_info() -> dict[str, Any] | None:
+    """Rank, world size, backend and group layout under a process group (or torchrun's
+    environment, for a trace that starts before ``init_process_group``); None otherwise."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return None
+    return rank_info() if dist.is_initialized() else launched_rank_info()
+
+
+class DistributedPlugin:
+    """Composes distributed runs into a trace session: the header says where the trace ran, each
+    rank writes its own file (``step.rank0.gtrace``), and collectives are recorded."""
+
+    def prepare(self, session: Any, trace: Trace) -> None:
+        self.info = distributed_info()
+        if self.info is not None:
+            trace.header["distributed"] = self.info
+            if session.out:
+                session.out = rank_path(session.out, self.info["rank"])
+
+    def attach(self, recorder: Any) -> Callable[[], None] | None:
+        return attach(recorder) if self.info is not None else None

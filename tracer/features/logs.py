@@ -73,6 +73,7 @@ from typing import IO, Any
 import torch
 
 from tracer.model import Call, GradNode, NodeRun, Stats, Trace
+from tracer.options import TraceOptions
 from tracer.record.checksums.bytes import unhashable_reason
 from tracer.record.checksums.stats import stats_tensor
 from tracer.record.listeners import Listener
@@ -471,32 +472,27 @@ def _hook_end(fol: _Follow, grad_inputs: tuple[Any, ...], grad_outputs: tuple[An
         _internal_error(exc)
 
 
-class _LightRecorder(Recorder):
-    """The recorder a ``log_scope`` runs when no trace is active: names only, no hashing.
-
-    It hands each grad node object it names to the listener, which hooks the ones it follows
-    (the node objects are let go at the end of the call that made them).
-    """
-
-    fresh: dict[str, Any]
-
-    def _register_node(self, node: Any, name: str, *args: Any, **kwargs: Any) -> None:
-        super()._register_node(node, name, *args, **kwargs)
-        self.fresh[name] = node
+# The recorder a ``log_scope`` runs when no trace is active: names only, no hashing, every op of
+# an optimizer step (as a log scope always showed them).
+LIGHT = TraceOptions(hash="none", stacks=False, stats=False, optimizer_ops=True)
 
 
 class _LogListener(Listener):
     """Logs the calls and grad nodes of one recorder: scoped ones, and the rest by global levels."""
 
-    def __init__(self, rec: Recorder) -> None:
+    def __init__(self, rec: Recorder, light: bool = False) -> None:
         self._rec = weakref.ref(rec)
-        self.light = isinstance(rec, _LightRecorder)
+        # A scope's own recorder (no trace active): the listener hooks the grad node objects it
+        # follows itself, so it keeps those the recorder names during a call (let go after it).
+        self.light = light
         self.scopes: list[LogScope] = []
         self.nodes: dict[str, _Follow] = {}
         self.cursor = len(rec.trace.grad_nodes)
         self.fresh: dict[str, Any] = {}
-        if isinstance(rec, _LightRecorder):
-            rec.fresh = self.fresh
+
+    def on_grad_node(self, trace: Trace, name: str, node: Any) -> None:
+        if self.light:
+            self.fresh[name] = node
 
     # ---- forward ----------------------------------------------------------------------------------
     def on_call(self, trace: Trace, call: Call, token: Any, outputs: list[torch.Tensor]) -> None:
@@ -696,7 +692,7 @@ class LogScope:
         self.level = level
         self.backward = backward
         self._torch = _TorchLogs(torch_logs) if torch_logs is not None else None
-        self._light: _LightRecorder | None = None
+        self._light: Recorder | None = None
         self._listener: _LogListener | None = None
         self._follows: list[_Follow] = []
         self._handles: list[Any] = []
@@ -750,8 +746,8 @@ class LogScope:
                 rec.listeners.append(listener)
         else:
             # Every op of an optimizer step, as a log scope always showed them.
-            light = _LightRecorder(Trace(), hash_algorithm="none", stacks=False, stats=False, optimizer_ops=True)
-            listener = _LogListener(light)
+            light = Recorder(Trace(), LIGHT)
+            listener = _LogListener(light, light=True)
             light.listeners.append(listener)
             light.install()
             self._light = light

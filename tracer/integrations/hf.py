@@ -28,19 +28,23 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("tracer.integrations.hf needs the transformers package (pip install transformers)") from exc
 
 from tracer.loops.steps import StepRecorder, StepResults, StepSelection
+from tracer.options import TraceOptions
 
 
 class TraceCallback(TrainerCallback, StepResults):
     """Trace the chosen steps (``steps="1,3"``, ``"100-"`` or ``every=N``) into ``out``.
 
-    ``trace_options`` are those of ``tracer.trace``: ``hash``, ``stacks``, ``stats``,
-    ``max_calls``, ``max_bytes``, ``per_step_files``, ``listeners``, ``flush_every``, ...
+    ``trace_options`` are those of ``tracer.trace`` (``hash``, ``stacks``, ``stats``,
+    ``max_calls``, ``max_bytes``, ``listeners``, ``flush_every``, ...); ``per_step_files``
+    writes one file per step.
     """
 
     def __init__(self, steps: str | int | Iterable[int] | None = None, *, every: int | None = None,
-                 out: str | os.PathLike[str] | None = "hf.gtrace", **trace_options: Any) -> None:
+                 out: str | os.PathLike[str] | None = "hf.gtrace", per_step_files: bool = False,
+                 **trace_options: Any) -> None:
         self.selection = StepSelection.parse(steps, every)
-        self.recorder = StepRecorder(out=out, **trace_options)
+        self.recorder = StepRecorder(TraceOptions.from_kwargs(out=out, **trace_options),
+                                     per_step_files=per_step_files)
 
     # Trainer events
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

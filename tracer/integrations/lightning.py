@@ -27,17 +27,21 @@ except ImportError:  # pragma: no cover - depends on the environment
         raise ImportError("tracer.integrations.lightning needs lightning (or pytorch_lightning)") from exc
 
 from tracer.loops.steps import StepRecorder, StepResults, StepSelection
+from tracer.options import TraceOptions
 
 
 class TraceCallback(Callback, StepResults):
     """Trace the chosen steps (``steps="1,3"``, ``"100-"`` or ``every=N``) into ``out``; the
-    ``trace_options`` are those of ``tracer.trace`` (``hash``, ``max_calls``, ``max_bytes``, ...)."""
+    ``trace_options`` are those of ``tracer.trace`` (``hash``, ``max_calls``, ``max_bytes``, ...);
+    ``per_step_files`` writes one file per step."""
 
     def __init__(self, steps: str | int | Iterable[int] | None = None, *, every: int | None = None,
-                 out: str | os.PathLike[str] | None = "lightning.gtrace", **trace_options: Any) -> None:
+                 out: str | os.PathLike[str] | None = "lightning.gtrace", per_step_files: bool = False,
+                 **trace_options: Any) -> None:
         super().__init__()
         self.selection = StepSelection.parse(steps, every)
-        self.recorder = StepRecorder(out=out, **trace_options)
+        self.recorder = StepRecorder(TraceOptions.from_kwargs(out=out, **trace_options),
+                                     per_step_files=per_step_files)
         self._started: int | None = None  # the chosen step whose batches are running
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:

@@ -30,7 +30,7 @@ from typing import Any, TextIO
 
 from tracer.loops.steps import StepObserver, StepTrace
 from tracer.model import Trace
-from tracer.options import TraceError
+from tracer.options import TraceError, TraceOptions
 
 
 # ---- the program -------------------------------------------------------------------------------
@@ -342,9 +342,10 @@ def run_command(args: argparse.Namespace) -> int:
     steps = args.steps if args.steps is not None or args.every is not None else "0"
     progress = progress_for(sys.stderr, enabled=not args.no_progress)
     try:
-        st = StepTrace(steps=steps, every=args.every, hash=args.hash, out=out, max_calls=args.max_calls,
-                       max_bytes=args.max_bytes, per_step_files=args.per_step_files, observer=progress,
-                       optimizer_ops=args.optimizer_ops)
+        options = TraceOptions(hash=args.hash, out=out, max_calls=args.max_calls, max_bytes=args.max_bytes,
+                               optimizer_ops=args.optimizer_ops)
+        st = StepTrace(options, steps=steps, every=args.every, per_step_files=args.per_step_files,
+                       observer=progress)
     except TraceError as exc:
         raise UserError(str(exc)) from None
     code = _execute(program, st)

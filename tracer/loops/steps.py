@@ -35,10 +35,11 @@ from types import TracebackType
 from typing import Any
 
 from tracer.features.bounds import Bounds
-from tracer.model import StreamWriter, Trace
-from tracer.options import TraceError
+from tracer.features.plugins import session_plugins
+from tracer.model import Trace
+from tracer.model.display import with_tag
+from tracer.options import TraceError, TraceOptions
 from tracer.record import recorder as _recorder
-from tracer.record.listeners import Listener
 from tracer.record.session import TraceSession
 
 _ACTIVE: StepTrace | None = None
@@ -106,44 +107,6 @@ class StepSelection:
         return ", ".join(parts)
 
 
-# ---- bounds ------------------------------------------------------------------------------------
-class _StepSession(TraceSession):
-    """A TraceSession whose header says its step and whose file may already hold earlier steps."""
-
-    def __init__(self, step: int, path: str | None, append: bool, **options: Any) -> None:
-        super().__init__(out=None, **options)
-        self.step = step
-        self.path = path
-        self.offset = 0  # where this step's records start in the file
-        self._append = append
-
-    def __enter__(self) -> Trace:
-        # The base class opens its file for writing from scratch; a step file is appended to, so
-        # the session starts unstreamed and gets its (appending) writer here, before anything has
-        # been recorded.
-        t = super().__enter__()
-        t.header["step"] = self.step
-        if self.path is None:
-            return t
-        try:
-            dist = t.header.get("distributed")
-            if isinstance(dist, dict) and "rank" in dist:  # one file per rank, as plain traces do
-                from tracer.features.distributed import rank_path
-
-                self.path = rank_path(self.path, dist["rank"])
-            if self._append and os.path.exists(self.path):
-                self.offset = os.path.getsize(self.path)
-            self._writer = StreamWriter(self.path, append=self._append)
-            self.out = t.meta["out"] = self.path
-            self._writer.write([t.header_record(), {"t": "meta", **t.meta}])
-            assert self._recorder is not None
-            self._recorder.on_records = self._maybe_flush
-        except BaseException as exc:
-            self.__exit__(type(exc), exc, exc.__traceback__)
-            raise
-        return t
-
-
 class StepObserver:
     """What a progress display hears about traced steps (all no-ops here)."""
 
@@ -165,11 +128,7 @@ class StepObserver:
 
 def step_path(out: str, step: int) -> str:
     """The per-step file of ``out``: ``run.gtrace`` -> ``run.step10.gtrace``."""
-    for suffix in (".gtrace.gz", ".gtrace", ".jsonl.gz", ".jsonl", ".gz"):
-        if out.endswith(suffix) and len(out) > len(suffix):
-            return f"{out[: -len(suffix)]}.step{step}{suffix}"
-    root, ext = os.path.splitext(out)
-    return f"{root}.step{step}{ext}"
+    return with_tag(out, f"step{step}")
 
 
 class StepRecorder:
@@ -179,28 +138,14 @@ class StepRecorder:
     (boundaries from the trainer's own step events).
     """
 
-    def __init__(self, *, out: str | os.PathLike[str] | None = None, per_step_files: bool = False,
-                 max_calls: int | None = None, max_bytes: int | None = None,
-                 observer: StepObserver | None = None, hash: str = "md5", stacks: bool = True,
-                 stats: bool | None = None, flush_every: int = 1024, listeners: list[Listener] | None = None,
-                 memory: bool = False, check_numerics: bool = False, raise_on_nonfinite: bool = False,
-                 optimizer_ops: bool = False) -> None:
-        if per_step_files and out is None:
+    def __init__(self, options: TraceOptions, *, per_step_files: bool = False,
+                 observer: StepObserver | None = None) -> None:
+        if per_step_files and options.out is None:
             raise TraceError("per_step_files=True needs out= (the name the step files are made from)")
-        for name, bound in (("max_calls", max_calls), ("max_bytes", max_bytes)):
-            if bound is not None and (not isinstance(bound, int) or bound < 1):
-                raise TraceError(f"{name} must be a positive integer, got {bound!r}")
-        self.out = None if out is None else os.fspath(out)
+        self.options = options
+        self.out = options.out
         self.per_step_files = per_step_files
-        self.max_calls = max_calls
-        self.max_bytes = max_bytes
         self.observer = observer or StepObserver()
-        self.options: dict[str, Any] = {"hash": hash, "stacks": stacks, "stats": stats,
-                                        "flush_every": flush_every, "memory": memory,
-                                        "check_numerics": check_numerics,
-                                        "raise_on_nonfinite": raise_on_nonfinite, "optimizer_ops": optimizer_ops}
-        self.listeners = list(listeners or [])
-        TraceSession(**self.options)  # refuses bad options now, not at the first chosen step
         self.steps: list[int] = []  # the steps traced, in order
         self.paths: list[str] = []  # the files written, in order (one, or one per step)
         self.traces: dict[int, Trace] = {}  # kept only when nothing is written to a file
@@ -208,7 +153,7 @@ class StepRecorder:
         self.exhausted: str | None = None  # why no more steps are traced
         self.calls_used = 0
         self.bytes_used = 0
-        self._open: tuple[int, _StepSession, Bounds | None, str | None, int, bool] | None = None
+        self._open: tuple[int, TraceSession, Bounds | None, str | None, int, bool] | None = None
         self._file_started = False
         self._pending_skip: tuple[int, str] | None = None
 
@@ -241,23 +186,26 @@ class StepRecorder:
         if self.out is not None:
             path = step_path(self.out, step) if self.per_step_files else self.out
             append = not self.per_step_files and self._file_started
+        o = self.options
         bounds = None
-        if self.max_calls is not None or self.max_bytes is not None:
-            bounds = Bounds(self.max_calls, self.max_bytes, calls_before=self.calls_used,
-                            bytes_before=self.bytes_used)
-        session = _StepSession(step, path, append, listeners=[*self.listeners, *([bounds] if bounds else [])],
-                               **self.options)
+        if o.max_calls is not None or o.max_bytes is not None:
+            bounds = Bounds(o.max_calls, o.max_bytes, calls_before=self.calls_used, bytes_before=self.bytes_used)
+        # The recorder's own max_calls would count this step alone: the bound covers all steps.
+        options = o.replace(out=path, max_calls=None, listeners=(*o.listeners, *([bounds] if bounds else [])))
+        session = TraceSession(options, plugins=session_plugins(options, bounds=False), append=append,
+                               header_extra={"step": step})
         trace = session.__enter__()
         # Held from here on, so that whatever fails below, end() still closes the session.
-        self._open = (step, session, bounds, session.path, session.offset, append)
+        self._open = (step, session, bounds, session.out, session.offset, append)
         if path is not None and not self.per_step_files:
             self._file_started = True
+        rec = session.recorder
+        assert rec is not None
         if bounds is not None:
-            bounds.recorder = session._recorder
+            bounds.recorder = rec
         # The recorder names parameters from the first module it sees; a trainer knows the model.
-        register = getattr(session._recorder, "_register_module", None)
-        if root_module is not None and register is not None:
-            register(root_module)
+        if root_module is not None:
+            rec.register_root_module(root_module)
         self.observer.step_begin(step, trace)
         return trace
 
@@ -348,24 +296,16 @@ class StepTrace(StepResults):
     """What ``tracer.trace(steps=..., every=...)`` returns: a context manager around a training
     loop that traces the chosen steps only. See the module docstring.
 
-    Extra options: ``max_bytes`` (bound on the estimated size of all traced steps),
-    ``per_step_files``, ``optimizer`` (count only this optimizer's steps, for loops with
-    several), ``observer`` (a ``StepObserver``, e.g. a progress display).
+    ``options``: those of every traced step (``max_calls``/``max_bytes`` bound all of them
+    together); ``per_step_files``, ``optimizer`` (count only this optimizer's steps, for loops
+    with several), ``observer`` (a ``StepObserver``, e.g. a progress display).
     """
 
-    def __init__(self, *, steps: str | int | Iterable[int] | None = None, every: int | None = None,
-                 hash: str = "md5", stacks: bool = True, stats: bool | None = None,
-                 out: str | os.PathLike[str] | None = None, flush_every: int = 1024,
-                 listeners: list[Listener] | None = None, memory: bool = False,
-                 max_calls: int | None = None, check_numerics: bool = False, raise_on_nonfinite: bool = False,
-                 max_bytes: int | None = None, per_step_files: bool = False, optimizer: Any = None,
-                 observer: StepObserver | None = None, optimizer_ops: bool = False) -> None:
+    def __init__(self, options: TraceOptions, *, steps: str | int | Iterable[int] | None = None,
+                 every: int | None = None, per_step_files: bool = False, optimizer: Any = None,
+                 observer: StepObserver | None = None) -> None:
         self.selection = StepSelection.parse(steps, every)
-        self.recorder = StepRecorder(out=out, per_step_files=per_step_files, max_calls=max_calls,
-                                     max_bytes=max_bytes, observer=observer, hash=hash, stacks=stacks,
-                                     stats=stats, flush_every=flush_every, listeners=listeners, memory=memory,
-                                     check_numerics=check_numerics, raise_on_nonfinite=raise_on_nonfinite,
-                                     optimizer_ops=optimizer_ops)
+        self.recorder = StepRecorder(options, per_step_files=per_step_files, observer=observer)
         self.optimizer = optimizer
         self.step = 0  # the step running now
         self.manual = False  # the user marks boundaries with tracer.step(); optimizer steps don't count

@@ -36,3 +36,7 @@ class Listener:
 
     def on_node_end(self, trace: Trace, node: str, step: NodeRun, grads: tuple[Any, ...]) -> None:
         """A grad node ran; ``grads`` are the gradients it produced."""
+
+    def on_grad_node(self, trace: Trace, name: str, node: Any) -> None:
+        """A grad node was named ``name`` (``node``: PyTorch's live node object: do not keep it
+        past the call that made it, or its graph stays alive)."""

@@ -38,6 +38,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from tracer.model import BackwardRun, Call, GradNode, NodeRun, TensorRecord, Trace, names
+from tracer.options import TraceOptions
 from tracer.record import naming
 from tracer.record.checksums.hasher import Hasher
 from tracer.record.effects import UNINITIALISED, Writes
@@ -256,10 +257,10 @@ class _Mode(TorchFunctionMode):
         if kind == "backward":
             return rec.record_backward(func, api, args, kwargs)
         if kind == "collective":
-            # References to collectives taken before the trace land here, not in the wrappers.
-            from tracer.features.distributed import collective_for
-
-            wrapped = collective_for(rec, func)
+            # References to collectives taken before the trace land here, not in the wrappers
+            # (tracer.features.distributed sets the hook while a process group is traced).
+            hook = rec.collective_hook
+            wrapped = hook(rec, func) if hook is not None else None
             if wrapped is not None:
                 return wrapped(*args, **kwargs)
             kind = "op"
@@ -269,20 +270,20 @@ class _Mode(TorchFunctionMode):
 class Recorder:
     """Owns every hook of one active trace and turns what they see into trace records."""
 
-    def __init__(self, trace: Trace, *, hash_algorithm: str = "md5", stacks: bool = True,
-                 stats: bool = True, on_records: Callable[[], None] | None = None,
-                 optimizer_ops: bool = False) -> None:
+    def __init__(self, trace: Trace, options: TraceOptions, *,
+                 on_records: Callable[[], None] | None = None) -> None:
         self.trace = trace
+        self.options = options
         # False: each optimizer.step() is one call (see _open_step); True: every op inside it.
-        self.optimizer_ops = optimizer_ops
+        self.optimizer_ops = options.optimizer_ops
         self._step: _OpenStep | None = None  # the optimizer step running now, recorded as one call
         self._step_hooked: weakref.WeakSet[Any] = weakref.WeakSet()
         self.owner = threading.get_ident()
         self.lock = threading.RLock()
         self.api = naming.ApiNames()
         self.counters = naming.Counters()
-        self.stack_table: StackTable | None = StackTable() if stacks else None
-        self.hasher = Hasher(hash_algorithm, stats=stats)
+        self.stack_table: StackTable | None = StackTable() if options.stacks else None
+        self.hasher = Hasher(options.hash, stats=options.effective_stats)
         self._own_hasher = self.hasher
         self.on_records = on_records
         self.listeners: list[Listener] = []
@@ -290,7 +291,10 @@ class Recorder:
         self.closed = False
         # Set when a bound (max_calls) is reached: from then on nothing more is recorded.
         self.stopped = False
-        self.max_calls: int | None = None
+        self.max_calls: int | None = options.max_calls
+        # Set by tracer.features.distributed: (recorder, function) -> the recording wrapper of a
+        # collective the mode met, or None.
+        self.collective_hook: Callable[[Recorder, Any], Callable[..., Any] | None] | None = None
         self._in_backward = 0
         # >0 while a recorded op runs: a Function applied inside an op (a torch.library custom
         # op's generated autograd Function) is that op's implementation, not a call of its own.
@@ -404,6 +408,11 @@ class Recorder:
     def function_depth(self) -> int:
         """How many custom Function forwards enclose the call being recorded."""
         return len(self._parents)
+
+    @property
+    def backward_open(self) -> bool:
+        """Whether a backward run is in progress (its record still being filled)."""
+        return self._run is not None
 
     @property
     def in_backward(self) -> bool:
@@ -854,6 +863,9 @@ class Recorder:
             self._node_by_seq[key if key is not None else self._node_key(node)] = name
         self._add_node_record(name, kind, call, param, stack_id, external)
         self._hook_node(node, name, kind, external)
+        if self.listeners and self._listens("on_grad_node"):
+            for li in self.listeners:
+                li.on_grad_node(self.trace, name, node)
 
     def _add_node_record(self, name: str, kind: str, call: str | None, param: str | None,
                          stack_id: int | None, external: bool) -> None:
@@ -1040,7 +1052,12 @@ class Recorder:
 
     def _begin_listeners(self) -> bool:
         """Whether an attached listener acts on a node's start (``on_node_begin``)."""
-        return any(type(li).on_node_begin is not Listener.on_node_begin for li in self.listeners)
+        return self._listens("on_node_begin")
+
+    def _listens(self, event: str) -> bool:
+        """Whether an attached listener overrides ``event``."""
+        base = getattr(Listener, event)
+        return any(getattr(type(li), event) is not base for li in self.listeners)
 
     def _current_run(self) -> BackwardRun:
         if self._run is None:  # backward started where the trace could not see it
@@ -1311,6 +1328,12 @@ class Recorder:
             self._pop_modules(len(stack) - 1)
         elif path in stack:
             self._pop_modules(len(stack) - 1 - stack[::-1].index(path))
+
+    def register_root_module(self, module: torch.nn.Module) -> None:
+        """Name modules, parameters and buffers from ``module`` down, as if it were called first
+        (a trainer's model, whose forward may never be called itself)."""
+        if module not in self._module_paths:
+            self._register_module(module)
 
     def _register_module(self, module: torch.nn.Module) -> str:
         cls = type(module).__name__

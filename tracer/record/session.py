@@ -11,60 +11,50 @@ import socket
 import sys
 import time
 import warnings
+from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from tracer.model import StreamWriter, Trace
-from tracer.options import TraceError
+from tracer.options import TraceError, TraceOptions
 from tracer.record import recorder as _recorder
-from tracer.record.listeners import Listener
+from tracer.record.checksums.fingerprint import ALGORITHM as FINGERPRINT_ALGORITHM
 from tracer.version import __version__
-
-
-def _distributed_info() -> dict[str, Any] | None:
-    """Rank, world size, backend and group layout under a process group (or torchrun's
-    environment, for a trace that starts before ``init_process_group``)."""
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return None
-    if not dist.is_available():
-        return None
-    from tracer.features.distributed import launched_rank_info, rank_info
-
-    return rank_info() if dist.is_initialized() else launched_rank_info()
 
 
 class NumericsWarning(RuntimeWarning):
     """``check_numerics`` found a NaN or Inf; the message is the report."""
 
 
+class SessionPlugin(Protocol):
+    """A feature a trace session composes in (memory records, the NaN guard, logs, distributed
+    runs): ``prepare`` before the recorder exists (header fields, the output path), ``attach``
+    once it is installed, returning what undoes it (or None). The session imports no feature:
+    ``tracer.features.plugins`` picks them from the options."""
+
+    def prepare(self, session: TraceSession, trace: Trace) -> None: ...
+
+    def attach(self, recorder: _recorder.Recorder) -> Callable[[], None] | None: ...
+
+
 class TraceSession:
-    """One traced block (what ``trace()`` returns without ``steps``/``every``). See ``trace()``
-    for the options; ``flush_every`` is the number of calls between two flushes of a streamed
-    file.
+    """One traced block (what ``trace()`` returns without ``steps``/``every``).
+
+    ``options``: what to record (``tracer.options.TraceOptions``). ``plugins``: the features to
+    compose in. ``append``: a streamed file gets this block as one more segment instead of being
+    started afresh (the steps of one run); ``header_extra``: fields for the header (``step``).
     """
 
-    def __init__(self, *, hash: str = "md5", stacks: bool = True, stats: bool | None = None,
-                 out: str | os.PathLike[str] | None = None, flush_every: int = 1024,
-                 listeners: list[Listener] | None = None, memory: bool = False,
-                 max_calls: int | None = None, check_numerics: bool = False,
-                 raise_on_nonfinite: bool = False, optimizer_ops: bool = False) -> None:
-        if hash not in ("md5", "fast", "none"):
-            raise TraceError(f"hash must be 'md5', 'fast' or 'none', got {hash!r}")
-        self.hash = hash
-        self.stacks = stacks
-        self.check_numerics = check_numerics or raise_on_nonfinite
-        self.raise_on_nonfinite = raise_on_nonfinite
-        self.optimizer_ops = bool(optimizer_ops)
-        self.stats = True if self.check_numerics else (hash != "none") if stats is None else stats
-        self.out = None if out is None else os.fspath(out)
-        self.flush_every = max(1, int(flush_every))
-        self.listeners = list(listeners or [])
-        self.memory = memory
-        self.max_calls = max_calls
+    def __init__(self, options: TraceOptions, *, plugins: Sequence[SessionPlugin] = (), append: bool = False,
+                 header_extra: dict[str, Any] | None = None) -> None:
+        self.options = options
+        self.plugins = list(plugins)
+        self.append = append
+        self.header_extra = dict(header_extra or {})
+        self.out = options.out  # plugins may change it (one file per rank)
+        self.offset = 0  # where this block's records start in its file (appending)
         self.trace: Trace | None = None
         self._recorder: _recorder.Recorder | None = None
         self._writer: StreamWriter | None = None
@@ -72,8 +62,13 @@ class TraceSession:
         self._held_tensors: list[Any] = []
         self._last_flush_calls = 0
         self._seqs_written: set[int] = set()
-        self._detach_distributed: Any = None
+        self._detach: list[Callable[[], None]] = []
         self._gc_threshold: tuple[int, int, int] | None = None
+
+    @property
+    def recorder(self) -> _recorder.Recorder | None:
+        """The recorder of the block while it runs."""
+        return self._recorder
 
     # ---- enter / exit -------------------------------------------------------------------------
     def __enter__(self) -> Trace:
@@ -81,68 +76,54 @@ class TraceSession:
         if active is not None and not active.closed:
             raise TraceError("tracer.trace() is already active in this process; traces do not nest. "
                              "Close the outer `with tracer.trace()` block first, or trace the outer block only.")
-        t = Trace(header={"hash": self.hash, "stacks": self.stacks, "stats": self.stats,
-                          "check_numerics": self.check_numerics, "optimizer_ops": self.optimizer_ops,
+        o = self.options
+        t = Trace(header={"hash": o.hash, "stacks": o.stacks, "stats": o.effective_stats,
+                          "check_numerics": o.numerics, "optimizer_ops": o.optimizer_ops,
                           "torch": torch.__version__, "gradtrace": __version__,
                           "python": platform.python_version()},
                   meta={"host": socket.gethostname(), "pid": os.getpid(), "cwd": os.getcwd(),
                         "argv": list(sys.argv), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                         "out": self.out})
         self.trace = t
-        dist_info = _distributed_info()
-        if dist_info is not None:
-            # One file per rank (step.rank0.gtrace, ...), each saying where it ran.
-            from tracer.features.distributed import rank_path
-
-            t.header["distributed"] = dist_info
-            if self.out:
-                self.out = rank_path(self.out, dist_info["rank"])
-                t.meta["out"] = self.out
-        rec = _recorder.Recorder(t, hash_algorithm=self.hash, stacks=self.stacks, stats=self.stats,
-                                 on_records=self._maybe_flush if self.out else None,
-                                 optimizer_ops=self.optimizer_ops)
+        for plugin in self.plugins:
+            plugin.prepare(self, t)
+        t.meta["out"] = self.out
+        rec = _recorder.Recorder(t, o, on_records=self._maybe_flush if self.out else None)
         t.header["node_attribution"] = rec.node_attribution
-        rec.max_calls = self.max_calls
-        if self.hash == "fast":
-            from tracer.record.checksums.fingerprint import ALGORITHM
-
-            t.header["fingerprint"] = ALGORITHM
-        if self.memory:
-            from tracer.features.memory import MemoryListener
-
-            self.listeners.append(MemoryListener())
-        if self.raise_on_nonfinite:
-            from tracer.features.numerics import NonFiniteGuard
-
-            self.listeners.append(NonFiniteGuard(rec))
-        rec.listeners.extend(self.listeners)
-        from tracer.features.logs import attach_if_enabled
-
-        attach_if_enabled(rec)  # GRADTRACE_LOG / set_log_level() levels log the whole trace
+        if o.hash == "fast":
+            t.header["fingerprint"] = FINGERPRINT_ALGORITHM
+        t.header.update(self.header_extra)
+        rec.listeners.extend(o.listeners)
         self._recorder = rec
-        if self.out:
-            self._writer = StreamWriter(self.out)
-            self._writer.write([t.header_record(), {"t": "meta", **t.meta}])
-        self._t0 = time.perf_counter()
-        # Every call adds a few small records; with CPython's default thresholds the young
-        # generation fills every few dozen calls and collections over the growing trace cost as
-        # much as the recording itself (measured: 29.8 -> 16.0 us/call on a 20k-call trace).
-        # 50,000 is about one GPT-2-small training step's records (calls, nodes, tensors and
-        # their hooks): a young collection then comes about once per step, mostly after the
-        # backward pass has freed the step's graph and activations, instead of several times
-        # in the middle of it, each walking (and promoting) all those live objects (measured on
-        # benchmarks/overhead.py tiny12: 6.6 -> 4.2 ms of collection per traced step). Cyclic
-        # garbage is still collected at least that often; the user's thresholds come back on
-        # exit.
-        self._gc_threshold = gc.get_threshold()
-        t0, t1, t2 = self._gc_threshold
-        if t0 > 0:
-            gc.set_threshold(max(t0, 50_000), max(t1, 50), max(t2, 100))
-        rec.install()
-        if dist_info is not None:
-            from tracer.features.distributed import attach
-
-            self._detach_distributed = attach(rec)
+        try:
+            if self.out:
+                if self.append and os.path.exists(self.out):
+                    self.offset = os.path.getsize(self.out)
+                self._writer = StreamWriter(self.out, append=self.append)
+                self._writer.write([t.header_record(), {"t": "meta", **t.meta}])
+            self._t0 = time.perf_counter()
+            # Every call adds a few small records; with CPython's default thresholds the young
+            # generation fills every few dozen calls and collections over the growing trace cost as
+            # much as the recording itself (measured: 29.8 -> 16.0 us/call on a 20k-call trace).
+            # 50,000 is about one GPT-2-small training step's records (calls, nodes, tensors and
+            # their hooks): a young collection then comes about once per step, mostly after the
+            # backward pass has freed the step's graph and activations, instead of several times
+            # in the middle of it, each walking (and promoting) all those live objects (measured on
+            # benchmarks/overhead.py tiny12: 6.6 -> 4.2 ms of collection per traced step). Cyclic
+            # garbage is still collected at least that often; the user's thresholds come back on
+            # exit.
+            self._gc_threshold = gc.get_threshold()
+            t0, t1, t2 = self._gc_threshold
+            if t0 > 0:
+                gc.set_threshold(max(t0, 50_000), max(t1, 50), max(t2, 100))
+            rec.install()
+            for plugin in self.plugins:
+                undo = plugin.attach(rec)
+                if undo is not None:
+                    self._detach.append(undo)
+        except BaseException as exc:
+            self.__exit__(type(exc), exc, exc.__traceback__)
+            raise
         return t
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -153,9 +134,8 @@ class TraceSession:
         if self._gc_threshold is not None:
             gc.set_threshold(*self._gc_threshold)
             self._gc_threshold = None
-        if self._detach_distributed is not None:
-            self._detach_distributed()
-            self._detach_distributed = None
+        while self._detach:
+            self._detach.pop()()
         try:
             self._finalize(rec, t, exc)
         finally:
@@ -185,7 +165,7 @@ class TraceSession:
             t.error = {"type": type(exc).__name__, "message": str(exc),
                        "last_call": t.calls[-1].name if t.calls else ""}
         t.resolve()
-        if self.check_numerics and exc is None:
+        if self.options.numerics and exc is None:
             report = t.anomalies
             if not report.clean:
                 warnings.warn(f"gradtrace: non-finite values found\n{report}", NumericsWarning, stacklevel=3)
@@ -197,9 +177,9 @@ class TraceSession:
     def _maybe_flush(self) -> None:
         t = self.trace
         assert t is not None
-        if len(t.calls) - self._last_flush_calls >= self.flush_every or (
+        if len(t.calls) - self._last_flush_calls >= self.options.flush_every or (
                 t.backward_runs and self._written["runs"] < len(t.backward_runs) and self._recorder is not None
-                and self._recorder._run is None):
+                and not self._recorder.backward_open):
             self._flush(final=False)
 
     def _flush(self, final: bool) -> None:
@@ -233,7 +213,7 @@ class TraceSession:
             nodes = t.grad_nodes[n["nodes"]:]
             out += [g.to_json() for g in nodes]
             n["nodes"] += len(nodes)
-            done_runs = len(t.backward_runs) if (final or rec._run is None) else len(t.backward_runs) - 1
+            done_runs = len(t.backward_runs) if (final or not rec.backward_open) else len(t.backward_runs) - 1
             out += [b.to_json() for b in t.backward_runs[n["runs"]:done_runs]]
             n["runs"] = max(n["runs"], done_runs)
             if final:  # memory events are written by their listener's finish(), at the end

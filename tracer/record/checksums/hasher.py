@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from tracer.model import Stats, TensorRecord
+from tracer.options import HASH_ALGORITHMS
 from tracer.record.checksums import fingerprint as fp
 from tracer.record.checksums.bytes import ALLOWED_TYPES, as_bytes, host_bytes, unhashable_reason
 from tracer.record.checksums.fused import Fused, triton_usable
@@ -46,7 +47,6 @@ from tracer.record.checksums.stats import (
     cpu_stats,
 )
 
-HASH_ALGORITHMS = ("md5", "fast", "none")
 INLINE_BYTES = 256 * 1024
 
 
