@@ -478,8 +478,9 @@ def workload_report(args: argparse.Namespace, model: str, keys: list[str], notes
     if SHARE_FLOOR in keys:
         extra.append(["recorder share: a gradtrace row's ratio minus the ratio of "
                       f"\"{available[SHARE_FLOOR][0]}\" (for rows with checksums or stats it includes them)."])
-    if "md5" in keys and "md5" in tm.traces:
-        extra.append(md5_lines(tm, copy_md5_limit(recorded_bytes(tm.traces["md5"]), device)))
+    md5_bytes = recorded_bytes(tm.traces["md5"]) if "md5" in tm.traces else 0
+    if md5_bytes:
+        extra.append(md5_lines(tm, copy_md5_limit(md5_bytes, device)))
     if device.type == "cpu":
         extra.append(per_object_lines(tm, available, [k for k in ("stacks", "fast") if k in keys]))
     extra += [[n] for n in notes]
