@@ -48,7 +48,7 @@ from torch.overrides import TorchFunctionMode
 import tracer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from overhead import default_workload, time_step  # a sibling script, not a package
+from workloads import default_workload, recorded_bytes, time_step  # a sibling script, not a package
 
 NATIVE_SOURCE = r"""
 #include <torch/extension.h>
@@ -184,9 +184,16 @@ def _observing(native: Any) -> Iterator[None]:
         native.unobserve()
 
 
-def configurations(native: Any) -> dict[str, Callable[[], contextlib.AbstractContextManager[Any]]]:
-    rows: dict[str, Callable[[], contextlib.AbstractContextManager[Any]]] = {
-        "plain": contextlib.nullcontext,
+Factory = Callable[[], contextlib.AbstractContextManager[Any]]
+
+
+def hook_point_rows(native: Any = None) -> dict[str, Factory]:
+    """The floor rows, label -> context manager factory: gradtrace's hook points doing nothing
+    (an empty TorchFunctionMode; and empty module hooks; and the walk to each call's new grad
+    nodes; and a no-op Python hook on every such node), and with ``native`` (the C++ extension
+    of ``build_native()``) the C++ node hooks and op observer. ``overhead.py --suite`` times the
+    last three Python rows beside gradtrace's."""
+    rows: dict[str, Factory] = {
         "mode": _EmptyMode,
         "mode+modules": lambda: _with_module_hooks(_EmptyMode()),
         "+node walk": lambda: _with_module_hooks(_NodeMode(None)),
@@ -195,6 +202,11 @@ def configurations(native: Any) -> dict[str, Callable[[], contextlib.AbstractCon
     if native is not None:
         rows["+C++ node hooks"] = lambda: _with_module_hooks(_NodeMode(None, native.hook_new), native.reset)
         rows["C++ op observer"] = lambda: _observing(native)
+    return rows
+
+
+def configurations(native: Any) -> dict[str, Factory]:
+    rows: dict[str, Factory] = {"plain": contextlib.nullcontext, **hook_point_rows(native)}
     rows['gradtrace hash="none", stacks=False'] = lambda: tracer.trace(hash="none", stacks=False)
     rows['gradtrace hash="none"'] = lambda: tracer.trace(hash="none")
     return rows
@@ -204,15 +216,7 @@ def step_bytes(w: Any) -> tuple[int, int]:
     """(tensor values, their bytes) one traced step records: what ``hash="fast"`` reads."""
     with tracer.trace(hash="none", stacks=False, stats=False) as tr:
         w.step()
-    sizes = {name: torch.empty((), dtype=getattr(torch, name)).element_size()
-             for name in {r.dtype for r in tr.tensors.values()} if isinstance(getattr(torch, name, None), torch.dtype)}
-    total = 0
-    for rec in tr.tensors.values():
-        numel = 1
-        for d in rec.shape:
-            numel *= d
-        total += numel * sizes.get(rec.dtype, 0)
-    return len(tr.tensors), total
+    return len(tr.tensors), recorded_bytes(tr)
 
 
 def read_rate(device: torch.device, nbytes: int = 4 << 30, repeats: int = 10) -> float:
@@ -230,7 +234,7 @@ def read_rate(device: torch.device, nbytes: int = 4 << 30, repeats: int = 10) ->
     return nbytes / best
 
 
-def _build_native() -> Any:
+def build_native() -> Any:
     from torch.utils.cpp_extension import load_inline
 
     try:
@@ -249,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     model, w = default_workload(args.device, args.model)
     device = w.device
-    rows = configurations(_build_native() if args.native else None)
+    rows = configurations(build_native() if args.native else None)
     counter = _NodeMode(None)
     with counter:
         w.step()

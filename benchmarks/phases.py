@@ -26,7 +26,7 @@ import torch
 import tracer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from overhead import default_workload  # a sibling script, not a package
+from workloads import default_workload  # a sibling script, not a package
 
 CONFIGS: dict[str, Callable[[], Any]] = {
     "plain": contextlib.nullcontext,
@@ -44,8 +44,7 @@ def one_step(w: Any, make: Callable[[], Any], sync: Callable[[], None]) -> list[
     ctx = make()
     ctx.__enter__()
     t0 = time.perf_counter()
-    with torch.autocast(w.device.type, dtype=w.autocast, enabled=w.autocast is not None):
-        loss = w.model(input_ids=w.ids, labels=w.ids).loss
+    loss = w.loss()  # the forward, under the workload's autocast
     t1 = time.perf_counter()
     loss.backward()
     t2 = time.perf_counter()
@@ -61,7 +60,8 @@ def one_step(w: Any, make: Callable[[], Any], sync: Callable[[], None]) -> list[
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--model", default=None, help="tiny12 on the CPU, gpt2-small on CUDA by default")
+    p.add_argument("--model", default=None,
+                   help="tiny12 on the CPU, gpt2-small on CUDA by default (any model of overhead.py --model)")
     p.add_argument("--configs", default="plain,nostacks,stacks,stacks-ops,fast")
     p.add_argument("--repeats", type=int, default=9)
     args = p.parse_args(argv)
