@@ -310,19 +310,13 @@ def test_backward_steps_pair_each_nodes_gradients() -> None:
 
 
 def test_a_stand_in_hasher_is_called_even_when_nothing_is_hashed() -> None:
-    from tracer.features.distributed import _NoHash
-
     x = torch.randn(3)
     with tracer.trace(hash="none", stacks=False) as t:
         rec = recorder_mod.active_recorder()
         assert rec is not None and not rec.hasher.active
         x.add(1)
-        saved = rec.hasher
-        rec.hasher = _NoHash(saved, "not hashed: async collective, result not ready when issued")
-        try:
+        with rec.unhashed("not hashed: async collective, result not ready when issued"):
             x.mul(2)
-        finally:
-            rec.hasher = saved
     assert t.tensors["add0:out"].hash_note is None
     assert t.tensors["mul0:out"].hash_note == "not hashed: async collective, result not ready when issued"
 

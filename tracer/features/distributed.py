@@ -57,8 +57,10 @@ from typing import Any
 
 import torch
 
-from tracer.model import BackwardRun, Call, Trace
+from tracer.model import BackwardRun, Call, Trace, names
+from tracer.record import naming
 from tracer.record.listeners import Listener
+from tracer.record.recorder import Recorder
 
 # ---- which collectives, and which of their arguments they write ----------------------------------
 
@@ -300,22 +302,7 @@ def _should_record(rec: Any) -> bool:
     if threading.get_ident() == rec.owner:
         return True
     # DDP/FSDP hooks issue collectives from autograd engine threads during a traced backward.
-    return bool(rec._in_backward) and torch._C._current_autograd_node() is not None
-
-
-class _NoHash:
-    """Stands in for the recorder's hasher while the tensors an async collective writes are named:
-    their data are not there yet, so they get a note instead of a checksum."""
-
-    def __init__(self, real: Any, note: str) -> None:
-        self._real = real
-        self._note = note
-
-    def submit(self, rec: Any, t: torch.Tensor) -> None:
-        rec.hash_note = self._note
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._real, name)
+    return rec.in_backward and torch._C._current_autograd_node() is not None
 
 
 def _add_note(trace: Trace, note: str) -> None:
@@ -433,23 +420,16 @@ class _Attachment:
 
         return wrapper
 
-    def _run(self, rec: Any, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any], api: str,
+    def _run(self, rec: Recorder, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any], api: str,
              short: str, described: dict[str, Any], ins: list[torch.Tensor], writes: list[torch.Tensor],
              is_async: bool, waiter: Callable[[Any], Any] | None) -> Any:
         """Name the inputs, run the collective (waited for by ``waiter`` for functional ones, whose
         results are their outputs), and record the call."""
         functional = waiter is not None
-        from tracer.record.recorder import _get_seq
-
         try:
-            with rec.lock, torch._C.DisableTorchFunction():
-                in_names = [rec.name_of(t) for t in ins]
-                seq = rec._call_seq
-                rec._call_seq += 1
-            tokens = [li.before_call() for li in rec.listeners] if rec.listeners else None
+            pending = rec.begin_call(ins, api=api, short=short, kind="collective")
         except Exception:  # never let the trace break the collective
             return original(*args, **kwargs)
-        seq0 = _get_seq() if _get_seq is not None else None
         # The mode is off while the collective runs: it would see the same function (c10d
         # functions dispatch __torch_function__) or the functional ops inside, a second time.
         with _inside(), torch._C.DisableTorchFunction():
@@ -459,24 +439,21 @@ class _Attachment:
                     result = waiter(result)
             except BaseException as exc:
                 with contextlib.suppress(Exception):  # the user's exception is the one to see
-                    rec._record_failed(api, short, "collective", (), described, in_names, seq, exc)
+                    rec.fail_call(pending, exc, kwargs=described)
                 raise
         # What a collective writes is its output (c10d functions return None or a Work).
         outs = _unique(_flat(result)) if functional else writes
-        with rec.lock:
-            saved = rec.hasher
-            if is_async:
-                rec.hasher = _NoHash(saved, "not hashed: async collective, result not ready when issued")
-                _add_note(rec.trace, ASYNC_NOTE)
-            if functional:
-                _add_note(rec.trace, FUNCOL_NOTE)
-            try:
-                rec._finish_call(api, short, "collective", (), described, ins, in_names, outs, writes, seq, seq0,
-                                 tokens=tokens)
-            except Exception as exc:  # the collective ran: the step goes on, the trace says what it missed
-                _add_note(rec.trace, f"gradtrace could not record a call of {api}: {type(exc).__name__}: {exc}")
-            finally:
-                rec.hasher = saved
+        if is_async:
+            _add_note(rec.trace, ASYNC_NOTE)
+        if functional:
+            _add_note(rec.trace, FUNCOL_NOTE)
+        unhashed = rec.unhashed("not hashed: async collective, result not ready when issued") if is_async \
+            else contextlib.nullcontext()
+        try:
+            with unhashed:
+                rec.finish_call(pending, outs, writes, kwargs=described)
+        except Exception as exc:  # the collective ran: the step goes on, the trace says what it missed
+            _add_note(rec.trace, f"gradtrace could not record a call of {api}: {type(exc).__name__}: {exc}")
         return result
 
     def funcol_op_wrapper(self, op: Any, name: str) -> Any:
@@ -503,7 +480,7 @@ class _Attachment:
     # -- DDP
     def _module_pre(self, module: torch.nn.Module, args: Any) -> None:
         rec = self.ref()
-        if rec is None or rec.closed or threading.get_ident() != rec.owner or rec._in_backward:
+        if rec is None or rec.closed or threading.get_ident() != rec.owner or rec.in_backward:
             return
         from torch.nn.parallel import DistributedDataParallel
 
@@ -561,37 +538,32 @@ def _funcol_op_name(func: Any) -> str | None:
     return None
 
 
-def _record_ddp(rec: Any, ddp: Any, run: BackwardRun) -> None:
-    from tracer.model import names
-    from tracer.record import naming
-    from tracer.record.recorder import _version
-
-    name = rec.counters.next(DDP_CALL)
+def _record_ddp(rec: Recorder, ddp: Any, run: BackwardRun) -> None:
+    name = rec.call_name(DDP_CALL)
     params = getattr(ddp, "_module_parameters", None) or [p for p in ddp.parameters() if p.requires_grad]
     ins: list[str] = []
     outs: list[str] = []
-    run_index = max(rec._run_index, 0)
+    produced: list[torch.Tensor] = []
+    run_index = rec.run_index
     for p in params:
-        named = rec._named.get(p)
+        pname = rec.param_name(p)
         g = p.grad
-        if named is None or g is None:
+        if pname is None or g is None:
             continue
-        pname = named[0]
-        local = f"{pname}{names.grad_suffix(run_index)}"
-        hit = rec._tensor_names.get(g)
-        if hit is not None and hit[1] == _version(g):
+        if rec.current_name(g) is not None:
             # Unchanged since the trace named it: DDP wrote nothing here (an unused parameter).
             continue
-        if hit is not None:  # the local gradient, averaged in place
-            prev = hit[0]
-            out = rec._new_tensor(g, rec._bump(rec._base_name(prev)), "grad", name, previous=prev)
+        prev = rec.known_name(g)
+        if prev is not None:  # the local gradient, averaged in place
+            out = rec.new_version(g, prev, "grad", name)
         else:  # the parameter holds another tensor (a bucket view): a new version of its gradient
+            local = f"{pname}{names.grad_suffix(run_index)}"
             prev = local if local in rec.trace.tensors else None
-            base = f"{pname}@grad"
-            out = rec._new_leaf_grad(g, rec._bump(base) if base in rec.trace.tensors else base, name, prev)
+            out = rec.leaf_grad(g, pname, name, prev)
         if prev is not None:
             ins.append(prev)
         outs.append(out)
+        produced.append(g)
     try:
         data = ddp._get_ddp_logging_data()
         sizes = [int(s) for s in str(data.get("bucket_sizes", "")).split(",") if s.strip()]
@@ -602,18 +574,13 @@ def _record_ddp(rec: Any, ddp: Any, run: BackwardRun) -> None:
     hooks = getattr(ddp, "_comm_hooks", None)
     if hooks:
         described["comm_hook"] = getattr(hooks[0][0], "__qualname__", "?")
-    stack_id = rec.stack_table.capture() if rec.stack_table is not None else None
-    seq = rec._call_seq
-    rec._call_seq += 1
-    rec.trace.calls.append(Call(
-        name=name, api=DDP_API, module=rec._module_paths.get(ddp, ""), inputs=ins, outputs=outs,
-        args=naming.short_args((), described), stack_id=stack_id, parent=None, kind="collective",
+    rec.add_call(Call(
+        name=name, api=DDP_API, module=rec.module_path(ddp) or "", inputs=ins, outputs=outs,
+        args=naming.short_args((), described), stack_id=rec.capture_stack(), parent=None, kind="collective",
         # Observed on the user's thread once the backward run returned (as the optimizer sees
         # .grad): a call of the forward timeline; args name the run it happened in.
-        phase="forward", seq=seq))
+        phase="forward", seq=rec.next_call_seq()), produced)
     _add_note(rec.trace, DDP_NOTE)
-    if rec.on_records is not None:
-        rec.on_records()
 
 
 _ATTACHED: weakref.WeakKeyDictionary[Any, _Attachment] = weakref.WeakKeyDictionary()

@@ -24,13 +24,15 @@ outputs reach it (documented in the trace header as ``node_attribution``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any, NamedTuple
 
@@ -222,15 +224,41 @@ class _OpenStep(NamedTuple):
 
     optimizer: Any
     frame: FrameType  # the frame running the step (torch's step wrapper), for step_running()
-    name: str
+    call: PendingCall
+    versions: list[int]  # of call.ins when the step began
+    written: set[int]  # identities of the tensors the step writes, whatever their versions say
+
+
+@dataclass(slots=True)
+class PendingCall:
+    """A call in progress: its inputs named and its place in the trace taken before it runs
+    (``Recorder.begin_call``), finished by ``finish_call`` or ``fail_call``."""
+
     api: str
+    short: str
+    kind: str
     ins: list[torch.Tensor]
     in_names: list[str]
-    versions: list[int]
     seq: int
-    stack_id: int | None
-    tokens: list[Any] | None
-    written: set[int]  # identities of the tensors the step writes, whatever their versions say
+    seq0: int | None  # autograd's sequence number before the call (its grad nodes come after)
+    tokens: list[Any] | None  # what each listener's before_call returned
+    name: str | None = None  # taken early (a custom Function: its inner calls name it as parent)
+    stack_id: int | None = -1  # taken early (-1: captured when the call is finished)
+
+
+class _Unhashed:
+    """Stands in for the recorder's hasher while tensors that have no data yet are named (the
+    results of an async collective): each gets a note instead of a checksum."""
+
+    def __init__(self, real: Hasher, note: str) -> None:
+        self._real = real
+        self._note = note
+
+    def submit(self, rec: TensorRecord, t: torch.Tensor) -> None:
+        rec.hash_note = self._note
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
 
 
 class _Mode(TorchFunctionMode):
@@ -332,7 +360,8 @@ class Recorder:
         self._flush_before: set[str] = set()
         # Saved-tensor hooks were active while the call being finished ran (see _register_node).
         self._saved_hooks = True
-        self._opaque: list[tuple[torch.nn.Module, Any, int | None, list[str], int, Any, Any]] = []
+        # Compiled regions running now: (module, the DisableTorchFunction context, its hook, the call)
+        self._opaque: list[tuple[torch.nn.Module, Any, Any, PendingCall]] = []
         self._module_handles: list[Any] = []
         self._run: BackwardRun | None = None
         self._run_index = -1
@@ -396,7 +425,7 @@ class Recorder:
                     pass
             self._handles.clear()
             while self._opaque:
-                _, ctx, *_rest, local, _tokens = self._opaque.pop()
+                _, ctx, local, _pending = self._opaque.pop()
                 ctx.__exit__(None, None, None)
                 local.remove()
             self._remove_module_hooks()
@@ -760,6 +789,112 @@ class Recorder:
         if self.on_records is not None:
             self.on_records()
         return call
+
+    # ---- the public recording API (features record their own calls through it) ---------------
+    def begin_call(self, ins: list[torch.Tensor], *, api: str, short: str, kind: str,
+                   name: str | None = None) -> PendingCall:
+        """Name a call's inputs and take its place in the trace, before it runs."""
+        with self.lock, torch._C.DisableTorchFunction():
+            in_names = [self.name_of(t) for t in ins]
+            seq = self._call_seq
+            self._call_seq += 1
+        tokens = [li.before_call() for li in self.listeners] if self.listeners else None
+        return PendingCall(api, short, kind, ins, in_names, seq, _get_seq() if _get_seq is not None else None,
+                           tokens, name)
+
+    def finish_call(self, pending: PendingCall, outs: list[torch.Tensor], mutated: Sequence[torch.Tensor] = (),
+                    *, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Call:
+        """Record a call begun with ``begin_call`` that returned ``outs`` and wrote ``mutated``."""
+        p = pending
+        with torch._C.DisableTorchFunction():
+            return self._finish_call(p.api, p.short, p.kind, args, kwargs or {}, p.ins, p.in_names, outs,
+                                     list(mutated), p.seq, p.seq0, name=p.name, tokens=p.tokens,
+                                     stack_id=p.stack_id, skip=3)
+
+    def fail_call(self, pending: PendingCall, exc: BaseException, *, args: tuple[Any, ...] = (),
+                  kwargs: dict[str, Any] | None = None) -> None:
+        """Record a call begun with ``begin_call`` that raised ``exc`` (it has no outputs)."""
+        p = pending
+        if p.name is not None:
+            self._record_failed_named(p.name, p.api, args, kwargs or {}, p.in_names, p.seq, exc)
+        else:
+            self._record_failed(p.api, p.short, p.kind, args, kwargs or {}, p.in_names, p.seq, exc)
+
+    def add_call(self, call: Call, produced: Sequence[torch.Tensor] = ()) -> Call:
+        """Add a call whose records the caller made itself (``next_call_seq``, ``call_name``,
+        ``new_version``...): listeners hear it, bounds count it."""
+        with self.lock:
+            self.trace.calls.append(call)
+            for li in self.listeners:
+                li.on_call(self.trace, call, None, list(produced))
+            if self.max_calls is not None and len(self.trace.calls) >= self.max_calls:
+                self.stop(f"recording stopped at max_calls={self.max_calls}: later calls, grad nodes "
+                          "and backward runs were not recorded")
+        if self.on_records is not None:
+            self.on_records()
+        return call
+
+    @contextlib.contextmanager
+    def unhashed(self, note: str) -> Iterator[None]:
+        """Tensors recorded inside get ``note`` instead of a checksum (their data are not there)."""
+        saved = self.hasher
+        self.hasher = _Unhashed(saved, note)  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            self.hasher = saved
+
+    def next_call_seq(self) -> int:
+        """The place in the trace of a call about to start."""
+        with self.lock:
+            seq = self._call_seq
+            self._call_seq += 1
+            return seq
+
+    def call_name(self, short: str) -> str:
+        """The next name for a call of ``short`` (``all_reduce0``, ``all_reduce1``...)."""
+        return self.counters.next(short)
+
+    def capture_stack(self) -> int | None:
+        """The interned id of the caller's stack (None when stacks are off)."""
+        return self.stack_table.capture(2) if self.stack_table is not None else None
+
+    def current_name(self, t: torch.Tensor) -> str | None:
+        """The name ``t`` has in the trace if its value has not changed since, else None."""
+        hit = self._tensor_names.get(t)
+        return hit[0] if hit is not None and hit[1] == _version(t) else None
+
+    def known_name(self, t: torch.Tensor) -> str | None:
+        """The last name ``t`` had in the trace, whatever happened to it since (None: never seen)."""
+        hit = self._tensor_names.get(t)
+        return None if hit is None else hit[0]
+
+    def param_name(self, t: torch.Tensor) -> str | None:
+        """The module path of a parameter or buffer the trace has seen."""
+        named = self._named.get(t)
+        return None if named is None else named[0]
+
+    def new_version(self, t: torch.Tensor, of: str, role: str, producer: str | None) -> str:
+        """Record ``t`` as the next version of ``of`` (changed in place by ``producer``)."""
+        with self.lock:
+            return self._new_tensor(t, self._bump(self._base_name(of)), role, producer, previous=of)
+
+    def leaf_grad(self, t: torch.Tensor, param: str, producer: str | None, previous: str | None) -> str:
+        """Record ``t`` as a value of leaf ``param``'s gradient: ``param@grad``, or its next
+        version when that name is taken."""
+        base = f"{param}@grad"
+        with self.lock:
+            return self._new_leaf_grad(t, self._bump(base) if base in self.trace.tensors else base, producer,
+                                       previous)
+
+    def module_path(self, module: torch.nn.Module) -> str | None:
+        """The path the trace named ``module`` by (None: not seen)."""
+        return self._module_paths.get(module)
+
+    @property
+    def run_index(self) -> int:
+        """The index of the backward run in progress or last run (0 before any)."""
+        return max(self._run_index, 0)
 
     def _record_failed(self, api: str, short: str, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any],
                        in_names: list[str], seq: int, exc: BaseException) -> None:
@@ -1375,21 +1510,18 @@ class Recorder:
         # (a mode inside makes Dynamo graph-break and recompile) and our global module hooks
         # removed (Dynamo would inline them into the compiled frame). A one-shot hook on the
         # compiled module itself ends the region and puts everything back.
-        ins = _unique(flat_tensors(args))
-        with self.lock, torch._C.DisableTorchFunction():
-            in_names = [self.name_of(t) for t in ins]
-        seq = self._call_seq
-        self._call_seq += 1
+        with torch._C.DisableTorchFunction():
+            ins = _unique(flat_tensors(args))
+        pending = self.begin_call(ins, api="torch.compile", short="compiled", kind="compiled")
         self._remove_module_hooks()
         try:
             local = module.register_forward_hook(self._opaque_post, always_call=True)
         except TypeError:
             local = module.register_forward_hook(self._opaque_post)
-        tokens = [li.before_call() for li in self.listeners] if self.listeners else None
         ctx = torch._C.DisableTorchFunction()
         ctx.__enter__()
         self.paused = True
-        self._opaque.append((module, ctx, _get_seq() if _get_seq else None, in_names, seq, local, tokens))
+        self._opaque.append((module, ctx, local, pending))
         note = "torch.compile regions are recorded as one opaque call each; the calls inside them were not seen"
         if note not in self.trace.notes:
             self.trace.notes.append(note)
@@ -1397,18 +1529,15 @@ class Recorder:
     def _opaque_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if not self._opaque or self._opaque[-1][0] is not module:
             return
-        _module, ctx, seq0, in_names, seq, local, tokens = self._opaque.pop()
+        _module, ctx, local, pending = self._opaque.pop()
         ctx.__exit__(None, None, None)
         local.remove()
         self.paused = bool(self._opaque)
         if not self._opaque:
             self._install_module_hooks()
-        outs = _unique(flat_tensors(output))
-        # _finish_call reads the outputs' grad_fn before its own DisableTorchFunction: outside the
-        # mode's handler, without this each read would go through the mode.
         with torch._C.DisableTorchFunction():
-            self._finish_call("torch.compile", "compiled", "compiled", (), {}, [], in_names, outs, [], seq, seq0,
-                              tokens=tokens)
+            outs = _unique(flat_tensors(output))
+        self.finish_call(pending, outs)
         if self._module_stack:
             self._pop_modules(len(self._module_stack) - 1)
 
@@ -1481,8 +1610,10 @@ class Recorder:
             name = self.counters.next(cls.__name__)
             stack_id = self.stack_table.capture() if self.stack_table is not None else None
         tokens = [li.before_call() for li in self.listeners] if self.listeners else None
-        self._step = _OpenStep(optimizer, frame, name, f"{cls.__module__}.{cls.__qualname__}.step", ins, in_names,
-                               vers, seq, stack_id, tokens, written)
+        # No sequence-number bracket: a step makes no grad nodes.
+        call = PendingCall(f"{cls.__module__}.{cls.__qualname__}.step", cls.__name__, "optimizer", ins, in_names,
+                           seq, None, tokens, name, stack_id)
+        self._step = _OpenStep(optimizer, frame, call, vers, written)
         self.paused = True
         if optimizer not in self._step_hooked:
             # Per optimizer, so it runs before the global post-hooks (a step trace's boundary).
@@ -1519,7 +1650,7 @@ class Recorder:
         with self.lock, torch._C.DisableTorchFunction():
             # A step that raised wrote what its version counters say, no more can be known.
             written = st.written if error is None else set()
-            mutated = [t for t, v in zip(st.ins, st.versions) if identity(t) in written or _version(t) != v]
+            mutated = [t for t, v in zip(st.call.ins, st.versions) if identity(t) in written or _version(t) != v]
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     named = self._named.get(p)
@@ -1530,13 +1661,10 @@ class Recorder:
                         if owner is not None and isinstance(v, torch.Tensor) and v not in self._named \
                                 and self._tensor_names.get(v) is None:
                             self._named[v] = (f"{owner}.{key}", "state")
-                            self._new_tensor(v, f"{owner}.{key}", "state", st.name)
+                            self._new_tensor(v, f"{owner}.{key}", "state", st.call.name)
                             created.append(v)
         # Its outputs are what it changed (as an in-place op returns its target) and what it made.
-        with torch._C.DisableTorchFunction():
-            call = self._finish_call(st.api, type(optimizer).__name__, "optimizer", (), {}, st.ins,
-                                     st.in_names, mutated + created, mutated, st.seq, None, name=st.name,
-                                     tokens=st.tokens, stack_id=st.stack_id)
+        call = self.finish_call(st.call, mutated + created, mutated)
         if error is not None:
             call.error = error
 
@@ -1546,27 +1674,22 @@ class Recorder:
         with torch._C.DisableTorchFunction():
             ins = _unique(flat_tensors(args) + (flat_tensors(kwargs) if kwargs else []))
             vers = [_version(t) for t in ins]
-            with self.lock:
-                in_names = [self.name_of(t) for t in ins]
-                seq = self._call_seq
-                self._call_seq += 1
-                name = self.counters.next(cls.__name__)
-        api = f"{cls.__module__}.{cls.__qualname__}.apply"
-        self._parents.append(name)
-        tokens = [li.before_call() for li in self.listeners] if self.listeners else None
-        seq0 = _get_seq() if _get_seq is not None else None
+        # Named before it runs: the calls inside its forward name it as their parent.
+        pending = self.begin_call(ins, api=f"{cls.__module__}.{cls.__qualname__}.apply", short=cls.__name__,
+                                  kind="function", name=self.counters.next(cls.__name__))
+        assert pending.name is not None
+        self._parents.append(pending.name)
         try:
             out = apply(cls, *args, **kwargs)
         except BaseException as exc:
             self._parents.pop()
-            self._record_failed_named(name, api, args, kwargs, in_names, seq, exc)
+            self.fail_call(pending, exc, args=args, kwargs=kwargs)
             raise
         self._parents.pop()
         with torch._C.DisableTorchFunction():
             outs = _unique(flat_tensors(out))
             mutated = [t for t, v in zip(ins, vers) if _version(t) != v]
-            self._finish_call(api, cls.__name__, "function", args, kwargs, ins, in_names, outs, mutated, seq,
-                              seq0, name=name, tokens=tokens)
+        self.finish_call(pending, outs, mutated, args=args, kwargs=kwargs)
         return out
 
     def _record_failed_named(self, name: str, api: str, args: tuple[Any, ...], kwargs: dict[str, Any],
