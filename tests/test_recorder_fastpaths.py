@@ -21,6 +21,7 @@ import torch.nn as nn
 
 import tracer
 from tracer.model import Call, GradNode, TensorRecord
+from tracer.record import autograd as autograd_mod
 from tracer.record import naming
 from tracer.record import recorder as recorder_mod
 from tracer.record.identity import identity
@@ -287,12 +288,12 @@ def test_one_callable_tells_the_pre_hook_from_the_hook() -> None:
     seen = _Seen()
     ref = weakref.ref(seen)
     g = torch.ones(1)
-    recorder_mod._node_hook(ref, "n", (g,))  # type: ignore[arg-type]
-    recorder_mod._node_hook(ref, "n", (None,), ())  # type: ignore[arg-type]  # a hook with empty grad_outputs
-    recorder_mod._node_hook(ref, "n", (), (g,))  # type: ignore[arg-type]
+    autograd_mod.node_hook(ref, "n", (g,))  # type: ignore[arg-type]
+    autograd_mod.node_hook(ref, "n", (None,), ())  # type: ignore[arg-type]  # a hook with empty grad_outputs
+    autograd_mod.node_hook(ref, "n", (), (g,))  # type: ignore[arg-type]
     assert [(e, n, len(gs)) for e, n, gs in seen.events] == [("begin", "n", 1), ("end", "n", 1), ("end", "n", 0)]
     seen.closed = True
-    recorder_mod._node_hook(ref, "n", (g,))  # type: ignore[arg-type]
+    autograd_mod.node_hook(ref, "n", (g,))  # type: ignore[arg-type]
     assert len(seen.events) == 3
 
 

@@ -258,7 +258,7 @@ def _describe_args(bound: inspect.BoundArguments) -> dict[str, Any]:
 
 
 def _flat(obj: Any) -> list[torch.Tensor]:
-    from tracer.record.recorder import flat_tensors
+    from tracer.record.tensors import flat_tensors
 
     if type(obj).__name__ == "P2POp":
         return [obj.tensor]

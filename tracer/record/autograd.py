@@ -1,0 +1,579 @@
+"""The recorder's backward side: naming the grad nodes each call creates and linking them, hooking
+them, and recording every backward run: the order nodes ran in, the gradients each received and
+produced (a leaf's ``.grad`` included), the calls a node's own code made, the nodes a
+``create_graph`` backward made, and the node a failed backward was running."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tracer.model import BackwardRun, GradNode, NodeRun, names
+from tracer.record.listeners import Listener
+from tracer.record.tensors import (
+    ACCUMULATE,
+    creates_graph,
+    first,
+    flat_tensors,
+    get_seq,
+    grad_fn_of,
+    runs_user_code,
+    unique,
+    version_of,
+)
+
+if TYPE_CHECKING:
+    from tracer.record.recorder import Recorder
+
+_UINT64_MAX = 2**64 - 1
+# Accumulator nodes are marked in their ``metadata`` dict (which lives as long as the C++ node,
+# unlike its Python wrapper, and cannot be weakly referenced) with (trace id, node name): a new
+# accumulator object for a parameter already named (its first graph died: gradient accumulation,
+# a discarded forward) is then told apart from one already hooked.
+_NODE_TAG = "gradtrace"
+TRACE_IDS = itertools.count()
+
+
+class AutogradMixin:
+    """Grad nodes and backward runs (part of ``Recorder``)."""
+
+    # ---- grad nodes ---------------------------------------------------------------------------
+    def _node_key(self: Recorder, node: Any) -> tuple[int, str]:
+        return (node._sequence_nr(), type(node).__name__)
+
+    def _collect_nodes(self: Recorder, root: Any, seq0: int | None, seq1: int | None, call: str, stack_id: int | None,
+                       out: list[str], local_kinds: dict[str, int]) -> str | None:
+        """Name the nodes this call created, reachable from ``root``; returns root's name."""
+        node_by_seq = self._node_by_seq
+        bracket = seq0 is not None and seq1 is not None
+        kind = type(root).__name__
+        if kind == ACCUMULATE:
+            return self._accumulator(root)
+        sn = root._sequence_nr()
+        key = (sn, kind)
+        # The cheap bracket test first: an output can carry an earlier call's node.
+        if (bracket and not (seq0 <= sn < seq1)) or key in node_by_seq:  # type: ignore[operator]
+            return node_by_seq.get(key)
+        nexts = root.next_functions
+        new: list[tuple[int, str, Any, Any]] = [(sn, kind, root, nexts)]
+        todo = [nxt for nxt, _ in nexts if nxt is not None]
+        # Nodes are told apart by (sequence number, class), as everywhere in the recorder; a
+        # node reached twice is skipped the second time, whether new or not.
+        new_keys: set[tuple[int, str]] = {key}
+        while todo:
+            node = todo.pop()
+            kind = type(node).__name__
+            if kind == ACCUMULATE:
+                continue
+            sn = node._sequence_nr()
+            if bracket and not (seq0 <= sn < seq1):  # type: ignore[operator]
+                continue  # most edges lead to nodes of earlier calls
+            key = (sn, kind)
+            if key in node_by_seq or key in new_keys:
+                continue
+            new_keys.add(key)
+            nexts = node.next_functions
+            new.append((sn, kind, node, nexts))
+            for nxt, _ in nexts:
+                if nxt is not None:
+                    todo.append(nxt)
+        if len(new) > 1:
+            new.sort(key=first)
+        names: list[str] = []
+        for sn, kind, node, _ in new:
+            k = local_kinds.get(kind, 0)
+            local_kinds[kind] = k + 1
+            nname = f"{call}/{kind}" if k == 0 else f"{call}/{kind}#{k}"
+            self._register_node(node, nname, kind, call, None, stack_id, external=False, key=(sn, kind))
+            names.append(nname)
+        out.extend(names)
+        for (_, _, node, nexts), nname in zip(new, names):
+            self._link_edges(node, nname, nexts)
+        return node_by_seq.get((root._sequence_nr(), type(root).__name__))
+
+    def _node_name(self: Recorder, node: Any) -> str | None:
+        kind = type(node).__name__
+        if kind == ACCUMULATE:
+            tag = node.metadata.get(_NODE_TAG)
+            return tag[1] if tag is not None and tag[0] == self.trace_id else None
+        return self._node_by_seq.get((node._sequence_nr(), kind))
+
+    def _accumulator(self: Recorder, node: Any) -> str:
+        """The name of a leaf's accumulator node, hooking every accumulator object the first time
+        it is seen. Autograd makes a new ``AccumulateGrad`` for a parameter whenever the last graph
+        holding the old one dies (gradient accumulation, a discarded forward): each new object is
+        the same accumulator for the trace (one name, one record) but needs its own hooks."""
+        md = node.metadata
+        tag = md.get(_NODE_TAG)
+        if tag is not None and tag[0] == self.trace_id:
+            return tag[1]  # type: ignore[no-any-return]
+        var = node.variable
+        name = self._acc_by_var.get(var)
+        if name is None:
+            tname = self._base_name(self.name_of(var))
+            name = f"{tname}/AccumulateGrad"
+            self._acc_by_var[var] = name
+            self._acc_vars[name] = weakref.ref(var)
+            self._slot_tensor[(name, 0)] = tname
+            self._register_node(node, name, ACCUMULATE, None, tname, None, external=False)
+        else:
+            self._hook_node(node, name, ACCUMULATE, external=False)
+        md[_NODE_TAG] = (self.trace_id, name)
+        return name
+
+    def _register_node(self: Recorder, node: Any, name: str, kind: str, call: str | None, param: str | None,
+                       stack_id: int | None, external: bool, key: tuple[int, str] | None = None) -> None:
+        if kind != ACCUMULATE:  # accumulators are known by their leaf (see _accumulator)
+            self._node_by_seq[key if key is not None else self._node_key(node)] = name
+        self._add_node_record(name, kind, call, param, stack_id, external)
+        self._hook_node(node, name, kind, external)
+        if self.listeners and self._listens("on_grad_node"):
+            for li in self.listeners:
+                li.on_grad_node(self.trace, name, node)
+
+    def _add_node_record(self: Recorder, name: str, kind: str, call: str | None, param: str | None,
+                         stack_id: int | None, external: bool) -> None:
+        rec = GradNode(name, kind, call, param, [], stack_id, self._node_seq, external)
+        self._node_seq += 1
+        self.trace.grad_nodes.append(rec)
+        self._node_recs[name] = rec
+
+    def _hook_node(self: Recorder, node: Any, name: str, kind: str, external: bool) -> None:
+        # Hook handles are not kept: the hooks go with their node (the backward frees it), and
+        # one that outlives the trace (a graph kept alive past the block) finds the recorder
+        # closed and returns at once. Keeping and removing them cost a Python call per hook.
+        user_code = runs_user_code(node, kind)
+        if user_code and self._module_stack:
+            self._node_modules[name] = self._module_stack[-1]
+        # Accumulators always get both: the pre-hook notes the leaf's .grad before it runs, the
+        # hook names what it became (the gradient itself, or a new version accumulated into it).
+        if user_code or external or kind == ACCUMULATE or self._saved_hooks \
+                or (self.listeners and self._begin_listeners()):
+            # Something needs the node's start: its own Python code (custom backward, post-
+            # accumulate hooks) or a saved-tensor unpack hook records calls whose parent is the
+            # running node, and listeners such as the memory one attribute work to it. One
+            # callable serves as pre-hook and hook (told apart by their arguments).
+            hook = functools.partial(node_hook, self._self_ref, name)
+            node.register_prehook(hook)
+            node.register_hook(hook)
+            if user_code and self.hasher.active:
+                self._flush_before.add(name)
+        else:
+            # A built-in node runs no Python: its hook alone sees what it received and made
+            # (one hook per node instead of two: half the registrations and engine callbacks).
+            node.register_hook(functools.partial(node_done_hook, self._self_ref, name))
+
+    def _link_edges(self: Recorder, node: Any, name: str | None = None, nexts: Any = None) -> None:
+        if name is None:
+            name = self._node_name(node)
+            assert name is not None
+        if nexts is None:
+            nexts = node.next_functions
+        rec_next: list[str | None] = []
+        edges: list[tuple[str | None, int]] = []
+        node_by_seq = self._node_by_seq
+        for nxt, k in nexts:
+            if nxt is None:
+                dest = None
+            else:
+                # _node_name inlined (once per edge); _dest_name names what is not known yet.
+                kind = type(nxt).__name__
+                if kind == ACCUMULATE:
+                    dest = self._accumulator(nxt)
+                else:
+                    dest = node_by_seq.get((nxt._sequence_nr(), kind))
+                    if dest is None:
+                        dest = self._dest_name(nxt)
+            rec_next.append(dest)
+            edges.append((dest, k))
+        # A tuple of (str, int) tuples: the garbage collector stops tracking it after one look.
+        self._edges[name] = tuple(edges)
+        self._node_recs[name].next = rec_next
+
+    def _dest_name(self: Recorder, node: Any) -> str:
+        known = self._node_name(node)
+        if known is not None:
+            return known
+        kind = type(node).__name__
+        if kind == ACCUMULATE:
+            return self._accumulator(node)
+        # Created before the traced block (or by code the trace could not see).
+        name = self.counters.next(f"external/{kind}")
+        self._register_node(node, name, kind, None, None, None, external=True)
+        self._link_edges(node)
+        return name
+
+    # ---- backward -----------------------------------------------------------------------------
+    def record_backward(self: Recorder, func: Any, api: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """One backward run, from ``Tensor.backward``, ``autograd.backward`` or ``autograd.grad``.
+        A run started inside another one (``autograd.grad`` in a custom Function's backward) is
+        recorded as a run of its own; the outer run's state is put back when it ends."""
+        outer = (self._run, self._run_index, self._indegree, self._create_graph, self._bwd_seq0)
+        with self.lock, torch._C.DisableTorchFunction():
+            first = args[0] if args else kwargs.get("tensors", kwargs.get("outputs"))
+            roots = [self.name_of(t) for t in unique(flat_tensors(first))]
+            stack_id = self.stack_table.capture() if self.stack_table is not None else None
+            run = BackwardRun(name=self.counters.next("grad" if api.endswith(".grad") else "backward"),
+                              api=api, roots=roots, stack_id=stack_id, seq=len(self.trace.backward_runs))
+            self._run_index = run.seq  # gradients of the k-th run are named ...#k
+            self._run = run
+            self.trace.backward_runs.append(run)
+            self._indegree = self._indegree_from(unique(flat_tensors(first)))
+            self._create_graph = creates_graph(api, args, kwargs)
+            if self._create_graph and get_seq is not None:
+                self._bwd_seq0 = (threading.get_ident(), get_seq())
+        for li in self.listeners:
+            li.on_backward_begin(self.trace, run)
+        # Waiting checksums are read before the backward: gradient accumulation and custom
+        # backward code may write into tensors already recorded.
+        self.hasher.before_write()
+        self._in_backward += 1
+        error: BaseException | None = None
+        try:
+            out = func(*args, **kwargs)
+        except BaseException as exc:
+            run.status = "failed"
+            run.error = f"{type(exc).__name__}: {exc}"
+            error = exc
+            # The outermost run explains the error once, with every level still running (a
+            # nested run leaves its running nodes in place for it).
+            if isinstance(exc, Exception) and outer[0] is None:
+                running = list(self._running)
+                try:  # a node with no pre-hook does not show in _running: find it from the graph
+                    with torch._C.DisableTorchFunction():
+                        failing = self._infer_failing_node(unique(flat_tensors(first)))
+                except Exception:  # never let the explanation hide the user's error
+                    failing = None
+                if failing is not None and failing not in running:
+                    running.append(failing)
+                self._explain(exc, run, running)
+            raise
+        finally:
+            for li in self.listeners:
+                li.on_backward_end(self.trace, run, error)
+            self._in_backward -= 1
+            self._run, self._run_index, self._indegree, self._create_graph, self._bwd_seq0 = outer
+            if self._run is None:
+                self._running.clear()
+                self._open_steps.clear()
+        if api.endswith(".grad"):
+            with self.lock, torch._C.DisableTorchFunction():
+                results = flat_tensors(out)
+                run.outputs = [self._new_tensor(t, names.output_name(run.name, i, len(results)), "grad", run.name)
+                               for i, t in enumerate(results)]
+        if self.on_records is not None:
+            self.on_records()
+        return out
+
+    def _indegree_all(self: Recorder) -> dict[tuple[str, int], int]:
+        indegree: dict[tuple[str, int], int] = {}
+        for edges in self._edges.values():
+            for dest, k in edges:
+                if dest is not None:
+                    indegree[(dest, k)] = indegree.get((dest, k), 0) + 1
+        return indegree
+
+    def _indegree_from(self: Recorder, roots: list[torch.Tensor]) -> dict[tuple[str, int], int]:
+        """Edges into each (node, slot) of the recorded graph reachable from ``roots``. Counted per
+        backward run: with gradient accumulation each micro-batch's graph has its own edges into
+        the same accumulators, and each run's gradient of a parameter is that parameter's."""
+        todo = [n for n in (self._node_name(gf) for gf in map(grad_fn_of, roots) if gf is not None) if n is not None]
+        seen = set(todo)
+        indegree: dict[tuple[str, int], int] = {}
+        edges = self._edges
+        while todo:
+            for dest, k in edges.get(todo.pop(), ()):
+                if dest is None:
+                    continue
+                indegree[(dest, k)] = indegree.get((dest, k), 0) + 1
+                if dest not in seen:
+                    seen.add(dest)
+                    todo.append(dest)
+        return indegree
+
+    def _explain(self: Recorder, exc: Exception, run: BackwardRun, running: list[str]) -> None:
+        from tracer.analysis.explain import add_note, explain_backward_error
+
+        try:
+            with self.lock, torch._C.DisableTorchFunction():
+                table = self.stack_table
+                note = explain_backward_error(self.trace, run, running, exc,
+                                              table.frames_of if table is not None else lambda _sid: ())
+        except Exception as inner:  # never let the explanation hide the user's error
+            note = f"gradtrace: could not explain this error ({type(inner).__name__}: {inner})"
+        add_note(exc, note)
+        run.error = f"{run.error}\n{note}"
+
+    def _slot_grad(self: Recorder, node: str, slot: int) -> str | None:
+        """``<tensor>@grad`` for the gradient into ``node``'s input ``slot`` when that slot is a
+        named tensor's (the suffix says which backward run), else None."""
+        base = self._slot_tensor.get((node, slot))
+        return None if base is None else f"{base}{names.grad_suffix(max(self._run_index, 0))}"
+
+    def _in_run(self: Recorder, name: str) -> str:
+        """A gradient's own name, with ``#k`` in the k-th backward run (k >= 1)."""
+        return name if self._run_index <= 0 else f"{name}#{self._run_index}"
+
+    def _begin_listeners(self: Recorder) -> bool:
+        """Whether an attached listener acts on a node's start (``on_node_begin``)."""
+        return self._listens("on_node_begin")
+
+    def _listens(self: Recorder, event: str) -> bool:
+        """Whether an attached listener overrides ``event``."""
+        base = getattr(Listener, event)
+        return any(getattr(type(li), event) is not base for li in self.listeners)
+
+    def _current_run(self: Recorder) -> BackwardRun:
+        if self._run is None:  # backward started where the trace could not see it
+            self._indegree = self._indegree_all()
+            self._run_index = len(self.trace.backward_runs)
+            self._run = BackwardRun(name=self.counters.next("backward"), api="(engine)", roots=[],
+                                    seq=len(self.trace.backward_runs))
+            self.trace.backward_runs.append(self._run)
+        return self._run
+
+    def _grad_names(self: Recorder, node: str, grads: tuple[Any, ...], produced: bool,
+                    own_calls: list[str] | None = None) -> list[str | None]:
+        """Names of the gradients a node received (``grad_outputs``) or, with ``produced``, made
+        (``grad_inputs``), recording the new ones. A gradient already named (passed through
+        unchanged) keeps its name; a new name is only formatted for a new tensor."""
+        edges = self._edges.get(node, ()) if produced else ()
+        names: list[str | None] = []
+        tensor_names = self._tensor_names
+        for i, g in enumerate(grads):
+            if not isinstance(g, torch.Tensor):
+                names.append(None)
+                continue
+            hit = tensor_names.get(g)
+            if hit is not None and hit[1] == version_of(g) and not (own_calls and self._made_by(hit[0], own_calls)):
+                names.append(hit[0])
+            elif produced:
+                # A gradient the node's own code made (a custom backward: named by the op that
+                # made it) is also recorded under its gradient name, so <param>@grad exists.
+                dest, k = edges[i] if i < len(edges) else (None, 0)
+                # The gradient of a tensor when it alone flows into that slot; else this edge's
+                # own partial gradient.
+                gname = self._slot_grad(dest, k) if dest is not None and self._indegree.get((dest, k), 0) == 1 \
+                    else None
+                if hit is not None and gname is None:
+                    names.append(hit[0])
+                    continue
+                names.append(self._new_tensor(g, gname or self._in_run(f"{node}:grad{i}"), "grad", node))
+            else:
+                gname = self._slot_grad(node, i) or self._in_run(f"{node}:gin{i}")
+                names.append(self._new_tensor(g, gname, "grad", None))
+        return names
+
+    def _made_by(self: Recorder, tensor: str, calls: list[str]) -> bool:
+        rec = self.trace.tensors.get(tensor)
+        return rec is not None and rec.producer in calls
+
+    def node_begin(self: Recorder, node: str, grad_outputs: tuple[Any, ...]) -> None:
+        if self.stopped:
+            return
+        if node in self._flush_before:  # user code next, which may write into recorded tensors
+            self.hasher.before_write()
+        with self.lock, torch._C.DisableTorchFunction():
+            run = self._current_run()
+            step = NodeRun(node, self._grad_names(node, grad_outputs, False), [])
+            run.steps.append(step)
+            self._open_steps[node] = step
+            self._running.append(node)
+            if node in self._acc_vars:
+                self._name_leaf_incoming(node, step, grad_outputs)
+                self._note_grad_before(node)
+            for li in self.listeners:
+                li.on_node_begin(self.trace, node, step, grad_outputs)
+
+    def node_end(self: Recorder, node: str, grad_inputs: tuple[Any, ...]) -> None:
+        if self.stopped:
+            return
+        with self.lock, torch._C.DisableTorchFunction():
+            step = self._open_steps.pop(node, None)
+            names = self._grad_names(node, grad_inputs, True, step.calls if step is not None else None)
+            if self._create_graph:
+                self._adopt_nodes(node, grad_inputs)
+            if node in self._acc_vars:
+                self._name_accumulated(node, step)
+            if step is not None:
+                step.grads_out = names
+                # Listeners run while the node still counts as running: one that raises (the
+                # raise_on_nonfinite guard) leaves it on the stack the error explanation reads.
+                for li in self.listeners:
+                    li.on_node_end(self.trace, node, step, grad_inputs)
+            if self._running and self._running[-1] == node:
+                self._running.pop()
+            elif node in self._running:
+                self._running.remove(node)
+
+    # ---- a leaf's .grad -------------------------------------------------------------------------
+    # The gradient a backward run brings to a leaf ``p`` is ``p@grad`` (``p@grad#k`` in the k-th
+    # run). When the leaf had no .grad, that gradient becomes its .grad (the very tensor, or a copy
+    # of the same bytes), so .grad carries that name. When .grad existed, the run adds into it:
+    # in place, a new version ``<.grad's name>@v<n>``; out of place (create_graph), likewise a new
+    # version of ``p@grad``. A .grad from before the block, first seen here, is ``p@grad@v0``.
+    def _grad_of_leaf(self: Recorder, acc: str) -> torch.Tensor | None:
+        ref = self._acc_vars.get(acc)
+        var = ref() if ref is not None else None
+        return None if var is None else var.grad
+
+    def _name_leaf_incoming(self: Recorder, acc: str, step: NodeRun, grads: tuple[Any, ...]) -> None:
+        """The gradient reaching a leaf's accumulator is that leaf's gradient, ``p@grad``, even when
+        the same tensor already has another name (passed through unchanged: ``(a + b)`` hands one
+        tensor to both accumulators): it is then recorded under that name too."""
+        slot = self._slot_grad(acc, 0)
+        g = grads[0] if grads else None
+        if slot is None or not isinstance(g, torch.Tensor) or not step.grads_in or step.grads_in[0] == slot:
+            return
+        if slot in self.trace.tensors:  # already recorded in this run (cannot happen twice): keep it
+            return
+        step.grads_in[0] = self._new_tensor(g, slot, "grad", None)
+
+    def _note_grad_before(self: Recorder, acc: str) -> None:
+        """Pre-hook of an accumulator: the name of its leaf's .grad before the run adds to it."""
+        g = self._grad_of_leaf(acc)
+        if g is None:
+            self._grad_before[acc] = None
+            return
+        hit = self._tensor_names.get(g)
+        if hit is not None and hit[1] == version_of(g):
+            self._grad_before[acc] = hit[0]
+        elif hit is not None:  # changed where the trace could not see it
+            self._grad_before[acc] = self._name_at(g, version_of(g))
+        else:
+            base = f"{self._slot_tensor[(acc, 0)]}@grad"
+            self._grad_before[acc] = self._new_leaf_grad(g, names.version_name(base, 0), None, None)
+
+    def _new_leaf_grad(self: Recorder, g: torch.Tensor, name: str, producer: str | None, previous: str | None) -> str:
+        name = self._new_tensor(g, name, "grad", producer, previous=previous)
+        self._index_alias(g)
+        return name
+
+    def _name_accumulated(self: Recorder, acc: str, step: NodeRun | None) -> None:
+        """Hook of an accumulator (it has run): give its leaf's .grad its name."""
+        before = self._grad_before.pop(acc, None)
+        g = self._grad_of_leaf(acc)
+        if g is None:
+            return
+        ver = version_of(g)
+        hit = self._tensor_names.get(g)
+        if hit is not None:
+            if hit[1] != ver:  # accumulated in place
+                base = self._base_name(hit[0])
+                self._new_leaf_grad(g, self._bump(base), acc, hit[0])
+            return  # else: the incoming gradient itself, already named
+        incoming = step.grads_in[0] if step is not None and step.grads_in else None
+        if before is None and incoming is not None:
+            # A copy of the incoming gradient (it was still referenced, so not stolen): the same
+            # bytes under the same name.
+            self._tensor_names[g] = (incoming, ver)
+            self._index_alias(g)
+            return
+        base = f"{self._slot_tensor[(acc, 0)]}@grad"  # added out of place into the old .grad
+        self._new_leaf_grad(g, self._bump(base) if base in self.trace.tensors else base, acc, before)
+
+    def _name_leaf_grad(self: Recorder, t: torch.Tensor, version: int) -> str | None:
+        """A tensor seen for the first time while an accumulator runs (a post-accumulate-grad hook
+        reading .grad): the .grad the accumulator has just made, named as its hook would."""
+        acc = self._running[-1]
+        if acc not in self._acc_vars or self._grad_of_leaf(acc) is not t:
+            return None
+        self._name_accumulated(acc, self._open_steps.get(acc))
+        hit = self._tensor_names.get(t)
+        # What the accumulator's own hook will find: .grad named, unchanged since.
+        self._grad_before[acc] = None if hit is None else hit[0]
+        return None if hit is None else hit[0]
+
+    def node_done(self: Recorder, node: str, grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
+        """A node with no pre-hook ran: what it received and what it produced, in one event."""
+        if self.stopped:
+            return
+        with self.lock, torch._C.DisableTorchFunction():
+            run = self._current_run()
+            step = NodeRun(node, self._grad_names(node, grad_outputs, False), [])
+            run.steps.append(step)
+            step.grads_out = self._grad_names(node, grad_inputs, True)
+            if self._create_graph:
+                self._adopt_nodes(node, grad_inputs)
+            if self.listeners:  # attached after this node was made: both events, back to back
+                self._running.append(node)
+                for li in self.listeners:
+                    li.on_node_begin(self.trace, node, step, grad_outputs)
+                for li in self.listeners:
+                    li.on_node_end(self.trace, node, step, grad_inputs)
+                self._running.pop()
+
+    def _adopt_nodes(self: Recorder, parent: str, grads: tuple[Any, ...]) -> None:
+        """Grad nodes that ``parent``'s backward has just made (``create_graph=True``: a gradient
+        penalty's double backward) belong to it: named ``<parent>/<class>``, with the stack of
+        the line that started the backward run. Without this they would be found later as
+        nodes from outside the block."""
+        run = self._run
+        stack_id = run.stack_id if run is not None else None
+        seq0 = None
+        if self._bwd_seq0 is not None and self._bwd_seq0[0] == threading.get_ident():
+            seq0 = self._bwd_seq0[1]  # (on an engine thread of its own: no lower bound)
+        seq1 = get_seq() if get_seq is not None and seq0 is not None else None
+        names: list[str] = []
+        local_kinds: dict[str, int] = {}
+        for g in grads:
+            gf = grad_fn_of(g) if isinstance(g, torch.Tensor) else None
+            if gf is None or type(gf).__name__ == ACCUMULATE or self._node_name(gf) is not None:
+                continue
+            self._collect_nodes(gf, seq0, seq1, parent, stack_id, names, local_kinds)
+        for n in names:
+            rec = self._node_recs[n]
+            rec.call, rec.parent = None, parent
+
+    def _infer_failing_node(self: Recorder, roots: list[torch.Tensor]) -> str | None:
+        """The grad node a failed backward was running when that node had no pre-hook.
+
+        The engine runs a node once every node feeding it has finished, and among the ready
+        nodes the one with the highest sequence number first (accumulators, at the maximum,
+        before the rest). So the failing node is the ready, unfinished node that sorts first;
+        with several devices working in parallel this is a best guess. The graph is the one
+        recorded at forward time: the live one may have dropped the edges of nodes that ran."""
+        run = self._run
+        if run is None:
+            return None
+        done = {st.node for st in run.steps} - set(self._running)
+        seq_of = {name: sn for (sn, _kind), name in self._node_by_seq.items()}
+        todo = [n for n in (self._node_name(gf) for gf in map(grad_fn_of, roots) if gf is not None) if n is not None]
+        preds: dict[str, set[str]] = {n: set() for n in todo}
+        while todo:
+            name = todo.pop()
+            for dest, _slot in self._edges.get(name, ()):
+                if dest is None:
+                    continue
+                if dest not in preds:
+                    preds[dest] = set()
+                    todo.append(dest)
+                preds[dest].add(name)
+        ready = [n for n, ps in preds.items() if n not in done and ps <= done]
+        return max(ready, key=lambda n: seq_of.get(n, _UINT64_MAX)) if ready else None
+
+
+_PRE_HOOK: Any = object()  # a unique marker: only a pre-hook call leaves the argument at it
+
+
+def node_hook(ref: weakref.ref[Recorder], name: str, grads: tuple[Any, ...], grad_outputs: Any = _PRE_HOOK) -> None:
+    """A node's pre-hook ``(grad_outputs)`` and hook ``(grad_inputs, grad_outputs)`` in one."""
+    rec = ref()
+    if rec is not None and not rec.closed:
+        if grad_outputs is _PRE_HOOK:
+            rec.node_begin(name, grads)
+        else:
+            rec.node_end(name, grads)
+
+
+def node_done_hook(ref: weakref.ref[Recorder], name: str, grad_inputs: tuple[Any, ...],
+                    grad_outputs: tuple[Any, ...]) -> None:
+    """The only hook of a node that needs no pre-hook (see ``Recorder._register_node``)."""
+    rec = ref()
+    if rec is not None and not rec.closed:
+        rec.node_done(name, grad_inputs, grad_outputs)

@@ -1,0 +1,124 @@
+"""Custom ``autograd.Function`` calls: ``Function.apply`` does not go through the torch function
+mode, so it is wrapped while a trace is active (the wrapper checks the owning thread); and
+``BackwardCFunction.apply`` is wrapped so that the ops of a custom backward are recorded too."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tracer.model import Call
+from tracer.record import naming
+from tracer.record.mode import RecordingMode
+from tracer.record.tensors import (
+    BackwardCFunction,
+    flat_tensors,
+    unique,
+    version_of,
+)
+
+if TYPE_CHECKING:
+    from tracer.record.recorder import Recorder
+
+
+class FunctionsMixin:
+    """Custom Function calls (part of ``Recorder``)."""
+
+    # ---- custom autograd Functions ------------------------------------------------------------
+    def record_function(self: Recorder, cls: type, apply: Callable[..., Any], args: tuple[Any, ...],
+                        kwargs: dict[str, Any]) -> Any:
+        with torch._C.DisableTorchFunction():
+            ins = unique(flat_tensors(args) + (flat_tensors(kwargs) if kwargs else []))
+            vers = [version_of(t) for t in ins]
+        # Named before it runs: the calls inside its forward name it as their parent.
+        pending = self.begin_call(ins, api=f"{cls.__module__}.{cls.__qualname__}.apply", short=cls.__name__,
+                                  kind="function", name=self.counters.next(cls.__name__))
+        assert pending.name is not None
+        self._parents.append(pending.name)
+        try:
+            out = apply(cls, *args, **kwargs)
+        except BaseException as exc:
+            self._parents.pop()
+            self.fail_call(pending, exc, args=args, kwargs=kwargs)
+            raise
+        self._parents.pop()
+        with torch._C.DisableTorchFunction():
+            outs = unique(flat_tensors(out))
+            mutated = [t for t, v in zip(ins, vers) if version_of(t) != v]
+        self.finish_call(pending, outs, mutated, args=args, kwargs=kwargs)
+        return out
+
+    def _record_failed_named(self: Recorder, name: str, api: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                             in_names: list[str], seq: int, exc: BaseException) -> None:
+        with self.lock, torch._C.DisableTorchFunction():
+            stack_id = self.stack_table.capture() if self.stack_table is not None else None
+            self.trace.calls.append(Call(
+                name=name, api=api, module=self._module_stack[-1] if self._module_stack else "",
+                inputs=in_names, outputs=[], args=naming.short_args(args, kwargs), stack_id=stack_id,
+                parent=self._parents[-1] if self._parents else None, kind="function",
+                phase="backward" if self._in_backward else "forward", seq=seq,
+                error=f"{type(exc).__name__}: {exc}"))
+
+
+_FunctionBase = torch.autograd.function.Function
+_ORIGINAL_APPLY = _FunctionBase.__dict__["apply"]
+_ACTIVE: Recorder | None = None
+
+
+# Private (the node the autograd engine runs on this thread); without it, Functions applied on an
+# engine thread (CUDA backward) are not recorded.
+_current_autograd_node: Callable[[], Any] | None = getattr(torch._C, "_current_autograd_node", None)
+
+
+def _on_traced_thread(rec: Recorder) -> bool:
+    """The trace's own thread, or an autograd engine thread running one of its backward passes."""
+    if threading.get_ident() == rec.owner:
+        return True
+    return bool(rec.in_backward) and _current_autograd_node is not None and _current_autograd_node() is not None
+
+
+def _traced_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+    rec = _ACTIVE
+    original = _ORIGINAL_APPLY.__func__
+    if rec is None or rec.closed or rec.paused or rec.stopped or rec.op_depth or not _on_traced_thread(rec):
+        return original(cls, *args, **kwargs)
+    return rec.record_function(cls, original, args, kwargs)
+
+
+# ---- custom backward code: BackwardCFunction.apply runs a Function's backward (or vjp) -------------
+# The whole backward pass runs inside the mode's handler for Tensor.backward, where the mode is
+# off (and on CUDA it runs on engine threads, where it never was on). To see the ops a custom
+# Function's backward makes, a mode of the same recorder is pushed around that code alone: they
+# become calls nested under the running grad node, with their stacks inside backward().
+_ORIGINAL_BACKWARD_APPLY = BackwardCFunction.__dict__["apply"]
+
+
+def _traced_backward_apply(self: Any, *args: Any) -> Any:
+    rec = _ACTIVE
+    if rec is None or rec.closed or rec.paused or rec.stopped or not rec.in_backward:
+        return _ORIGINAL_BACKWARD_APPLY(self, *args)
+    with RecordingMode(rec):
+        return _ORIGINAL_BACKWARD_APPLY(self, *args)
+
+
+def install_apply_wrapper(rec: Recorder) -> None:
+    global _ACTIVE
+    _ACTIVE = rec
+    _FunctionBase.apply = classmethod(_traced_apply)  # type: ignore[method-assign,assignment]
+    BackwardCFunction.apply = _traced_backward_apply  # type: ignore[method-assign]
+
+
+def uninstall_apply_wrapper(rec: Recorder) -> None:
+    global _ACTIVE
+    if _ACTIVE is rec:
+        _ACTIVE = None
+        _FunctionBase.apply = _ORIGINAL_APPLY  # type: ignore[method-assign]
+        BackwardCFunction.apply = _ORIGINAL_BACKWARD_APPLY  # type: ignore[method-assign]
+
+
+def active_recorder() -> Recorder | None:
+    return _ACTIVE
+

@@ -1,0 +1,163 @@
+"""The recorder's optimizer side: ``optimizer.step()`` recorded as one call, from the parameters,
+gradients and state to what it left behind (``optimizer_ops=True`` records every op inside)."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from types import FrameType
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+from tracer.record.calls import PendingCall
+from tracer.record.identity import identity
+from tracer.record.tensors import (
+    unique,
+    version_of,
+    versions_of,
+)
+
+if TYPE_CHECKING:
+    from tracer.record.recorder import Recorder
+
+
+class OpenStep(NamedTuple):
+    """An optimizer step in progress, recorded as one call when it ends."""
+
+    optimizer: Any
+    frame: FrameType  # the frame running the step (torch's step wrapper), for step_running()
+    call: PendingCall
+    versions: list[int]  # of call.ins when the step began
+    written: set[int]  # identities of the tensors the step writes, whatever their versions say
+
+
+class OptimizerMixin:
+    """Optimizer steps (part of ``Recorder``)."""
+
+    # ---- optimizers ---------------------------------------------------------------------------
+    def _optimizer_pre(self: Recorder, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if threading.get_ident() != self.owner or self.closed or self._step is not None:
+            return  # (an open step: an optimizer stepped from inside another's step is part of it)
+        self.hasher.before_write()  # the step writes into parameters and state, in place
+        with self.lock, torch._C.DisableTorchFunction():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    named = self._named.get(p)
+                    if named is None:
+                        continue
+                    pname = named[0]
+                    g = p.grad
+                    if g is not None:
+                        hit = self._tensor_names.get(g)
+                        if hit is None:
+                            # A .grad no backward of the block made (set by hand, or before the block).
+                            base = f"{pname}@grad"
+                            self._new_leaf_grad(g, self._bump(base) if base in self.trace.tensors else base,
+                                                None, None)
+                        elif hit[1] != version_of(g):
+                            self.name_of(g)  # changed in place since it was named: a new version
+                    for key, v in optimizer.state.get(p, {}).items():
+                        if isinstance(v, torch.Tensor) and v not in self._named:
+                            self._named[v] = (f"{pname}.{key}", "state")
+        closure = (args[1] if len(args) > 1 else None) or (kwargs or {}).get("closure")
+        if not (self.optimizer_ops or self.paused or self.stopped or closure is not None):
+            # A closure (LBFGS) runs a forward and backward inside the step: those stay visible.
+            self._open_step(optimizer, sys._getframe(1))
+
+    def _open_step(self: Recorder, optimizer: Any, frame: FrameType) -> None:
+        """Record ``optimizer.step()`` as one call: its inputs are the parameters, gradients and
+        state; its outputs the new versions of what it changed and the state it created. The
+        ops inside are not recorded (``optimizer_ops=True`` records them): a foreach AdamW step
+        makes ~10 versions of every parameter and state tensor, which cost more to record than
+        the rest of a step, and the values that matter are the ones the step leaves behind."""
+        cls = type(optimizer)
+        # Hooks run outside the mode's handler, where every tensor attribute read (p.grad) would
+        # go through the mode: hence DisableTorchFunction around all of this.
+        with self.lock, torch._C.DisableTorchFunction():
+            tensors: list[torch.Tensor] = []
+            # What the step writes: every parameter that has a gradient and that parameter's
+            # state, and, when GradScaler passes its scale in (fused optimizers unscale in
+            # place), the gradients too. Fused optimizers write all of it without bumping a
+            # version counter, so the versions cannot tell.
+            written: set[int] = set()
+            unscales = getattr(optimizer, "grad_scale", None) is not None
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    tensors.append(p)
+                    g = p.grad
+                    if g is not None:
+                        tensors.append(g)
+                        written.add(identity(p))
+                        if unscales:
+                            written.add(identity(g))
+                    for v in optimizer.state.get(p, {}).values():
+                        if isinstance(v, torch.Tensor):
+                            tensors.append(v)
+                            if g is not None:
+                                written.add(identity(v))
+            ins = unique(tensors)
+            vers = versions_of(ins)
+            in_names = [self._name_at(t, v) for t, v in zip(ins, vers)]
+            seq = self._call_seq
+            self._call_seq += 1
+            name = self.counters.next(cls.__name__)
+            stack_id = self.stack_table.capture() if self.stack_table is not None else None
+        tokens = [li.before_call() for li in self.listeners] if self.listeners else None
+        # No sequence-number bracket: a step makes no grad nodes.
+        call = PendingCall(f"{cls.__module__}.{cls.__qualname__}.step", cls.__name__, "optimizer", ins, in_names,
+                           seq, None, tokens, name, stack_id)
+        self._step = OpenStep(optimizer, frame, call, vers, written)
+        self.paused = True
+        if optimizer not in self._step_hooked:
+            # Per optimizer, so it runs before the global post-hooks (a step trace's boundary).
+            self._step_hooked.add(optimizer)
+            self._handles.append(optimizer.register_step_post_hook(self._optimizer_post))
+
+    def _optimizer_post(self: Recorder, optimizer: Any, args: Any, kwargs: Any) -> None:
+        st = self._step
+        if st is not None and st.optimizer is optimizer and threading.get_ident() == self.owner:
+            self.close_step()
+
+    def step_running(self: Recorder) -> bool:
+        """Whether the open optimizer step is still running (its frame is on this thread's stack);
+        False once it raised, which skipped its post-hook."""
+        st = self._step
+        if st is None:
+            return False
+        f: FrameType | None = sys._getframe(1)
+        while f is not None:
+            if f is st.frame:
+                return True
+            f = f.f_back
+        return False
+
+    def close_step(self: Recorder, error: str | None = None) -> None:
+        """End the open optimizer step: record it as one call (with ``error`` if it raised)."""
+        st = self._step
+        if st is None:
+            return
+        self._step = None
+        self.paused = False
+        optimizer = st.optimizer
+        created: list[torch.Tensor] = []
+        with self.lock, torch._C.DisableTorchFunction():
+            # A step that raised wrote what its version counters say, no more can be known.
+            written = st.written if error is None else set()
+            mutated = [t for t, v in zip(st.call.ins, st.versions) if identity(t) in written or version_of(t) != v]
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    named = self._named.get(p)
+                    hit = self._tensor_names.get(p) if named is None else None
+                    owner = named[0] if named is not None else self._base_name(hit[0]) if hit is not None else None
+                    for key, v in optimizer.state.get(p, {}).items():
+                        # State made by this step (the first one): named after its parameter.
+                        if owner is not None and isinstance(v, torch.Tensor) and v not in self._named \
+                                and self._tensor_names.get(v) is None:
+                            self._named[v] = (f"{owner}.{key}", "state")
+                            self._new_tensor(v, f"{owner}.{key}", "state", st.call.name)
+                            created.append(v)
+        # Its outputs are what it changed (as an in-place op returns its target) and what it made.
+        call = self.finish_call(st.call, mutated + created, mutated)
+        if error is not None:
+            call.error = error

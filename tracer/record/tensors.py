@@ -1,0 +1,176 @@
+"""What the recorder reads of tensors and of autograd's engine, each in one place: versions,
+storages, views, grad functions, sequence numbers (private torch API, feature-detected here with
+its fallback), and the distinct tensors among a call's arguments."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tracer.record.identity import identity
+
+# Private: autograd's per-thread sequence number (None where missing; see Recorder's docstring).
+get_seq: Callable[[], int] | None = getattr(torch._C._autograd, "_get_sequence_nr", None)
+# Private: the innermost saved-tensor hooks (None when none are active). Where it is missing,
+# hooks are assumed active (every node then gets the pre-hook, as before this mattered).
+_top_saved_hooks: Callable[[bool], Any] | None = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+ACCUMULATE = "AccumulateGrad"
+
+
+DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def dtype_name(dt: torch.dtype) -> str:
+    n = DTYPE_NAMES.get(dt)
+    if n is None:
+        n = DTYPE_NAMES[dt] = str(dt).replace("torch.", "")
+    return n
+
+
+DEVICE_NAMES: dict[torch.device, str] = {}
+
+
+def device_name(dev: torch.device) -> str:
+    # One string per device for the whole process, not a new one per tensor record.
+    n = DEVICE_NAMES.get(dev)
+    if n is None:
+        n = DEVICE_NAMES[dev] = str(dev)
+    return n
+
+
+def version_of(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors have no version counter
+        return 0
+
+
+def flat_tensors(obj: Any, out: list[torch.Tensor] | None = None, depth: int = 0) -> list[torch.Tensor]:
+    """Tensors inside an argument or result (tuples, lists, dicts, a few levels deep)."""
+    if out is None:
+        out = []
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif depth < 3:
+        if isinstance(obj, tuple | list):
+            for x in obj:
+                if isinstance(x, torch.Tensor):
+                    out.append(x)
+                elif isinstance(x, tuple | list | dict):
+                    flat_tensors(x, out, depth + 1)
+        elif isinstance(obj, dict):
+            for x in obj.values():
+                flat_tensors(x, out, depth + 1)
+    return out
+
+
+def saved_tensor_hooks_active() -> bool:
+    """Whether saved-tensor hooks (non-reentrant checkpointing, CPU offload) are active: their
+    unpack side runs Python inside built-in grad nodes, whose calls need the running node."""
+    if _top_saved_hooks is None:
+        return True
+    try:
+        return _top_saved_hooks(False) is not None
+    except TypeError:  # another signature: be conservative
+        return True
+
+
+BackwardCFunction = torch.autograd.function.BackwardCFunction
+
+
+def runs_user_code(node: Any, kind: str) -> bool:
+    if kind == ACCUMULATE:
+        var = getattr(node, "variable", None)
+        return getattr(var, "_post_accumulate_grad_hooks", None) is not None
+    return isinstance(node, BackwardCFunction)
+
+
+def grad_fn_of(t: torch.Tensor) -> Any:
+    """``t.grad_fn``, or None where reading it raises (a no_grad view whose base changed)."""
+    try:
+        return t.grad_fn
+    except RuntimeError:
+        return None
+
+
+def creates_graph(api: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a backward call passes ``create_graph=True`` (by keyword or position)."""
+    if "create_graph" in kwargs:
+        return bool(kwargs["create_graph"])
+    # Positions: Tensor.backward(self, gradient, retain_graph, create_graph),
+    # autograd.backward(tensors, grad_tensors, retain_graph, create_graph),
+    # autograd.grad(outputs, inputs, grad_outputs, retain_graph, create_graph).
+    pos = 4 if api.endswith(".grad") else 3
+    return len(args) > pos and bool(args[pos])
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """Which storage a tensor's bytes live in (0 when it has none that can be read): the storage
+    object's identity, not its address, which a later allocation may reuse once it is freed
+    (FSDP frees and reallocates parameter storages every step). ``_cdata`` is private; the
+    address is the fallback."""
+    try:
+        s = t.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+        return 0
+    key = getattr(s, "_cdata", None)
+    if key is None:
+        try:
+            key = s.data_ptr()
+        except (RuntimeError, NotImplementedError):
+            return 0
+    return key if s.nbytes() else 0  # type: ignore[no-any-return]
+
+
+def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors show the same bytes the same way (``p`` and ``p.data``)."""
+    try:
+        return a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape \
+            and a.stride() == b.stride()
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def unique(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors of ``ts`` without repeats (by identity), in first-seen order."""
+    n = len(ts)
+    if n < 2:
+        return ts
+    if n == 2:
+        return ts if ts[0] is not ts[1] else ts[:1]
+    if len({identity(t) for t in ts}) == n:  # the usual case: no repeat, keep the list
+        return ts
+    seen: set[int] = set()
+    res = []
+    for t in ts:
+        key = identity(t)
+        if key not in seen:
+            seen.add(key)
+            res.append(t)
+    return res
+
+
+def first(item: tuple[Any, ...]) -> Any:
+    return item[0]
+
+
+def call_tensors(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> list[torch.Tensor]:
+    """The distinct tensors among a call's arguments (what ``flat_tensors`` finds in both)."""
+    ts: list[torch.Tensor] = []
+    for a in args:  # flat_tensors(args, ts), its first level inlined: most arguments are flat
+        if isinstance(a, torch.Tensor):
+            ts.append(a)
+        elif isinstance(a, tuple | list | dict):
+            flat_tensors(a, ts, 1)
+    if kwargs:
+        flat_tensors(kwargs, ts)
+    return unique(ts)
+
+
+def versions_of(ts: list[torch.Tensor]) -> list[int]:
+    try:
+        return [t._version for t in ts]
+    except RuntimeError:  # an inference tensor among them: ask one by one
+        return [version_of(t) for t in ts]
