@@ -21,6 +21,10 @@ __all__ = ["check_numerics", "explain_errors", "record_memory", "step", "trace"]
 StepSpec = str | int | Iterable[int]
 
 
+def _path(out: str | os.PathLike[str] | None) -> str | None:
+    return None if out is None else os.fspath(out)
+
+
 @overload
 def trace(*, hash: HashKind = ..., stacks: bool = ..., stats: bool | None = ...,
           out: str | os.PathLike[str] | None = ..., flush_every: int = ..., listeners: Iterable[Listener] = ...,
@@ -72,7 +76,7 @@ def trace(*, hash: HashKind = "md5", stacks: bool = True, stats: bool | None = N
     Only the thread that enters the block is traced. Nothing stays installed after the block,
     also when it raises; then the trace is marked ``failed`` and the exception propagates.
     """
-    options = TraceOptions(hash=hash, stacks=stacks, stats=stats, out=out, flush_every=flush_every,
+    options = TraceOptions(hash=hash, stacks=stacks, stats=stats, out=_path(out), flush_every=flush_every,
                            listeners=tuple(listeners), memory=memory, max_calls=max_calls, max_bytes=max_bytes,
                            check_numerics=check_numerics, raise_on_nonfinite=raise_on_nonfinite,
                            optimizer_ops=optimizer_ops)
@@ -90,7 +94,7 @@ def trace(*, hash: HashKind = "md5", stacks: bool = True, stats: bool | None = N
 def check_numerics(*, raise_on_nonfinite: bool = False, stacks: bool = True,
                    out: str | os.PathLike[str] | None = None) -> TraceSession:
     """A light trace that only looks for NaN/Inf (no checksums); ``t.anomalies`` says where."""
-    options = TraceOptions(hash="none", stacks=stacks, stats=True, out=out, check_numerics=True,
+    options = TraceOptions(hash="none", stacks=stacks, stats=True, out=_path(out), check_numerics=True,
                            raise_on_nonfinite=raise_on_nonfinite)
     return TraceSession(options, plugins=session_plugins(options))
 
@@ -99,7 +103,7 @@ def explain_errors(*, out: str | os.PathLike[str] | None = None) -> TraceSession
     """A light trace (names, links and stacks; no checksums, no stats) whose purpose is to
     explain exceptions raised in backward: the failing grad node, the call and line that
     created it, and every enclosing custom-Function level."""
-    options = TraceOptions(hash="none", stacks=True, stats=False, out=out)
+    options = TraceOptions(hash="none", stacks=True, stats=False, out=_path(out))
     return TraceSession(options, plugins=session_plugins(options))
 
 

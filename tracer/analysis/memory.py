@@ -50,8 +50,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tracer.analysis import memory_views as views
-from tracer.model import Trace
-from tracer.model.display import format_bytes
+from tracer.model import GradNode, MemoryEvent, Trace
+from tracer.model.display import format_bytes, param_module
 
 
 # ---- the record as users see it ----------------------------------------------------------------
@@ -97,8 +97,8 @@ class MemoryRecord:
     (module paths, stacks and producers come from it).
     """
 
-    def __init__(self, events: list[dict[str, Any]] | None = None, trace: Trace | None = None) -> None:
-        self.events: list[dict[str, Any]] = list(events or [])
+    def __init__(self, events: list[MemoryEvent] | None = None, trace: Trace | None = None) -> None:
+        self.events: list[MemoryEvent] = list(events or [])
         self.trace = trace
         self._peak: Peak | None = None
 
@@ -114,11 +114,11 @@ class MemoryRecord:
 
     # ---- figures ---------------------------------------------------------------------------------
     @property
-    def allocs(self) -> list[dict[str, Any]]:
+    def allocs(self) -> list[MemoryEvent]:
         return [e for e in self.events if e["action"] == "alloc"]
 
     @property
-    def frees(self) -> list[dict[str, Any]]:
+    def frees(self) -> list[MemoryEvent]:
         return [e for e in self.events if e["action"] == "free"]
 
     def devices(self) -> list[str]:
@@ -134,7 +134,7 @@ class MemoryRecord:
         return sum(e["bytes"] if e["action"] == "alloc" else -e["bytes"] for e in self.events
                    if e["action"] in ("alloc", "free") and (device is None or e["device"] == device))
 
-    def marker(self, action: str, device: str) -> dict[str, Any] | None:
+    def marker(self, action: str, device: str) -> MemoryEvent | None:
         return next((e for e in self.events if e["action"] == action and e["device"] == device), None)
 
     def source(self, device: str) -> str | None:
@@ -180,8 +180,8 @@ class MemoryRecord:
         call = getattr(rec, "call", None)
         if isinstance(call, str):
             rec = self.trace.get(call)
-        elif getattr(rec, "param", None):  # a leaf's accumulator: the module owning the parameter
-            return rec.param.rsplit(".", 1)[0] if "." in rec.param else ""  # type: ignore[union-attr]
+        elif isinstance(rec, GradNode) and rec.param:  # a leaf's accumulator: the module owning the parameter
+            return param_module(rec.param)
         module = getattr(rec, "module", None)
         return module if isinstance(module, str) else None
 
@@ -190,8 +190,8 @@ class MemoryRecord:
             return ()
         rec = self.trace.get(owner)
         stack = getattr(rec, "stack", ())
-        if not stack and getattr(rec, "call", None):
-            stack = getattr(self.trace.get(rec.call), "stack", ())  # type: ignore[union-attr]
+        if not stack and isinstance(rec, GradNode) and rec.call:
+            stack = getattr(self.trace.get(rec.call), "stack", ())
         return tuple(stack)
 
     # ---- the peak --------------------------------------------------------------------------------
@@ -209,7 +209,7 @@ class MemoryRecord:
         if not evs:
             return None
         best = max(range(len(evs)), key=lambda i: (evs[i]["allocated_after"] or 0, -i))
-        live: dict[Any, dict[str, Any]] = {}
+        live: dict[Any, MemoryEvent] = {}
         for e in evs[:best + 1]:
             if e["action"] == "alloc":
                 live[e["addr"]] = e

@@ -131,7 +131,7 @@ def rank_info() -> dict[str, Any]:
         value = os.environ.get(env)
         info[key] = int(value) if value is not None and value.lstrip("-").isdigit() else None
     info["launcher"] = "torchelastic" if dist.is_torchelastic_launched() else None
-    groups = []
+    groups: list[dict[str, Any]] = []
     try:  # c10d's group registry is private: a torch that moved it costs the layout, not the trace
         registry = list(c10d._world.pg_group_ranks.items())
         names = c10d._world.pg_names
@@ -340,7 +340,7 @@ class _Attachment:
         try:
             from torch.distributed import _functional_collectives as funcol
         except ImportError:
-            funcol = None
+            funcol = None  # type: ignore[assignment]
         if funcol is not None:
             for name in FUNCOL:
                 original = getattr(funcol, name, None)

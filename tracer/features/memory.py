@@ -53,12 +53,12 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from tracer.analysis.memory import BUCKETS, MemorySummary, bucket_label
-from tracer.model import BackwardRun, Call, NodeRun, Trace
+from tracer.model import BackwardRun, Call, MemoryEvent, NodeRun, Trace
 from tracer.record.listeners import Listener
 
 # Ops that return a new tensor over an existing storage without being a view (no ``_base``).
@@ -291,7 +291,7 @@ class MemoryListener(Listener):
             if not t.is_cpu:
                 if t.is_cuda and self._set_md is not None and name is not None:
                     # history: name the block at its address (the storage's start)
-                    self._cuda_names[(tag, t.data_ptr() - t.storage_offset() * t.element_size())] = name
+                    self._cuda_names[(tag, int(t.data_ptr() - t.storage_offset() * t.element_size()))] = name
                 return
             s = t.untyped_storage()
             if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter and s.device.type != "cpu":
@@ -376,7 +376,7 @@ class MemoryListener(Listener):
                            "phase": phase, "tensor": tensor})
         for m in [cpu_end, *[m for m in markers if m["action"] == "end"]]:
             events.append(self._marker(len(events), m))
-        trace.memory[:] = events
+        trace.memory[:] = cast(list[MemoryEvent], events)
         self._raw = []
 
     @staticmethod
@@ -514,7 +514,7 @@ def _cuda_summary(dev: torch.device) -> MemorySummary:
     free_dev, total_dev = torch.cuda.mem_get_info(dev)
     segments = [s for s in torch.cuda.memory_snapshot() if s.get("device", dev.index) == dev.index]
     pools: dict[str, dict[str, int]] = {}
-    dist = [{"bucket": bucket_label(i), "used": 0, "used_bytes": 0, "free": 0, "free_bytes": 0}
+    dist: list[dict[str, Any]] = [{"bucket": bucket_label(i), "used": 0, "used_bytes": 0, "free": 0, "free_bytes": 0}
             for i in range(len(BUCKETS))]
     largest_free = 0
     free_total = 0

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 try:
     from transformers import TrainerCallback
@@ -67,7 +67,7 @@ class TraceCallback(TrainerCallback, StepResults):
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> bool:
+                 tb: TracebackType | None) -> Literal[False]:
         self.close(exc)
         return False
 

@@ -22,7 +22,7 @@ try:
     from lightning.pytorch.callbacks import Callback
 except ImportError:  # pragma: no cover - depends on the environment
     try:
-        from pytorch_lightning.callbacks import Callback
+        from pytorch_lightning.callbacks import Callback  # type: ignore[assignment]
     except ImportError as exc:
         raise ImportError("tracer.integrations.lightning needs lightning (or pytorch_lightning)") from exc
 

@@ -32,7 +32,7 @@ import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 from tracer.features.bounds import Bounds
 from tracer.features.plugins import session_plugins
@@ -336,7 +336,7 @@ class StepTrace(StepResults):
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> bool:
+                 tb: TracebackType | None) -> Literal[False]:
         if isinstance(exc, SystemExit) and exc.code in (None, 0):
             exc = None  # sys.exit(0) is how scripts end, not a failure of the step
         try:

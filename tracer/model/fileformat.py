@@ -20,7 +20,7 @@ import json
 import os
 import re
 import warnings
-from typing import Any
+from typing import Any, cast
 
 from tracer.model.records import (
     FORMAT,
@@ -29,6 +29,7 @@ from tracer.model.records import (
     Call,
     Frame,
     GradNode,
+    MemoryEvent,
     TensorRecord,
     TraceFormatError,
 )
@@ -280,7 +281,7 @@ def _apply(trace: Trace, kind: str, rec: dict[str, Any], frames: dict[int, Frame
         notes = rec.get("notes") or []
         trace.notes = [str(n) for n in notes] if isinstance(notes, list) else []
     elif kind == "memory":
-        trace.memory.append({k: v for k, v in rec.items() if k != "t"})
+        trace.memory.append(cast(MemoryEvent, {k: v for k, v in rec.items() if k != "t"}))
     elif kind == "header":
         raise TraceFormatError("a second header record")
     # Unknown record types from the same major version are skipped: readers stay forward

@@ -9,10 +9,22 @@ both alike. The on-disk form of each record is its ``to_json()`` dict, one JSON 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, TypedDict, get_args
 
 FORMAT = "gradtrace"
 SCHEMA_VERSION = 2
+
+# The closed vocabularies of the records (a file with another value is refused on load).
+Role = Literal["output", "param", "buffer", "input", "grad", "state"]
+CallKind = Literal["op", "function", "custom_op", "compiled", "collective", "optimizer"]
+Phase = Literal["forward", "backward"]
+RunStatus = Literal["ok", "failed"]
+TraceStatus = Literal["ok", "failed", "truncated"]
+ROLES: tuple[Role, ...] = get_args(Role)
+CALL_KINDS: tuple[CallKind, ...] = get_args(CallKind)
+PHASES: tuple[Phase, ...] = get_args(Phase)
+RUN_STATUSES: tuple[RunStatus, ...] = get_args(RunStatus)
+TRACE_STATUSES: tuple[TraceStatus, ...] = get_args(TraceStatus)
 
 
 class TraceFormatError(ValueError):
@@ -77,7 +89,7 @@ class TensorRecord:
     shape: tuple[int, ...]
     dtype: str
     device: str
-    role: str
+    role: Role
     producer: str | None = None
     stride: tuple[int, ...] | None = None
     contiguous: bool = True
@@ -119,7 +131,7 @@ class TensorRecord:
         _require(d, "name", "shape", "dtype", "device", "role")
         return cls(
             name=_str(d, "name"), shape=tuple(_ints(d, "shape")), dtype=_str(d, "dtype"),
-            device=_str(d, "device"), role=_str(d, "role"), producer=d.get("producer"),
+            device=_str(d, "device"), role=_choice(d, "role", ROLES), producer=d.get("producer"),
             stride=None if d.get("stride") is None else tuple(_ints(d, "stride")),
             contiguous=bool(d.get("contiguous", True)), requires_grad=bool(d.get("requires_grad", False)),
             version=int(d.get("version", 0)), seq=int(d.get("seq", 0)), md5=d.get("md5"),
@@ -151,8 +163,8 @@ class Call:
     grad_nodes: list[str] = field(default_factory=list)
     stack_id: int | None = None
     parent: str | None = None
-    kind: str = "op"
-    phase: str = "forward"
+    kind: CallKind = "op"
+    phase: Phase = "forward"
     seq: int = 0
     mutated: list[str] = field(default_factory=list)
     error: str | None = None
@@ -171,8 +183,8 @@ class Call:
         return cls(name=_str(d, "name"), api=_str(d, "api"), module=_str(d, "module"),
                    inputs=_strs(d, "inputs"), outputs=_strs(d, "outputs"), args=str(d.get("args", "")),
                    grad_nodes=_strs(d, "grad_nodes"), stack_id=_opt_int(d, "stack"),
-                   parent=d.get("parent"), kind=str(d.get("kind", "op")),
-                   phase=str(d.get("phase", "forward")), seq=int(d.get("seq", 0)),
+                   parent=d.get("parent"), kind=_choice(d, "kind", CALL_KINDS, "op"),
+                   phase=_choice(d, "phase", PHASES, "forward"), seq=int(d.get("seq", 0)),
                    mutated=_strs(d, "mutated"), error=d.get("error"))
 
 
@@ -244,7 +256,7 @@ class BackwardRun:
     stack_id: int | None = None
     steps: list[NodeRun] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
-    status: str = "ok"
+    status: RunStatus = "ok"
     error: str | None = None
     seq: int = 0
     stack: tuple[Frame, ...] = field(default=(), compare=False, repr=False)
@@ -274,7 +286,8 @@ class BackwardRun:
             steps.append(NodeRun(s[0], list(s[1]), list(s[2]), list(calls)))
         return cls(name=_str(d, "name"), api=_str(d, "api"), roots=_strs(d, "roots"),
                    stack_id=_opt_int(d, "stack"), steps=steps, outputs=_strs(d, "outputs"),
-                   status=str(d.get("status", "ok")), error=d.get("error"), seq=int(d.get("seq", 0)))
+                   status=_choice(d, "status", RUN_STATUSES, "ok"), error=d.get("error"),
+                   seq=int(d.get("seq", 0)))
 
 
 Record = Call | GradNode | TensorRecord | BackwardRun
@@ -308,6 +321,13 @@ def _ints(d: dict[str, Any], key: str) -> list[int]:
     return list(v)
 
 
+def _choice(d: dict[str, Any], key: str, allowed: tuple[Any, ...], default: Any = None) -> Any:
+    v = d.get(key, default)
+    if v not in allowed or not isinstance(v, str):
+        raise TraceFormatError(f"{d.get('t')} record: {key!r} must be one of {', '.join(allowed)}, got {v!r}")
+    return v
+
+
 def _opt_str(d: dict[str, Any], key: str) -> str | None:
     v = d.get(key)
     if v is not None and not isinstance(v, str):
@@ -322,3 +342,22 @@ def _opt_int(d: dict[str, Any], key: str) -> int | None:
     if not isinstance(v, int) or isinstance(v, bool):
         raise TraceFormatError(f"{d.get('t')} record: {key!r} must be an integer")
     return v
+
+
+class MemoryEvent(TypedDict, total=False):
+    """One allocation or free of a memory record (``trace(memory=True)``), or a device's
+    ``start``/``end`` marker; the fields are documented in docs/trace-format.md."""
+
+    seq: int
+    action: Literal["alloc", "free", "start", "end"]
+    bytes: int
+    device: str
+    addr: int | None
+    allocated_after: int | None
+    reserved_after: int | None
+    owner: str | None
+    after: bool
+    phase: Phase
+    tensor: str | None
+    source: str  # markers only: "history", "deltas" or "storages"
+    requested: int | None  # markers only, CUDA

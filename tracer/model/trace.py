@@ -15,6 +15,7 @@ from tracer.model.records import (
     Call,
     Frame,
     GradNode,
+    MemoryEvent,
     NodeRun,
     Record,
     TensorRecord,
@@ -66,9 +67,8 @@ class Trace:
     status: str = "ok"
     error: dict[str, str] | None = None
     notes: list[str] = field(default_factory=list)
-    # Allocation/free events of a memory record (``trace(memory=True)``): plain dicts whose
-    # fields tracer/memory.py defines and docs/trace-format.md documents.
-    memory: list[dict[str, Any]] = field(default_factory=list)
+    # Allocation/free events of a memory record (``trace(memory=True)``).
+    memory: list[MemoryEvent] = field(default_factory=list)
     _index: dict[str, Record] | None = field(default=None, compare=False, repr=False)
 
     # ---- look-up -------------------------------------------------------------------------
@@ -76,7 +76,8 @@ class Trace:
     def index(self) -> dict[str, Record]:
         if self._index is None:
             idx: dict[str, Record] = {}
-            for rec in [*self.tensors.values(), *self.grad_nodes, *self.backward_runs, *self.calls]:
+            records: list[Record] = [*self.tensors.values(), *self.grad_nodes, *self.backward_runs, *self.calls]
+            for rec in records:
                 idx[rec.name] = rec
             self._index = idx
         return self._index
@@ -143,11 +144,11 @@ class Trace:
                     last[s.node] = s
         for n in self.grad_nodes:
             n.stack = stack(n.stack_id)
-            s = last.get(n.name) if by_name[n.name] is n else None
-            if s is None:
+            run = last.get(n.name) if by_name[n.name] is n else None
+            if run is None:
                 n.grads_in, n.grads_out = [], []
             else:
-                n.grads_in, n.grads_out = list(s.grads_in), list(s.grads_out)
+                n.grads_in, n.grads_out = list(run.grads_in), list(run.grads_out)
         self.invalidate()
 
     # ---- records -------------------------------------------------------------------------

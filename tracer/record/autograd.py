@@ -6,7 +6,6 @@ produced (a leaf's ``.grad`` included), the calls a node's own code made, the no
 from __future__ import annotations
 
 import functools
-import itertools
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -15,6 +14,10 @@ import torch
 
 from tracer.model import BackwardRun, GradNode, NodeRun, names
 from tracer.record.listeners import Listener
+from tracer.record.state import RecorderState
+
+if TYPE_CHECKING:
+    pass
 from tracer.record.tensors import (
     ACCUMULATE,
     creates_graph,
@@ -27,26 +30,22 @@ from tracer.record.tensors import (
     version_of,
 )
 
-if TYPE_CHECKING:
-    from tracer.record.recorder import Recorder
-
 _UINT64_MAX = 2**64 - 1
 # Accumulator nodes are marked in their ``metadata`` dict (which lives as long as the C++ node,
 # unlike its Python wrapper, and cannot be weakly referenced) with (trace id, node name): a new
 # accumulator object for a parameter already named (its first graph died: gradient accumulation,
 # a discarded forward) is then told apart from one already hooked.
 _NODE_TAG = "gradtrace"
-TRACE_IDS = itertools.count()
 
 
-class AutogradMixin:
+class AutogradMixin(RecorderState):
     """Grad nodes and backward runs (part of ``Recorder``)."""
 
     # ---- grad nodes ---------------------------------------------------------------------------
-    def _node_key(self: Recorder, node: Any) -> tuple[int, str]:
+    def _node_key(self, node: Any) -> tuple[int, str]:
         return (node._sequence_nr(), type(node).__name__)
 
-    def _collect_nodes(self: Recorder, root: Any, seq0: int | None, seq1: int | None, call: str, stack_id: int | None,
+    def _collect_nodes(self, root: Any, seq0: int | None, seq1: int | None, call: str, stack_id: int | None,
                        out: list[str], local_kinds: dict[str, int]) -> str | None:
         """Name the nodes this call created, reachable from ``root``; returns root's name."""
         node_by_seq = self._node_by_seq
@@ -57,7 +56,7 @@ class AutogradMixin:
         sn = root._sequence_nr()
         key = (sn, kind)
         # The cheap bracket test first: an output can carry an earlier call's node.
-        if (bracket and not (seq0 <= sn < seq1)) or key in node_by_seq:  # type: ignore[operator]
+        if (bracket and not (seq0 <= sn < seq1)) or key in node_by_seq:
             return node_by_seq.get(key)
         nexts = root.next_functions
         new: list[tuple[int, str, Any, Any]] = [(sn, kind, root, nexts)]
@@ -71,7 +70,7 @@ class AutogradMixin:
             if kind == ACCUMULATE:
                 continue
             sn = node._sequence_nr()
-            if bracket and not (seq0 <= sn < seq1):  # type: ignore[operator]
+            if bracket and not (seq0 <= sn < seq1):
                 continue  # most edges lead to nodes of earlier calls
             key = (sn, kind)
             if key in node_by_seq or key in new_keys:
@@ -96,14 +95,14 @@ class AutogradMixin:
             self._link_edges(node, nname, nexts)
         return node_by_seq.get((root._sequence_nr(), type(root).__name__))
 
-    def _node_name(self: Recorder, node: Any) -> str | None:
+    def _node_name(self, node: Any) -> str | None:
         kind = type(node).__name__
         if kind == ACCUMULATE:
             tag = node.metadata.get(_NODE_TAG)
             return tag[1] if tag is not None and tag[0] == self.trace_id else None
         return self._node_by_seq.get((node._sequence_nr(), kind))
 
-    def _accumulator(self: Recorder, node: Any) -> str:
+    def _accumulator(self, node: Any) -> str:
         """The name of a leaf's accumulator node, hooking every accumulator object the first time
         it is seen. Autograd makes a new ``AccumulateGrad`` for a parameter whenever the last graph
         holding the old one dies (gradient accumulation, a discarded forward): each new object is
@@ -111,7 +110,7 @@ class AutogradMixin:
         md = node.metadata
         tag = md.get(_NODE_TAG)
         if tag is not None and tag[0] == self.trace_id:
-            return tag[1]  # type: ignore[no-any-return]
+            return str(tag[1])
         var = node.variable
         name = self._acc_by_var.get(var)
         if name is None:
@@ -126,7 +125,7 @@ class AutogradMixin:
         md[_NODE_TAG] = (self.trace_id, name)
         return name
 
-    def _register_node(self: Recorder, node: Any, name: str, kind: str, call: str | None, param: str | None,
+    def _register_node(self, node: Any, name: str, kind: str, call: str | None, param: str | None,
                        stack_id: int | None, external: bool, key: tuple[int, str] | None = None) -> None:
         if kind != ACCUMULATE:  # accumulators are known by their leaf (see _accumulator)
             self._node_by_seq[key if key is not None else self._node_key(node)] = name
@@ -136,14 +135,14 @@ class AutogradMixin:
             for li in self.listeners:
                 li.on_grad_node(self.trace, name, node)
 
-    def _add_node_record(self: Recorder, name: str, kind: str, call: str | None, param: str | None,
+    def _add_node_record(self, name: str, kind: str, call: str | None, param: str | None,
                          stack_id: int | None, external: bool) -> None:
         rec = GradNode(name, kind, call, param, [], stack_id, self._node_seq, external)
         self._node_seq += 1
         self.trace.grad_nodes.append(rec)
         self._node_recs[name] = rec
 
-    def _hook_node(self: Recorder, node: Any, name: str, kind: str, external: bool) -> None:
+    def _hook_node(self, node: Any, name: str, kind: str, external: bool) -> None:
         # Hook handles are not kept: the hooks go with their node (the backward frees it), and
         # one that outlives the trace (a graph kept alive past the block) finds the recorder
         # closed and returns at once. Keeping and removing them cost a Python call per hook.
@@ -168,7 +167,7 @@ class AutogradMixin:
             # (one hook per node instead of two: half the registrations and engine callbacks).
             node.register_hook(functools.partial(node_done_hook, self._self_ref, name))
 
-    def _link_edges(self: Recorder, node: Any, name: str | None = None, nexts: Any = None) -> None:
+    def _link_edges(self, node: Any, name: str | None = None, nexts: Any = None) -> None:
         if name is None:
             name = self._node_name(node)
             assert name is not None
@@ -195,7 +194,7 @@ class AutogradMixin:
         self._edges[name] = tuple(edges)
         self._node_recs[name].next = rec_next
 
-    def _dest_name(self: Recorder, node: Any) -> str:
+    def _dest_name(self, node: Any) -> str:
         known = self._node_name(node)
         if known is not None:
             return known
@@ -209,7 +208,7 @@ class AutogradMixin:
         return name
 
     # ---- backward -----------------------------------------------------------------------------
-    def record_backward(self: Recorder, func: Any, api: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def record_backward(self, func: Any, api: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """One backward run, from ``Tensor.backward``, ``autograd.backward`` or ``autograd.grad``.
         A run started inside another one (``autograd.grad`` in a custom Function's backward) is
         recorded as a run of its own; the outer run's state is put back when it ends."""
@@ -270,7 +269,7 @@ class AutogradMixin:
             self.on_records()
         return out
 
-    def _indegree_all(self: Recorder) -> dict[tuple[str, int], int]:
+    def _indegree_all(self) -> dict[tuple[str, int], int]:
         indegree: dict[tuple[str, int], int] = {}
         for edges in self._edges.values():
             for dest, k in edges:
@@ -278,7 +277,7 @@ class AutogradMixin:
                     indegree[(dest, k)] = indegree.get((dest, k), 0) + 1
         return indegree
 
-    def _indegree_from(self: Recorder, roots: list[torch.Tensor]) -> dict[tuple[str, int], int]:
+    def _indegree_from(self, roots: list[torch.Tensor]) -> dict[tuple[str, int], int]:
         """Edges into each (node, slot) of the recorded graph reachable from ``roots``. Counted per
         backward run: with gradient accumulation each micro-batch's graph has its own edges into
         the same accumulators, and each run's gradient of a parameter is that parameter's."""
@@ -296,7 +295,7 @@ class AutogradMixin:
                     todo.append(dest)
         return indegree
 
-    def _explain(self: Recorder, exc: Exception, run: BackwardRun, running: list[str]) -> None:
+    def _explain(self, exc: Exception, run: BackwardRun, running: list[str]) -> None:
         from tracer.analysis.explain import add_note, explain_backward_error
 
         try:
@@ -309,26 +308,26 @@ class AutogradMixin:
         add_note(exc, note)
         run.error = f"{run.error}\n{note}"
 
-    def _slot_grad(self: Recorder, node: str, slot: int) -> str | None:
+    def _slot_grad(self, node: str, slot: int) -> str | None:
         """``<tensor>@grad`` for the gradient into ``node``'s input ``slot`` when that slot is a
         named tensor's (the suffix says which backward run), else None."""
         base = self._slot_tensor.get((node, slot))
         return None if base is None else f"{base}{names.grad_suffix(max(self._run_index, 0))}"
 
-    def _in_run(self: Recorder, name: str) -> str:
+    def _in_run(self, name: str) -> str:
         """A gradient's own name, with ``#k`` in the k-th backward run (k >= 1)."""
         return name if self._run_index <= 0 else f"{name}#{self._run_index}"
 
-    def _begin_listeners(self: Recorder) -> bool:
+    def _begin_listeners(self) -> bool:
         """Whether an attached listener acts on a node's start (``on_node_begin``)."""
         return self._listens("on_node_begin")
 
-    def _listens(self: Recorder, event: str) -> bool:
+    def _listens(self, event: str) -> bool:
         """Whether an attached listener overrides ``event``."""
         base = getattr(Listener, event)
         return any(getattr(type(li), event) is not base for li in self.listeners)
 
-    def _current_run(self: Recorder) -> BackwardRun:
+    def _current_run(self) -> BackwardRun:
         if self._run is None:  # backward started where the trace could not see it
             self._indegree = self._indegree_all()
             self._run_index = len(self.trace.backward_runs)
@@ -337,7 +336,7 @@ class AutogradMixin:
             self.trace.backward_runs.append(self._run)
         return self._run
 
-    def _grad_names(self: Recorder, node: str, grads: tuple[Any, ...], produced: bool,
+    def _grad_names(self, node: str, grads: tuple[Any, ...], produced: bool,
                     own_calls: list[str] | None = None) -> list[str | None]:
         """Names of the gradients a node received (``grad_outputs``) or, with ``produced``, made
         (``grad_inputs``), recording the new ones. A gradient already named (passed through
@@ -369,11 +368,11 @@ class AutogradMixin:
                 names.append(self._new_tensor(g, gname, "grad", None))
         return names
 
-    def _made_by(self: Recorder, tensor: str, calls: list[str]) -> bool:
+    def _made_by(self, tensor: str, calls: list[str]) -> bool:
         rec = self.trace.tensors.get(tensor)
         return rec is not None and rec.producer in calls
 
-    def node_begin(self: Recorder, node: str, grad_outputs: tuple[Any, ...]) -> None:
+    def node_begin(self, node: str, grad_outputs: tuple[Any, ...]) -> None:
         if self.stopped:
             return
         if node in self._flush_before:  # user code next, which may write into recorded tensors
@@ -390,7 +389,7 @@ class AutogradMixin:
             for li in self.listeners:
                 li.on_node_begin(self.trace, node, step, grad_outputs)
 
-    def node_end(self: Recorder, node: str, grad_inputs: tuple[Any, ...]) -> None:
+    def node_end(self, node: str, grad_inputs: tuple[Any, ...]) -> None:
         if self.stopped:
             return
         with self.lock, torch._C.DisableTorchFunction():
@@ -417,12 +416,12 @@ class AutogradMixin:
     # of the same bytes), so .grad carries that name. When .grad existed, the run adds into it:
     # in place, a new version ``<.grad's name>@v<n>``; out of place (create_graph), likewise a new
     # version of ``p@grad``. A .grad from before the block, first seen here, is ``p@grad@v0``.
-    def _grad_of_leaf(self: Recorder, acc: str) -> torch.Tensor | None:
+    def _grad_of_leaf(self, acc: str) -> torch.Tensor | None:
         ref = self._acc_vars.get(acc)
         var = ref() if ref is not None else None
         return None if var is None else var.grad
 
-    def _name_leaf_incoming(self: Recorder, acc: str, step: NodeRun, grads: tuple[Any, ...]) -> None:
+    def _name_leaf_incoming(self, acc: str, step: NodeRun, grads: tuple[Any, ...]) -> None:
         """The gradient reaching a leaf's accumulator is that leaf's gradient, ``p@grad``, even when
         the same tensor already has another name (passed through unchanged: ``(a + b)`` hands one
         tensor to both accumulators): it is then recorded under that name too."""
@@ -434,7 +433,7 @@ class AutogradMixin:
             return
         step.grads_in[0] = self._new_tensor(g, slot, "grad", None)
 
-    def _note_grad_before(self: Recorder, acc: str) -> None:
+    def _note_grad_before(self, acc: str) -> None:
         """Pre-hook of an accumulator: the name of its leaf's .grad before the run adds to it."""
         g = self._grad_of_leaf(acc)
         if g is None:
@@ -449,12 +448,12 @@ class AutogradMixin:
             base = f"{self._slot_tensor[(acc, 0)]}@grad"
             self._grad_before[acc] = self._new_leaf_grad(g, names.version_name(base, 0), None, None)
 
-    def _new_leaf_grad(self: Recorder, g: torch.Tensor, name: str, producer: str | None, previous: str | None) -> str:
+    def _new_leaf_grad(self, g: torch.Tensor, name: str, producer: str | None, previous: str | None) -> str:
         name = self._new_tensor(g, name, "grad", producer, previous=previous)
         self._index_alias(g)
         return name
 
-    def _name_accumulated(self: Recorder, acc: str, step: NodeRun | None) -> None:
+    def _name_accumulated(self, acc: str, step: NodeRun | None) -> None:
         """Hook of an accumulator (it has run): give its leaf's .grad its name."""
         before = self._grad_before.pop(acc, None)
         g = self._grad_of_leaf(acc)
@@ -477,7 +476,7 @@ class AutogradMixin:
         base = f"{self._slot_tensor[(acc, 0)]}@grad"  # added out of place into the old .grad
         self._new_leaf_grad(g, self._bump(base) if base in self.trace.tensors else base, acc, before)
 
-    def _name_leaf_grad(self: Recorder, t: torch.Tensor, version: int) -> str | None:
+    def _name_leaf_grad(self, t: torch.Tensor, version: int) -> str | None:
         """A tensor seen for the first time while an accumulator runs (a post-accumulate-grad hook
         reading .grad): the .grad the accumulator has just made, named as its hook would."""
         acc = self._running[-1]
@@ -489,7 +488,7 @@ class AutogradMixin:
         self._grad_before[acc] = None if hit is None else hit[0]
         return None if hit is None else hit[0]
 
-    def node_done(self: Recorder, node: str, grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
+    def node_done(self, node: str, grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
         """A node with no pre-hook ran: what it received and what it produced, in one event."""
         if self.stopped:
             return
@@ -508,7 +507,7 @@ class AutogradMixin:
                     li.on_node_end(self.trace, node, step, grad_inputs)
                 self._running.pop()
 
-    def _adopt_nodes(self: Recorder, parent: str, grads: tuple[Any, ...]) -> None:
+    def _adopt_nodes(self, parent: str, grads: tuple[Any, ...]) -> None:
         """Grad nodes that ``parent``'s backward has just made (``create_graph=True``: a gradient
         penalty's double backward) belong to it: named ``<parent>/<class>``, with the stack of
         the line that started the backward run. Without this they would be found later as
@@ -530,7 +529,7 @@ class AutogradMixin:
             rec = self._node_recs[n]
             rec.call, rec.parent = None, parent
 
-    def _infer_failing_node(self: Recorder, roots: list[torch.Tensor]) -> str | None:
+    def _infer_failing_node(self, roots: list[torch.Tensor]) -> str | None:
         """The grad node a failed backward was running when that node had no pre-hook.
 
         The engine runs a node once every node feeding it has finished, and among the ready
@@ -561,7 +560,7 @@ class AutogradMixin:
 _PRE_HOOK: Any = object()  # a unique marker: only a pre-hook call leaves the argument at it
 
 
-def node_hook(ref: weakref.ref[Recorder], name: str, grads: tuple[Any, ...], grad_outputs: Any = _PRE_HOOK) -> None:
+def node_hook(ref: weakref.ref[Any], name: str, grads: tuple[Any, ...], grad_outputs: Any = _PRE_HOOK) -> None:
     """A node's pre-hook ``(grad_outputs)`` and hook ``(grad_inputs, grad_outputs)`` in one."""
     rec = ref()
     if rec is not None and not rec.closed:
@@ -571,7 +570,7 @@ def node_hook(ref: weakref.ref[Recorder], name: str, grads: tuple[Any, ...], gra
             rec.node_end(name, grads)
 
 
-def node_done_hook(ref: weakref.ref[Recorder], name: str, grad_inputs: tuple[Any, ...],
+def node_done_hook(ref: weakref.ref[Any], name: str, grad_inputs: tuple[Any, ...],
                     grad_outputs: tuple[Any, ...]) -> None:
     """The only hook of a node that needs no pre-hook (see ``Recorder._register_node``)."""
     rec = ref()

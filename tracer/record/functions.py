@@ -13,6 +13,10 @@ import torch
 from tracer.model import Call
 from tracer.record import naming
 from tracer.record.mode import RecordingMode
+from tracer.record.state import RecorderState
+
+if TYPE_CHECKING:
+    from tracer.record.recorder import Recorder
 from tracer.record.tensors import (
     BackwardCFunction,
     flat_tensors,
@@ -20,15 +24,12 @@ from tracer.record.tensors import (
     version_of,
 )
 
-if TYPE_CHECKING:
-    from tracer.record.recorder import Recorder
 
-
-class FunctionsMixin:
+class FunctionsMixin(RecorderState):
     """Custom Function calls (part of ``Recorder``)."""
 
     # ---- custom autograd Functions ------------------------------------------------------------
-    def record_function(self: Recorder, cls: type, apply: Callable[..., Any], args: tuple[Any, ...],
+    def record_function(self, cls: type, apply: Callable[..., Any], args: tuple[Any, ...],
                         kwargs: dict[str, Any]) -> Any:
         with torch._C.DisableTorchFunction():
             ins = unique(flat_tensors(args) + (flat_tensors(kwargs) if kwargs else []))
@@ -51,7 +52,7 @@ class FunctionsMixin:
         self.finish_call(pending, outs, mutated, args=args, kwargs=kwargs)
         return out
 
-    def _record_failed_named(self: Recorder, name: str, api: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+    def _record_failed_named(self, name: str, api: str, args: tuple[Any, ...], kwargs: dict[str, Any],
                              in_names: list[str], seq: int, exc: BaseException) -> None:
         with self.lock, torch._C.DisableTorchFunction():
             stack_id = self.stack_table.capture() if self.stack_table is not None else None

@@ -6,23 +6,21 @@ from __future__ import annotations
 
 import sys
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from tracer.record.state import RecorderState
 from tracer.record.tensors import (
     flat_tensors,
     unique,
 )
 
-if TYPE_CHECKING:
-    from tracer.record.recorder import Recorder
 
-
-class ModulesMixin:
+class ModulesMixin(RecorderState):
     """Module scopes and compiled regions (part of ``Recorder``)."""
 
-    def _install_module_hooks(self: Recorder) -> None:
+    def _install_module_hooks(self) -> None:
         from torch.nn.modules import module as nn_module
 
         try:
@@ -31,13 +29,13 @@ class ModulesMixin:
             post = nn_module.register_module_forward_hook(self._module_post)
         self._module_handles = [nn_module.register_module_forward_pre_hook(self._module_pre), post]
 
-    def _remove_module_hooks(self: Recorder) -> None:
+    def _remove_module_hooks(self) -> None:
         for h in self._module_handles:
             h.remove()
         self._module_handles = []
 
     # ---- modules ------------------------------------------------------------------------------
-    def _module_pre(self: Recorder, module: torch.nn.Module, args: Any) -> None:
+    def _module_pre(self, module: torch.nn.Module, args: Any) -> None:
         if threading.get_ident() != self.owner or self._in_backward or self.closed:
             return
         path = self._module_paths.get(module)
@@ -56,7 +54,7 @@ class ModulesMixin:
         if type(module).__name__ == "OptimizedModule" and not self.paused:
             self._enter_opaque(module, args)
 
-    def _pop_modules(self: Recorder, start: int) -> None:
+    def _pop_modules(self, start: int) -> None:
         """Leave the module calls from ``start`` on (module stack and stack-capture scopes)."""
         del self._module_stack[start:]
         frames = self._scope_frames
@@ -67,7 +65,7 @@ class ModulesMixin:
                     table.close_scope(f)
             del frames[start:]
 
-    def _module_post(self: Recorder, module: torch.nn.Module, args: Any, output: Any) -> None:
+    def _module_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if threading.get_ident() != self.owner or self._in_backward or self.closed:
             return
         path = self._module_paths.get(module)
@@ -77,13 +75,13 @@ class ModulesMixin:
         elif path in stack:
             self._pop_modules(len(stack) - 1 - stack[::-1].index(path))
 
-    def register_root_module(self: Recorder, module: torch.nn.Module) -> None:
+    def register_root_module(self, module: torch.nn.Module) -> None:
         """Name modules, parameters and buffers from ``module`` down, as if it were called first
         (a trainer's model, whose forward may never be called itself)."""
         if module not in self._module_paths:
             self._register_module(module)
 
-    def _register_module(self: Recorder, module: torch.nn.Module) -> str:
+    def _register_module(self, module: torch.nn.Module) -> str:
         cls = type(module).__name__
         if self._module_stack:  # a module not reachable from any root seen so far
             parent = self._module_stack[-1]
@@ -118,7 +116,7 @@ class ModulesMixin:
                 named[b] = (bname, "buffer")
         return self._module_paths[module]
 
-    def _enter_opaque(self: Recorder, module: torch.nn.Module, args: Any) -> None:
+    def _enter_opaque(self, module: torch.nn.Module, args: Any) -> None:
         # A compiled region runs with no trace machinery in its way: torch functions undisturbed
         # (a mode inside makes Dynamo graph-break and recompile) and our global module hooks
         # removed (Dynamo would inline them into the compiled frame). A one-shot hook on the
@@ -139,7 +137,7 @@ class ModulesMixin:
         if note not in self.trace.notes:
             self.trace.notes.append(note)
 
-    def _opaque_post(self: Recorder, module: torch.nn.Module, args: Any, output: Any) -> None:
+    def _opaque_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if not self._opaque or self._opaque[-1][0] is not module:
             return
         _module, ctx, local, pending = self._opaque.pop()

@@ -6,20 +6,18 @@ from __future__ import annotations
 import sys
 import threading
 from types import FrameType
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from tracer.record.calls import PendingCall
 from tracer.record.identity import identity
+from tracer.record.state import RecorderState
 from tracer.record.tensors import (
     unique,
     version_of,
     versions_of,
 )
-
-if TYPE_CHECKING:
-    from tracer.record.recorder import Recorder
 
 
 class OpenStep(NamedTuple):
@@ -32,11 +30,11 @@ class OpenStep(NamedTuple):
     written: set[int]  # identities of the tensors the step writes, whatever their versions say
 
 
-class OptimizerMixin:
+class OptimizerMixin(RecorderState):
     """Optimizer steps (part of ``Recorder``)."""
 
     # ---- optimizers ---------------------------------------------------------------------------
-    def _optimizer_pre(self: Recorder, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if threading.get_ident() != self.owner or self.closed or self._step is not None:
             return  # (an open step: an optimizer stepped from inside another's step is part of it)
         self.hasher.before_write()  # the step writes into parameters and state, in place
@@ -65,7 +63,7 @@ class OptimizerMixin:
             # A closure (LBFGS) runs a forward and backward inside the step: those stay visible.
             self._open_step(optimizer, sys._getframe(1))
 
-    def _open_step(self: Recorder, optimizer: Any, frame: FrameType) -> None:
+    def _open_step(self, optimizer: Any, frame: FrameType) -> None:
         """Record ``optimizer.step()`` as one call: its inputs are the parameters, gradients and
         state; its outputs the new versions of what it changed and the state it created. The
         ops inside are not recorded (``optimizer_ops=True`` records them): a foreach AdamW step
@@ -114,12 +112,12 @@ class OptimizerMixin:
             self._step_hooked.add(optimizer)
             self._handles.append(optimizer.register_step_post_hook(self._optimizer_post))
 
-    def _optimizer_post(self: Recorder, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         st = self._step
         if st is not None and st.optimizer is optimizer and threading.get_ident() == self.owner:
             self.close_step()
 
-    def step_running(self: Recorder) -> bool:
+    def step_running(self) -> bool:
         """Whether the open optimizer step is still running (its frame is on this thread's stack);
         False once it raised, which skipped its post-hook."""
         st = self._step
@@ -132,7 +130,7 @@ class OptimizerMixin:
             f = f.f_back
         return False
 
-    def close_step(self: Recorder, error: str | None = None) -> None:
+    def close_step(self, error: str | None = None) -> None:
         """End the open optimizer step: record it as one call (with ``error`` if it raised)."""
         st = self._step
         if st is None:

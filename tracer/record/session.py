@@ -13,7 +13,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -127,7 +127,7 @@ class TraceSession:
         return t
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> bool:
+                 tb: TracebackType | None) -> Literal[False]:
         rec, t = self._recorder, self.trace
         assert rec is not None and t is not None
         rec.uninstall()  # first: whatever happens below, nothing stays installed

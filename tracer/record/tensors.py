@@ -121,7 +121,7 @@ def storage_key(t: torch.Tensor) -> int:
             key = s.data_ptr()
         except (RuntimeError, NotImplementedError):
             return 0
-    return key if s.nbytes() else 0  # type: ignore[no-any-return]
+    return int(key) if s.nbytes() else 0
 
 
 def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -142,9 +142,9 @@ class _LogListener(Listener):
             if g.name in followed:
                 continue
             for d in g.next:
-                fol = self.nodes.get(d) if d is not None else None
-                if fol is not None and fol.acc and fol.level is not None:
-                    fol.active = False
+                follow = self.nodes.get(d) if d is not None else None
+                if follow is not None and follow.acc and follow.level is not None:
+                    follow.active = False
 
     # ---- backward (inside a trace; a scope without a trace uses its own node hooks) -------------
     def on_node_begin(self, trace: Trace, node: str, step: NodeRun, grads: tuple[Any, ...]) -> None:

@@ -54,8 +54,9 @@ class TorchLogs:
                 internal._set_log_state(internal._parse_log_settings(self.spec))
                 internal._init_logs()
             else:
-                torch._logging.set_logs(**{k: v if isinstance(v, bool) or k == "modules" else parse_level(v)
-                                           for k, v in self.spec.items()})
+                set_logs: Any = getattr(torch._logging, "set_logs")  # noqa: B009  (a keyword per component and artifact)
+                set_logs(**{k: v if isinstance(v, bool) or k == "modules" else parse_level(v)
+                            for k, v in self.spec.items()})
         except BaseException:
             self.exit()
             raise

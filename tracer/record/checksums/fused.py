@@ -275,5 +275,5 @@ def _stream_handle(index: int) -> int:
     if index < 0:
         return 0
     if _raw_stream is not None:
-        return _raw_stream(index)  # type: ignore[no-any-return]
-    return torch.cuda.current_stream(index).cuda_stream  # type: ignore[no-any-return]
+        return int(_raw_stream(index))
+    return int(torch.cuda.current_stream(index).cuda_stream)

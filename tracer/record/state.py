@@ -1,0 +1,315 @@
+"""What a recorder holds (``RecorderState``): every table of one active trace, and naming the
+tensor values it meets, versions, aliases and all. The rooms of the recorder (autograd, modules,
+optimizer, functions) build on it; ``tracer.record.recorder.Recorder`` joins them."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tracer.model import BackwardRun, Call, GradNode, NodeRun, TensorRecord, Trace, names
+from tracer.model.records import Role
+from tracer.options import TraceOptions
+from tracer.record import naming
+from tracer.record.checksums.hasher import Hasher
+from tracer.record.identity import identity
+from tracer.record.listeners import Listener
+from tracer.record.stacks import StackTable
+from tracer.record.tensors import (
+    DEVICE_NAMES,
+    DTYPE_NAMES,
+    device_name,
+    dtype_name,
+    get_seq,
+    same_view,
+    storage_key,
+    version_of,
+)
+from tracer.record.weakmap import IdWeakMap
+
+if TYPE_CHECKING:
+    from tracer.record.calls import PendingCall
+    from tracer.record.optimizer import OpenStep
+
+_TRACE_IDS = itertools.count()
+
+
+class RecorderState:
+    """The tables of one trace's recorder, and how tensor values get their names."""
+
+    def __init__(self, trace: Trace, options: TraceOptions, *,
+                 on_records: Callable[[], None] | None = None) -> None:
+        self.trace = trace
+        self.options = options
+        # False: each optimizer.step() is one call (see _open_step); True: every op inside it.
+        self.optimizer_ops = options.optimizer_ops
+        self._step: OpenStep | None = None  # the optimizer step running now, recorded as one call
+        self._step_hooked: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.owner = threading.get_ident()
+        self.lock = threading.RLock()
+        self.api = naming.ApiNames()
+        self.counters = naming.Counters()
+        self.stack_table: StackTable | None = StackTable() if options.stacks else None
+        self.hasher = Hasher(options.hash, stats=options.effective_stats)
+        self._own_hasher = self.hasher
+        self.on_records = on_records
+        self.listeners: list[Listener] = []
+        self.paused = False
+        self.closed = False
+        # Set when a bound (max_calls) is reached: from then on nothing more is recorded.
+        self.stopped = False
+        self.max_calls: int | None = options.max_calls
+        # Set by tracer.features.distributed: (recorder, function) -> the recording wrapper of a
+        # collective the mode met, or None.
+        self.collective_hook: Callable[[Any, Any], Callable[..., Any] | None] | None = None
+        self._in_backward = 0
+        # >0 while a recorded op runs: a Function applied inside an op (a torch.library custom
+        # op's generated autograd Function) is that op's implementation, not a call of its own.
+        self.op_depth = 0
+        self._tensor_names: IdWeakMap[tuple[str, int]] = IdWeakMap()  # tensor -> (name, version)
+        self._interned: dict[tuple[int, ...], tuple[int, ...]] = {}  # shapes and strides of records
+        self._named: IdWeakMap[tuple[str, Role]] = IdWeakMap()  # param/buffer/state -> (name, role)
+        self._module_paths: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+        self._module_stack: list[str] = []
+        self._scope_frames: list[FrameType | None] = []  # per _module_stack entry, see _module_pre
+        self._parents: list[str] = []  # enclosing custom Function calls
+        self._running: list[str] = []  # grad nodes running now (nesting in backward)
+        self._node_by_seq: dict[tuple[int, str], str] = {}
+        self.trace_id = next(_TRACE_IDS)
+        self._acc_by_var: IdWeakMap[str] = IdWeakMap()  # leaf tensor -> its accumulator's name
+        self._acc_vars: dict[str, weakref.ref[torch.Tensor]] = {}  # accumulator name -> its leaf
+        # Accumulator running now -> the name of its leaf's .grad before it ran (None: no .grad).
+        self._grad_before: dict[str, str | None] = {}
+        self._aliases: dict[int, list[weakref.ref[torch.Tensor]]] = {}  # storage -> tensors
+        self._node_modules: dict[str, str] = {}  # nodes that run user code -> their call's module
+        # A backward run with create_graph=True makes grad nodes while it runs; those are
+        # adopted by the node that made them (see _adopt_nodes).
+        self._create_graph = False
+        self._bwd_seq0: tuple[int, int] | None = None  # (thread, sequence number) at its start
+        self._edges: dict[str, tuple[tuple[str | None, int], ...]] = {}  # node -> (dest node, slot) per output
+        self._node_recs: dict[str, GradNode] = {}
+        self._slot_tensor: dict[tuple[str, int], str] = {}
+        # Edges into each (node, input slot) in the graph the running backward walks: a gradient
+        # that alone flows into a tensor's slot is that tensor's gradient (see _grad_names).
+        self._indegree: dict[tuple[str, int], int] = {}
+        self._versions: dict[str, int] = {}
+        self._handles: list[Any] = []
+        # Grad nodes that run user Python (custom Function backwards, accumulators with
+        # post-accumulate hooks such as an optimizer step in backward): flush checksums first.
+        self._flush_before: set[str] = set()
+        # Saved-tensor hooks were active while the call being finished ran (see _register_node).
+        self._saved_hooks = True
+        # Compiled regions running now: (module, the DisableTorchFunction context, its hook, the call)
+        self._opaque: list[tuple[torch.nn.Module, Any, Any, PendingCall]] = []
+        self._module_handles: list[Any] = []
+        self._run: BackwardRun | None = None
+        self._run_index = -1
+        self._open_steps: dict[str, NodeRun] = {}
+        self._call_seq = 0
+        self._tensor_seq = 0
+        self._node_seq = 0
+        self._inputs = 0
+        self._self_ref = weakref.ref(self)
+        self.node_attribution = "sequence-number" if get_seq is not None else "first-seen"
+
+    # ---- tensors ------------------------------------------------------------------------------
+    def _new_tensor(self, t: torch.Tensor, name: str, role: Role, producer: str | None,
+                    previous: str | None = None, like: TensorRecord | None = None,
+                    uninitialized: bool = False) -> str:
+        """Record a new tensor value. ``like``: the record of the version this one replaced,
+        when the call cannot have changed shape, strides, dtype or device (foreach in-place
+        ops): its metadata is reused instead of read again (an optimizer step makes ~10 new
+        versions of every parameter and state tensor). ``uninitialized``: memory nobody wrote
+        (``torch.empty_like``): recorded, never hashed."""
+        tensors = self.trace.tensors
+        if name in tensors:  # never overwrite: disambiguate deterministically
+            k = 1
+            while f"{name}#{k}" in tensors:
+                k += 1
+            name = f"{name}#{k}"
+        if like is not None:
+            try:
+                ver = t._version
+            except RuntimeError:  # inference tensors have no version counter
+                ver = 0
+            rec = TensorRecord(name, like.shape, like.dtype, like.device, role, producer, like.stride,
+                               like.contiguous, like.requires_grad, ver, self._tensor_seq, None, None, None,
+                               None, previous)
+            return self._add_record(rec, t, ver)
+        try:
+            stride: tuple[int, ...] | None = t.stride()
+            contiguous = t.is_contiguous()
+        except RuntimeError:  # sparse and other layouts have no strides
+            stride, contiguous = None, False
+        # Shapes and strides repeat across a step: one tuple per distinct value, not two fresh
+        # tuples per record (memory, and fewer objects for the garbage collector to visit).
+        interned = self._interned
+        size = t.shape
+        try:
+            shape = interned.get(size)
+            if shape is None:
+                shape = tuple(size)
+                interned[shape] = shape
+            if stride is not None:
+                stride = interned.setdefault(stride, stride)
+        except TypeError:  # symbolic sizes are not hashable: keep this record's own tuples
+            shape = tuple(size)
+        if stride is not None and type(stride) is not tuple:
+            stride = tuple(stride)
+        try:
+            ver = t._version
+        except RuntimeError:  # inference tensors have no version counter
+            ver = 0
+        dtype = DTYPE_NAMES.get(t.dtype) or dtype_name(t.dtype)
+        device = DEVICE_NAMES.get(t.device) or device_name(t.device)
+        # Positional (the field order of TensorRecord): keyword binding cost as much as the rest.
+        rec = TensorRecord(name, shape, dtype, device, role, producer, stride, contiguous, t.requires_grad, ver,
+                           self._tensor_seq, None, None, None, None, previous)
+        if uninitialized:
+            rec.uninitialized = True
+            rec.hash_note = f"not hashed: uninitialised memory (made by {producer}); its first write is a new version"
+        return self._add_record(rec, t, ver)
+
+    def _add_record(self, rec: TensorRecord, t: torch.Tensor, ver: int) -> str:
+        name = rec.name
+        self._tensor_seq += 1
+        self.trace.tensors[name] = rec
+        self._tensor_names[t] = (name, ver)
+        if rec.uninitialized:
+            return name
+        hasher = self.hasher
+        # With nothing to hash or summarise, skip the call; a stand-in hasher (an async
+        # collective's outputs get a note instead of a checksum) is always called.
+        if hasher is not self._own_hasher or getattr(hasher, "active", True):
+            hasher.submit(rec, t)
+        return name
+
+    def name_of(self, t: torch.Tensor) -> str:
+        """The current name of a tensor, registering it (and hashing it) on first sight."""
+        return self._name_at(t, version_of(t))
+
+    def _name_at(self, t: torch.Tensor, version: int) -> str:
+        """``name_of`` for a tensor whose current version the caller has just read."""
+        hit = self._tensor_names.get(t)
+        if hit is not None:
+            name, ver = hit
+            if version == ver:
+                return name
+            # Changed in place where the trace could not see it (untraced code, through .data).
+            base = self._base_name(name)
+            old = self.trace.tensors.get(name)
+            return self._new_tensor(t, self._bump(base), old.role if old is not None else "input", None,
+                                    previous=name)
+        named = self._named.get(t)
+        if named is not None:
+            name = self._new_tensor(t, named[0], named[1], None)
+            self._index_alias(t)
+            return name
+        if self._running:
+            leaf = self._name_leaf_grad(t, version)
+            if leaf is not None:
+                return leaf
+        if self._aliases:
+            alias = self._alias_name(t, version)
+            if alias is not None:
+                return alias
+        self._inputs += 1
+        name = self._new_tensor(t, f"input{self._inputs - 1}", "input", None)
+        self._index_alias(t)
+        return name
+
+    # ---- aliases: tensors that share a named tensor's storage -----------------------------------
+    # ``p.data``, ``p.detach()`` and views share p's bytes; ``.data`` does not even share its
+    # version counter. Tensors from outside the block (parameters, buffers, optimizer state,
+    # inputs, leaves' gradients) are indexed by storage, so that a write through an alias makes a
+    # new version of the tensor it aliases. Outputs of calls are not indexed (thousands per step);
+    # a write into one through a view still shows as a new version of its base.
+    def _index_alias(self, t: torch.Tensor) -> None:
+        key = storage_key(t)
+        if key:
+            self._aliases.setdefault(key, []).append(weakref.ref(t))
+
+    def _alias_name(self, t: torch.Tensor, version: int) -> str | None:
+        """The name of an indexed tensor that ``t`` is the same view of (``p.data``), if any."""
+        key = storage_key(t)
+        for ref in self._aliases.get(key, ()) if key else ():
+            o = ref()
+            if o is not None and o is not t and same_view(o, t) and storage_key(o) == key:
+                hit = self._tensor_names.get(o)
+                if hit is None:
+                    continue
+                name = self._name_at(o, version_of(o))  # a new version first, if o changed unseen
+                self._tensor_names[t] = (name, version)
+                self._aliases[key].append(weakref.ref(t))
+                return name
+        return None
+
+    def _write_through_aliases(self, mutated: list[torch.Tensor], names: dict[int, str], call: str,
+                               ins: list[torch.Tensor]) -> None:
+        """A call that changed ``mutated`` changed every named tensor sharing their bytes too. Its
+        own inputs excepted: an op keeps what it reads (an in-place all-gather's input is a slice
+        of its output, rewritten with the same bytes)."""
+        done = set(names)
+        done.update(identity(t) for t in ins)
+        for t in mutated:
+            new = names[identity(t)]
+            others: list[torch.Tensor] = []
+            key = storage_key(t) if self._aliases else 0
+            if key:  # (an entry whose storage has changed since, by set_ or resize, is not an alias)
+                others += [o for o in (r() for r in self._aliases.get(key, ()))
+                           if o is not None and storage_key(o) == key]
+            base = t._base
+            if base is not None:
+                others.append(base)
+            for o in others:
+                k = identity(o)
+                if k in done:
+                    continue
+                hit = self._tensor_names.get(o)
+                if hit is None:
+                    continue
+                done.add(k)
+                if same_view(o, t):  # the same bytes seen through another tensor object
+                    self._tensor_names[o] = (new, version_of(o))
+                else:
+                    old = self.trace.tensors.get(hit[0])
+                    role = old.role if old is not None else "input"
+                    self._new_tensor(o, self._bump(self._base_name(hit[0])), role, call, previous=hit[0])
+
+    @staticmethod
+    def _base_name(name: str) -> str:
+        return names.base_name(name)
+
+    def _bump(self, base: str) -> str:
+        n = self._versions.get(base, 0) + 1
+        self._versions[base] = n
+        return names.version_name(base, n)
+
+    if TYPE_CHECKING:  # defined by the rooms that join in Recorder; declared for the others
+        def _collect_nodes(self, root: Any, seq0: int | None, seq1: int | None, call: str, stack_id: int | None,
+                           out: list[str], local_kinds: dict[str, int]) -> str | None: ...
+        def _install_module_hooks(self) -> None: ...
+        def _remove_module_hooks(self) -> None: ...
+        def _name_leaf_grad(self, t: torch.Tensor, version: int) -> str | None: ...
+        def _new_leaf_grad(self, g: torch.Tensor, name: str, producer: str | None, previous: str | None) -> str: ...
+        def close_step(self, error: str | None = None) -> None: ...
+        def _record_failed_named(self, name: str, api: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                                 in_names: list[str], seq: int, exc: BaseException) -> None: ...
+        def begin_call(self, ins: list[torch.Tensor], *, api: str, short: str, kind: str,
+                       name: str | None = None) -> PendingCall: ...
+        def finish_call(self, pending: PendingCall, outs: list[torch.Tensor], mutated: Sequence[torch.Tensor] = (),
+                        *, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Call: ...
+        def fail_call(self, pending: PendingCall, exc: BaseException, *, args: tuple[Any, ...] = (),
+                      kwargs: dict[str, Any] | None = None) -> None: ...
+        def _finish_call(self, api: str, short: str, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                         ins: list[torch.Tensor], in_names: list[str], outs: list[torch.Tensor],
+                         mutated: list[torch.Tensor], seq: int, seq0: int | None,
+                         name: str | None = None, tokens: list[Any] | None = None,
+                         stack_id: int | None = -1, skip: int = 2) -> Call: ...
+        def stop(self, reason: str) -> None: ...
