@@ -114,17 +114,17 @@ def test_hash_none_records_no_checksums():
 def test_cpu_stats_equal_the_masked_reduction():
     """The CPU fast path (min/max first, masked reduction only when something is not finite)
     against the plain per-tensor reduction the CUDA fallback path uses."""
-    from tracer.record.checksums.stats import _reduce_one, cpu_stats
+    from tracer.record.checksums.stats import cpu_stats, reduce_one
 
     xs = [torch.randn(n) for n in (1, 3, 100, 70_000, 5, 64, 65, 4096)]
     xs[2][4] = float("nan")
     xs[3][7] = float("inf")
     xs[5][0] = float("-inf")
     xs[6][:] = float("nan")  # nothing finite at all
-    rows = torch.stack([_reduce_one(x) for x in xs])
+    rows = torch.stack([reduce_one(x) for x in xs])
     assert rows[:, 4].tolist() == [0, 0, 1, 0, 0, 0, 65, 0] and rows[:, 5].tolist() == [0, 0, 0, 1, 0, 1, 0, 0]
     for x in xs:
-        fast, full = cpu_stats(x), _reduce_one(x).tolist()
+        fast, full = cpu_stats(x), reduce_one(x).tolist()
         assert (fast.nan, fast.inf) == (int(full[4]), int(full[5]))
         if fast.min is not None:
             assert fast.min == full[0] and fast.max == full[1] and abs(fast.mean - full[2]) < 1e-6

@@ -208,8 +208,9 @@ def plot_record(rec: MemoryRecord, path: str, device: str | None = None) -> None
     if fmt not in ("png", "svg", "pdf"):
         raise ValueError(f"plot: the file must end in .png, .svg or .pdf, got {path!r}")
     try:
+        # matplotlib is optional (pip install gradtrace[memory])
         from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
+        from matplotlib.figure import Figure  # optional, as above
     except ImportError:
         raise PlotUnavailable("plot needs matplotlib: pip install 'gradtrace[memory]' (or matplotlib)") from None
     data = timeline_of(rec, device, max_points=20000)

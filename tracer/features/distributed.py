@@ -56,11 +56,24 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.nn.modules import module as nn_module
+from torch.nn.parallel import DistributedDataParallel
+
+try:  # absent from torch builds without distributed support
+    import torch.distributed.distributed_c10d as c10d
+    from torch.distributed import _functional_collectives as funcol
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+except ImportError:
+    c10d = None  # type: ignore[assignment]
+    funcol = None  # type: ignore[assignment]
+    AsyncCollectiveTensor = None  # type: ignore[assignment,misc]
 
 from tracer.model import BackwardRun, Call, Trace, names
 from tracer.record import naming
 from tracer.record.listeners import Listener
 from tracer.record.recorder import Recorder
+from tracer.record.tensors import flat_tensors
 
 # ---- which collectives, and which of their arguments they write ----------------------------------
 
@@ -121,8 +134,6 @@ DDP_NOTE = ("DDP's gradient all-reduce is recorded once per synchronised backwar
 # ---- header and file names ------------------------------------------------------------------------
 def rank_info() -> dict[str, Any]:
     """Where this process runs: rank, world size, backend, local rank and the group layout."""
-    import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
 
     rank, world = dist.get_rank(), dist.get_world_size()
     info: dict[str, Any] = {"rank": rank, "world_size": world, "backend": str(dist.get_backend())}
@@ -198,7 +209,6 @@ def rank_path(out: str, rank: int) -> str:
 # ---- describing arguments -------------------------------------------------------------------------
 def _ranks_of(group: Any) -> list[int] | None:
     """The global ranks of a group argument (None = the default group), or None if unknown."""
-    import torch.distributed as dist
 
     try:
         if group is None:
@@ -207,8 +217,6 @@ def _ranks_of(group: Any) -> list[int] | None:
             return list(dist.get_process_group_ranks(group))
         if isinstance(group, list) and all(isinstance(r, int) for r in group):
             return list(group)
-        from torch.distributed import _functional_collectives as funcol
-
         name = funcol._resolve_group_name(group, "")
         pg = torch._C._distributed_c10d._resolve_process_group(name)
         return list(dist.get_process_group_ranks(pg))
@@ -223,7 +231,6 @@ def _group_text(group: Any) -> Any:
     if len(ranks) <= 8:
         return ranks
     try:  # a long list would be cut in the args text: name the group (its ranks are in the header)
-        import torch.distributed as dist
 
         pg = group if isinstance(group, dist.ProcessGroup) else dist.group.WORLD if group is None else None
         if pg is not None:
@@ -258,7 +265,6 @@ def _describe_args(bound: inspect.BoundArguments) -> dict[str, Any]:
 
 
 def _flat(obj: Any) -> list[torch.Tensor]:
-    from tracer.record.tensors import flat_tensors
 
     if type(obj).__name__ == "P2POp":
         return [obj.tensor]
@@ -323,10 +329,6 @@ class _Attachment:
 
     # -- installation
     def install(self) -> None:
-        import torch.distributed as dist
-        import torch.distributed.distributed_c10d as c10d
-        from torch.nn.modules import module as nn_module
-
         wrappers: dict[int, Any] = {}
         for mod in (dist, c10d):
             for name, spec in C10D.items():
@@ -337,10 +339,6 @@ class _Attachment:
                     wrappers[id(original)] = self._c10d_wrapper(name, original, spec)
                     self.by_original[original] = wrappers[id(original)]
                 self._patch(mod, name, wrappers[id(original)])
-        try:
-            from torch.distributed import _functional_collectives as funcol
-        except ImportError:
-            funcol = None  # type: ignore[assignment]
         if funcol is not None:
             for name in FUNCOL:
                 original = getattr(funcol, name, None)
@@ -482,8 +480,6 @@ class _Attachment:
         rec = self.ref()
         if rec is None or rec.closed or threading.get_ident() != rec.owner or rec.in_backward:
             return
-        from torch.nn.parallel import DistributedDataParallel
-
         # DDP prepares its reducer (so that the next backward all-reduces) only in this case.
         if isinstance(module, DistributedDataParallel) and torch.is_grad_enabled() \
                 and module.require_backward_grad_sync:
@@ -515,9 +511,7 @@ def _wait(result: Any) -> Any:
     """A functional collective's result(s), waited for and unwrapped to plain tensors."""
     if isinstance(result, list | tuple):
         return type(result)(_wait(r) for r in result)
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-
-    return result.wait() if isinstance(result, AsyncCollectiveTensor) else result
+    return result.wait() if AsyncCollectiveTensor is not None and isinstance(result, AsyncCollectiveTensor) else result
 
 
 def _wait_op(result: Any) -> Any:
@@ -627,7 +621,6 @@ def collective_for(recorder: Any, func: Any) -> Callable[..., Any] | None:
 def distributed_info() -> dict[str, Any] | None:
     """Rank, world size, backend and group layout under a process group (or torchrun's
     environment, for a trace that starts before ``init_process_group``); None otherwise."""
-    import torch.distributed as dist
 
     if not dist.is_available():
         return None

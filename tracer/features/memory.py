@@ -48,7 +48,9 @@ Each event is a plain dict stored in ``Trace.memory`` (``{"t": "memory", ...}`` 
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
+import os
 import sys
 import threading
 import time
@@ -56,6 +58,12 @@ import weakref
 from typing import Any, cast
 
 import torch
+from torch.cuda import memory as cm
+
+try:  # POSIX only: peak resident memory
+    import resource
+except ImportError:
+    resource = None  # type: ignore[assignment]
 
 from tracer.analysis.memory import BUCKETS, MemorySummary, bucket_label
 from tracer.model import BackwardRun, Call, MemoryEvent, NodeRun, Trace
@@ -174,7 +182,6 @@ class MemoryListener(Listener):
 
     @staticmethod
     def _enable_history() -> None:
-        from torch.cuda import memory as cm
 
         try:
             cm._record_memory_history(enabled="all", context=None, stacks="python", max_entries=4_000_000,
@@ -396,7 +403,6 @@ class MemoryListener(Listener):
         return out
 
     def _collect_history(self, trace: Trace) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]]]:
-        from torch.cuda import memory as cm
 
         try:
             snap = cm._snapshot()
@@ -569,8 +575,6 @@ def _cuda_summary(dev: torch.device) -> MemorySummary:
 
 
 def _cpu_summary() -> MemorySummary:
-    import gc
-
     seen: set[int] = set()
     live = 0
     count = 0
@@ -606,14 +610,10 @@ def _rss() -> tuple[int | None, int | None]:
     rss = None
     try:
         with open("/proc/self/statm", encoding="ascii") as fh:
-            import os
-
             rss = int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError, AttributeError):
         pass
     try:
-        import resource
-
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         peak = peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
     except (ImportError, OSError):

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal
 
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
 from tracer.features.bounds import Bounds
 from tracer.features.plugins import session_plugins
 from tracer.model import Trace
@@ -320,8 +322,6 @@ class StepTrace(StepResults):
         if active is not None and not active.closed:
             raise TraceError("tracer.trace() is already active in this process; traces do not nest. "
                              "Put tracer.trace(steps=...) around the whole loop instead of the inner block.")
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
         self._owner = threading.get_ident()
         self.step = 0
         self.manual = False

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tracer.analysis.explain import add_note, explain_backward_error
 from tracer.model import BackwardRun, GradNode, NodeRun, names
 from tracer.record.listeners import Listener
 from tracer.record.state import RecorderState
@@ -296,8 +297,6 @@ class AutogradMixin(RecorderState):
         return indegree
 
     def _explain(self, exc: Exception, run: BackwardRun, running: list[str]) -> None:
-        from tracer.analysis.explain import add_note, explain_backward_error
-
         try:
             with self.lock, torch._C.DisableTorchFunction():
                 table = self.stack_table

@@ -24,11 +24,11 @@ class RecordingMode(TorchFunctionMode):
         if rec is None:
             return func(*args, **kwargs)
         try:  # ApiNames.describe, its cache hit inlined: this runs for every torch call
-            hit = rec.api._cache.get(func)
+            hit = rec.api.cache.get(func)
         except TypeError:  # an unhashable callable
             hit = None
         api, short, kind, writes = hit if hit is not None else rec.api.describe(func)
-        if rec._step is not None and kind != "skip" and not rec.step_running():
+        if rec.open_step is not None and kind != "skip" and not rec.step_running():
             rec.close_step("optimizer.step() raised; its changes up to there are recorded")
         if kind == "skip" or rec.paused or rec.stopped:
             return func(*args, **kwargs)

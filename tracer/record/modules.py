@@ -9,6 +9,7 @@ import threading
 from typing import Any
 
 import torch
+from torch.nn.modules import module as nn_module
 
 from tracer.record.state import RecorderState
 from tracer.record.tensors import (
@@ -21,8 +22,6 @@ class ModulesMixin(RecorderState):
     """Module scopes and compiled regions (part of ``Recorder``)."""
 
     def _install_module_hooks(self) -> None:
-        from torch.nn.modules import module as nn_module
-
         try:
             post = nn_module.register_module_forward_hook(self._module_post, always_call=True)
         except TypeError:  # older torch without always_call

@@ -116,15 +116,16 @@ class ApiNames:
     name and kind (``_describe``), and the arguments it writes (``tracer.record.effects``)."""
 
     def __init__(self) -> None:
-        self._cache: dict[Any, Described] = {}
+        # Public: the recorder's mode reads it directly on its hot path (a dict hit per call).
+        self.cache: dict[Any, Described] = {}
 
     def describe(self, func: Any) -> Described:
         try:
-            hit = self._cache.get(func)
+            hit = self.cache.get(func)
         except TypeError:  # an unhashable callable
             return _described(func)
         if hit is None:
-            hit = self._cache[func] = _described(func)
+            hit = self.cache[func] = _described(func)
         return hit
 
 

@@ -35,7 +35,7 @@ class OptimizerMixin(RecorderState):
 
     # ---- optimizers ---------------------------------------------------------------------------
     def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if threading.get_ident() != self.owner or self.closed or self._step is not None:
+        if threading.get_ident() != self.owner or self.closed or self.open_step is not None:
             return  # (an open step: an optimizer stepped from inside another's step is part of it)
         self.hasher.before_write()  # the step writes into parameters and state, in place
         with self.lock, torch._C.DisableTorchFunction():
@@ -105,7 +105,7 @@ class OptimizerMixin(RecorderState):
         # No sequence-number bracket: a step makes no grad nodes.
         call = PendingCall(f"{cls.__module__}.{cls.__qualname__}.step", cls.__name__, "optimizer", ins, in_names,
                            seq, None, tokens, name, stack_id)
-        self._step = OpenStep(optimizer, frame, call, vers, written)
+        self.open_step = OpenStep(optimizer, frame, call, vers, written)
         self.paused = True
         if optimizer not in self._step_hooked:
             # Per optimizer, so it runs before the global post-hooks (a step trace's boundary).
@@ -113,14 +113,14 @@ class OptimizerMixin(RecorderState):
             self._handles.append(optimizer.register_step_post_hook(self._optimizer_post))
 
     def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        st = self._step
+        st = self.open_step
         if st is not None and st.optimizer is optimizer and threading.get_ident() == self.owner:
             self.close_step()
 
     def step_running(self) -> bool:
         """Whether the open optimizer step is still running (its frame is on this thread's stack);
         False once it raised, which skipped its post-hook."""
-        st = self._step
+        st = self.open_step
         if st is None:
             return False
         f: FrameType | None = sys._getframe(1)
@@ -132,10 +132,10 @@ class OptimizerMixin(RecorderState):
 
     def close_step(self, error: str | None = None) -> None:
         """End the open optimizer step: record it as one call (with ``error`` if it raised)."""
-        st = self._step
+        st = self.open_step
         if st is None:
             return
-        self._step = None
+        self.open_step = None
         self.paused = False
         optimizer = st.optimizer
         created: list[torch.Tensor] = []

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tracer.model import Call, TensorRecord, Trace, names
 from tracer.model.records import CallKind, Role
@@ -87,12 +88,7 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin):
     # ---- installation -------------------------------------------------------------------------
     def install(self) -> None:
         self._install_module_hooks()
-        try:
-            from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-            self._handles.append(register_optimizer_step_pre_hook(self._optimizer_pre))
-        except ImportError:
-            pass
+        self._handles.append(register_optimizer_step_pre_hook(self._optimizer_pre))
         install_apply_wrapper(self)
         self._mode.__enter__()
 
@@ -100,11 +96,11 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin):
         """Remove every mode, hook and wrapper. Safe to call twice."""
         if self.closed:
             return
-        if self._step is not None:  # the block ended inside optimizer.step() (it raised)
+        if self.open_step is not None:  # the block ended inside optimizer.step() (it raised)
             try:
                 self.close_step("optimizer.step() raised; its changes up to there are recorded")
             except Exception:  # recording must not stop the uninstall
-                self._step = None
+                self.open_step = None
         self.closed = True
         try:
             self._mode.__exit__(None, None, None)

@@ -49,7 +49,7 @@ class RecorderState:
         self.options = options
         # False: each optimizer.step() is one call (see _open_step); True: every op inside it.
         self.optimizer_ops = options.optimizer_ops
-        self._step: OpenStep | None = None  # the optimizer step running now, recorded as one call
+        self.open_step: OpenStep | None = None  # the optimizer step running now, recorded as one call
         self._step_hooked: weakref.WeakSet[Any] = weakref.WeakSet()
         self.owner = threading.get_ident()
         self.lock = threading.RLock()

@@ -7,6 +7,9 @@ import logging
 import sys
 from typing import IO, Any
 
+from rich.console import Console
+from rich.text import Text
+
 from tracer.features.logs.levels import ROOT
 from tracer.features.logs.lines import LogLine
 
@@ -37,8 +40,6 @@ class ConsoleHandler(logging.Handler):
         self._console_stream: Any = None
 
     def _get_console(self) -> Any:
-        from rich.console import Console
-
         stream = self.stream if self.stream is not None else sys.stderr
         if self._console is None or self._console_stream is not stream:
             kwargs: dict[str, Any] = {"file": stream, "highlight": False, "markup": False, "emoji": False}
@@ -54,8 +55,6 @@ class ConsoleHandler(logging.Handler):
 
     def render(self, line: LogLine, console: Any) -> list[Any]:
         """The line as rich ``Text`` lines (the first, then wrapped continuations)."""
-        from rich.text import Text
-
         cols = [line.tag, "  " * line.indent + line.name, line.api, f"[{line.module}]" if line.module else ""]
         for i, c in enumerate(cols):
             self.widths[i] = max(self.widths[i], len(c))
@@ -91,8 +90,6 @@ class ConsoleHandler(logging.Handler):
             if isinstance(line, LogLine):
                 rows = self.render(line, console)
             else:
-                from rich.text import Text
-
                 rows = [Text(f"{record.levelname.lower()} {record.name}: {record.getMessage()}")]
             for row in rows:
                 console.print(row, soft_wrap=True)

@@ -252,8 +252,6 @@ class LogScope:
         rec = active_recorder()
         if rec is not None and not rec.closed:
             if rec.owner != threading.get_ident():
-                from tracer.options import TraceError
-
                 raise TraceError("tracer.log_scope(): another thread is being traced (or logged); only the "
                                  "thread that holds the active trace can log a scope")
             listener = _listener_of(rec)

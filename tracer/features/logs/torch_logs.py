@@ -11,6 +11,11 @@ from typing import Any
 
 import torch
 
+try:  # private: PyTorch's log registry
+    from torch._logging import _internal as _torch_logging
+except ImportError:  # pragma: no cover - very old or very new torch
+    _torch_logging = None
+
 from tracer.features.logs.levels import parse_level
 
 
@@ -27,11 +32,9 @@ class TorchLogs:
 
     @staticmethod
     def _internal() -> Any:
-        try:
-            from torch._logging import _internal
-        except ImportError as exc:  # pragma: no cover - very old or very new torch
-            raise RuntimeError("this torch has no torch._logging; torch_logs= is not available") from exc
-        return _internal
+        if _torch_logging is None:
+            raise RuntimeError("this torch has no torch._logging; torch_logs= is not available")
+        return _torch_logging
 
     @staticmethod
     def _names(internal: Any) -> set[str]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import array
 import contextlib
 import functools
+import importlib.util
 import os
 from typing import Any
 
@@ -73,15 +74,13 @@ def kernels(interpret: bool = False) -> tuple[Any, Any]:
     module under Triton's CPU interpreter (tests on machines without a GPU); Triton reads
     ``TRITON_INTERPRET`` when the kernels are decorated, i.e. at import."""
     if not interpret:
-        from tracer.record.checksums import _kernels as mod  # imports triton
+        from tracer.record.checksums import triton_kernels as mod  # imports triton
     else:
-        import importlib.util
-
         saved = os.environ.get("TRITON_INTERPRET")
         os.environ["TRITON_INTERPRET"] = "1"
         try:
-            path = os.path.join(os.path.dirname(__file__), "_kernels.py")
-            spec = importlib.util.spec_from_file_location("tracer.record.checksums._kernels_interpreted", path)
+            path = os.path.join(os.path.dirname(__file__), "triton_kernels.py")
+            spec = importlib.util.spec_from_file_location("tracer.record.checksums.triton_kernels_interpreted", path)
             assert spec is not None and spec.loader is not None
             mod = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(mod)
@@ -202,7 +201,7 @@ class Fused:
         batch = self._batches.pop(key)
         if not batch.slots:
             return
-        import triton.language as tl
+        import triton.language as tl  # an optional dependency, loaded with the kernels
 
         partials, finalize = kernels(self.interpret)
         name, esize, wide = batch.spec

@@ -39,12 +39,12 @@ from tracer.record.checksums import fingerprint as fp
 from tracer.record.checksums.bytes import ALLOWED_TYPES, as_bytes, host_bytes, unhashable_reason
 from tracer.record.checksums.fused import Fused, triton_usable
 from tracer.record.checksums.stats import (
-    _SCALAR_DTYPES,
-    _reduce_one,
-    _scalar_stats,
-    _stats_from_row,
-    _stats_input,
+    SCALAR_DTYPES,
     cpu_stats,
+    reduce_one,
+    scalar_stats,
+    stats_from_row,
+    stats_input,
 )
 
 INLINE_BYTES = 256 * 1024
@@ -161,11 +161,11 @@ class Hasher:
         """A one-element CPU tensor (an optimizer's step count: hundreds per step) read straight
         from its bytes and its value, instead of the half-dozen torch calls of the general path.
         Gives exactly what that path gives; False (nothing done) where it cannot."""
-        if t.dtype not in _SCALAR_DTYPES or t.is_neg() or t.is_conj():
+        if t.dtype not in SCALAR_DTYPES or t.is_neg() or t.is_conj():
             return False
         value = t.item()
         if self.want_stats:
-            stats = _scalar_stats(value)
+            stats = scalar_stats(value)
             if stats is None:  # NaN or Inf: the general path counts them
                 return False
             rec.stats = stats
@@ -185,7 +185,7 @@ class Hasher:
 
     def _submit_torch(self, rec: TensorRecord, t: torch.Tensor, stats: bool, fast: bool) -> None:
         """The per-tensor path: a dozen torch kernels per tensor, results left on the device."""
-        row = _reduce_one(_stats_input(t)) if stats else None  # type: ignore[arg-type]
+        row = reduce_one(stats_input(t)) if stats else None  # type: ignore[arg-type]
         sums = None
         if fast:
             sums = fp.lane_sums(t)
@@ -221,8 +221,6 @@ class Hasher:
         """Make the current stream of each device wait until our reads of its tensors (MD5 copies,
         stats kernels) that were queued on *other* streams have run. A read queued on the
         current stream is already ordered before whatever the current stream runs next."""
-        import torch.cuda
-
         with torch._C.DisableTorchFunction():
             events = list(self._copy_events.items())
             if self._fused is not None:
@@ -314,7 +312,7 @@ class Hasher:
                 for recs_rows in _by_device(rows):
                     values = torch.stack([r for _, r in recs_rows]).cpu().tolist()  # one fetch
                     for (rec, _), row in zip(recs_rows, values):
-                        rec.stats = _stats_from_row(row)
+                        rec.stats = stats_from_row(row)
                 for recs_fps in _by_device([(rec, sums) for rec, sums, _ in fps]):
                     values = torch.stack([s for _, s in recs_fps]).cpu().tolist()
                     sizes = {id(rec): n for rec, _, n in fps}

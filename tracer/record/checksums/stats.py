@@ -15,10 +15,10 @@ def stats_tensor(t: torch.Tensor) -> torch.Tensor | None:
 
     The torch path's reduction (also the reference the batched kernel is tested against).
     """
-    flat = _stats_input(t)
+    flat = stats_input(t)
     if flat is None:
         return None
-    return _reduce_one(flat)
+    return reduce_one(flat)
 
 
 def cpu_stats(t: torch.Tensor) -> Stats | None:
@@ -40,13 +40,13 @@ def cpu_stats(t: torch.Tensor) -> Stats | None:
         mean = float(x.sum(dtype=torch.float64)) / x.numel()
         # absmax reuses max's float object when max dominates (no new object per record).
         return Stats(lo_f, hi_f, mean, hi_f if hi_f >= -lo_f else -lo_f, 0, 0)
-    return _stats_from_row(_reduce_one(x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)).tolist())
+    return stats_from_row(reduce_one(x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)).tolist())
 
 
 _AMINMAX_INT = frozenset({torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64})
 
 
-def _stats_input(t: torch.Tensor) -> torch.Tensor | None:
+def stats_input(t: torch.Tensor) -> torch.Tensor | None:
     """A flat contiguous float copy of ``t`` (a snapshot: later in-place changes don't reach it)."""
     x = t.detach()
     if x.numel() == 0:
@@ -61,7 +61,7 @@ _WIDE = frozenset({torch.float64, torch.int64, torch.int32, *(getattr(torch, n) 
                                                             if hasattr(torch, n))})
 
 
-def _reduce_one(data: torch.Tensor) -> torch.Tensor:
+def reduce_one(data: torch.Tensor) -> torch.Tensor:
     finite = torch.isfinite(data)
     zero = torch.zeros((), dtype=data.dtype, device=data.device)
     n_fin = finite.sum(dtype=torch.float64)
@@ -74,7 +74,7 @@ def _reduce_one(data: torch.Tensor) -> torch.Tensor:
     return torch.stack([lo, hi, total / n_fin.clamp(min=1), absmax, n_nan, n_inf, n_fin])
 
 
-def _stats_from_row(row: list[float]) -> Stats:
+def stats_from_row(row: list[float]) -> Stats:
     lo, hi, mean, absmax, nan, inf, n_fin = row
     if n_fin == 0:  # no finite value at all: min/max/mean have no meaning
         return Stats(None, None, None, None, int(nan), int(inf))
@@ -84,11 +84,11 @@ def _stats_from_row(row: list[float]) -> Stats:
 
 # Dtypes whose one value cpu_stats turns into the same Python float as float(t.item()) (the
 # unsigned 16/32/64-bit types go through float32 there, so they are left to it).
-_SCALAR_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool,
+SCALAR_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool,
                             torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64})
 
 
-def _scalar_stats(value: float | int | bool) -> Stats | None:
+def scalar_stats(value: float | int | bool) -> Stats | None:
     """``cpu_stats`` of a one-element tensor from its value; None when it is NaN or infinite."""
     v = float(value)
     if not math.isfinite(v):
