@@ -14,7 +14,7 @@ import torch
 try:  # private: PyTorch's log registry
     from torch._logging import _internal as _torch_logging
 except ImportError:  # pragma: no cover - very old or very new torch
-    _torch_logging = None
+    _torch_logging = None  # type: ignore[assignment]
 
 from tracer.features.logs.levels import parse_level
 
