@@ -6,8 +6,10 @@ How the bytes get hashed:
 - CPU, small tensors: hashed at once (cheaper than any hand-off).
 - CPU, large tensors: the bytes are snapshotted (a copy, so a later in-place change cannot alter
   what gets hashed) and MD5 runs on a pool of worker threads (``hashlib`` releases the GIL).
-- CUDA: the bytes are copied on a side stream into pinned host memory, an event marks the copy,
-  and a worker thread waits on that event and hashes. The training thread never synchronises.
+- CUDA: the bytes are copied into pinned host memory on the stream that made them (so a later
+  in-place write on that stream cannot overtake the copy; writers on other streams are ordered
+  after it by ``before_write``), an event marks the copy, and a worker thread waits on that event
+  and hashes. The training thread never synchronises.
 In-flight bytes are bounded (back-pressure): when the budget (an eighth of the machine's memory,
 at most 16 GiB) is used, ``submit`` waits for the oldest job, so memory stays bounded on a step
 that makes many gigabytes of tensors.
