@@ -14,6 +14,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from export.errors import UserError
 from tracer.model import TraceFormatError
 
 # Modules that contribute subcommands, in the order they appear in --help.
@@ -27,10 +28,6 @@ COMMAND_MODULES = (
     "export.memory_cli",  # memory
     "export.diff_ranks",  # diff-ranks
 )
-
-
-class UserError(Exception):
-    """A problem the user can fix; printed as one line, exit status 2."""
 
 
 def build_parser() -> argparse.ArgumentParser:

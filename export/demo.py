@@ -13,7 +13,7 @@ import os
 import shlex
 from typing import Any
 
-from export.cli import UserError
+from export.errors import UserError
 from export.summary import make_console, render_summary
 
 DEFAULT_OUT = "demo.gtrace"

@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from export.align import Pair, align_calls, align_steps, call_mapping
-from export.cli import UserError
+from export.errors import DiffError, UserError
+from export.load import load_with_notes
 from tracer.analysis.numerics import NumericsReport, find_anomalies
 from tracer.model import SCHEMA_VERSION, Frame, GradNode, Stats, TensorRecord, Trace
 from tracer.model.names import gradient_of
@@ -52,10 +53,6 @@ _STATS = ("min", "max", "mean", "absmax")
 _CAST_APIS = frozenset({"Tensor.to", "Tensor.float", "Tensor.half", "Tensor.bfloat16", "Tensor.double",
                         "Tensor.type", "Tensor.type_as"})
 _CAST_NODES = frozenset({"ToCopyBackward0"})
-
-
-class DiffError(UserError):
-    """Two traces that cannot be compared (exit status 2, one line)."""
 
 
 # ---- comparing two tensors ---------------------------------------------------------------------
@@ -834,8 +831,6 @@ def _params(a: Trace, b: Trace, cmp: Comparer) -> list[ParamDiff]:
 def _load(x: Trace | str | os.PathLike[str], label: str, notes: list[str]) -> tuple[Trace, str]:
     if isinstance(x, Trace):
         return x, label
-    from export.loading import load_with_notes
-
     path = os.fspath(x)
     t, messages = load_with_notes(path)
     notes += [f"{label}: {m}" for m in messages]

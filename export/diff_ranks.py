@@ -37,6 +37,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from export.errors import UserError
+from export.load import load_with_notes
 from tracer.model import Call, Frame, GradNode, TensorRecord, Trace
 
 if TYPE_CHECKING:
@@ -277,8 +279,6 @@ def _rank_of(trace: Trace, label: str) -> int | None:
 def _load(x: Trace | str | os.PathLike[str], index: int, notes: list[str]) -> tuple[Trace, str]:
     if isinstance(x, Trace):
         return x, f"trace {index}"
-    from export.loading import load_with_notes
-
     path = os.fspath(x)
     t, messages = load_with_notes(path)
     notes += [f"{path}: {m}" for m in messages]
@@ -469,8 +469,6 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def run_paths(paths: Sequence[str], *, as_json: bool = False, args: argparse.Namespace | None = None) -> int:
     """Compare per-rank trace files and print the result; the exit status (for ``diff --ranks``),
     also put in ``args.exit_code`` before anything is printed (see ``export.cli.main``)."""
-    from export.cli import UserError
-
     for path in paths:
         if not os.path.exists(path):
             raise UserError(f"no such trace: {path}")

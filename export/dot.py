@@ -29,7 +29,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from export.cli import UserError
+from export.errors import RenderError, UserError
 from export.graph_fold import Cluster, GEdge, GNode, Graph, build
 from tracer.model import Trace
 
@@ -92,10 +92,6 @@ LEGEND_EDGES = (
 
 RENDERED = {".svg": "svg", ".png": "png", ".pdf": "pdf"}
 TEXT = (".dot", ".gv")
-
-
-class RenderError(UserError):
-    """Rendering needs Graphviz's ``dot`` program and it is not installed."""
 
 
 # ---- DOT text ------------------------------------------------------------------------------------

@@ -30,7 +30,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from export.errors import UserError
 from export.html_data import build_payload
+from export.load import load_trace as load
 from export.memory_svg import MEMORY_CSS, memory_svg
 from tracer.model import Trace, install_view
 
@@ -258,8 +260,6 @@ def _human(n: int) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from export.cli import UserError
-    from export.summary import load_trace as load
 
     paths = [args.trace, *args.more]
     for p in paths:

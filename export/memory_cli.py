@@ -6,13 +6,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from export.errors import UserError
+from export.load import load_trace
 from tracer.analysis.memory import MemoryRecord
 from tracer.analysis.memory_views import PlotUnavailable, plot_record, record_tables, write_csv
 
 
 def _cmd_memory(args: argparse.Namespace) -> int:
-    from export.cli import UserError
-    from export.summary import load_trace, make_console
+    from export.summary import make_console
 
     trace = load_trace(args.trace)
     rec = MemoryRecord.from_trace(trace)

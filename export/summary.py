@@ -26,7 +26,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from export.cli import UserError
+from export.errors import UserError
+from export.load import load_trace
 from export.text import shape_text, short_api, short_dtype
 from tracer.model import BackwardRun, Call, Frame, GradNode, Stats, TensorRecord, Trace
 
@@ -56,16 +57,6 @@ def make_console(**options: Any) -> Console:
     kwargs: dict[str, Any] = {"file": sys.stdout, "width": None if tty else PLAIN_WIDTH, "highlight": False,
                               "soft_wrap": False, **options}
     return _StdoutConsole(**kwargs)
-
-
-def load_trace(path: str) -> Trace:
-    """``tracer.load`` with its truncation warning turned into one line on stderr."""
-    from export.loading import load_with_notes
-
-    trace, notes = load_with_notes(path)
-    for note in notes:
-        print(f"gradtrace: warning: {note}", file=sys.stderr)
-    return trace
 
 
 def short_path(path: str) -> str:
