@@ -26,8 +26,6 @@ exit status 2), never called equal.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import os
 from collections import Counter
@@ -36,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from export.align import Pair, align_calls, align_steps, call_mapping
-from export.errors import DiffError, UserError
+from export.errors import DiffError
 from export.load import load_with_notes
 from tracer.analysis.numerics import NumericsReport, find_anomalies
 from tracer.model import SCHEMA_VERSION, Frame, GradNode, Stats, TensorRecord, Trace
@@ -889,52 +887,6 @@ def diff(a: Trace | str | os.PathLike[str], b: Trace | str | os.PathLike[str], *
     bwd = _backward(ta, tb, cmp, calls, touched)
     params = _params(ta, tb, cmp)
     return DiffResult(la, lb, tol, fwd, bwd, params, notes, ta, tb)
-
-
-# ---- command line --------------------------------------------------------------------------------
-def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = subparsers.add_parser(
-        "diff", help="first divergence between two traces, forward and backward (exit 1 if any)",
-        description="Align two traces of the same step and report the first record whose inputs match but "
-                    "outputs differ, forward and backward, with both call stacks. Exit status: 0 equal (or "
-                    "within tolerance), 1 diverged, 2 bad input.")
-    p.add_argument("a", metavar="A", help="first trace (.gtrace)")
-    p.add_argument("b", metavar="B", help="second trace (.gtrace)")
-    p.add_argument("more", nargs="*", metavar="TRACE", help="with --ranks: the other ranks' traces")
-    p.add_argument("--ranks", action="store_true",
-                   help="compare the per-rank traces of one data-parallel step (see gradtrace diff-ranks)")
-    p.add_argument("--html", metavar="OUT", help="also write a self-contained HTML view")
-    p.add_argument("--rtol", type=float, help="relative tolerance: compare by recorded stats, not checksums")
-    p.add_argument("--atol", type=float, help="absolute tolerance: compare by recorded stats, not checksums")
-    p.add_argument("--json", action="store_true", help="print the result as JSON instead of tables")
-    p.set_defaults(func=_run)
-
-
-def _run(args: argparse.Namespace) -> int:
-    import sys
-
-    if args.ranks:
-        from export.diff_ranks import run_paths
-
-        return run_paths([args.a, args.b, *args.more], as_json=args.json, args=args)
-    if args.more:
-        raise UserError("diff compares two traces; pass --ranks to compare one trace per rank")
-
-    result = diff(args.a, args.b, rtol=args.rtol, atol=args.atol)
-    args.exit_code = result.exit_code  # the verdict, whatever happens to the output (a closed pipe)
-    if args.json:
-        print(json.dumps(result.to_json(), indent=2, sort_keys=True, allow_nan=False))
-    else:
-        from export.summary import make_console
-
-        result.render(make_console())
-    if args.html:
-        from export.diff_html import diff_html
-
-        assert result.trace_a is not None and result.trace_b is not None
-        diff_html(result, result.trace_a, result.trace_b, args.html)
-        print(f"wrote {args.html}", file=sys.stderr)
-    return result.exit_code
 
 
 # ---- terminal output -------------------------------------------------------------------------------

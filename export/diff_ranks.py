@@ -28,8 +28,6 @@ Exit status: 0 replicas agree, 1 a rank departed, 2 traces that cannot be compar
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import re
 from collections import Counter
@@ -37,7 +35,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from export.errors import UserError
 from export.load import load_with_notes
 from tracer.model import Call, Frame, GradNode, TensorRecord, Trace
 
@@ -451,43 +448,6 @@ def _call_order(x: _Ranked, call: Call | None) -> int:
             if rec is not None:
                 return rec.seq
     return len(x.trace.tensors)
-
-
-# ---- command line ----------------------------------------------------------------------------------------
-def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = subparsers.add_parser(
-        "diff-ranks", help="compare the per-rank traces of one data-parallel step (exit 1 if a rank departed)",
-        description="Compare what must be identical across data-parallel replicas (parameters, gradients after "
-                    "the all-reduce, outputs of rank-invariant collectives, the order of collectives) in the "
-                    "per-rank traces of one step, and report the first record where a rank departs with its "
-                    "call, stack and module path. Exit status: 0 agree, 1 a rank departed, 2 bad input.")
-    p.add_argument("traces", nargs="+", metavar="TRACE", help="per-rank traces (step.rank0.gtrace step.rank1.gtrace ...)")
-    p.add_argument("--json", action="store_true", help="print the result as JSON instead of tables")
-    p.set_defaults(func=_run)
-
-
-def run_paths(paths: Sequence[str], *, as_json: bool = False, args: argparse.Namespace | None = None) -> int:
-    """Compare per-rank trace files and print the result; the exit status (for ``diff --ranks``),
-    also put in ``args.exit_code`` before anything is printed (see ``export.cli.main``)."""
-    for path in paths:
-        if not os.path.exists(path):
-            raise UserError(f"no such trace: {path}")
-    result = diff_ranks(list(paths))
-    if result.problems:
-        raise UserError("; ".join(result.problems))
-    if args is not None:
-        args.exit_code = result.exit_code
-    if as_json:
-        print(json.dumps(result.to_json(), indent=2, sort_keys=True, allow_nan=False))
-    else:
-        from export.summary import make_console
-
-        result.render(make_console())
-    return result.exit_code
-
-
-def _run(args: argparse.Namespace) -> int:
-    return run_paths(args.traces, as_json=args.json, args=args)
 
 
 # ---- terminal output --------------------------------------------------------------------------------------

@@ -20,19 +20,15 @@ page says how many were left out; ``gradtrace show``/``summary`` still read the 
 
 from __future__ import annotations
 
-import argparse
 import html as _html
 import json
 import os
 import re
-import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from export.errors import UserError
 from export.html_data import build_payload
-from export.load import load_trace as load
 from export.memory_svg import MEMORY_CSS, memory_svg
 from tracer.model import Trace, install_view
 
@@ -188,10 +184,13 @@ def _first_calls(trace: Trace, k: int) -> Trace:
 
 def html(trace: Trace, path: str | os.PathLike[str], *, max_bytes: int = DEFAULT_MAX_BYTES) -> int:
     """Write the self-contained report for ``trace`` to ``path``; return the bytes written."""
-    return _write(trace, path, max_bytes)[0]
+    return write_page(trace, path, max_bytes=max_bytes)[0]
 
 
-def _write(trace: Trace, path: str | os.PathLike[str], max_bytes: int) -> tuple[int, dict[str, Any] | None]:
+def write_page(trace: Trace, path: str | os.PathLike[str], *,
+               max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[int, dict[str, Any] | None]:
+    """Write the report; the bytes written and, when ``max_bytes`` cut the page, what was left
+    out (``message`` says it in words)."""
     page, omitted = _render(trace, max_bytes)
     data = page.encode("utf-8")
     with open(path, "wb") as f:
@@ -255,49 +254,7 @@ def default_output(trace_path: str) -> str:
     return base + ".html"
 
 
-def _human(n: int) -> str:
-    return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.0f} kB"
-
-
-def _run(args: argparse.Namespace) -> int:
-
-    paths = [args.trace, *args.more]
-    for p in paths:
-        if not os.path.exists(p):
-            raise UserError(f"no such trace file: {p}")
-    out = args.output or default_output(args.trace)
-    if args.more:  # several ranks of one run: one page with a rank switcher
-        from export.html_ranks import html_ranks
-
-        size = html_ranks([load(p) for p in paths], out, max_bytes=args.max_bytes)
-        print(f"{out} ({_human(size)}, {size} bytes, {len(paths)} ranks)")
-        return 0
-    trace = load(args.trace)
-    try:
-        size, omitted = _write(trace, out, args.max_bytes)
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
-    except OSError as exc:
-        raise UserError(f"cannot write {out}: {exc.strerror or exc}") from None
-    print(f"{out} ({_human(size)}, {size} bytes)")
-    if omitted is not None:
-        print(f"gradtrace report: note: {omitted['message']}", file=sys.stderr)
-    return 0
-
-
-def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("report", help="write the interactive HTML report of a trace",
-                              description="Write a self-contained HTML report (no network needed to view it).")
-    p.add_argument("trace", help="a .gtrace file")
-    p.add_argument("more", nargs="*", metavar="TRACE",
-                   help="more traces: the other ranks of a distributed run (one page, a rank switcher)")
-    p.add_argument("-o", "--output", help="output .html (default: the trace path with .html)")
-    p.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES,
-                   help=f"page size limit; past it only the first calls are kept (default {DEFAULT_MAX_BYTES:,})")
-    p.set_defaults(func=_run)
-
-
-__all__ = ["DEFAULT_MAX_BYTES", "default_output", "html", "json_for_script", "notebook_html", "register", "render"]
+__all__ = ["DEFAULT_MAX_BYTES", "default_output", "html", "json_for_script", "notebook_html", "render", "write_page"]
 
 
 install_view("notebook", notebook_html)  # Trace._repr_html_ in notebooks, once export is imported

@@ -15,9 +15,7 @@ same from run to run.
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 from collections import Counter
 from typing import Any
 
@@ -27,13 +25,11 @@ from rich.table import Table
 from rich.text import Text
 
 from export.errors import UserError
-from export.load import load_trace
 from export.text import shape_text, short_api, short_dtype
 from tracer.model import BackwardRun, Call, Frame, GradNode, Stats, TensorRecord, Trace
 
 TOP_APIS = 15
 MAX_ROWS = 40
-PLAIN_WIDTH = 120
 
 _ITEMSIZE = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex128": 16, "complex64": 8,
@@ -43,22 +39,6 @@ _ITEMSIZE = {
 
 
 # ---- shared helpers --------------------------------------------------------------------------------
-class _StdoutConsole(Console):
-    """rich's Console exits with status 1 when stdout's reader goes away (``| head``); gradtrace
-    raises BrokenPipeError instead, so ``export.cli.main`` keeps the command's own status."""
-
-    def on_broken_pipe(self) -> None:
-        raise BrokenPipeError
-
-
-def make_console(**options: Any) -> Console:
-    """A console on stdout: rich on a terminal, plain and 120 columns wide when piped."""
-    tty = sys.stdout.isatty()
-    kwargs: dict[str, Any] = {"file": sys.stdout, "width": None if tty else PLAIN_WIDTH, "highlight": False,
-                              "soft_wrap": False, **options}
-    return _StdoutConsole(**kwargs)
-
-
 def short_path(path: str) -> str:
     """A path relative to the current directory when it lies inside it (shorter to read)."""
     try:
@@ -504,53 +484,3 @@ def md5_lines(trace: Trace) -> list[str]:
     return [f"{t.name}:{t.md5 or t.fingerprint or '-'}" for t in trace.tensors_in_order()]
 
 
-# ---- commands --------------------------------------------------------------------------------------
-def _cmd_summary(args: argparse.Namespace) -> int:
-    trace = load_trace(args.trace)
-    render_summary(trace, make_console())
-    return 0
-
-
-def _cmd_show(args: argparse.Namespace) -> int:
-    trace = load_trace(args.trace)
-    lookup(trace, args.name)  # fail with the suggestion before printing anything
-    render_record(trace, args.name, make_console())
-    return 0
-
-
-def _cmd_md5(args: argparse.Namespace) -> int:
-    trace = load_trace(args.trace)
-    if trace.hash_algorithm == "none":
-        raise UserError(f"{args.trace} was recorded with hash='none': it has no checksums "
-                        "(record with tracer.trace(hash='md5'))")
-    lines = md5_lines(trace)
-    sys.stdout.write("".join(line + "\n" for line in lines))
-    sys.stdout.flush()
-    return 0
-
-
-def register(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "summary", help="status, counts, top APIs, modules, backward runs and NaN/Inf of a trace",
-        description="Print a summary of a trace: header, top APIs, per-module counts, backward runs "
-                    "and tensors with NaN or Inf. Plain text when not on a terminal.")
-    p.add_argument("trace", help="a .gtrace file")
-    p.set_defaults(func=_cmd_summary)
-
-    p = subparsers.add_parser(
-        "show", help="one call, tensor, grad node or backward run with its links and stack",
-        description="Print one record by name (call linear3, tensor linear3:out, grad node "
-                    "linear3/AddmmBackward0, backward run backward0) with every field, the records "
-                    "it links to and its call stack. An unknown name exits 2 and suggests close names.")
-    p.add_argument("trace", help="a .gtrace file")
-    p.add_argument("name", help="the record's name")
-    p.set_defaults(func=_cmd_show)
-
-    p = subparsers.add_parser(
-        "md5", help="name:md5 per tensor in creation order (for diff)",
-        description="Print one line 'name:md5' per tensor in creation order and nothing else, so "
-                    "`diff <(gradtrace md5 a.gtrace) <(gradtrace md5 b.gtrace)` compares two runs. "
-                    "A tensor that was not hashed (meta, fake, sparse, ...) prints 'name:-'. "
-                    "A trace recorded with hash='none' is an error (exit 2).")
-    p.add_argument("trace", help="a .gtrace file")
-    p.set_defaults(func=_cmd_md5)

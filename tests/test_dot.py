@@ -24,8 +24,9 @@ import torch.nn.functional as F
 
 import tracer
 from export.backward_graph import backward_graph
-from export.cli import UserError, main
+from export.cli import main
 from export.dot import RenderError, dot
+from export.errors import UserError
 
 GOLDEN = Path(__file__).parent / "golden"
 SVG_TEXT = "{http://www.w3.org/2000/svg}text"
