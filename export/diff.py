@@ -36,8 +36,10 @@ from typing import TYPE_CHECKING, Any
 from export.align import Pair, align_calls, align_steps, call_mapping
 from export.errors import DiffError
 from export.load import load_with_notes
+from export.text import frame_text
 from tracer.analysis.numerics import NumericsReport, find_anomalies
 from tracer.model import SCHEMA_VERSION, Frame, GradNode, Stats, TensorRecord, Trace
+from tracer.model.display import format_number, json_number, param_module
 from tracer.model.names import gradient_of
 
 if TYPE_CHECKING:
@@ -168,7 +170,7 @@ class Row:
 
     def to_json(self) -> dict[str, Any]:
         return {"a": self.a, "b": self.b, "module": self.module, "what": self.what, "status": self.status,
-                "max_abs": _num(self.max_abs), "max_rel": _num(self.max_rel), "note": self.note}
+                "max_abs": json_number(self.max_abs), "max_rel": json_number(self.max_rel), "note": self.note}
 
 
 @dataclass
@@ -269,9 +271,9 @@ class Divergence:
             "independent": self.independent, "inserted": self.inserted, "removed": self.removed,
             "casts": self.casts,
             "largest": None if self.largest is None else self.largest.to_json(),
-            "within_before_origin": _num(self.before_origin),
-            "per_module": {m: {"compared": s.compared, "differing": s.differing, "max_abs": _num(s.max_abs),
-                               "max_rel": _num(s.max_rel), "where": s.where}
+            "within_before_origin": json_number(self.before_origin),
+            "per_module": {m: {"compared": s.compared, "differing": s.differing, "max_abs": json_number(s.max_abs),
+                               "max_rel": json_number(s.max_rel), "where": s.where}
                            for m, s in sorted(self.per_module.items())},
             "records": [r.to_json() for r in self.rows if r.status != "equal"],
             "notes": self.notes,
@@ -295,7 +297,7 @@ class ParamDiff:
 
     def to_json(self) -> dict[str, Any]:
         def c(x: Compared | None) -> Any:
-            return None if x is None else {"status": x.status, "max_abs": _num(x.abs), "max_rel": _num(x.rel)}
+            return None if x is None else {"status": x.status, "max_abs": json_number(x.abs), "max_rel": json_number(x.rel)}
         return {"name": self.name, "value": c(self.value), "grad": c(self.grad), "updated": c(self.updated),
                 "only_in": self.only_in}
 
@@ -357,7 +359,7 @@ class DiffResult:
             if top is None or not top.max_rel:
                 at = ": no difference in the recorded stats"
             else:
-                at = f": largest relative difference {_fmt(top.max_rel)} at {top.a} (in {top.module or '<root>'})"
+                at = f": largest relative difference {format_number(top.max_rel, 3)} at {top.a} (in {top.module or '<root>'})"
             casts = len(f.casts) + len(b.casts)
             tail += f"; {casts} dtype cast(s) made by one side only, ignored" if casts else ""
             return f"EQUAL within {self.tolerance}{at}{tail}"
@@ -368,7 +370,7 @@ class DiffResult:
             parts.append(changed + (f"; {n} parameter(s) differ in all" if changed else f"{n} parameter(s) differ"))
         head = "DIVERGED" if self.tolerance is None else f"BEYOND TOLERANCE ({self.tolerance})"
         if self.tolerance is not None and f.origin is not None:
-            head += f", within it up to rel {_fmt(f.before_origin)}"
+            head += f", within it up to rel {format_number(f.before_origin, 3)}"
         return f"{head} — " + " | ".join(parts)
 
     def to_json(self) -> dict[str, Any]:
@@ -397,21 +399,6 @@ class DiffResult:
 
 
 # ---- helpers -----------------------------------------------------------------------------------
-def _num(x: float | None) -> float | str | None:
-    """JSON-safe number: non-finite values as strings (strict JSON has no Infinity)."""
-    if x is None or math.isfinite(x):
-        return x
-    return str(x)
-
-
-def _fmt(x: float | None) -> str:
-    if x is None:
-        return "-"
-    if math.isinf(x):
-        return "inf"
-    return f"{x:.3g}"
-
-
 def _frame_json(f: Frame) -> dict[str, Any]:
     return {"file": f.file, "line": f.line, "function": f.function, "code": f.code}
 
@@ -424,15 +411,11 @@ def _max_opt(x: float | None, y: float | None) -> float | None:
     return max(x, y)
 
 
-def _param_module(name: str) -> str:
-    return name.rsplit(".", 1)[0] if "." in name else ""
-
-
 def _out_reason(outs: list[tuple[str | None, str | None, Compared]], row: Row, tol: Tolerance | None,
                 what: str = "inputs") -> str:
     """Why a record whose inputs match is an origin, in the words of the comparison mode."""
     if tol is not None:
-        return f"{what} within tolerance, outputs beyond it (rel {_fmt(row.max_rel)})"
+        return f"{what} within tolerance, outputs beyond it (rel {format_number(row.max_rel, 3)})"
     first = next((c for _, _, c in outs if c.status == "differ"), None)
     extra = f" ({first.why})" if first is not None and first.why.startswith(("dtype", "shape")) else ""
     return f"{what} match, outputs differ{extra}"
@@ -622,7 +605,7 @@ def _node_module(trace: Trace, node: GradNode | None) -> str:
     if node.call is not None:
         c = trace.get(node.call)
         return getattr(c, "module", "")
-    return _param_module(node.param) if node.param else ""
+    return param_module(node.param) if node.param else ""
 
 
 def _node_kind(trace: Trace, name: str) -> tuple[GradNode | None, str]:
@@ -893,12 +876,6 @@ def diff(a: Trace | str | os.PathLike[str], b: Trace | str | os.PathLike[str], *
 _MAX_ROWS = 30
 
 
-def _frame_text(f: Frame | None) -> str:
-    if f is None:
-        return ""
-    return f"{os.path.basename(f.file)}:{f.line} in {f.function}\n  {f.code}"
-
-
 def _render(result: DiffResult, console: Console) -> None:
     from rich.table import Table
     from rich.text import Text
@@ -942,9 +919,9 @@ def _render(result: DiffResult, console: Console) -> None:
             s.add_row(tx("module"), tx(mod(o.module)), tx(mod(o.module)))
             s.add_row(tx("op"), tx(o.what), tx(o.what))
             if o.max_rel is not None:
-                s.add_row(tx("largest diff"), tx(f"abs {_fmt(o.max_abs)}  rel {_fmt(o.max_rel)}"), tx(""))
-            s.add_row(tx("stack"), tx("\n".join(_frame_text(f) for f in d.stack_a[-6:])),
-                      tx("\n".join(_frame_text(f) for f in d.stack_b[-6:])))
+                s.add_row(tx("largest diff"), tx(f"abs {format_number(o.max_abs, 3)}  rel {format_number(o.max_rel, 3)}"), tx(""))
+            s.add_row(tx("stack"), tx("\n".join(frame_text(f) for f in d.stack_a[-6:])),
+                      tx("\n".join(frame_text(f) for f in d.stack_b[-6:])))
             console.print(s)
         shown = [r for r in d.rows if r.status in ("inserted", "removed")][:_MAX_ROWS // 2]
         if shown:
@@ -965,7 +942,7 @@ def _render(result: DiffResult, console: Console) -> None:
             p.add_column(col, justify="left" if col == "module" else "right")
         for m in mods[:_MAX_ROWS]:
             p.add_row(tx(mod(m["module"])), tx(m["forward"]), tx(m["backward"]), tx(m["after_backward"]),
-                      tx(_fmt(m["max_abs"])), tx(_fmt(m["max_rel"])), style="red" if m["origin"] else None)
+                      tx(format_number(m["max_abs"], 3)), tx(format_number(m["max_rel"], 3)), style="red" if m["origin"] else None)
         if len(mods) > _MAX_ROWS:
             p.add_row(tx(f"… {len(mods) - _MAX_ROWS} more modules"), *[tx("")] * 5)
         console.print(p)
@@ -980,7 +957,7 @@ def _render(result: DiffResult, console: Console) -> None:
                     return tx(f"only in {pd.only_in}")
                 if c is None:
                     return tx("-")
-                return tx(c.status if c.rel is None or c.status == "equal" else f"{c.status} (rel {_fmt(c.rel)})")
+                return tx(c.status if c.rel is None or c.status == "equal" else f"{c.status} (rel {format_number(c.rel, 3)})")
             q.add_row(tx(pd.name), cell(pd.value), cell(pd.grad), cell(pd.updated))
         if len(bad) > _MAX_ROWS:
             q.add_row(tx(f"… {len(bad) - _MAX_ROWS} more"), tx(""), tx(""), tx(""))

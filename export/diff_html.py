@@ -25,8 +25,9 @@ import os
 from collections import defaultdict
 from typing import Any
 
-from export.diff import DiffResult, Divergence, Row, _num, module_table
+from export.diff import DiffResult, Divergence, Row, module_table
 from tracer.model import Call, Frame, GradNode, Trace
+from tracer.model.display import json_number
 
 _COLUMN = 6   # nodes per graph column
 _DEPTH = 3    # levels drawn downstream of the origin
@@ -37,7 +38,7 @@ def _frames(stack: tuple[Frame, ...]) -> list[dict[str, Any]]:
 
 
 def _row(r: Row) -> list[Any]:
-    return [r.a, r.b, r.module, r.what, r.status, _num(r.max_abs), _num(r.max_rel), r.note]
+    return [r.a, r.b, r.module, r.what, r.status, json_number(r.max_abs), json_number(r.max_rel), r.note]
 
 
 # ---- graph of the records around the divergence ----------------------------------------------------
@@ -186,7 +187,7 @@ def diff_payload(result: DiffResult, a: Trace, b: Trace) -> dict[str, Any]:
         "tolerance": None if result.tolerance is None else str(result.tolerance),
         "notes": result.notes,
         "sections": [_section(result.forward, a, b), _section(result.backward, a, b)],
-        "modules": [{**m, "max_abs": _num(m["max_abs"]), "max_rel": _num(m["max_rel"])}
+        "modules": [{**m, "max_abs": json_number(m["max_abs"]), "max_rel": json_number(m["max_rel"])}
                     for m in module_table(result)],
         "params": [p.to_json() for p in result.differing_params],
     }

@@ -36,7 +36,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from export.load import load_with_notes
+from export.text import frame_text
 from tracer.model import Call, Frame, GradNode, TensorRecord, Trace
+from tracer.model.display import format_number
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -140,12 +142,14 @@ class RankDiffResult:
 
 
 # ---- classifying records -------------------------------------------------------------------------------
-def _short_api(api: str) -> str:
+def op_name(api: str) -> str:
+    """The operation an API name ends in, the key of ``RANK_INVARIANT``: ``torch.distributed.all_reduce``
+    -> ``all_reduce`` (a key, not a display name: see ``tracer.model.display.short_api`` for that)."""
     return api.rsplit(".", 1)[-1]
 
 
 def _invariant_call(call: Call | None) -> bool:
-    return call is not None and call.kind == "collective" and _short_api(call.api) in RANK_INVARIANT
+    return call is not None and call.kind == "collective" and op_name(call.api) in RANK_INVARIANT
 
 
 def group_of(call: Call) -> str:
@@ -418,7 +422,7 @@ def _compare_schedule(ranked: list[_Ranked], result: RankDiffResult) -> None:
     for i in range(length):
         sig = {}
         for r, s in seqs.items():
-            sig[r] = MISSING if i >= len(s) else f"{_short_api(s[i].api)}|{s[i].args}"
+            sig[r] = MISSING if i >= len(s) else f"{op_name(s[i].api)}|{s[i].args}"
         if len(set(sig.values())) == 1:
             continue
         ref = _reference(sig)
@@ -429,8 +433,8 @@ def _compare_schedule(ranked: list[_Ranked], result: RankDiffResult) -> None:
         theirs = seqs[ref[0]][i] if i < len(seqs[ref[0]]) else None
         shown = mine or theirs
         assert shown is not None
-        what_mine = f"{mine.name} ({_short_api(mine.api)}, {mine.args})" if mine else "nothing"
-        what_ref = f"{theirs.name} ({_short_api(theirs.api)}, {theirs.args})" if theirs else "nothing"
+        what_mine = f"{mine.name} ({op_name(mine.api)}, {mine.args})" if mine else "nothing"
+        what_ref = f"{theirs.name} ({op_name(theirs.api)}, {theirs.args})" if theirs else "nothing"
         result.departures.append(Departure(
             record=shown.name, what="collective sequence", rank=rank, ranks=departing, reference=ref,
             reason=f"collective #{i} on the default group: rank {rank} issued {what_mine}, "
@@ -451,10 +455,6 @@ def _call_order(x: _Ranked, call: Call | None) -> int:
 
 
 # ---- terminal output --------------------------------------------------------------------------------------
-def _frame_text(f: Frame) -> str:
-    return f"{os.path.basename(f.file)}:{f.line} in {f.function}\n  {f.code}"
-
-
 def _render(result: RankDiffResult, console: Console) -> None:
     from rich.table import Table
     from rich.text import Text
@@ -480,11 +480,11 @@ def _render(result: RankDiffResult, console: Console) -> None:
                                   f"reference: {', '.join(map(str, d.reference))}"))
         t.add_row(tx("why"), tx(d.reason))
         if d.max_abs is not None:
-            t.add_row(tx("largest stat diff"), tx(f"{d.max_abs:.3g}"))
+            t.add_row(tx("largest stat diff"), tx(format_number(d.max_abs, 3)))
         t.add_row(tx("call"), tx(f"{d.call or '-'}  {d.api or ''}"))
         t.add_row(tx("module"), tx(d.module or "<root>"))
         if d.stack:
-            t.add_row(tx("stack"), tx("\n".join(_frame_text(f) for f in d.stack[-6:])))
+            t.add_row(tx("stack"), tx("\n".join(frame_text(f) for f in d.stack[-6:])))
         console.print(t)
     if len(result.departures) > 1:
         t = Table(title=f"All departures ({len(result.departures)})", title_justify="left")

@@ -31,6 +31,7 @@ from typing import Any
 from export.errors import RenderError, UserError
 from export.graph_fold import Cluster, GEdge, GNode, Graph, build
 from tracer.model import Trace
+from tracer.model.display import sibling
 
 FONT = "Helvetica"
 
@@ -258,7 +259,4 @@ def dot(trace: Trace, path: str | os.PathLike[str] | None = None, *, depth: int 
 
 def default_output(trace_path: str) -> str:
     """Where ``gradtrace dot TRACE`` writes by default: the trace's name with ``.dot``."""
-    p = Path(trace_path)
-    if p.suffix == ".gz":
-        p = p.with_suffix("")
-    return os.fspath(p.with_suffix(".dot"))
+    return sibling(trace_path, ".dot")

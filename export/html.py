@@ -30,7 +30,9 @@ from typing import Any
 
 from export.html_data import build_payload
 from export.memory_svg import MEMORY_CSS, memory_svg
+from export.views import first_params, nonfinite
 from tracer.model import Trace, install_view
+from tracer.model.display import shape_times, sibling
 
 DEFAULT_MAX_BYTES = 20_000_000
 NOTEBOOK_INLINE_MAX_BYTES = 400_000  # a notebook embeds the full page only when it is this small
@@ -204,8 +206,8 @@ def notebook_html(trace: Trace, *, top: int = 12) -> str:
     report is embedded (iframe ``srcdoc``) only when its page is small."""
     e = _html.escape
     model = trace.modules.get("", "") or "trace"
-    params = [t for t in trace.tensors.values() if t.role == "param" and t.previous is None and "@v" not in t.name]
-    nonfinite = [t.name for t in trace.tensors_in_order() if t.stats is not None and not t.stats.finite]
+    params = first_params(trace)
+    nonfinite_names = [t.name for t in nonfinite(trace)]
     facts = [f"status <b>{e(trace.status)}</b>", f"{len(trace.calls)} calls", f"{len(trace.grad_nodes)} grad nodes",
              f"{len(trace.tensors)} tensors", f"{len(trace.backward_runs)} backward runs",
              f"{len(params)} parameters ({sum(t.numel for t in params):,} values)",
@@ -214,7 +216,7 @@ def notebook_html(trace: Trace, *, top: int = 12) -> str:
     rows = []
     for c in trace.calls[:top]:
         out = trace.tensors.get(c.outputs[0]) if c.outputs else None
-        shape = ("×".join(map(str, out.shape)) or "scalar") if out else ""
+        shape = shape_times(out.shape) if out else ""
         md5 = (out.md5 or "")[:12] if out else ""
         bad = ' style="color:#d1242f"' if out is not None and out.stats is not None and not out.stats.finite else ""
         rows.append(f"<tr{bad}><td><code>{e(c.name)}</code></td><td><code>{e(c.api)}</code></td>"
@@ -225,9 +227,9 @@ def notebook_html(trace: Trace, *, top: int = 12) -> str:
         '<div class="gradtrace-summary" style="font-family:sans-serif;font-size:13px">',
         f"<div><b>gradtrace · {e(model)}</b> — {' · '.join(facts)}</div>",
     ]
-    if nonfinite:
-        parts.append(f'<div style="color:#d1242f">{len(nonfinite)} tensor(s) with NaN/Inf, first '
-                     f"<code>{e(nonfinite[0])}</code></div>")
+    if nonfinite_names:
+        parts.append(f'<div style="color:#d1242f">{len(nonfinite_names)} tensor(s) with NaN/Inf, first '
+                     f"<code>{e(nonfinite_names[0])}</code></div>")
     if trace.status != "ok" and trace.error:
         parts.append(f'<div style="color:#d1242f">{e(str(trace.error))}</div>')
     parts.append('<table style="font-size:12px"><tr><th>call</th><th>API</th><th>module</th><th>output</th>'
@@ -245,13 +247,10 @@ def notebook_html(trace: Trace, *, top: int = 12) -> str:
     return "".join(parts)
 
 
-# ---- CLI --------------------------------------------------------------------------------------
+# ---- file names -------------------------------------------------------------------------------
 def default_output(trace_path: str) -> str:
-    base = trace_path
-    for suffix in (".gz", ".gtrace", ".jsonl", ".json"):
-        if base.endswith(suffix):
-            base = base[: -len(suffix)]
-    return base + ".html"
+    """Where the report of a trace goes by default: beside it, ``step.gtrace.gz`` -> ``step.html``."""
+    return sibling(trace_path, ".html")
 
 
 __all__ = ["DEFAULT_MAX_BYTES", "default_output", "html", "json_for_script", "notebook_html", "render", "write_page"]

@@ -12,12 +12,9 @@ from html import escape
 from typing import Any
 
 from tracer.model import Trace
+from tracer.model.display import format_bytes
 
 WIDTH, HEIGHT, PAD_L, PAD_B, PAD_T = 1100, 320, 70, 30, 20
-
-
-def _mib(n: float) -> str:
-    return f"{n / 2**20:,.1f} MiB"
 
 
 def memory_svg(trace: Trace, max_points: int = 2000) -> str | None:
@@ -49,24 +46,24 @@ def memory_svg(trace: Trace, max_points: int = 2000) -> str | None:
     for frac in (0, 0.25, 0.5, 0.75, 1):
         yy = y(top * frac)
         parts.append(f'<line class="grid" x1="{PAD_L}" x2="{WIDTH - 10}" y1="{yy:.1f}" y2="{yy:.1f}"/>'
-                     f'<text class="axis" x="{PAD_L - 6}" y="{yy + 4:.1f}" text-anchor="end">{_mib(top * frac)}</text>')
+                     f'<text class="axis" x="{PAD_L - 6}" y="{yy + 4:.1f}" text-anchor="end">{format_bytes(int(top * frac))}</text>')
     for key, cls in (("reserved", "reserved"), ("allocated", "allocated")):
         pts = " ".join(f"{x(p['seq']):.1f},{y(p[key]):.1f}" for p in points if p.get(key) is not None)
         if pts:
             parts.append(f'<polyline class="{cls}" points="{pts}"/>')
     for p in points:
-        tip = (f"#{p['seq']} {p['action']} {_mib(p['bytes'] or 0)} by {p['owner'] or '(unattributed)'} "
-               f"[{p['phase']}] → allocated {_mib(p['allocated'] or 0)}"
-               + (f", reserved {_mib(p['reserved'])}" if p.get("reserved") is not None else ""))
+        tip = (f"#{p['seq']} {p['action']} {format_bytes(int(p['bytes'] or 0))} by {p['owner'] or '(unattributed)'} "
+               f"[{p['phase']}] → allocated {format_bytes(int(p['allocated'] or 0))}"
+               + (f", reserved {format_bytes(int(p['reserved']))}" if p.get("reserved") is not None else ""))
         parts.append(f'<circle class="pt" cx="{x(p["seq"]):.1f}" cy="{y(p["allocated"] or 0):.1f}" r="2.5">'
                      f"<title>{escape(tip)}</title></circle>")
     peak = data.get("peak")
     if peak is not None:
         p = points[peak]
         parts.append(f'<circle class="peak" cx="{x(p["seq"]):.1f}" cy="{y(p["allocated"] or 0):.1f}" r="6">'
-                     f'<title>{escape("peak: " + _mib(p["allocated"] or 0) + " at " + str(p["owner"]))}</title></circle>'
+                     f'<title>{escape("peak: " + format_bytes(int(p["allocated"] or 0)) + " at " + str(p["owner"]))}</title></circle>'
                      f'<text class="peak-label" x="{x(p["seq"]) + 8:.1f}" y="{y(p["allocated"] or 0) - 6:.1f}">'
-                     f'peak {escape(_mib(p["allocated"] or 0))} · {escape(str(p["owner"]))}</text>')
+                     f'peak {escape(format_bytes(int(p["allocated"] or 0)))} · {escape(str(p["owner"]))}</text>')
     parts.append(f'<text class="axis" x="{PAD_L}" y="{HEIGHT - 8}">event {first}</text>'
                  f'<text class="axis" x="{WIDTH - 10}" y="{HEIGHT - 8}" text-anchor="end">event {last}</text>')
     parts.append("</svg>")

@@ -14,7 +14,7 @@ import shlex
 from export.cli.command import Command
 from export.cli.console import make_console
 from export.errors import UserError
-from export.html import html
+from export.html import default_output, html
 from export.summary import render_summary
 from tracer.api import trace
 from tracer.demo import build_demo, demo_step
@@ -41,12 +41,6 @@ def _check_writable(path: str) -> None:
         raise UserError(f"{path} exists and is not a gradtrace trace; choose another name with -o")
 
 
-def html_path_for(trace_path: str) -> str:
-    base = trace_path[:-3] if trace_path.endswith(".gz") else trace_path
-    root, ext = os.path.splitext(base)
-    return (root if ext == ".gtrace" else base) + ".html"
-
-
 def run_demo(out: str, report: bool = True) -> list[str]:
     """Trace one demo step into ``out`` (and its HTML report); return the files written."""
     _check_writable(out)
@@ -57,7 +51,7 @@ def run_demo(out: str, report: bool = True) -> list[str]:
     render_summary(t, console)
     written = [out]
     if report:
-        page = html_path_for(out)
+        page = default_output(out)
         html(t, page)
         written.append(page)
     console.print()

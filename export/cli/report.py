@@ -12,10 +12,7 @@ from export.errors import UserError
 from export.html import DEFAULT_MAX_BYTES, default_output, write_page
 from export.html_ranks import html_ranks
 from export.load import load_trace
-
-
-def _human(n: int) -> str:
-    return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.0f} kB"
+from tracer.model.display import format_size
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
@@ -35,7 +32,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
     out = args.output or default_output(args.trace)
     if args.more:  # several ranks of one run: one page with a rank switcher
         size = html_ranks([load_trace(p) for p in paths], out, max_bytes=args.max_bytes)
-        print(f"{out} ({_human(size)}, {size} bytes, {len(paths)} ranks)")
+        print(f"{out} ({format_size(size)}, {size} bytes, {len(paths)} ranks)")
         return 0
     trace = load_trace(args.trace)
     try:
@@ -44,7 +41,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
         raise UserError(str(exc)) from None
     except OSError as exc:
         raise UserError(f"cannot write {out}: {exc.strerror or exc}") from None
-    print(f"{out} ({_human(size)}, {size} bytes)")
+    print(f"{out} ({format_size(size)}, {size} bytes)")
     if omitted is not None:
         print(f"gradtrace report: note: {omitted['message']}", file=sys.stderr)
     return 0

@@ -31,6 +31,7 @@ from tracer.api import trace
 from tracer.loops.program import Program, _execute
 from tracer.loops.steps import StepObserver, StepTrace
 from tracer.model import Trace, load_steps
+from tracer.model.display import format_size, with_tag
 
 
 # ---- the program -------------------------------------------------------------------------------
@@ -162,10 +163,6 @@ def _size(text: str) -> int:
     return int(float(m.group(1)) * 1000 ** " kmgt".index(m.group(2).lower() or " "))
 
 
-def _human(n: int) -> str:
-    return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.0f} kB" if n >= 1e3 else f"{n} bytes"
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", metavar="STEPS",
                    help="optimizer steps to trace, counting from 0: '3', '10,40', '100-105', '500-' "
@@ -218,7 +215,7 @@ def _conclude(st: StepTrace, program: Program, args: argparse.Namespace, progres
     listed = ", ".join(map(str, st.steps))
     where = files[0] if len(files) == 1 else f"{len(files)} files ({files[0]} ...)"
     print(f"gradtrace: traced step{'s' if len(st.steps) > 1 else ''} {listed} of {name} -> {where} "
-          f"({_human(size)})", file=err)
+          f"({format_size(size)})", file=err)
     reports = _reports(st, progress) if args.report else []
     for r in reports:
         print(f"gradtrace: report -> {r}", file=err)
@@ -235,7 +232,7 @@ def _reports(st: StepTrace, progress: StepObserver) -> list[str]:
         for step, t in traces.items():
             page = default_output(path)
             if len(traces) > 1:  # several steps in one file: a page each
-                page = f"{page[: -len('.html')]}.step{step}.html"
+                page = with_tag(page, f"step{step}")
             if console is not None:
                 with console.status(f"gradtrace: writing {page}", spinner="dots"):
                     html(t, page)
