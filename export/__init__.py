@@ -12,9 +12,9 @@ submodules stay importable with ``from export.dot import ...``.
 
 from __future__ import annotations
 
-from export.backward_graph import backward_graph
 from export.diff import diff
 from export.dot import dot
+from export.dot.backward_graph import backward_graph
 from export.html import html
 from export.summary import md5_lines, render_summary
 from export.text import to_text

@@ -23,9 +23,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tracer
-from export.backward_graph import backward_graph
 from export.cli import main
 from export.dot import RenderError, dot
+from export.dot.backward_graph import backward_graph
 from export.errors import UserError
 
 GOLDEN = Path(__file__).parent / "golden"

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from export.dot import add_legend, check_suffix, to_dot, write_output
-from export.graph_fold import Cluster, GEdge, GNode, Graph
+from export.dot.fold import Cluster, GEdge, GNode, Graph
+from export.dot.write import add_legend, check_suffix, to_dot, write_output
 from tracer.model.display import shape_spaced
 
 _MAX_NESTING = 6  # how deep to look into nested containers for tensors

@@ -1,6 +1,6 @@
 """What the DOT picture of a trace shows: nodes, edges and clusters, after folding.
 
-``build(trace, ...)`` turns a ``Trace`` into a plain ``Graph``; ``export.dot`` only writes it out.
+``build(trace, ...)`` turns a ``Trace`` into a plain ``Graph``; ``export.dot.write`` writes it out.
 Everything is keyed by the trace's own names, never by ``id()``, and visited in recording order,
 so the same program always gives the same graph.
 
@@ -25,7 +25,7 @@ from tracer.model.display import clip, module_depth, param_module, plural, shape
 
 @dataclass
 class GNode:
-    """A drawn node. ``kind`` picks its style in ``export.dot`` (see ``NODE_STYLES`` there)."""
+    """A drawn node. ``kind`` picks its style in ``export.dot.write`` (see ``NODE_STYLES`` there)."""
 
     id: str
     kind: str
