@@ -9,8 +9,7 @@ import sys
 
 from export.cli.command import Command
 from export.errors import UserError
-from export.html import DEFAULT_MAX_BYTES, default_output, write_page
-from export.html_ranks import html_ranks
+from export.html import DEFAULT_MAX_BYTES, default_output, html_ranks, write_page
 from export.load import load_trace
 from tracer.model.display import format_size
 

@@ -3,7 +3,7 @@
 Allocated and reserved bytes over the event sequence; backward spans shaded; the peak marked;
 each point carries a ``<title>`` (the browser's own hover tooltip) naming the call or grad node
 that allocated or freed, how much, and the totals after it. Every string from the trace is
-XML-escaped: module and call names are user data.
+XML-escaped: module and call names are user data. Styled by ``assets/memory.css``.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from html import escape
 from typing import Any
 
+from tracer.analysis.memory import memory_timeline_data
 from tracer.model import Trace
 from tracer.model.display import format_bytes
 
@@ -21,8 +22,6 @@ def memory_svg(trace: Trace, max_points: int = 2000) -> str | None:
     """The timeline SVG, or None when the trace has no memory record."""
     if not trace.memory:
         return None
-    from tracer.analysis.memory import memory_timeline_data
-
     data: dict[str, Any] = memory_timeline_data(trace, max_points=max_points)
     points = data.get("points") or []
     if not points:
@@ -72,22 +71,3 @@ def memory_svg(trace: Trace, max_points: int = 2000) -> str | None:
               f'· device {escape(str(data.get("device")))} · source {escape(str(data.get("source")))} '
               '· hover a point for the call or grad node</p>')
     return legend + "".join(parts)
-
-
-MEMORY_CSS = """
-#gt-memory-wrap { position: absolute; inset: 0; overflow: auto; display: none; background: #fff; padding: 12px; }
-#gt-view.memory #gt-memory-wrap { display: block; }
-#gt-view.memory #gt-graph, #gt-view.memory #gt-zoom, #gt-view.memory #gt-legend { display: none; }
-#gt-memory-svg .bwd { fill: #fdf2e9; }
-#gt-memory-svg .grid { stroke: #e5e7eb; }
-#gt-memory-svg .axis { font: 11px sans-serif; fill: #6b7280; }
-#gt-memory-svg .allocated { fill: none; stroke: #2563eb; stroke-width: 1.5; }
-#gt-memory-svg .reserved { fill: none; stroke: #9ca3af; stroke-width: 1.2; stroke-dasharray: 4 3; }
-#gt-memory-svg .pt { fill: #2563eb; fill-opacity: 0.25; }
-#gt-memory-svg .pt:hover { fill-opacity: 1; }
-#gt-memory-svg .peak { fill: #dc2626; }
-#gt-memory-svg .peak-label { font: bold 12px sans-serif; fill: #dc2626; }
-.gt-memory-legend span { display: inline-block; width: 14px; height: 4px; margin: 0 4px 2px 10px; }
-.gt-memory-legend .sw-alloc { background: #2563eb; } .gt-memory-legend .sw-res { background: #9ca3af; }
-.gt-memory-legend .sw-bwd { background: #fdf2e9; height: 10px; }
-"""
