@@ -26,7 +26,7 @@ from rich.text import Text
 
 from export.errors import UserError
 from export.text import call_site, compact_stats, format_stack, stats_text
-from export.views import module_groups, module_with_class, nonfinite, param_totals
+from export.views import checksum, module_groups, module_with_class, nonfinite, param_totals
 from tracer.model import BackwardRun, Call, Frame, GradNode, TensorRecord, Trace
 from tracer.model.display import format_bytes, format_number, shape_compact, short_api, short_dtype
 
@@ -355,6 +355,6 @@ def _show_run(trace: Trace, run: BackwardRun, console: Console) -> None:
 def md5_lines(trace: Trace) -> list[str]:
     """``name:md5`` per tensor in creation order; ``name:-`` for a tensor that was not hashed."""
     # With hash="fast" the checksum column holds the 64-bit fingerprint instead.
-    return [f"{t.name}:{t.md5 or t.fingerprint or '-'}" for t in trace.tensors_in_order()]
+    return [f"{t.name}:{checksum(t) or '-'}" for t in trace.tensors_in_order()]
 
 

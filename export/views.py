@@ -97,6 +97,11 @@ def itemsize(dtype: str) -> int:
     return size
 
 
+def checksum(rec: TensorRecord) -> str | None:
+    """The tensor's checksum: its MD5, or with ``hash="fast"`` its fingerprint; None if unhashed."""
+    return rec.md5 or rec.fingerprint
+
+
 def first_params(trace: Trace) -> list[TensorRecord]:
     """The parameters as they entered the block (each once, before any in-place update)."""
     return [t for t in trace.tensors.values() if t.role == "param" and t.previous is None and "@v" not in t.name]
@@ -124,5 +129,5 @@ def nonfinite(trace: Trace) -> list[TensorRecord]:
     return [t for t in trace.tensors_in_order() if t.stats is not None and not t.stats.finite]
 
 
-__all__ = ["first_params", "itemsize", "module_group", "module_groups", "module_label", "module_with_class",
+__all__ = ["checksum", "first_params", "itemsize", "module_group", "module_groups", "module_label", "module_with_class",
            "nonfinite", "param_totals", "parent_path", "prefixes"]

@@ -22,8 +22,8 @@ import torch.distributed._functional_collectives as funcol
 import torch.distributed.distributed_c10d as c10d
 
 import tracer
-from export import diff_ranks as dr
 from export.cli import main
+from export.diff import ranks as dr
 from tracer.features.distributed import C10D, FUNCOL, launched_rank_info, rank_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

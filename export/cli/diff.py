@@ -11,9 +11,7 @@ from collections.abc import Sequence
 
 from export.cli.command import Command
 from export.cli.console import make_console
-from export.diff import diff
-from export.diff_html import diff_html
-from export.diff_ranks import diff_ranks
+from export.diff import diff, diff_html, diff_ranks
 from export.errors import UserError
 
 

@@ -33,15 +33,15 @@ import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from rich.console import Console
+
+from export.diff.console import render_ranks
+from export.diff.result import frame_json
 from export.load import load_with_notes
-from export.text import frame_text
+from export.views import checksum
 from tracer.model import Call, Frame, GradNode, TensorRecord, Trace
-from tracer.model.display import format_number
-
-if TYPE_CHECKING:
-    from rich.console import Console
 
 # Collectives whose outputs hold the same value on every rank of their group (by the last part of
 # the call's API name). DDP's all-reduce is recorded as one call named ddp_allreduce<k>.
@@ -54,7 +54,6 @@ MISSING = "<missing>"
 _FOLLOW = object()  # "look at the version this one replaced"
 _GROUP = re.compile(r"group=(\[[\d, ]*\]|'[^']*'|\"[^\"]*\")")
 _VERSION = re.compile(r"(@v\d+|#\d+)+$")
-_MAX_ROWS = 30
 
 
 # ---- results -----------------------------------------------------------------------------------------
@@ -80,8 +79,7 @@ class Departure:
         return {"record": self.record, "what": self.what, "rank": self.rank, "ranks": self.ranks,
                 "reference": self.reference, "reason": self.reason, "param": self.param, "call": self.call,
                 "api": self.api, "module": self.module, "max_abs": self.max_abs,
-                "stack": [{"file": f.file, "line": f.line, "function": f.function, "code": f.code}
-                          for f in self.stack]}
+                "stack": [frame_json(f) for f in self.stack]}
 
 
 @dataclass
@@ -138,7 +136,7 @@ class RankDiffResult:
                 "notes": self.notes, "problems": self.problems}
 
     def render(self, console: Console) -> None:
-        _render(self, console)
+        render_ranks(self, console)
 
 
 # ---- classifying records -------------------------------------------------------------------------------
@@ -247,10 +245,6 @@ class _Ranked:
         return sorted((c for c in self.trace.calls if c.kind == "collective"), key=lambda c: c.seq)
 
 
-def _digest(rec: TensorRecord) -> str | None:
-    return rec.md5 or rec.fingerprint
-
-
 def _absmax_diff(a: TensorRecord, b: TensorRecord) -> float | None:
     sa, sb = a.stats, b.stats
     if sa is None or sb is None:
@@ -343,7 +337,7 @@ def _compare_tensors(ranked: list[_Ranked], result: RankDiffResult) -> None:
         whats = {x.rank: x.what(name) for x in ranked if name in x.trace.tensors}
         holder = next(x for x in ranked if name in x.trace.tensors)
         if not any(whats.values()):
-            digests = {_digest(x.trace.tensors[name]) for x in ranked if name in x.trace.tensors}
+            digests = {checksum(x.trace.tensors[name]) for x in ranked if name in x.trace.tensors}
             if len(digests) > 1 and None not in digests:
                 expected[holder.expected_kind(name)] += 1
             continue
@@ -355,7 +349,7 @@ def _compare_tensors(ranked: list[_Ranked], result: RankDiffResult) -> None:
                 if rec is None:
                     values[x.rank] = MISSING
                     continue
-                d = _digest(rec)
+                d = checksum(rec)
                 if d is None:
                     unknown[rec.hash_note or "not hashed"] += 1
                     continue
@@ -452,52 +446,3 @@ def _call_order(x: _Ranked, call: Call | None) -> int:
             if rec is not None:
                 return rec.seq
     return len(x.trace.tensors)
-
-
-# ---- terminal output --------------------------------------------------------------------------------------
-def _render(result: RankDiffResult, console: Console) -> None:
-    from rich.table import Table
-    from rich.text import Text
-
-    def tx(s: object, style: str = "") -> Text:  # plain text: names and code may hold [brackets]
-        return Text("" if s is None else str(s), style=style)
-
-    console.print(tx(result.verdict(), "bold green" if result.equal else "bold red"))
-    for n in result.notes:
-        console.print(tx(f"note: {n}", "dim"))
-    for r in result.ranks:
-        console.print(tx(f"rank {r}: {result.labels[r]} ({result.collectives.get(r, 0)} collective calls)", "dim"))
-    d = result.first
-    if d is not None:
-        t = Table(title=f"First departure: rank {d.rank}", title_justify="left", show_lines=True)
-        t.add_column("")
-        t.add_column("", overflow="fold")
-        t.add_row(tx("record"), tx(d.record, "red"))
-        t.add_row(tx("kind"), tx(d.what))
-        if d.param:
-            t.add_row(tx("parameter"), tx(d.param))
-        t.add_row(tx("ranks"), tx(f"departing: {', '.join(map(str, d.ranks))}; "
-                                  f"reference: {', '.join(map(str, d.reference))}"))
-        t.add_row(tx("why"), tx(d.reason))
-        if d.max_abs is not None:
-            t.add_row(tx("largest stat diff"), tx(format_number(d.max_abs, 3)))
-        t.add_row(tx("call"), tx(f"{d.call or '-'}  {d.api or ''}"))
-        t.add_row(tx("module"), tx(d.module or "<root>"))
-        if d.stack:
-            t.add_row(tx("stack"), tx("\n".join(frame_text(f) for f in d.stack[-6:])))
-        console.print(t)
-    if len(result.departures) > 1:
-        t = Table(title=f"All departures ({len(result.departures)})", title_justify="left")
-        for col in ("rank", "record", "kind", "call", "module", "why"):
-            t.add_column(col, overflow="fold")
-        for x in result.departures[:_MAX_ROWS]:
-            t.add_row(tx(x.rank), tx(x.record), tx(x.what), tx(x.call or "-"), tx(x.module or "<root>"), tx(x.reason))
-        if len(result.departures) > _MAX_ROWS:
-            t.add_row(tx(f"… {len(result.departures) - _MAX_ROWS} more"), *[tx("")] * 5)
-        console.print(t)
-    if result.expected:
-        parts = ", ".join(f"{n} {k}" for k, n in sorted(result.expected.items()))
-        console.print(tx(f"expected per-rank differences (not errors): {parts}", "dim"))
-    if result.not_comparable:
-        parts = ", ".join(f"{n} ({k})" for k, n in sorted(result.not_comparable.items()))
-        console.print(tx(f"not compared, no checksum: {parts}", "dim"))
