@@ -37,7 +37,7 @@ from export.diff.result import Compared, DiffResult, Divergence, ModuleStat, Par
 from export.errors import DiffError
 from export.load import load_with_notes
 from export.views import checksum
-from tracer.model import SCHEMA_VERSION, GradNode, Stats, TensorRecord, Trace
+from tracer.model import SCHEMA_VERSION, Call, GradNode, NodeRun, Stats, TensorRecord, Trace
 from tracer.model.display import format_number, param_module
 from tracer.model.names import gradient_of
 
@@ -428,7 +428,7 @@ def _backward(a: Trace, b: Trace, cmp: Comparer, calls: dict[str, str],
     return d
 
 
-def _inner_origin(a: Trace, b: Trace, cmp: Comparer, sa: Any, sb: Any, calls: dict[str, str],
+def _inner_origin(a: Trace, b: Trace, cmp: Comparer, sa: NodeRun, sb: NodeRun, calls: dict[str, str],
                   d: Divergence) -> tuple[Row, str] | None:
     """The first call a node's own code made (nested calls first) whose inputs match but whose
     outputs differ: a row for it (added to ``d``) and the reason, or None."""
@@ -436,13 +436,13 @@ def _inner_origin(a: Trace, b: Trace, cmp: Comparer, sa: Any, sb: Any, calls: di
         return None
     a_calls = {c.name: c for c in a.calls}
     b_calls = {c.name: c for c in b.calls}
-    children: dict[str, list[Any]] = {}
+    children: dict[str, list[Call]] = {}
     for c in a.calls:
         if c.parent is not None:
             children.setdefault(c.parent, []).append(c)
 
-    def post_order(names: list[str]) -> list[Any]:
-        out: list[Any] = []
+    def post_order(names: list[str]) -> list[Call]:
+        out: list[Call] = []
         for n in names:
             c = a_calls.get(n)
             if c is not None:
@@ -456,11 +456,11 @@ def _inner_origin(a: Trace, b: Trace, cmp: Comparer, sa: Any, sb: Any, calls: di
             continue
         ins = _compare_lists(cmp, ca.inputs, cb.inputs)
         outs = _compare_lists(cmp, ca.outputs, cb.outputs)
-        if any(c.status == "differ" for _, _, c in outs) and not any(c.status == "differ" for _, _, c in ins):
+        if any(x.status == "differ" for _, _, x in outs) and not any(x.status == "differ" for _, _, x in ins):
             row = Row(ca.name, cb.name, ca.module, ca.api)
-            for _, _, c in outs:
-                row.max_abs = _max_opt(row.max_abs, c.abs)
-                row.max_rel = _max_opt(row.max_rel, c.rel)
+            for _, _, x in outs:
+                row.max_abs = _max_opt(row.max_abs, x.abs)
+                row.max_rel = _max_opt(row.max_rel, x.rel)
             d.rows.append(row)
             return row, f"{ca.name} in the backward of {sa.node}: {_out_reason(outs, row, cmp.tol)}"
     return None

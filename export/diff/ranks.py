@@ -51,9 +51,16 @@ RANK_INVARIANT = frozenset({
     "all_gather_into_tensor_coalesced", "allreduce",
 })
 MISSING = "<missing>"
-_FOLLOW = object()  # "look at the version this one replaced"
 _GROUP = re.compile(r"group=(\[[\d, ]*\]|'[^']*'|\"[^\"]*\")")
 _VERSION = re.compile(r"(@v\d+|#\d+)+$")
+
+
+class _Follow:
+    """What ``_Ranked._direct`` says when only a record's history can tell: look at the version
+    this one replaced."""
+
+
+_FOLLOW = _Follow()
 
 
 # ---- results -----------------------------------------------------------------------------------------
@@ -183,8 +190,8 @@ class _Ranked:
         while cur is not None and cur not in self._what:
             rec = self.trace.tensors.get(cur)
             direct = _FOLLOW if rec is None else self._direct(cur, rec)
-            if direct is not _FOLLOW or rec is None or rec.previous is None:
-                self._what[cur] = None if direct is _FOLLOW else direct
+            if not isinstance(direct, _Follow) or rec is None or rec.previous is None:
+                self._what[cur] = None if isinstance(direct, _Follow) else direct
                 break
             self._what[cur] = None  # guards a cyclic `previous` chain in a damaged file
             chain.append(cur)
@@ -196,7 +203,7 @@ class _Ranked:
             self._what[n] = inherited
         return self._what[name]
 
-    def _direct(self, name: str, rec: TensorRecord) -> str | object | None:
+    def _direct(self, name: str, rec: TensorRecord) -> str | _Follow | None:
         """A record's category from its own fields; ``_FOLLOW`` when only its history can tell."""
         producer = self.calls.get(rec.producer or "")
         if rec.role == "param":
@@ -345,13 +352,13 @@ def _compare_tensors(ranked: list[_Ranked], result: RankDiffResult) -> None:
         for members in _comparison_sets(ranked, name, what):
             values: dict[int, str] = {}
             for x in members:
-                rec = x.trace.tensors.get(name)
-                if rec is None:
+                mine = x.trace.tensors.get(name)
+                if mine is None:
                     values[x.rank] = MISSING
                     continue
-                d = checksum(rec)
+                d = checksum(mine)
                 if d is None:
-                    unknown[rec.hash_note or "not hashed"] += 1
+                    unknown[mine.hash_note or "not hashed"] += 1
                     continue
                 values[x.rank] = d
             if len(values) < 2:

@@ -311,7 +311,7 @@ def module_table(result: DiffResult) -> list[dict[str, Any]]:
     Only modules where something differs, or, with a tolerance, where any difference was measured;
     sorted by largest relative difference with a tolerance, by module path otherwise.
     """
-    out = []
+    out: list[dict[str, Any]] = []
     origins = {d.origin.module for d in (result.forward, result.backward) if d.origin is not None}
     for m in sorted(set(result.forward.per_module) | set(result.backward.per_module)):
         stats = [x for x in (result.forward.per_module.get(m), result.backward.per_module.get(m)) if x is not None]

@@ -279,7 +279,7 @@ class _Builder:
             return ("call", rc.name)
         chain = [rc]
         while chain[-1].parent in self.calls:
-            chain.append(self.calls[chain[-1].parent])  # type: ignore[index]
+            chain.append(self.calls[chain[-1].parent])
         for a in reversed(chain):  # the outermost folded ancestor takes the whole nest
             k = self.fold_key(a.module)
             if k is not None:
@@ -474,7 +474,7 @@ class _Builder:
         while a in self.calls:
             if name in self.calls[a].outputs and not self._inside(consumer, a) and a in self.call_key:
                 best = a
-            a = self.calls[a].parent  # type: ignore[index]
+            a = self.calls[a].parent
         return best
 
     def _inside(self, c: Call, ancestor: str) -> bool:
@@ -482,7 +482,7 @@ class _Builder:
         while p in self.calls:
             if p == ancestor:
                 return True
-            p = self.calls[p].parent  # type: ignore[index]
+            p = self.calls[p].parent
         return False
 
     def tensor_edge(self, src: str, dst: str, name: str) -> None:

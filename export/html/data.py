@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,7 +172,7 @@ class _Builder:
                 return function_group.get(oi, self.call_group[oi])
         return None
 
-    def _place_call(self, i: int, gi: int, heads: set[str | None], function_group: dict[int, int]) -> None:
+    def _place_call(self, i: int, gi: int, heads: AbstractSet[str | None], function_group: dict[int, int]) -> None:
         c = self.calls[i]
         if c.name in heads:  # a Function with calls inside: the group stands for the call
             fg = self._new_group(gi, id=f"f:{c.name}", kind="function", label=c.name, path=c.module,

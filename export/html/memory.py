@@ -26,8 +26,8 @@ def memory_svg(trace: Trace, max_points: int = 2000) -> str | None:
     points = data.get("points") or []
     if not points:
         return None
-    top = max(max(p["allocated"] or 0, p.get("reserved") or 0) for p in points) or 1
-    first, last = points[0]["seq"], points[-1]["seq"]
+    top = float(max(max(p["allocated"] or 0, p.get("reserved") or 0) for p in points) or 1)
+    first, last = int(points[0]["seq"]), int(points[-1]["seq"])
     span = max(last - first, 1)
     plot_w, plot_h = WIDTH - PAD_L - 10, HEIGHT - PAD_B - PAD_T
 
