@@ -1,12 +1,12 @@
 """Terminal views of a trace: what ``gradtrace summary``, ``gradtrace show`` and ``gradtrace md5``
 print (the commands are in ``export.cli.summary``).
 
-``render_summary`` prints a header (status, versions, counts, parameters), the most called APIs, the
-calls and grad nodes of each top-level module, the backward runs with the user's line that
+``render_summary`` prints a header (status, versions, counts, parameters), the most called APIs,
+the calls and grad nodes of each top-level module, the backward runs with the user's line that
 started them, and every tensor whose stats counted a NaN or an Inf (in red).
 
-``render_record`` (``show``) prints one record (call, tensor, grad node or backward run) with all its fields and its
-links, and its call stack the way Python prints a traceback.
+``render_record`` (``show``) prints one record (call, tensor, grad node or backward run) with all
+its fields and its links, and its call stack the way Python prints a traceback.
 
 ``md5_lines`` gives ``name:md5`` per tensor in creation order and nothing else, for shell diffs.
 

@@ -25,6 +25,7 @@ def _tx(s: object, style: str = "") -> Text:  # plain text: names and code may c
 def render_diff(result: DiffResult, console: Console) -> None:
     """Print a ``DiffResult``: the verdict, notes, the summary table, each origin with both stacks,
     insertions and removals, the per-module table and the parameters that differ."""
+
     def mod(m: str) -> str:
         return m or "<root>"
 

@@ -16,7 +16,7 @@ from tracer.model import Frame, Trace
 from tracer.model.display import format_number, json_number
 
 
-# ---- comparing two tensors ---------------------------------------------------------------------
+# ---- one tensor compared -----------------------------------------------------------------------
 @dataclass(frozen=True)
 class Tolerance:
     rtol: float = 0.0
