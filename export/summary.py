@@ -1,13 +1,14 @@
-"""Terminal views of a trace: ``gradtrace summary``, ``gradtrace show`` and ``gradtrace md5``.
+"""Terminal views of a trace: what ``gradtrace summary``, ``gradtrace show`` and ``gradtrace md5``
+print (the commands are in ``export.cli.summary``).
 
-``summary`` prints a header (status, versions, counts, parameters), the most called APIs, the
-calls and grad nodes of each top-level module, the backward runs with the user's line that
+``render_summary`` prints a header (status, versions, counts, parameters), the most called APIs,
+the calls and grad nodes of each top-level module, the backward runs with the user's line that
 started them, and every tensor whose stats counted a NaN or an Inf (in red).
 
-``show`` prints one record (call, tensor, grad node or backward run) with all its fields and its
-links, and its call stack the way Python prints a traceback.
+``render_record`` (``show``) prints one record (call, tensor, grad node or backward run) with all
+its fields and its links, and its call stack the way Python prints a traceback.
 
-``md5`` prints ``name:md5`` per tensor in creation order and nothing else, for shell diffs.
+``md5_lines`` gives ``name:md5`` per tensor in creation order and nothing else, for shell diffs.
 
 Colours appear only on a terminal; piped output is plain text, 120 columns wide, so it is the
 same from run to run.
@@ -15,9 +16,6 @@ same from run to run.
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
 from collections import Counter
 from typing import Any
 
@@ -26,165 +24,14 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from export.cli import UserError
-from export.text import shape_text, short_api, short_dtype
-from tracer.model import BackwardRun, Call, Frame, GradNode, Stats, TensorRecord, Trace
+from export.errors import UserError
+from export.text import call_site, compact_stats, format_stack, stats_text
+from export.views import checksum, module_groups, module_with_class, nonfinite, param_totals
+from tracer.model import BackwardRun, Call, Frame, GradNode, TensorRecord, Trace
+from tracer.model.display import format_bytes, format_number, shape_compact, short_api, short_dtype
 
 TOP_APIS = 15
 MAX_ROWS = 40
-PLAIN_WIDTH = 120
-
-_ITEMSIZE = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex128": 16, "complex64": 8,
-    "complex32": 4, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "uint16": 2,
-    "uint32": 4, "uint64": 8, "bool": 1,
-}
-
-
-# ---- shared helpers --------------------------------------------------------------------------------
-class _StdoutConsole(Console):
-    """rich's Console exits with status 1 when stdout's reader goes away (``| head``); gradtrace
-    raises BrokenPipeError instead, so ``export.cli.main`` keeps the command's own status."""
-
-    def on_broken_pipe(self) -> None:
-        raise BrokenPipeError
-
-
-def make_console(**options: Any) -> Console:
-    """A console on stdout: rich on a terminal, plain and 120 columns wide when piped."""
-    tty = sys.stdout.isatty()
-    kwargs: dict[str, Any] = {"file": sys.stdout, "width": None if tty else PLAIN_WIDTH, "highlight": False,
-                              "soft_wrap": False, **options}
-    return _StdoutConsole(**kwargs)
-
-
-def load_trace(path: str) -> Trace:
-    """``tracer.load`` with its truncation warning turned into one line on stderr."""
-    from export.loading import load_with_notes
-
-    trace, notes = load_with_notes(path)
-    for note in notes:
-        print(f"gradtrace: warning: {note}", file=sys.stderr)
-    return trace
-
-
-def short_path(path: str) -> str:
-    """A path relative to the current directory when it lies inside it (shorter to read)."""
-    try:
-        rel = os.path.relpath(path)
-    except ValueError:  # another drive on Windows
-        return path
-    return path if rel.startswith("..") else rel
-
-
-def itemsize(dtype: str) -> int:
-    size = _ITEMSIZE.get(dtype)
-    if size is None:
-        import torch
-
-        dt = getattr(torch, dtype, None)
-        size = int(getattr(dt, "itemsize", 0) or 0)
-    return size
-
-
-def human_bytes(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{n} B"
-
-
-def fmt_num(x: float | None) -> str:
-    return "-" if x is None else f"{x:.4g}"
-
-
-def stats_text(stats: Stats | None) -> str:
-    if stats is None:
-        return "-"
-    text = f"min {fmt_num(stats.min)}  max {fmt_num(stats.max)}  mean {fmt_num(stats.mean)}"
-    if stats.nan or stats.inf:
-        text += f"  nan {stats.nan}  inf {stats.inf}"
-    return text
-
-
-def compact_stats(stats: Stats | None) -> str:
-    if stats is None:
-        return "-"
-    text = f"[{fmt_num(stats.min)}, {fmt_num(stats.max)}] {fmt_num(stats.mean)}"
-    if stats.nan or stats.inf:
-        text += f" nan {stats.nan} inf {stats.inf}"
-    return text
-
-
-def format_stack(frames: tuple[Frame, ...], title: str = "Stack (most recent call last):") -> str:
-    """A stack as Python prints a traceback: ``File "x", line N, in f`` and the source line."""
-    if not frames:
-        return f"{title}\n  (no stack recorded)"
-    lines = [title]
-    for f in frames:
-        lines.append(f'  File "{f.file}", line {f.line}, in {f.function}')
-        if f.code:
-            lines.append(f"    {f.code}")
-    return "\n".join(lines)
-
-
-def call_site(frames: tuple[Frame, ...]) -> str:
-    if not frames:
-        return "-"
-    f = frames[-1]
-    return f"{short_path(f.file)}:{f.line}  {f.code}".rstrip()
-
-
-def param_totals(trace: Trace) -> tuple[int, int, int]:
-    """(parameter tensors, elements, bytes), each parameter counted once at its first version."""
-    seen: set[str] = set()
-    count = numel = nbytes = 0
-    for t in trace.tensors_in_order():
-        if t.role != "param":
-            continue
-        base = t.name.rsplit("@v", 1)[0]
-        if base in seen:
-            continue
-        seen.add(base)
-        count += 1
-        numel += t.numel
-        nbytes += t.numel * itemsize(t.dtype)
-    return count, numel, nbytes
-
-
-def module_group(path: str, depth: int) -> str:
-    """The first ``depth`` parts of a module path, keeping a list index with its list (``h.0``)."""
-    parts = path.split(".")
-    keep = min(depth, len(parts))
-    while keep < len(parts) and parts[keep].isdigit():
-        keep += 1
-    return ".".join(parts[:keep])
-
-
-def module_groups(paths: list[str], max_rows: int = 16) -> dict[str, str]:
-    """Map each call's module path to the row it is counted in, top-level modules first.
-
-    A group holding more than half of all calls is split into its children while the table stays
-    short, so a model wrapped in a container (``GPT2LMHeadModel.transformer.h.0``) shows its
-    blocks rather than one row holding everything. Calls made in the group module itself keep
-    the group's row.
-    """
-    total = len(paths)
-    group = {p: module_group(p, 1) if p else "" for p in set(paths)}
-    while True:
-        counts = Counter(group[p] for p in paths)
-        big = [g for g, n in counts.items() if g and n * 2 > total
-               and any(p != g and p.startswith(g + ".") for p in group if group[p] == g)]
-        if not big:
-            return group
-        g = big[0]
-        depth = g.count(".") + 2
-        split = {p: (p if p == g else module_group(p, depth)) if k == g else k for p, k in group.items()}
-        if len(set(split.values())) > max_rows:
-            return group
-        group = split
 
 
 # ---- summary ---------------------------------------------------------------------------------------
@@ -210,7 +57,7 @@ def _render_header(trace: Trace, console: Console) -> None:
     grid.add_row("records", f"{len(trace.calls)} calls, {len(trace.grad_nodes)} grad nodes, "
                             f"{len(trace.tensors)} tensors, {len(trace.backward_runs)} backward runs")
     n_params, numel, nbytes = param_totals(trace)
-    grid.add_row("parameters", f"{numel:,} elements in {n_params} tensors ({human_bytes(nbytes)})")
+    grid.add_row("parameters", f"{numel:,} elements in {n_params} tensors ({format_bytes(nbytes)})")
     root = trace.modules.get("")
     grid.add_row("module", root if root is not None else "-")
     if trace.error:
@@ -224,7 +71,7 @@ def _render_header(trace: Trace, console: Console) -> None:
 
 def _render_apis(trace: Trace, console: Console) -> None:
     counts = Counter(c.api for c in trace.calls)
-    nodes = Counter()
+    nodes: Counter[str] = Counter()
     for c in trace.calls:
         nodes[c.api] += len(c.grad_nodes)
     table = Table(title=f"Top APIs by calls ({len(counts)} distinct)", box=box.SIMPLE_HEAD,
@@ -278,7 +125,7 @@ def _render_backward(trace: Trace, console: Console) -> None:
 
 def _render_nonfinite(trace: Trace, console: Console) -> None:
     with_stats = [t for t in trace.tensors_in_order() if t.stats is not None]
-    bad = [t for t in with_stats if t.stats is not None and not t.stats.finite]
+    bad = nonfinite(trace)
     if not with_stats:
         console.print("No tensor stats recorded (NaN/Inf check not available).")
         return
@@ -298,7 +145,7 @@ def _render_nonfinite(trace: Trace, console: Console) -> None:
     table.add_column("inf", justify="right")
     for t in bad[:MAX_ROWS]:
         assert t.stats is not None
-        table.add_row(t.name, shape_text(t.shape), t.dtype, t.role, t.producer or "-",
+        table.add_row(t.name, shape_compact(t.shape), t.dtype, t.role, t.producer or "-",
                       str(t.stats.nan), str(t.stats.inf), style="red")
     if len(bad) > MAX_ROWS:
         table.add_row(f"... {len(bad) - MAX_ROWS} more", "", "", "", "", "", "", style="dim")
@@ -354,15 +201,13 @@ def _tensor_table(trace: Trace, title: str, names: list[str | None]) -> Table:
             continue
         md5 = t.md5 or (t.hash_note or "-")
         style = "red" if t.stats is not None and not t.stats.finite else None
-        table.add_row(str(i), name, shape_text(t.shape), short_dtype(t.dtype), md5, compact_stats(t.stats),
+        table.add_row(str(i), name, shape_compact(t.shape), short_dtype(t.dtype), md5, compact_stats(t.stats),
                       style=style)
     return table
 
 
 def _module_text(trace: Trace, module: str) -> str:
-    cls = trace.modules.get(module)
-    label = module if module else "(root)" if cls else "(outside modules)"
-    return f"{label} ({cls})" if cls else label
+    return module_with_class(trace, module, outside="(outside modules)")
 
 
 def _describe_producer(trace: Trace, producer: str | None) -> str:
@@ -415,9 +260,9 @@ def _show_call(trace: Trace, call: Call, console: Console) -> None:
 def _show_tensor(trace: Trace, t: TensorRecord, console: Console) -> None:
     newer = [x.name for x in trace.tensors_in_order() if x.previous == t.name]
     rows: list[tuple[str, Any]] = [
-        ("shape", shape_text(t.shape)), ("dtype", t.dtype), ("device", t.device), ("role", t.role),
+        ("shape", shape_compact(t.shape)), ("dtype", t.dtype), ("device", t.device), ("role", t.role),
         ("producer", _describe_producer(trace, t.producer)),
-        ("stride", "-" if t.stride is None else shape_text(t.stride)),
+        ("stride", "-" if t.stride is None else shape_compact(t.stride)),
         ("contiguous", t.contiguous), ("requires_grad", t.requires_grad), ("version", t.version),
         ("seq", t.seq), ("previous", t.previous or "-"), ("next version", ", ".join(newer) or "-"),
         ("md5", t.md5 or "-"),
@@ -429,7 +274,7 @@ def _show_tensor(trace: Trace, t: TensorRecord, console: Console) -> None:
     style = "red" if t.stats is not None and not t.stats.finite else ""
     rows.append(("stats", Text(stats_text(t.stats), style=style)))
     if t.stats is not None:
-        rows.append(("absmax", fmt_num(t.stats.absmax)))
+        rows.append(("absmax", format_number(t.stats.absmax)))
     _fields(console, f"tensor {t.name}", rows)
 
     table = Table(title="consumers", box=box.SIMPLE_HEAD, title_justify="left")
@@ -510,56 +355,6 @@ def _show_run(trace: Trace, run: BackwardRun, console: Console) -> None:
 def md5_lines(trace: Trace) -> list[str]:
     """``name:md5`` per tensor in creation order; ``name:-`` for a tensor that was not hashed."""
     # With hash="fast" the checksum column holds the 64-bit fingerprint instead.
-    return [f"{t.name}:{t.md5 or t.fingerprint or '-'}" for t in trace.tensors_in_order()]
+    return [f"{t.name}:{checksum(t) or '-'}" for t in trace.tensors_in_order()]
 
 
-# ---- commands --------------------------------------------------------------------------------------
-def _cmd_summary(args: argparse.Namespace) -> int:
-    trace = load_trace(args.trace)
-    render_summary(trace, make_console())
-    return 0
-
-
-def _cmd_show(args: argparse.Namespace) -> int:
-    trace = load_trace(args.trace)
-    lookup(trace, args.name)  # fail with the suggestion before printing anything
-    render_record(trace, args.name, make_console())
-    return 0
-
-
-def _cmd_md5(args: argparse.Namespace) -> int:
-    trace = load_trace(args.trace)
-    if trace.hash_algorithm == "none":
-        raise UserError(f"{args.trace} was recorded with hash='none': it has no checksums "
-                        "(record with tracer.trace(hash='md5'))")
-    lines = md5_lines(trace)
-    sys.stdout.write("".join(line + "\n" for line in lines))
-    sys.stdout.flush()
-    return 0
-
-
-def register(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "summary", help="status, counts, top APIs, modules, backward runs and NaN/Inf of a trace",
-        description="Print a summary of a trace: header, top APIs, per-module counts, backward runs "
-                    "and tensors with NaN or Inf. Plain text when not on a terminal.")
-    p.add_argument("trace", help="a .gtrace file")
-    p.set_defaults(func=_cmd_summary)
-
-    p = subparsers.add_parser(
-        "show", help="one call, tensor, grad node or backward run with its links and stack",
-        description="Print one record by name (call linear3, tensor linear3:out, grad node "
-                    "linear3/AddmmBackward0, backward run backward0) with every field, the records "
-                    "it links to and its call stack. An unknown name exits 2 and suggests close names.")
-    p.add_argument("trace", help="a .gtrace file")
-    p.add_argument("name", help="the record's name")
-    p.set_defaults(func=_cmd_show)
-
-    p = subparsers.add_parser(
-        "md5", help="name:md5 per tensor in creation order (for diff)",
-        description="Print one line 'name:md5' per tensor in creation order and nothing else, so "
-                    "`diff <(gradtrace md5 a.gtrace) <(gradtrace md5 b.gtrace)` compares two runs. "
-                    "A tensor that was not hashed (meta, fake, sparse, ...) prints 'name:-'. "
-                    "A trace recorded with hash='none' is an error (exit 2).")
-    p.add_argument("trace", help="a .gtrace file")
-    p.set_defaults(func=_cmd_md5)

@@ -6,9 +6,10 @@
 
 Forward lines come in execution order, indented two spaces per module depth (``h.0.mlp.c_proj``
 is depth 4) and two more per enclosing custom ``autograd.Function`` call. The fields are the
-call name, its API (``torch.nn.functional.`` shortened to ``F.``), its module path (``-`` for
-code outside any module or in the root module), the input tensors by name and the output
-tensors as ``name dtype[shape] md5-prefix``. A tensor without a hash shows ``-``.
+call name, its API (``short_api``: ``torch.nn.functional.`` shortened to ``F.``, a script's
+``__main__.`` dropped), its module path (``-`` for code outside any module or in the root
+module), the input tensors by name and the output tensors as ``name dtype[shape] md5-prefix``. A
+tensor without a hash shows ``-``.
 
 After the forward lines, each backward run has a line (name, API, root tensors), then one line
 per grad node in the order the engine ran them: the gradients it received (``<-``, by name) and
@@ -18,36 +19,24 @@ The text depends only on what the program computed: no times, hosts, absolute pa
 two recordings of the same program give the same text, and tests compare it with inline
 expected strings. Calls that raised end in ``!! error``; a trace that did not finish ends with a
 ``status`` line.
+
+Also here, the small text pieces the terminal views share: stats, stacks and frames.
+Names, shapes, dtypes and numbers are written with ``tracer.model.display``.
 """
 
 from __future__ import annotations
 
-from tracer.model import Call, TensorRecord, Trace
+import os
+
+from tracer.model import Call, Frame, Stats, TensorRecord, Trace
+from tracer.model.display import format_number, module_depth, shape_compact, short_api, short_dtype
 
 HASH_CHARS = 8
 
-_DTYPE_SHORT = {
-    "float64": "f64", "float32": "f32", "float16": "f16", "bfloat16": "bf16",
-    "int64": "i64", "int32": "i32", "int16": "i16", "int8": "i8",
-    "uint8": "u8", "uint16": "u16", "uint32": "u32", "uint64": "u64",
-    "complex64": "c64", "complex128": "c128", "complex32": "c32", "bool": "bool",
-}
-_API_PREFIXES = (("torch.nn.functional.", "F."),)
 
-
-def short_dtype(dtype: str) -> str:
-    return _DTYPE_SHORT.get(dtype, dtype)
-
-
-def short_api(api: str) -> str:
-    for long, short in _API_PREFIXES:
-        if api.startswith(long):
-            return short + api[len(long):]
-    return api
-
-
-def shape_text(shape: tuple[int, ...]) -> str:
-    return "[" + ",".join(str(s) for s in shape) + "]"
+# ---- tensors -----------------------------------------------------------------------------------------
+def short_hash(rec: TensorRecord) -> str:
+    return rec.md5[:HASH_CHARS] if rec.md5 else "-"
 
 
 def describe_tensor(trace: Trace, name: str | None, *, hashes: bool = True) -> str:
@@ -57,20 +46,69 @@ def describe_tensor(trace: Trace, name: str | None, *, hashes: bool = True) -> s
     rec = trace.tensors.get(name)
     if rec is None:  # a name the trace lost (a truncated file): keep the name alone
         return name
-    text = f"{name} {short_dtype(rec.dtype)}{shape_text(rec.shape)}"
+    text = f"{name} {short_dtype(rec.dtype)}{shape_compact(rec.shape)}"
     if hashes:
         text += " " + short_hash(rec)
     return text
 
 
-def short_hash(rec: TensorRecord) -> str:
-    return rec.md5[:HASH_CHARS] if rec.md5 else "-"
+def stats_text(stats: Stats | None) -> str:
+    """``min -1  max 2.5  mean 0.25`` (and the NaN/Inf counts when there are any)."""
+    if stats is None:
+        return "-"
+    text = (f"min {format_number(stats.min)}  max {format_number(stats.max)}  "
+            f"mean {format_number(stats.mean)}")
+    if stats.nan or stats.inf:
+        text += f"  nan {stats.nan}  inf {stats.inf}"
+    return text
 
 
-def module_depth(module: str) -> int:
-    return 0 if not module else module.count(".") + 1
+def compact_stats(stats: Stats | None) -> str:
+    """``[-1, 2.5] 0.25``: [min, max] mean, for a table cell."""
+    if stats is None:
+        return "-"
+    text = f"[{format_number(stats.min)}, {format_number(stats.max)}] {format_number(stats.mean)}"
+    if stats.nan or stats.inf:
+        text += f" nan {stats.nan} inf {stats.inf}"
+    return text
 
 
+# ---- stacks ------------------------------------------------------------------------------------------
+def short_path(path: str) -> str:
+    """A path relative to the current directory when it lies inside it (shorter to read)."""
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:  # another drive on Windows
+        return path
+    return path if rel.startswith("..") else rel
+
+
+def format_stack(frames: tuple[Frame, ...], title: str = "Stack (most recent call last):") -> str:
+    """A stack as Python prints a traceback: ``File "x", line N, in f`` and the source line."""
+    if not frames:
+        return f"{title}\n  (no stack recorded)"
+    lines = [title]
+    for f in frames:
+        lines.append(f'  File "{f.file}", line {f.line}, in {f.function}')
+        if f.code:
+            lines.append(f"    {f.code}")
+    return "\n".join(lines)
+
+
+def call_site(frames: tuple[Frame, ...]) -> str:
+    """The innermost frame as ``path:line  code`` (the line that made the record)."""
+    if not frames:
+        return "-"
+    f = frames[-1]
+    return f"{short_path(f.file)}:{f.line}  {f.code}".rstrip()
+
+
+def frame_text(f: Frame) -> str:
+    """One frame on two lines, ``file.py:12 in f`` and the source line (a table cell)."""
+    return f"{os.path.basename(f.file)}:{f.line} in {f.function}\n  {f.code}"
+
+
+# ---- the whole trace ---------------------------------------------------------------------------------
 def function_depth(call: Call, calls: dict[str, Call]) -> int:
     """How many custom Function calls enclose this call (a grad node parent ends the chain)."""
     depth = 0
@@ -120,3 +158,7 @@ def to_text(trace: Trace, *, hashes: bool = True, backward: bool = True) -> str:
         detail = f": {err.get('type', '')}: {err.get('message', '')}" if err else ""
         lines.append(f"status {trace.status}{detail}")
     return "".join(line + "\n" for line in lines)
+
+
+__all__ = ["HASH_CHARS", "call_line", "call_site", "compact_stats", "describe_tensor", "format_stack", "frame_text",
+           "function_depth", "short_hash", "short_path", "stats_text", "to_text"]

@@ -10,7 +10,6 @@ import re
 import shutil
 import subprocess
 import sys
-import types
 from dataclasses import dataclass
 
 import pytest
@@ -19,6 +18,7 @@ import torch.nn as nn
 from rich.console import Console
 
 import tracer
+from export.cli import demo as demo_command
 from export.cli import main
 from export.summary import md5_lines, render_record, render_summary
 
@@ -344,10 +344,7 @@ def test_demo_writes_html_when_the_exporter_exists(tmp_path, capsys, monkeypatch
         with open(path, "w", encoding="utf-8") as fh:
             fh.write("<html></html>")
 
-    fake = types.ModuleType("export.html")
-    fake.html = fake_html  # type: ignore[attr-defined]
-    fake.register = lambda subparsers: None  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "export.html", fake)
+    monkeypatch.setattr(demo_command, "html", fake_html)
     out_path = os.fspath(tmp_path / "step.gtrace")
     rc, out, _ = run(capsys, "demo", "-o", out_path)
     assert rc == 0

@@ -18,10 +18,10 @@ import torch.nn.functional as F
 from rich.console import Console
 
 import tracer
-from export.align import Pair, align, align_steps
 from export.cli import main
 from export.diff import DiffError, diff
-from export.diff_html import diff_html, diff_html_text
+from export.diff.align import Pair, align, align_steps
+from export.diff.page import diff_html, diff_html_text
 from tests.models import hf_model
 
 

@@ -7,7 +7,6 @@ transformer under DDP or FSDP2) and compare their traces with ``diff-ranks``.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -23,7 +22,8 @@ import torch.distributed._functional_collectives as funcol
 import torch.distributed.distributed_c10d as c10d
 
 import tracer
-from export import diff_ranks as dr
+from export.cli import main
+from export.diff import ranks as dr
 from tracer.features.distributed import C10D, FUNCOL, launched_rank_info, rank_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,20 +47,8 @@ def _patched_state() -> dict[str, object]:
 
 
 def _cli(argv: list[str]) -> int:
-    """``gradtrace diff-ranks ...`` through export.cli once it lists the module; until then the
-    same subcommand on a parser of its own, with the CLI's UserError -> exit 2 mapping."""
-    from export import cli
-
-    if "export.diff_ranks" in cli.COMMAND_MODULES:
-        return cli.main(["diff-ranks", *argv])
-    parser = argparse.ArgumentParser(prog="gradtrace")
-    dr.register(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["diff-ranks", *argv])
-    try:
-        return int(args.func(args))
-    except cli.UserError as exc:
-        print(f"gradtrace diff-ranks: error: {exc}", file=sys.stderr)
-        return 2
+    """``gradtrace diff-ranks ...`` in this process."""
+    return main(["diff-ranks", *argv])
 
 
 # ---- file names and header ---------------------------------------------------------------------------
@@ -388,7 +376,7 @@ def test_fsdp2_traces_and_compares(tmp_path) -> None:
 
 def test_gradtrace_run_under_torchrun_writes_one_file_per_rank(tmp_path) -> None:
     _torchrun(tmp_path, "--out", str(tmp_path / "step.gtrace"), "--steps", "0", SCRIPT,
-              "--out", "unused", "--untraced", launcher=["-m", "tracer.loops.program"])
+              "--out", "unused", "--untraced", launcher=["-m", "tracer", "run"])
     for rank, path in enumerate(_paths(tmp_path)):
         t = tracer.load(path)
         assert (t.header["distributed"]["rank"], t.header["distributed"]["world_size"]) == (rank, 2)

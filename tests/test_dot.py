@@ -23,9 +23,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tracer
-from export.backward_graph import backward_graph
-from export.cli import UserError, main
+from export.cli import main
 from export.dot import RenderError, dot
+from export.dot.backward_graph import backward_graph
+from export.errors import UserError
 
 GOLDEN = Path(__file__).parent / "golden"
 SVG_TEXT = "{http://www.w3.org/2000/svg}text"

@@ -18,7 +18,7 @@ import tracer
 from export.cli import main as cli_main
 from export.html import default_output, json_for_script, notebook_html, render
 from export.html import html as write_html
-from export.html_data import build_payload, rows
+from export.html.data import build_payload, rows
 
 ASSETS = Path(__file__).resolve().parents[1] / "export" / "assets"
 HOSTILE = "</script><img src=x onerror=alert(1)>"

@@ -247,7 +247,7 @@ def test_multi_rank_page_switches_between_ranks(tmp_path, browser):
     import torch
 
     import tracer
-    from export.html_ranks import html_ranks
+    from export.html import html_ranks
 
     traces = []
     for rank in (0, 1):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
@@ -11,7 +10,8 @@ import textwrap
 import pytest
 
 import tracer
-from tracer.loops.program import main_run, register
+from export.cli import main
+from export.cli.main import build_parser
 from tracer.model import load_steps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,12 +40,13 @@ SCRIPT = textwrap.dedent("""\
 
 
 def _gradtrace_run() -> list[str]:
-    """The real command line: `python -m tracer run` once the CLI lists the command."""
-    from export.cli import COMMAND_MODULES
+    """The real command line: `python -m tracer run`."""
+    return [sys.executable, "-m", "tracer", "run"]
 
-    if "tracer.loops.program" in COMMAND_MODULES:
-        return [sys.executable, "-m", "tracer", "run"]
-    return [sys.executable, "-m", "tracer.loops.program"]
+
+def main_run(argv: list[str]) -> int:
+    """``gradtrace run ARGV`` in this process."""
+    return main(["run", *argv])
 
 
 @pytest.fixture
@@ -168,8 +169,7 @@ def test_usage_errors_are_one_line_exit_2(script, capsys):
 
 
 def test_register_sends_options_after_the_program_to_the_program():
-    parser = argparse.ArgumentParser(prog="gradtrace")
-    register(parser.add_subparsers(dest="command"))
+    parser = build_parser()
     args = parser.parse_args(["run", "--steps", "3", "--report", "--max-bytes", "50M", "s.py", "--steps", "5",
                               "-m", "x"])
     assert (args.steps, args.report, args.max_bytes) == ("3", True, 50_000_000)

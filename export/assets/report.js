@@ -1,4 +1,4 @@
-/* gradtrace HTML report: draws the payload embedded in #gt-data (see export/html_data.py).
+/* gradtrace HTML report: draws the payload embedded in #gt-data (see export/html/data.py).
  *
  * Two graphs side by side on one canvas: forward calls (left, flowing down) and backward grad
  * nodes (right, flowing up, so a layer's gradients sit level with its forward calls). Both fold
@@ -654,7 +654,7 @@
     })(st.root);
     return n;
   }
-  const INITIAL_BUDGET = 320;  // as html_data.INITIAL_VISIBLE_BUDGET: what a fresh view may draw
+  const INITIAL_BUDGET = 320;  // as INITIAL_VISIBLE_BUDGET in export/html/data.py: what a fresh view may draw
   const MAX_VISIBLE = 1500;   // unfolding stops before the page would draw more than this
   const BY_DEPTH = { root: 1, module: 1, function: 1 };   // line/part/chunk groups open only on click
   function openToDepth(depth) {

@@ -1,6 +1,6 @@
 """What the DOT picture of a trace shows: nodes, edges and clusters, after folding.
 
-``build(trace, ...)`` turns a ``Trace`` into a plain ``Graph``; ``export.dot`` only writes it out.
+``build(trace, ...)`` turns a ``Trace`` into a plain ``Graph``; ``export.dot.write`` writes it out.
 Everything is keyed by the trace's own names, never by ``id()``, and visited in recording order,
 so the same program always gives the same graph.
 
@@ -18,12 +18,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from export.views import module_with_class, parent_path
 from tracer.model import BackwardRun, Call, GradNode, TensorRecord, Trace
+from tracer.model.display import clip, module_depth, param_module, plural, shape_spaced, short_api, within
 
 
 @dataclass
 class GNode:
-    """A drawn node. ``kind`` picks its style in ``export.dot`` (see ``NODE_STYLES`` there)."""
+    """A drawn node. ``kind`` picks its style in ``export.dot.write`` (see ``NODE_STYLES`` there)."""
 
     id: str
     kind: str
@@ -66,48 +68,13 @@ class Graph:
         self.where[item_id] = cluster
 
 
-# ---- small helpers ------------------------------------------------------------------------------
-def module_depth(path: str) -> int:
-    """Number of dot-separated components; the root module '' has depth 0."""
-    return 0 if path == "" else path.count(".") + 1
-
-
-def within(path: str, prefix: str) -> bool:
-    """True if module ``path`` is ``prefix`` or lies below it ('' contains everything)."""
-    return prefix == "" or path == prefix or path.startswith(prefix + ".")
-
-
-def param_module(name: str) -> str:
-    """Module path of a parameter/buffer name (``0.l1.weight`` -> ``0.l1``)."""
-    return name.rpartition(".")[0]
-
-
-def fmt_shape(shape: Iterable[int]) -> str:
-    return "[" + ", ".join(str(s) for s in shape) + "]"
-
-
-def short_api(api: str) -> str:
-    for prefix, repl in (("torch.nn.functional.", "F."), ("__main__.", "")):
-        if api.startswith(prefix):
-            return repl + api[len(prefix):]
-    return api
-
-
-def count(n: int, noun: str) -> str:
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
-
-
-def clip(text: str, limit: int = 40) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
+# ---- labels -------------------------------------------------------------------------------------
 def tensor_lines(rec: TensorRecord | None, name: str, checksums: bool) -> tuple[list[str], bool]:
     """Label lines for a tensor (name / shape dtype [device] / #md5 / NaN counts) and whether
     it holds NaN or Inf values."""
     if rec is None:
         return [name], False
-    kind = f"{fmt_shape(rec.shape)} {rec.dtype}"
+    kind = f"{shape_spaced(rec.shape)} {rec.dtype}"
     if rec.device and rec.device != "cpu":
         kind += f" {rec.device}"
     lines = [name, kind]
@@ -154,10 +121,10 @@ class Repeats:
         self._node_kind = {n.name: n.kind for n in trace.grad_nodes}
         if not self._calls:
             return
-        for parent in sorted({_parent_path(p) for p in known if p}, key=lambda p: (module_depth(p), p)):
+        for parent in sorted({parent_path(p) for p in known if p}, key=lambda p: (module_depth(p), p)):
             if any(within(parent, m) for g in self.groups for m in g.members):
                 continue  # already inside a folded repeat
-            kids = sorted((p for p in known if p and _parent_path(p) == parent
+            kids = sorted((p for p in known if p and parent_path(p) == parent
                            and p.rpartition(".")[2].isdigit()
                            and (depth is None or module_depth(p) <= depth)),
                           key=lambda p: int(p.rpartition(".")[2]))
@@ -242,10 +209,6 @@ class Repeats:
         return None
 
 
-def _parent_path(path: str) -> str:
-    return path.rpartition(".")[0]
-
-
 # ---- the builder --------------------------------------------------------------------------------
 class _Builder:
     def __init__(self, trace: Trace, depth: int | None, fold_repeats: bool, forward: bool,
@@ -286,13 +249,13 @@ class _Builder:
             p = c.module
             while p:
                 known.add(p)
-                p = _parent_path(p)
+                p = parent_path(p)
         return known
 
     def known_parent(self, path: str) -> str:
-        p = _parent_path(path)
+        p = parent_path(path)
         while p and p not in self.known:
-            p = _parent_path(p)
+            p = parent_path(p)
         return p
 
     def fold_key(self, module: str) -> str | None:
@@ -316,7 +279,7 @@ class _Builder:
             return ("call", rc.name)
         chain = [rc]
         while chain[-1].parent in self.calls:
-            chain.append(self.calls[chain[-1].parent])  # type: ignore[index]
+            chain.append(self.calls[chain[-1].parent])
         for a in reversed(chain):  # the outermost folded ancestor takes the whole nest
             k = self.fold_key(a.module)
             if k is not None:
@@ -331,9 +294,7 @@ class _Builder:
         return None
 
     def module_label(self, path: str) -> list[str]:
-        cls = self.t.modules.get(path)
-        shown = path or "(root)"
-        lines = [f"{shown} ({cls})" if cls else shown]
+        lines = [module_with_class(self.t, path)]
         grp = self.rep.group_of(path)
         if grp is not None:
             lines.append(grp.note())
@@ -472,7 +433,7 @@ class _Builder:
                 rec = self.t.tensors.get(rn.param)
                 lines = [rn.param, rn.kind]
                 if rec is not None:
-                    lines.append(f"{fmt_shape(rec.shape)} {rec.dtype}")
+                    lines.append(f"{shape_spaced(rec.shape)} {rec.dtype}")
                 kind = "leaf"
                 if param_module(rn.param) in self.known:
                     cluster = self.module_cluster("backward", param_module(rn.param))
@@ -513,7 +474,7 @@ class _Builder:
         while a in self.calls:
             if name in self.calls[a].outputs and not self._inside(consumer, a) and a in self.call_key:
                 best = a
-            a = self.calls[a].parent  # type: ignore[index]
+            a = self.calls[a].parent
         return best
 
     def _inside(self, c: Call, ancestor: str) -> bool:
@@ -521,7 +482,7 @@ class _Builder:
         while p in self.calls:
             if p == ancestor:
                 return True
-            p = self.calls[p].parent  # type: ignore[index]
+            p = self.calls[p].parent
         return False
 
     def tensor_edge(self, src: str, dst: str, name: str) -> None:
@@ -672,17 +633,17 @@ class _Builder:
                                        and not self._is_param(e.merged[0])))
                 outs = _shapes(self.t, (e.merged[0] for e in self.g.edges
                                         if e.src == nid and e.kind == "tensor" and e.merged))
-                lines = [head[0], "×" + count(ncalls, "call")]
+                lines = [head[0], "×" + plural(ncalls, "call")]
                 if ins:
                     lines.append("in: " + ins)
                 if outs:
                     lines.append("out: " + outs)
                 if nparams:
-                    lines.append(count(nparams, "param"))
+                    lines.append(plural(nparams, "param"))
             else:
-                lines = [head[0], "backward: ×" + count(ncalls, "grad node")]
+                lines = [head[0], "backward: ×" + plural(ncalls, "grad node")]
                 if nparams:
-                    lines.append(count(nparams, "param leaf").replace("leafs", "leaves"))
+                    lines.append(plural(nparams, "param leaf", "param leaves"))
             node.lines = lines + head[1:]
 
 
@@ -690,7 +651,7 @@ def _shapes(trace: Trace, names: Iterable[str], limit: int = 3) -> str:
     seen: list[str] = []
     for n in names:
         rec = trace.tensors.get(n)
-        s = f"{fmt_shape(rec.shape)} {rec.dtype}" if rec is not None else n
+        s = f"{shape_spaced(rec.shape)} {rec.dtype}" if rec is not None else n
         if s not in seen:
             seen.append(s)
     more = len(seen) - limit
@@ -706,8 +667,8 @@ def build(trace: Trace, *, depth: int | None = None, fold_repeats: bool = False,
         raise ValueError("nothing to draw: forward and backward are both off")
     b = _Builder(trace, depth, fold_repeats, forward, backward, checksums)
     g = b.build()
-    parts = [count(len(trace.calls), "call"), count(len(trace.grad_nodes), "grad node"),
-             count(len(trace.backward_runs), "backward run")]
+    parts = [plural(len(trace.calls), "call"), plural(len(trace.grad_nodes), "grad node"),
+             plural(len(trace.backward_runs), "backward run")]
     opts = []
     if depth is not None:
         opts.append(f"each module at depth {depth} folded into one node")

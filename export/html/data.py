@@ -22,15 +22,16 @@ anything still too wide into ``chunk`` groups of consecutive items.
 
 from __future__ import annotations
 
-import math
-import re
 from collections import defaultdict
 from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
+from export.views import first_params, module_label, nonfinite, parent_path, prefixes
 from tracer.model import Call, GradNode, Stats, TensorRecord, Trace
-from tracer.model.names import gradient_of
+from tracer.model.display import clip, json_number, param_module
+from tracer.model.names import base_name, gradient_of
 
 PAYLOAD_VERSION = 1
 
@@ -52,9 +53,6 @@ NODE_FIELDS = ["name", "kind", "call", "param", "next", "stack", "external", "gr
 GROUP_FIELDS = ["id", "kind", "label", "path", "cls", "parent", "depth", "call", "ncalls",
                 "nnodes", "where"]
 
-_VERSION_SUFFIX = re.compile(r"@v\d+$")
-
-
 @dataclass
 class _Group:
     id: str
@@ -68,21 +66,10 @@ class _Group:
     items: list[tuple[str, int]] = field(default_factory=list)  # ("g"|"c", index), in order
 
 
-def _shape_text(shape: Iterable[int]) -> str:
-    return "×".join(str(s) for s in shape) or "scalar"
-
-
-def _num(x: float | None) -> float | str | None:
-    """JSON has no NaN/Infinity; the page prints these strings as they are."""
-    if x is None or math.isfinite(x):
-        return x
-    return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
-
-
 def _stats(s: Stats | None) -> list[Any] | None:
     if s is None:
         return None
-    return [_num(s.min), _num(s.max), _num(s.mean), _num(s.absmax), s.nan, s.inf]
+    return [json_number(s.min), json_number(s.max), json_number(s.mean), json_number(s.absmax), s.nan, s.inf]
 
 
 def _tensor_row(t: TensorRecord) -> list[Any]:
@@ -151,17 +138,17 @@ class _Builder:
                 if host is not None:
                     self._place_call(i, host, heads, function_group)
                     continue
-            prefixes = _prefixes(c.module)
+            paths = prefixes(c.module)
             keep = 0
-            while (keep < len(prefixes) and keep + 1 < len(chain)
-                   and self.groups[chain[keep + 1]].path == prefixes[keep]):
+            while (keep < len(paths) and keep + 1 < len(chain)
+                   and self.groups[chain[keep + 1]].path == paths[keep]):
                 keep += 1
             del chain[keep + 1:]
-            for path in prefixes[keep:]:
+            for path in paths[keep:]:
                 n = module_invocations[path]
                 module_invocations[path] += 1
                 gi = self._new_group(chain[-1], id=f"m:{path}" + (f"#{n}" if n else ""), kind="module",
-                                     label=_module_label(path) + (f" #{n}" if n else ""), path=path,
+                                     label=module_label(path) + (f" #{n}" if n else ""), path=path,
                                      cls=self.trace.modules.get(path, ""))
                 chain.append(gi)
             self._place_call(i, chain[-1], heads, function_group)
@@ -185,7 +172,7 @@ class _Builder:
                 return function_group.get(oi, self.call_group[oi])
         return None
 
-    def _place_call(self, i: int, gi: int, heads: set[str | None], function_group: dict[int, int]) -> None:
+    def _place_call(self, i: int, gi: int, heads: AbstractSet[str | None], function_group: dict[int, int]) -> None:
         c = self.calls[i]
         if c.name in heads:  # a Function with calls inside: the group stands for the call
             fg = self._new_group(gi, id=f"f:{c.name}", kind="function", label=c.name, path=c.module,
@@ -227,7 +214,7 @@ class _Builder:
             new_items.extend(items[pos:start])
             frame = self.calls[items[start][1]].stack[-1]
             code = frame.code.strip() or f"{frame.function}()"
-            lg = _Group(id=f"l:{g.id}:{self.calls[items[start][1]].name}", kind="line", label=_clip(code, 48),
+            lg = _Group(id=f"l:{g.id}:{self.calls[items[start][1]].name}", kind="line", label=clip(code, 48),
                         path=g.path, parent=gi, where=f"{frame.file}:{frame.line}", items=items[start:end])
             self.groups.append(lg)
             lgi = len(self.groups) - 1
@@ -306,7 +293,7 @@ class _Builder:
             g.items.append(("g", pgi))
 
     def _base_tensor(self, name: str) -> str:
-        base = _VERSION_SUFFIX.sub("", name)
+        base = base_name(name)
         rec = self.trace.tensors.get(name)
         if rec is not None and rec.role == "grad":
             base = gradient_of(name) or base
@@ -317,7 +304,7 @@ class _Builder:
             for t in self.calls[i].inputs:
                 rec = self.trace.tensors.get(t)
                 if rec is not None and rec.role == "param":
-                    return _VERSION_SUFFIX.sub("", t)
+                    return base_name(t)
         return None
 
     def _split_chunks(self, gi: int) -> None:
@@ -354,14 +341,14 @@ class _Builder:
             if n.call in self.call_index:
                 gi = self.call_group[self.call_index[n.call]]
             elif n.param is not None and not n.external:
-                path = n.param.rsplit(".", 1)[0] if "." in n.param else ""
+                path = param_module(n.param)
                 if path in first_for_path:
                     gi = first_for_path[path]
                 elif n.param in first_reader:
                     gi = self.call_group[first_reader[n.param]]
                 else:
                     while path and path not in first_for_path:
-                        path = path.rsplit(".", 1)[0] if "." in path else ""
+                        path = parent_path(path)
                     gi = first_for_path.get(path, 0)
             self.node_group[ni] = gi
 
@@ -429,30 +416,10 @@ class _Builder:
         return sorted(open_set)
 
 
-def _prefixes(module: str) -> list[str]:
-    if not module:
-        return []
-    parts = module.split(".")
-    return [".".join(parts[: k + 1]) for k in range(len(parts))]
-
-
-def _module_label(path: str) -> str:
-    """Last path component, or the last two when the last is an index (``h.3``, ``layers.0``)."""
-    parts = path.split(".")
-    if len(parts) >= 2 and parts[-1].isdigit():
-        return ".".join(parts[-2:])
-    return parts[-1]
-
-
-def _clip(text: str, n: int) -> str:
-    return text if len(text) <= n else text[: n - 1] + "…"
-
-
 def _summary(trace: Trace) -> dict[str, Any]:
-    params = [t for t in trace.tensors.values() if t.role == "param" and t.previous is None
-              and "@v" not in t.name]
+    params = first_params(trace)
     devices = sorted({t.device for t in trace.tensors.values()})
-    nonfinite = [t.name for t in trace.tensors_in_order() if t.stats is not None and not t.stats.finite]
+    nonfinite_names = [t.name for t in nonfinite(trace)]
     return {
         "model": trace.modules.get("", ""),
         "devices": devices,
@@ -463,8 +430,8 @@ def _summary(trace: Trace) -> dict[str, Any]:
         "modules": len(trace.modules),
         "params": len(params),
         "param_numel": sum(t.numel for t in params),
-        "nonfinite": nonfinite[:200],
-        "nonfinite_count": len(nonfinite),
+        "nonfinite": nonfinite_names[:200],
+        "nonfinite_count": len(nonfinite_names),
         "header": trace.header,
         "meta": {k: trace.meta[k] for k in ("argv", "started", "host", "seconds") if k in trace.meta},
         "status": trace.status,

@@ -1,6 +1,6 @@
-"""Compare two traces: the first divergence, forward and backward, with its call stacks.
+"""Compare two traces (``diff``): the first divergence, forward and backward, with its call stacks.
 
-``diff(a, b)`` aligns the two runs (``export.align``: a sequence alignment on keys that survive
+``diff(a, b)`` aligns the two runs (``export.diff.align``: a sequence alignment on keys that survive
 inserted or removed work), compares every aligned record's tensors and finds, separately for the
 forward API calls and for the backward grad-node executions, the **origin**: the first aligned
 record whose inputs match but whose outputs differ. Every later record with a differing output is
@@ -26,23 +26,20 @@ exit status 2), never called equal.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import os
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from export.align import Pair, align_calls, align_steps, call_mapping
-from export.cli import UserError
-from tracer.analysis.numerics import NumericsReport, find_anomalies
-from tracer.model import SCHEMA_VERSION, Frame, GradNode, Stats, TensorRecord, Trace
+from export.diff.align import Pair, align_calls, align_steps, call_mapping
+from export.diff.result import Compared, DiffResult, Divergence, ModuleStat, ParamDiff, Row, Tolerance
+from export.errors import DiffError
+from export.load import load_with_notes
+from export.views import checksum
+from tracer.model import SCHEMA_VERSION, Call, GradNode, NodeRun, Stats, TensorRecord, Trace
+from tracer.model.display import format_number, param_module
 from tracer.model.names import gradient_of
-
-if TYPE_CHECKING:
-    from rich.console import Console
 
 INF = math.inf
 _STATS = ("min", "max", "mean", "absmax")
@@ -54,39 +51,7 @@ _CAST_APIS = frozenset({"Tensor.to", "Tensor.float", "Tensor.half", "Tensor.bflo
 _CAST_NODES = frozenset({"ToCopyBackward0"})
 
 
-class DiffError(UserError):
-    """Two traces that cannot be compared (exit status 2, one line)."""
-
-
 # ---- comparing two tensors ---------------------------------------------------------------------
-@dataclass(frozen=True)
-class Tolerance:
-    rtol: float = 0.0
-    atol: float = 0.0
-
-    def __str__(self) -> str:
-        return f"rtol={self.rtol:g} atol={self.atol:g}"
-
-
-@dataclass(frozen=True)
-class Compared:
-    """One tensor of A against its counterpart in B.
-
-    ``status`` is ``equal``, ``differ``, ``unknown`` (not recorded, or neither hash nor stats to
-    judge by) or ``skipped`` (uninitialised memory: nothing to compare). ``abs``/``rel`` are the
-    largest stat differences where both tensors have stats.
-    """
-
-    status: str
-    abs: float | None = None
-    rel: float | None = None
-    why: str = ""
-
-
-def _digest(rec: TensorRecord) -> str | None:
-    return rec.md5 or rec.fingerprint
-
-
 def stat_diff(sa: Stats | None, sb: Stats | None) -> tuple[float, float, float] | None:
     """(largest absolute stat difference, relative to scale, scale), or None without stats."""
     if sa is None or sb is None:
@@ -129,7 +94,7 @@ class Comparer:
             return Compared("differ", INF, INF, f"shape {list(ra.shape)} vs {list(rb.shape)}")
         sd = stat_diff(ra.stats, rb.stats)
         ab, rel = (None, None) if sd is None else (sd[0], sd[1])
-        da, db = _digest(ra), _digest(rb)
+        da, db = checksum(ra), checksum(rb)
         if self.tol is None:
             if ra.dtype != rb.dtype:
                 return Compared("differ", ab, rel, f"dtype {ra.dtype} vs {rb.dtype}")
@@ -146,281 +111,7 @@ class Comparer:
         return Compared("equal" if within else "differ", ab, rel, "" if within else "beyond tolerance")
 
 
-# ---- result records ----------------------------------------------------------------------------
-@dataclass
-class Row:
-    """One aligned record (a call or a backward step) of A and B.
-
-    ``status``: ``equal``, ``origin`` (the first divergence), ``new`` (a later record whose inputs
-    match but outputs differ: another place where a difference enters), ``contaminated``,
-    ``gradient`` (differs only because it reads gradients), ``inserted`` (only in B), ``removed``
-    (only in A), ``cast`` (a dtype conversion only one side made, compared with a tolerance),
-    ``unknown`` (could not be compared).
-    """
-
-    a: str | None
-    b: str | None
-    module: str
-    what: str
-    status: str = "equal"
-    max_abs: float | None = None
-    max_rel: float | None = None
-    note: str = ""
-
-    @property
-    def differs(self) -> bool:
-        return self.status in ("origin", "new", "contaminated", "gradient")
-
-    def to_json(self) -> dict[str, Any]:
-        return {"a": self.a, "b": self.b, "module": self.module, "what": self.what, "status": self.status,
-                "max_abs": _num(self.max_abs), "max_rel": _num(self.max_rel), "note": self.note}
-
-
-@dataclass
-class ModuleStat:
-    compared: int = 0
-    differing: int = 0
-    max_abs: float = 0.0
-    max_rel: float = 0.0
-    where: str | None = None
-
-    def add(self, row: Row) -> None:
-        self.compared += 1
-        if row.differs:
-            self.differing += 1
-        if row.max_rel is not None and (row.max_rel > self.max_rel or self.where is None):
-            self.max_rel, self.where = row.max_rel, row.a
-        if row.max_abs is not None:
-            self.max_abs = max(self.max_abs, row.max_abs)
-
-
-@dataclass
-class Divergence:
-    """What differs in one section (``forward`` API calls or ``backward`` grad-node steps).
-
-    ``origin_a``/``origin_b`` name the first divergent record in each trace; ``stack_a``/``stack_b``
-    are their call stacks (for a grad node, the stack of the call that created it).
-    ``contaminated`` counts differing records after the origin per module; ``from_backward`` counts
-    forward calls that differ only because they read gradients (optimizer steps).
-    """
-
-    section: str
-    rows: list[Row] = field(default_factory=list)
-    origin: Row | None = None
-    reason: str = ""
-    stack_a: tuple[Frame, ...] = ()
-    stack_b: tuple[Frame, ...] = ()
-    contaminated: dict[str, int] = field(default_factory=dict)
-    from_backward: dict[str, int] = field(default_factory=dict)
-    independent: list[str] = field(default_factory=list)
-    inserted: list[str] = field(default_factory=list)
-    removed: list[str] = field(default_factory=list)
-    casts: list[str] = field(default_factory=list)
-    compared: int = 0
-    unknown: int = 0
-    per_module: dict[str, ModuleStat] = field(default_factory=dict)
-    largest: Row | None = None
-    before_origin: float | None = None
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def origin_a(self) -> str | None:
-        return None if self.origin is None else self.origin.a
-
-    @property
-    def origin_b(self) -> str | None:
-        return None if self.origin is None else self.origin.b
-
-    @property
-    def equal(self) -> bool:
-        """No origin, no contamination, no structural change (``from_backward`` aside)."""
-        return self.origin is None and not self.contaminated and not self.inserted and not self.removed
-
-    @property
-    def first_structural(self) -> Row | None:
-        return next((r for r in self.rows if r.status in ("inserted", "removed")), None)
-
-    def summary(self) -> str:
-        """One phrase: where this section first diverges."""
-        n = sum(self.contaminated.values())
-        if self.origin is not None:
-            o = self.origin
-            where = o.a if o.a == o.b else f"{o.a} (B: {o.b})"
-            tail = f"; {n} later record{'s' if n != 1 else ''} contaminated" if n else ""
-            k = sum(self.from_backward.values())
-            tail += f"; {k} call{'s' if k != 1 else ''} after backward differ via gradients" if k else ""
-            return f"first at {where} ({o.what} in {o.module or '<root>'}): {self.reason}{tail}"
-        if self.inserted or self.removed:
-            s = self.first_structural
-            first = "" if s is None else f"; first {s.status}: {s.a or s.b} ({s.what} in {s.module or '<root>'})"
-            rest = "all aligned records equal" if not n else f"{n} aligned records differ"
-            return f"{len(self.inserted)} inserted in B, {len(self.removed)} removed from A{first}; {rest}"
-        if n:
-            return f"{n} records differ with no single origin"
-        if self.from_backward:
-            k = sum(self.from_backward.values())
-            return f"equal up to backward; {k} call{'s' if k != 1 else ''} after it differ only because gradients differ"
-        return f"equal ({self.compared} aligned)"
-
-    def to_json(self) -> dict[str, Any]:
-        o = self.origin
-        return {
-            "equal": self.equal, "summary": self.summary(), "compared": self.compared, "unknown": self.unknown,
-            "origin": None if o is None else {**o.to_json(), "reason": self.reason,
-                                              "stack_a": [_frame_json(f) for f in self.stack_a],
-                                              "stack_b": [_frame_json(f) for f in self.stack_b]},
-            "contaminated": dict(sorted(self.contaminated.items())),
-            "from_backward": dict(sorted(self.from_backward.items())),
-            "independent": self.independent, "inserted": self.inserted, "removed": self.removed,
-            "casts": self.casts,
-            "largest": None if self.largest is None else self.largest.to_json(),
-            "within_before_origin": _num(self.before_origin),
-            "per_module": {m: {"compared": s.compared, "differing": s.differing, "max_abs": _num(s.max_abs),
-                               "max_rel": _num(s.max_rel), "where": s.where}
-                           for m, s in sorted(self.per_module.items())},
-            "records": [r.to_json() for r in self.rows if r.status != "equal"],
-            "notes": self.notes,
-        }
-
-
-@dataclass
-class ParamDiff:
-    """A parameter or buffer compared by name: its value, gradient and value after the step."""
-
-    name: str
-    value: Compared
-    grad: Compared | None = None
-    updated: Compared | None = None
-    only_in: str | None = None
-
-    @property
-    def differs(self) -> bool:
-        return self.only_in is not None or any(
-            c is not None and c.status == "differ" for c in (self.value, self.grad, self.updated))
-
-    def to_json(self) -> dict[str, Any]:
-        def c(x: Compared | None) -> Any:
-            return None if x is None else {"status": x.status, "max_abs": _num(x.abs), "max_rel": _num(x.rel)}
-        return {"name": self.name, "value": c(self.value), "grad": c(self.grad), "updated": c(self.updated),
-                "only_in": self.only_in}
-
-
-@dataclass
-class DiffResult:
-    """The comparison of trace A with trace B. ``exit_code``: 0 equal, 1 diverged."""
-
-    a_label: str
-    b_label: str
-    tolerance: Tolerance | None
-    forward: Divergence
-    backward: Divergence
-    params: list[ParamDiff] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    trace_a: Trace | None = field(default=None, repr=False, compare=False)
-    trace_b: Trace | None = field(default=None, repr=False, compare=False)
-
-    @property
-    def equal(self) -> bool:
-        return (self.forward.equal and self.backward.equal and not self.forward.from_backward
-                and not any(p.differs for p in self.params))
-
-    @property
-    def exit_code(self) -> int:
-        return 0 if self.equal else 1
-
-    @property
-    def differing_params(self) -> list[ParamDiff]:
-        """Parameters that differ, those whose value before the step differs first."""
-        bad = [p for p in self.params if p.differs]
-        return [p for p in bad if p.value.status == "differ"] + [p for p in bad if p.value.status != "differ"]
-
-    def _changed_values(self) -> str:
-        """The parameters whose value differs before the step, named, each with the first call
-        that read it when forward found no origin (a change rounded away by that call)."""
-        changed = [p.name for p in self.params if p.value.status == "differ" or p.only_in]
-        if not changed:
-            return ""
-        text = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
-        head = f"value of {text} differs" if len(changed) == 1 else f"values of {text} differ"
-        if self.forward.origin is None and self.trace_a is not None:
-            reader = next((c.name for c in self.trace_a.calls if c.phase == "forward" and changed[0] in c.inputs), None)
-            if reader is not None:
-                head += f" (first read by {reader}, whose outputs matched)"
-        return head
-
-    def verdict(self) -> str:
-        """The one-line answer, printed first."""
-        f, b = self.forward, self.backward
-        if self.equal:
-            unknown = f.unknown + b.unknown
-            tail = f" ({unknown} records could not be compared: no checksum or stats)" if unknown else ""
-            if self.tolerance is None:
-                return (f"EQUAL: {f.compared} calls, {b.compared} backward steps and {len(self.params)} "
-                        f"parameters bit-identical{tail}")
-            top = max((d.largest for d in (f, b) if d.largest is not None),
-                      key=lambda r: r.max_rel or 0.0, default=None)
-            if top is None or not top.max_rel:
-                at = ": no difference in the recorded stats"
-            else:
-                at = f": largest relative difference {_fmt(top.max_rel)} at {top.a} (in {top.module or '<root>'})"
-            casts = len(f.casts) + len(b.casts)
-            tail += f"; {casts} dtype cast(s) made by one side only, ignored" if casts else ""
-            return f"EQUAL within {self.tolerance}{at}{tail}"
-        parts = [f"forward: {f.summary()}", f"backward: {b.summary()}"]
-        if self.differing_params:
-            changed = self._changed_values()
-            n = len(self.differing_params)
-            parts.append(changed + (f"; {n} parameter(s) differ in all" if changed else f"{n} parameter(s) differ"))
-        head = "DIVERGED" if self.tolerance is None else f"BEYOND TOLERANCE ({self.tolerance})"
-        if self.tolerance is not None and f.origin is not None:
-            head += f", within it up to rel {_fmt(f.before_origin)}"
-        return f"{head} — " + " | ".join(parts)
-
-    def to_json(self) -> dict[str, Any]:
-        t = self.tolerance
-        return {"equal": self.equal, "exit_code": self.exit_code, "verdict": self.verdict(),
-                "a": self.a_label, "b": self.b_label, "mode": "exact" if t is None else "tolerance",
-                "rtol": None if t is None else t.rtol, "atol": None if t is None else t.atol,
-                "forward": self.forward.to_json(), "backward": self.backward.to_json(),
-                "params": [p.to_json() for p in self.params if p.differs],
-                "params_compared": len(self.params), "notes": self.notes,
-                "numerics": {side: r.to_json() for side, r in self.numerics().items()}}
-
-    def numerics(self) -> dict[str, NumericsReport]:
-        """Each side's first NaN/Inf (forward and backward), for the sides that have any."""
-        out = {}
-        for side, trace in (("A", self.trace_a), ("B", self.trace_b)):
-            if trace is not None:
-                report = find_anomalies(trace)
-                if not report.clean:
-                    out[side] = report
-        return out
-
-    def render(self, console: Console) -> None:
-        """Rich output: the verdict line first, then the tables."""
-        _render(self, console)
-
-
 # ---- helpers -----------------------------------------------------------------------------------
-def _num(x: float | None) -> float | str | None:
-    """JSON-safe number: non-finite values as strings (strict JSON has no Infinity)."""
-    if x is None or math.isfinite(x):
-        return x
-    return str(x)
-
-
-def _fmt(x: float | None) -> str:
-    if x is None:
-        return "-"
-    if math.isinf(x):
-        return "inf"
-    return f"{x:.3g}"
-
-
-def _frame_json(f: Frame) -> dict[str, Any]:
-    return {"file": f.file, "line": f.line, "function": f.function, "code": f.code}
-
-
 def _max_opt(x: float | None, y: float | None) -> float | None:
     if x is None:
         return y
@@ -429,15 +120,11 @@ def _max_opt(x: float | None, y: float | None) -> float | None:
     return max(x, y)
 
 
-def _param_module(name: str) -> str:
-    return name.rsplit(".", 1)[0] if "." in name else ""
-
-
 def _out_reason(outs: list[tuple[str | None, str | None, Compared]], row: Row, tol: Tolerance | None,
                 what: str = "inputs") -> str:
     """Why a record whose inputs match is an origin, in the words of the comparison mode."""
     if tol is not None:
-        return f"{what} within tolerance, outputs beyond it (rel {_fmt(row.max_rel)})"
+        return f"{what} within tolerance, outputs beyond it (rel {format_number(row.max_rel, 3)})"
     first = next((c for _, _, c in outs if c.status == "differ"), None)
     extra = f" ({first.why})" if first is not None and first.why.startswith(("dtype", "shape")) else ""
     return f"{what} match, outputs differ{extra}"
@@ -627,7 +314,7 @@ def _node_module(trace: Trace, node: GradNode | None) -> str:
     if node.call is not None:
         c = trace.get(node.call)
         return getattr(c, "module", "")
-    return _param_module(node.param) if node.param else ""
+    return param_module(node.param) if node.param else ""
 
 
 def _node_kind(trace: Trace, name: str) -> tuple[GradNode | None, str]:
@@ -741,7 +428,7 @@ def _backward(a: Trace, b: Trace, cmp: Comparer, calls: dict[str, str],
     return d
 
 
-def _inner_origin(a: Trace, b: Trace, cmp: Comparer, sa: Any, sb: Any, calls: dict[str, str],
+def _inner_origin(a: Trace, b: Trace, cmp: Comparer, sa: NodeRun, sb: NodeRun, calls: dict[str, str],
                   d: Divergence) -> tuple[Row, str] | None:
     """The first call a node's own code made (nested calls first) whose inputs match but whose
     outputs differ: a row for it (added to ``d``) and the reason, or None."""
@@ -749,13 +436,13 @@ def _inner_origin(a: Trace, b: Trace, cmp: Comparer, sa: Any, sb: Any, calls: di
         return None
     a_calls = {c.name: c for c in a.calls}
     b_calls = {c.name: c for c in b.calls}
-    children: dict[str, list[Any]] = {}
+    children: dict[str, list[Call]] = {}
     for c in a.calls:
         if c.parent is not None:
             children.setdefault(c.parent, []).append(c)
 
-    def post_order(names: list[str]) -> list[Any]:
-        out: list[Any] = []
+    def post_order(names: list[str]) -> list[Call]:
+        out: list[Call] = []
         for n in names:
             c = a_calls.get(n)
             if c is not None:
@@ -769,11 +456,11 @@ def _inner_origin(a: Trace, b: Trace, cmp: Comparer, sa: Any, sb: Any, calls: di
             continue
         ins = _compare_lists(cmp, ca.inputs, cb.inputs)
         outs = _compare_lists(cmp, ca.outputs, cb.outputs)
-        if any(c.status == "differ" for _, _, c in outs) and not any(c.status == "differ" for _, _, c in ins):
+        if any(x.status == "differ" for _, _, x in outs) and not any(x.status == "differ" for _, _, x in ins):
             row = Row(ca.name, cb.name, ca.module, ca.api)
-            for _, _, c in outs:
-                row.max_abs = _max_opt(row.max_abs, c.abs)
-                row.max_rel = _max_opt(row.max_rel, c.rel)
+            for _, _, x in outs:
+                row.max_abs = _max_opt(row.max_abs, x.abs)
+                row.max_rel = _max_opt(row.max_rel, x.rel)
             d.rows.append(row)
             return row, f"{ca.name} in the backward of {sa.node}: {_out_reason(outs, row, cmp.tol)}"
     return None
@@ -834,8 +521,6 @@ def _params(a: Trace, b: Trace, cmp: Comparer) -> list[ParamDiff]:
 def _load(x: Trace | str | os.PathLike[str], label: str, notes: list[str]) -> tuple[Trace, str]:
     if isinstance(x, Trace):
         return x, label
-    from export.loading import load_with_notes
-
     path = os.fspath(x)
     t, messages = load_with_notes(path)
     notes += [f"{label}: {m}" for m in messages]
@@ -894,170 +579,3 @@ def diff(a: Trace | str | os.PathLike[str], b: Trace | str | os.PathLike[str], *
     bwd = _backward(ta, tb, cmp, calls, touched)
     params = _params(ta, tb, cmp)
     return DiffResult(la, lb, tol, fwd, bwd, params, notes, ta, tb)
-
-
-# ---- command line --------------------------------------------------------------------------------
-def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = subparsers.add_parser(
-        "diff", help="first divergence between two traces, forward and backward (exit 1 if any)",
-        description="Align two traces of the same step and report the first record whose inputs match but "
-                    "outputs differ, forward and backward, with both call stacks. Exit status: 0 equal (or "
-                    "within tolerance), 1 diverged, 2 bad input.")
-    p.add_argument("a", metavar="A", help="first trace (.gtrace)")
-    p.add_argument("b", metavar="B", help="second trace (.gtrace)")
-    p.add_argument("more", nargs="*", metavar="TRACE", help="with --ranks: the other ranks' traces")
-    p.add_argument("--ranks", action="store_true",
-                   help="compare the per-rank traces of one data-parallel step (see gradtrace diff-ranks)")
-    p.add_argument("--html", metavar="OUT", help="also write a self-contained HTML view")
-    p.add_argument("--rtol", type=float, help="relative tolerance: compare by recorded stats, not checksums")
-    p.add_argument("--atol", type=float, help="absolute tolerance: compare by recorded stats, not checksums")
-    p.add_argument("--json", action="store_true", help="print the result as JSON instead of tables")
-    p.set_defaults(func=_run)
-
-
-def _run(args: argparse.Namespace) -> int:
-    import sys
-
-    if args.ranks:
-        from export.diff_ranks import run_paths
-
-        return run_paths([args.a, args.b, *args.more], as_json=args.json, args=args)
-    if args.more:
-        raise UserError("diff compares two traces; pass --ranks to compare one trace per rank")
-
-    result = diff(args.a, args.b, rtol=args.rtol, atol=args.atol)
-    args.exit_code = result.exit_code  # the verdict, whatever happens to the output (a closed pipe)
-    if args.json:
-        print(json.dumps(result.to_json(), indent=2, sort_keys=True, allow_nan=False))
-    else:
-        from export.summary import make_console
-
-        result.render(make_console())
-    if args.html:
-        from export.diff_html import diff_html
-
-        assert result.trace_a is not None and result.trace_b is not None
-        diff_html(result, result.trace_a, result.trace_b, args.html)
-        print(f"wrote {args.html}", file=sys.stderr)
-    return result.exit_code
-
-
-# ---- terminal output -------------------------------------------------------------------------------
-_MAX_ROWS = 30
-
-
-def _frame_text(f: Frame | None) -> str:
-    if f is None:
-        return ""
-    return f"{os.path.basename(f.file)}:{f.line} in {f.function}\n  {f.code}"
-
-
-def _render(result: DiffResult, console: Console) -> None:
-    from rich.table import Table
-    from rich.text import Text
-
-    def tx(s: object, style: str = "") -> Text:  # plain text: names and code may contain [brackets]
-        return Text("" if s is None else str(s), style=style)
-
-    def mod(m: str) -> str:
-        return m or "<root>"
-
-    console.print(tx(result.verdict(), "bold green" if result.equal else "bold red"))
-    for n in result.notes + result.forward.notes + result.backward.notes:
-        console.print(tx(f"note: {n}", "dim"))
-    console.print(tx(f"A: {result.a_label}   B: {result.b_label}", "dim"))
-    for side, report in result.numerics().items():
-        for anomaly in report.anomalies():
-            if anomaly is not None:
-                console.print(tx(f"{side}: {anomaly.describe()}", "red"))
-
-    t = Table(title="Summary", title_justify="left")
-    for col in ("section", "compared", "differing", "inserted", "removed", "verdict"):
-        t.add_column(col, justify="left" if col in ("section", "verdict") else "right", overflow="fold")
-    for d in (result.forward, result.backward):
-        differing = sum(1 for r in d.rows if r.differs)
-        t.add_row(tx(d.section), tx(d.compared), tx(differing), tx(len(d.inserted)), tx(len(d.removed)),
-                  tx(d.summary()), style=None if d.equal and not d.from_backward else "red")
-    bad = result.differing_params
-    t.add_row(tx("parameters"), tx(len(result.params)), tx(len(bad)), tx(""), tx(""),
-              tx(f"{len(bad)} differ (value, gradient or value after the step)" if bad else "equal"),
-              style="red" if bad else None)
-    console.print(t)
-
-    for d in (result.forward, result.backward):
-        o = d.origin
-        if o is not None:
-            s = Table(title=f"First {d.section} divergence: {d.reason}", title_justify="left", show_lines=True)
-            s.add_column("")
-            s.add_column("A", overflow="fold")
-            s.add_column("B", overflow="fold")
-            s.add_row(tx("record"), tx(o.a), tx(o.b), style="red")
-            s.add_row(tx("module"), tx(mod(o.module)), tx(mod(o.module)))
-            s.add_row(tx("op"), tx(o.what), tx(o.what))
-            if o.max_rel is not None:
-                s.add_row(tx("largest diff"), tx(f"abs {_fmt(o.max_abs)}  rel {_fmt(o.max_rel)}"), tx(""))
-            s.add_row(tx("stack"), tx("\n".join(_frame_text(f) for f in d.stack_a[-6:])),
-                      tx("\n".join(_frame_text(f) for f in d.stack_b[-6:])))
-            console.print(s)
-        shown = [r for r in d.rows if r.status in ("inserted", "removed")][:_MAX_ROWS // 2]
-        if shown:
-            s = Table(title=f"{d.section}: inserted in B / removed from A", title_justify="left")
-            for col in ("A", "B", "module", "op"):
-                s.add_column(col, overflow="fold")
-            for r in shown:
-                s.add_row(tx(r.a or "—"), tx(r.b or "—"), tx(mod(r.module)), tx(r.what), style="yellow")
-            extra = len(d.inserted) + len(d.removed) - len(shown)
-            if extra > 0:
-                s.add_row(tx(f"… {extra} more"), tx(""), tx(""), tx(""))
-            console.print(s)
-
-    mods = module_table(result)
-    if mods:
-        p = Table(title="Per module", title_justify="left")
-        for col in ("module", "forward differing", "backward differing", "after backward", "max abs", "max rel"):
-            p.add_column(col, justify="left" if col == "module" else "right")
-        for m in mods[:_MAX_ROWS]:
-            p.add_row(tx(mod(m["module"])), tx(m["forward"]), tx(m["backward"]), tx(m["after_backward"]),
-                      tx(_fmt(m["max_abs"])), tx(_fmt(m["max_rel"])), style="red" if m["origin"] else None)
-        if len(mods) > _MAX_ROWS:
-            p.add_row(tx(f"… {len(mods) - _MAX_ROWS} more modules"), *[tx("")] * 5)
-        console.print(p)
-
-    if bad:
-        q = Table(title=f"Parameters that differ ({len(bad)} of {len(result.params)})", title_justify="left")
-        for col in ("parameter", "value", "gradient", "after step"):
-            q.add_column(col)
-        for pd in bad[:_MAX_ROWS]:
-            def cell(c: Compared | None, pd: ParamDiff = pd) -> Text:
-                if pd.only_in:
-                    return tx(f"only in {pd.only_in}")
-                if c is None:
-                    return tx("-")
-                return tx(c.status if c.rel is None or c.status == "equal" else f"{c.status} (rel {_fmt(c.rel)})")
-            q.add_row(tx(pd.name), cell(pd.value), cell(pd.grad), cell(pd.updated))
-        if len(bad) > _MAX_ROWS:
-            q.add_row(tx(f"… {len(bad) - _MAX_ROWS} more"), tx(""), tx(""), tx(""))
-        console.print(q)
-
-
-def module_table(result: DiffResult) -> list[dict[str, Any]]:
-    """Per module: differing records forward/backward, after-backward calls, largest differences.
-
-    Only modules where something differs, or, with a tolerance, where any difference was measured;
-    sorted by largest relative difference with a tolerance, by module path otherwise.
-    """
-    out = []
-    origins = {d.origin.module for d in (result.forward, result.backward) if d.origin is not None}
-    for m in sorted(set(result.forward.per_module) | set(result.backward.per_module)):
-        stats = [x for x in (result.forward.per_module.get(m), result.backward.per_module.get(m)) if x is not None]
-        fwd = sum(1 for r in result.forward.rows if r.module == m and r.status in ("origin", "new", "contaminated"))
-        bwd = sum(1 for r in result.backward.rows if r.module == m and r.status in ("origin", "new", "contaminated"))
-        after = result.forward.from_backward.get(m, 0)
-        rel = max((x.max_rel for x in stats), default=0.0)
-        ab = max((x.max_abs for x in stats), default=0.0)
-        if fwd or bwd or after or (result.tolerance is not None and rel > 0):
-            out.append({"module": m, "forward": fwd, "backward": bwd, "after_backward": after,
-                        "max_abs": ab, "max_rel": rel, "origin": m in origins})
-    if result.tolerance is not None:
-        out.sort(key=lambda r: -r["max_rel"])
-    return out

@@ -1,37 +1,16 @@
-"""Graphviz export: ``dot(trace, "step.svg")`` and ``gradtrace dot TRACE -o step.svg``.
-
-What the picture shows (the legend in every file repeats it):
-
-* forward section: rounded boxes are forward API calls (``linear0`` / ``F.linear`` / args), pink
-  ones custom ``autograd.Function`` calls; arrows between them are tensors, labelled name /
-  ``[shape] dtype`` / ``#`` first 8 hex digits of the MD5. Yellow house shapes are source tensors
-  that came from outside the traced computation (inputs, parameters, buffers, optimizer state);
-  white notes are outputs no traced call used. Grey boxes around nodes are modules.
-* backward section: blue ellipses are grad nodes (``linear0/AddmmBackward0``), green ones the
-  ``AccumulateGrad`` leaves named by parameter, grey dashed ones nodes made before the block; the
-  red octagon is a backward run; blue arrows are gradients, labelled like tensors.
-* dashed grey lines join a call to the grad nodes it created (and a parameter to its leaf).
-* folded modules (``depth=N``) are folder shapes labelled ``path (Class)``, ``×calls``, the
-  shapes crossing their boundary and the parameters folded in; a repeated block drawn once
-  carries ``×12: h.0 … h.11``, and edges it stands for several times carry ``×12`` too.
-* anything red holds NaN or Inf, or raised.
-
-Node ids follow recording order (``c<i>`` = i-th call, ``g<i>`` = i-th grad node, ``s``/``o`` =
-source/output tensors, ``m``/``mb`` = folded modules, ``b<i>`` = backward runs) and the text
-contains no addresses, times or paths, so the same program gives the same file.
-"""
+"""DOT text and files: the styles of each node, edge and cluster kind, the legend, the text of a
+``Graph`` (``export.dot.fold``) and writing it as ``.dot``/``.gv`` or rendering it with Graphviz
+(``.svg``, ``.png``, ``.pdf``). ``export.dot`` says what the picture shows."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
-from export.cli import UserError
-from export.graph_fold import Cluster, GEdge, GNode, Graph, build
-from tracer.model import Trace
+from export.dot.fold import Cluster, GEdge, GNode, Graph
+from export.errors import RenderError, UserError
 
 FONT = "Helvetica"
 
@@ -92,10 +71,6 @@ LEGEND_EDGES = (
 
 RENDERED = {".svg": "svg", ".png": "png", ".pdf": "pdf"}
 TEXT = (".dot", ".gv")
-
-
-class RenderError(UserError):
-    """Rendering needs Graphviz's ``dot`` program and it is not installed."""
 
 
 # ---- DOT text ------------------------------------------------------------------------------------
@@ -225,6 +200,7 @@ def write_output(text: str, path: str | os.PathLike[str]) -> None:
                           "(or brew install graphviz); writing .dot works without it")
     if shutil.which("dot") is None:
         raise missing
+    # graphviz (the Python package) only when rendering: writing .dot needs nothing but text.
     import graphviz
 
     try:
@@ -236,75 +212,3 @@ def write_output(text: str, path: str | os.PathLike[str]) -> None:
         raise UserError(f"dot could not render {path}: {detail[-1] if detail else exc}") from None
     with open(path, "wb") as fh:
         fh.write(data)
-
-
-def dot(trace: Trace, path: str | os.PathLike[str] | None = None, *, depth: int | None = None,
-        fold_repeats: bool = False, forward: bool = True, backward: bool = True,
-        checksums: bool = True) -> str:
-    """Draw ``trace`` as a Graphviz graph and return the DOT text.
-
-    ``path`` ending in ``.dot``/``.gv`` gets the text; ``.svg``/``.png``/``.pdf`` are rendered with
-    Graphviz's ``dot`` program (``RenderError`` when it is missing). ``depth=N`` draws each module
-    at depth N (``blocks.0`` has depth 2) as one node holding its own calls and its submodules', and
-    their grad nodes as one backward node; ``depth=0`` folds the whole model, leaving top-level code
-    (loss, optimizer) drawn. ``fold_repeats`` draws identical sibling blocks once, marked ``×N``; ``forward``/``backward`` pick the halves; ``checksums`` adds the
-    first 8 hex digits of each tensor's MD5 to its label.
-    """
-    if path is not None:
-        check_suffix(os.fspath(path))  # fail before the work
-    g = build(trace, depth=depth, fold_repeats=fold_repeats, forward=forward, backward=backward,
-              checksums=checksums)
-    add_legend(g)
-    text = to_dot(g)
-    if path is not None:
-        write_output(text, path)
-    return text
-
-
-# ---- command line --------------------------------------------------------------------------------
-def default_output(trace_path: str) -> str:
-    p = Path(trace_path)
-    if p.suffix == ".gz":
-        p = p.with_suffix("")
-    return os.fspath(p.with_suffix(".dot"))
-
-
-def _depth(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError("must be 0 or more")
-    return value
-
-
-def register(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "dot", help="draw a trace as a Graphviz graph (.dot, .svg, .png, .pdf)",
-        description="Draw the forward calls and the grad nodes of a trace as a Graphviz graph. "
-                    "The output extension picks the format; .svg/.png/.pdf need Graphviz's `dot`.")
-    p.add_argument("trace", help="a .gtrace file")
-    p.add_argument("-o", "--output", help="output file (default: TRACE with a .dot suffix)")
-    p.add_argument("--depth", type=_depth, metavar="N",
-                   help="draw each module at depth N (blocks.0 has depth 2) as one node holding its "
-                        "calls and its submodules'; 0 draws the whole model as one node")
-    p.add_argument("--fold-repeats", action="store_true",
-                   help="draw identical sibling blocks (h.0 .. h.11) once, marked ×N")
-    half = p.add_mutually_exclusive_group()
-    half.add_argument("--forward-only", action="store_true", help="only the forward calls")
-    half.add_argument("--backward-only", action="store_true", help="only the grad nodes")
-    p.add_argument("--no-checksums", action="store_true", help="leave MD5 prefixes out of labels")
-    p.set_defaults(func=_run)
-
-
-def _run(args: argparse.Namespace) -> int:
-    import tracer
-
-    out = args.output or default_output(args.trace)
-    check_suffix(out)
-    trace = tracer.load(args.trace)
-    dot(trace, out, depth=args.depth, fold_repeats=args.fold_repeats, forward=not args.backward_only,
-        backward=not args.forward_only, checksums=not args.no_checksums)
-    print(f"wrote {out}")
-    return 0

@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 
-from export.dot import add_legend, check_suffix, to_dot, write_output
-from export.graph_fold import Cluster, GEdge, GNode, Graph, fmt_shape
+from export.dot.fold import Cluster, GEdge, GNode, Graph
+from export.dot.write import add_legend, check_suffix, to_dot, write_output
+from tracer.model.display import shape_spaced
 
 _MAX_NESTING = 6  # how deep to look into nested containers for tensors
 
@@ -91,7 +92,7 @@ def build_backward_graph(obj: Any, params: Any = None) -> Graph:
 
     for i, (label, t) in enumerate(roots):
         rid = f"r{i}"
-        g.nodes[rid] = GNode(rid, "root", [label, f"{fmt_shape(t.shape)} {str(t.dtype).removeprefix('torch.')}"])
+        g.nodes[rid] = GNode(rid, "root", [label, f"{shape_spaced(t.shape)} {str(t.dtype).removeprefix('torch.')}"])
         g.place("node", rid, cid)
         g.edges.append(GEdge(rid, visit(t.grad_fn), "grad_flow"))
     while queue:
@@ -108,7 +109,7 @@ def _node(nid: str, node: Any, names: dict[int, str]) -> GNode:
     variable = getattr(node, "variable", None) if kind == "AccumulateGrad" else None
     if isinstance(variable, torch.Tensor):
         name = names.get(id(variable))
-        shape = f"{fmt_shape(variable.shape)} {str(variable.dtype).removeprefix('torch.')}"
+        shape = f"{shape_spaced(variable.shape)} {str(variable.dtype).removeprefix('torch.')}"
         return GNode(nid, "leaf", [name or "(unnamed leaf)", kind, shape])
     return GNode(nid, "grad", [kind])
 

@@ -4,16 +4,24 @@ CSV or a plot."""
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
+from export.cli.command import Command
+from export.cli.console import make_console
+from export.errors import UserError
+from export.load import load_trace
 from tracer.analysis.memory import MemoryRecord
 from tracer.analysis.memory_views import PlotUnavailable, plot_record, record_tables, write_csv
 
 
-def _cmd_memory(args: argparse.Namespace) -> int:
-    from export.cli import UserError
-    from export.summary import load_trace, make_console
+def _arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", help="a .gtrace file")
+    p.add_argument("--top", type=int, default=15, help="rows per table (default 15)")
+    p.add_argument("--csv", metavar="PATH", help="also write every event as CSV")
+    p.add_argument("--plot", metavar="PATH", help="also plot the timeline (.png or .svg; needs matplotlib)")
+    p.add_argument("--device", help="device of the plot (default: the one with the most bytes)")
 
+
+def _cmd_memory(args: argparse.Namespace) -> int:
     trace = load_trace(args.trace)
     rec = MemoryRecord.from_trace(trace)
     if not rec.events:
@@ -34,15 +42,9 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "memory", help="allocations and frees of a trace, attributed to calls and grad nodes",
-        description="Print the memory record of a trace made with tracer.trace(memory=True) or "
-                    "tracer.record_memory(): totals per device, top allocators by bytes, per module, "
-                    "forward vs backward, and the tensors live at the peak.")
-    p.add_argument("trace", help="a .gtrace file")
-    p.add_argument("--top", type=int, default=15, help="rows per table (default 15)")
-    p.add_argument("--csv", metavar="PATH", help="also write every event as CSV")
-    p.add_argument("--plot", metavar="PATH", help="also plot the timeline (.png or .svg; needs matplotlib)")
-    p.add_argument("--device", help="device of the plot (default: the one with the most bytes)")
-    p.set_defaults(func=_cmd_memory)
+COMMAND = Command(
+    "memory", help="allocations and frees of a trace, attributed to calls and grad nodes",
+    description="Print the memory record of a trace made with tracer.trace(memory=True) or "
+                "tracer.record_memory(): totals per device, top allocators by bytes, per module, "
+                "forward vs backward, and the tensors live at the peak.",
+    arguments=_arguments, run=_cmd_memory)

@@ -1,33 +1,25 @@
 """``gradtrace demo``: trace one training step of the bundled tiny GPT and show what came out.
 
 It writes ``demo.gtrace`` (streamed while recording), prints the summary, writes ``demo.html``
-beside it when the HTML exporter is part of this build, and lists the next commands to try.
+beside it, and lists the next commands to try.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import shlex
-from typing import Any
 
-from export.cli import UserError
-from export.summary import make_console, render_summary
+from export.cli.command import Command
+from export.cli.console import make_console
+from export.errors import UserError
+from export.html import default_output, html
+from export.summary import render_summary
+from tracer.api import trace
+from tracer.demo import build_demo, demo_step
 
 DEFAULT_OUT = "demo.gtrace"
-
-
-def _html_exporter() -> Any:
-    """``export.html.html`` if that exporter exists in this build, else None."""
-    try:
-        mod = importlib.import_module("export.html")
-    except ModuleNotFoundError as exc:
-        if exc.name == "export.html":
-            return None
-        raise
-    return getattr(mod, "html", None)
 
 
 def _check_writable(path: str) -> None:
@@ -49,30 +41,19 @@ def _check_writable(path: str) -> None:
         raise UserError(f"{path} exists and is not a gradtrace trace; choose another name with -o")
 
 
-def html_path_for(trace_path: str) -> str:
-    base = trace_path[:-3] if trace_path.endswith(".gz") else trace_path
-    root, ext = os.path.splitext(base)
-    return (root if ext == ".gtrace" else base) + ".html"
-
-
 def run_demo(out: str, report: bool = True) -> list[str]:
     """Trace one demo step into ``out`` (and its HTML report); return the files written."""
-    import tracer
-    from tracer.demo import build_demo, demo_step
-
     _check_writable(out)
     model, optimizer, batch = build_demo(seed=0)
-    with tracer.trace(out=out) as t:
+    with trace(out=out) as t:
         demo_step(model, optimizer, batch)
     console = make_console()
     render_summary(t, console)
     written = [out]
     if report:
-        html = _html_exporter()
-        if html is not None:
-            page = html_path_for(out)
-            html(t, page)
-            written.append(page)
+        page = default_output(out)
+        html(t, page)
+        written.append(page)
     console.print()
     console.print("Wrote " + ", ".join(written), soft_wrap=True, markup=False)
     q = shlex.quote(out)
@@ -84,18 +65,20 @@ def run_demo(out: str, report: bool = True) -> list[str]:
     return written
 
 
+def _arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-o", "--out", default=DEFAULT_OUT, help=f"trace file to write (default {DEFAULT_OUT})")
+    p.add_argument("--no-report", action="store_true", help="do not write the HTML report")
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     run_demo(args.out, report=not args.no_report)
     return 0
 
 
-def register(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "demo", help="trace one training step of a bundled tiny GPT and summarise it",
-        description="Trace one CPU training step (forward, backward, AdamW) of a tiny GPT-style "
-                    "model that ships with gradtrace, write the trace (and an HTML report when "
-                    "available) and print a summary. An existing file that is not a trace is "
-                    "never overwritten.")
-    p.add_argument("-o", "--out", default=DEFAULT_OUT, help=f"trace file to write (default {DEFAULT_OUT})")
-    p.add_argument("--no-report", action="store_true", help="do not write the HTML report")
-    p.set_defaults(func=_cmd_demo)
+COMMAND = Command(
+    "demo", help="trace one training step of a bundled tiny GPT and summarise it",
+    description="Trace one CPU training step (forward, backward, AdamW) of a tiny GPT-style "
+                "model that ships with gradtrace, write the trace (and an HTML report when "
+                "available) and print a summary. An existing file that is not a trace is "
+                "never overwritten.",
+    arguments=_arguments, run=_cmd_demo)

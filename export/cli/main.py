@@ -1,54 +1,41 @@
-"""The ``gradtrace`` command line: ``main(argv) -> int``.
+"""The ``gradtrace`` command line: ``main(argv) -> int``, the only argparse in gradtrace.
 
-Each subcommand lives in the module that does its work and registers itself through a
-``register(subparsers)`` function that sets ``func(args) -> int`` as the parser default. Errors a
-user can fix (a missing or corrupt trace, a bad option) are ``UserError``/``TraceFormatError``:
+Each subcommand is a ``Command`` (name, help, arguments, what it runs) in a module of this
+package; ``COMMANDS`` lists them in the order ``--help`` shows them. Errors a user can fix (a
+missing or corrupt trace, a bad option) are ``UserError``/``TraceFormatError``/``TraceError``:
 one line on stderr and exit status 2, no traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 from collections.abc import Sequence
 
+from export.cli import demo, diff, dot, memory, report, run, summary
+from export.cli.command import Command
+from export.errors import UserError
 from tracer.model import TraceFormatError
+from tracer.options import TraceError
+from tracer.version import __version__
 
-# Modules that contribute subcommands, in the order they appear in --help.
-COMMAND_MODULES = (
-    "export.summary",   # summary, show, md5
-    "export.demo",      # demo
-    "export.dot",       # dot
-    "export.html",      # report
-    "export.diff",      # diff
-    "tracer.loops.program",       # run
-    "export.memory_cli",  # memory
-    "export.diff_ranks",  # diff-ranks
+COMMANDS: tuple[Command, ...] = (
+    summary.SUMMARY, summary.SHOW, summary.MD5, demo.COMMAND, dot.COMMAND, report.COMMAND, diff.DIFF,
+    run.COMMAND, memory.COMMAND, diff.DIFF_RANKS,
 )
-
-
-class UserError(Exception):
-    """A problem the user can fix; printed as one line, exit status 2."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gradtrace",
         description="Record, render, summarise and diff PyTorch forward/backward traces.")
-    from tracer import __version__
-
     parser.add_argument("--version", action="version", version=f"gradtrace {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMAND_MODULES:
-        try:
-            mod = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name == name:  # that exporter is not part of this build
-                continue
-            raise
-        mod.register(sub)
+    for command in COMMANDS:
+        p = sub.add_parser(command.name, help=command.help, description=command.description, usage=command.usage)
+        command.arguments(p)
+        p.set_defaults(func=command.run)
     return parser
 
 
@@ -63,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = int(func(args) or 0)
         sys.stdout.flush()  # here, not at exit, so that a closed pipe is seen below
         return code
-    except (UserError, TraceFormatError) as exc:
+    except (UserError, TraceFormatError, TraceError) as exc:
         print(f"gradtrace {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:
@@ -84,7 +71,3 @@ def _silence_stdout() -> None:
         os.close(devnull)
     except (OSError, ValueError):  # no real file descriptor (tests capture stdout)
         pass
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -28,19 +28,20 @@ Exit status: 0 replicas agree, 1 a rank departed, 2 traces that cannot be compar
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from rich.console import Console
+
+from export.diff.console import render_ranks
+from export.diff.result import frame_json
+from export.load import load_with_notes
+from export.views import checksum
 from tracer.model import Call, Frame, GradNode, TensorRecord, Trace
-
-if TYPE_CHECKING:
-    from rich.console import Console
 
 # Collectives whose outputs hold the same value on every rank of their group (by the last part of
 # the call's API name). DDP's all-reduce is recorded as one call named ddp_allreduce<k>.
@@ -50,10 +51,16 @@ RANK_INVARIANT = frozenset({
     "all_gather_into_tensor_coalesced", "allreduce",
 })
 MISSING = "<missing>"
-_FOLLOW = object()  # "look at the version this one replaced"
 _GROUP = re.compile(r"group=(\[[\d, ]*\]|'[^']*'|\"[^\"]*\")")
 _VERSION = re.compile(r"(@v\d+|#\d+)+$")
-_MAX_ROWS = 30
+
+
+class _Follow:
+    """What ``_Ranked._direct`` says when only a record's history can tell: look at the version
+    this one replaced."""
+
+
+_FOLLOW = _Follow()
 
 
 # ---- results -----------------------------------------------------------------------------------------
@@ -79,8 +86,7 @@ class Departure:
         return {"record": self.record, "what": self.what, "rank": self.rank, "ranks": self.ranks,
                 "reference": self.reference, "reason": self.reason, "param": self.param, "call": self.call,
                 "api": self.api, "module": self.module, "max_abs": self.max_abs,
-                "stack": [{"file": f.file, "line": f.line, "function": f.function, "code": f.code}
-                          for f in self.stack]}
+                "stack": [frame_json(f) for f in self.stack]}
 
 
 @dataclass
@@ -137,16 +143,18 @@ class RankDiffResult:
                 "notes": self.notes, "problems": self.problems}
 
     def render(self, console: Console) -> None:
-        _render(self, console)
+        render_ranks(self, console)
 
 
 # ---- classifying records -------------------------------------------------------------------------------
-def _short_api(api: str) -> str:
+def op_name(api: str) -> str:
+    """The operation an API name ends in, the key of ``RANK_INVARIANT``: ``torch.distributed.all_reduce``
+    -> ``all_reduce`` (a key, not a display name: see ``tracer.model.display.short_api`` for that)."""
     return api.rsplit(".", 1)[-1]
 
 
 def _invariant_call(call: Call | None) -> bool:
-    return call is not None and call.kind == "collective" and _short_api(call.api) in RANK_INVARIANT
+    return call is not None and call.kind == "collective" and op_name(call.api) in RANK_INVARIANT
 
 
 def group_of(call: Call) -> str:
@@ -182,8 +190,8 @@ class _Ranked:
         while cur is not None and cur not in self._what:
             rec = self.trace.tensors.get(cur)
             direct = _FOLLOW if rec is None else self._direct(cur, rec)
-            if direct is not _FOLLOW or rec is None or rec.previous is None:
-                self._what[cur] = None if direct is _FOLLOW else direct
+            if not isinstance(direct, _Follow) or rec is None or rec.previous is None:
+                self._what[cur] = None if isinstance(direct, _Follow) else direct
                 break
             self._what[cur] = None  # guards a cyclic `previous` chain in a damaged file
             chain.append(cur)
@@ -195,7 +203,7 @@ class _Ranked:
             self._what[n] = inherited
         return self._what[name]
 
-    def _direct(self, name: str, rec: TensorRecord) -> str | object | None:
+    def _direct(self, name: str, rec: TensorRecord) -> str | _Follow | None:
         """A record's category from its own fields; ``_FOLLOW`` when only its history can tell."""
         producer = self.calls.get(rec.producer or "")
         if rec.role == "param":
@@ -244,10 +252,6 @@ class _Ranked:
         return sorted((c for c in self.trace.calls if c.kind == "collective"), key=lambda c: c.seq)
 
 
-def _digest(rec: TensorRecord) -> str | None:
-    return rec.md5 or rec.fingerprint
-
-
 def _absmax_diff(a: TensorRecord, b: TensorRecord) -> float | None:
     sa, sb = a.stats, b.stats
     if sa is None or sb is None:
@@ -277,8 +281,6 @@ def _rank_of(trace: Trace, label: str) -> int | None:
 def _load(x: Trace | str | os.PathLike[str], index: int, notes: list[str]) -> tuple[Trace, str]:
     if isinstance(x, Trace):
         return x, f"trace {index}"
-    from export.loading import load_with_notes
-
     path = os.fspath(x)
     t, messages = load_with_notes(path)
     notes += [f"{path}: {m}" for m in messages]
@@ -342,7 +344,7 @@ def _compare_tensors(ranked: list[_Ranked], result: RankDiffResult) -> None:
         whats = {x.rank: x.what(name) for x in ranked if name in x.trace.tensors}
         holder = next(x for x in ranked if name in x.trace.tensors)
         if not any(whats.values()):
-            digests = {_digest(x.trace.tensors[name]) for x in ranked if name in x.trace.tensors}
+            digests = {checksum(x.trace.tensors[name]) for x in ranked if name in x.trace.tensors}
             if len(digests) > 1 and None not in digests:
                 expected[holder.expected_kind(name)] += 1
             continue
@@ -350,13 +352,13 @@ def _compare_tensors(ranked: list[_Ranked], result: RankDiffResult) -> None:
         for members in _comparison_sets(ranked, name, what):
             values: dict[int, str] = {}
             for x in members:
-                rec = x.trace.tensors.get(name)
-                if rec is None:
+                mine = x.trace.tensors.get(name)
+                if mine is None:
                     values[x.rank] = MISSING
                     continue
-                d = _digest(rec)
+                d = checksum(mine)
                 if d is None:
-                    unknown[rec.hash_note or "not hashed"] += 1
+                    unknown[mine.hash_note or "not hashed"] += 1
                     continue
                 values[x.rank] = d
             if len(values) < 2:
@@ -421,7 +423,7 @@ def _compare_schedule(ranked: list[_Ranked], result: RankDiffResult) -> None:
     for i in range(length):
         sig = {}
         for r, s in seqs.items():
-            sig[r] = MISSING if i >= len(s) else f"{_short_api(s[i].api)}|{s[i].args}"
+            sig[r] = MISSING if i >= len(s) else f"{op_name(s[i].api)}|{s[i].args}"
         if len(set(sig.values())) == 1:
             continue
         ref = _reference(sig)
@@ -432,8 +434,8 @@ def _compare_schedule(ranked: list[_Ranked], result: RankDiffResult) -> None:
         theirs = seqs[ref[0]][i] if i < len(seqs[ref[0]]) else None
         shown = mine or theirs
         assert shown is not None
-        what_mine = f"{mine.name} ({_short_api(mine.api)}, {mine.args})" if mine else "nothing"
-        what_ref = f"{theirs.name} ({_short_api(theirs.api)}, {theirs.args})" if theirs else "nothing"
+        what_mine = f"{mine.name} ({op_name(mine.api)}, {mine.args})" if mine else "nothing"
+        what_ref = f"{theirs.name} ({op_name(theirs.api)}, {theirs.args})" if theirs else "nothing"
         result.departures.append(Departure(
             record=shown.name, what="collective sequence", rank=rank, ranks=departing, reference=ref,
             reason=f"collective #{i} on the default group: rank {rank} issued {what_mine}, "
@@ -451,95 +453,3 @@ def _call_order(x: _Ranked, call: Call | None) -> int:
             if rec is not None:
                 return rec.seq
     return len(x.trace.tensors)
-
-
-# ---- command line ----------------------------------------------------------------------------------------
-def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = subparsers.add_parser(
-        "diff-ranks", help="compare the per-rank traces of one data-parallel step (exit 1 if a rank departed)",
-        description="Compare what must be identical across data-parallel replicas (parameters, gradients after "
-                    "the all-reduce, outputs of rank-invariant collectives, the order of collectives) in the "
-                    "per-rank traces of one step, and report the first record where a rank departs with its "
-                    "call, stack and module path. Exit status: 0 agree, 1 a rank departed, 2 bad input.")
-    p.add_argument("traces", nargs="+", metavar="TRACE", help="per-rank traces (step.rank0.gtrace step.rank1.gtrace ...)")
-    p.add_argument("--json", action="store_true", help="print the result as JSON instead of tables")
-    p.set_defaults(func=_run)
-
-
-def run_paths(paths: Sequence[str], *, as_json: bool = False, args: argparse.Namespace | None = None) -> int:
-    """Compare per-rank trace files and print the result; the exit status (for ``diff --ranks``),
-    also put in ``args.exit_code`` before anything is printed (see ``export.cli.main``)."""
-    from export.cli import UserError
-
-    for path in paths:
-        if not os.path.exists(path):
-            raise UserError(f"no such trace: {path}")
-    result = diff_ranks(list(paths))
-    if result.problems:
-        raise UserError("; ".join(result.problems))
-    if args is not None:
-        args.exit_code = result.exit_code
-    if as_json:
-        print(json.dumps(result.to_json(), indent=2, sort_keys=True, allow_nan=False))
-    else:
-        from export.summary import make_console
-
-        result.render(make_console())
-    return result.exit_code
-
-
-def _run(args: argparse.Namespace) -> int:
-    return run_paths(args.traces, as_json=args.json, args=args)
-
-
-# ---- terminal output --------------------------------------------------------------------------------------
-def _frame_text(f: Frame) -> str:
-    return f"{os.path.basename(f.file)}:{f.line} in {f.function}\n  {f.code}"
-
-
-def _render(result: RankDiffResult, console: Console) -> None:
-    from rich.table import Table
-    from rich.text import Text
-
-    def tx(s: object, style: str = "") -> Text:  # plain text: names and code may hold [brackets]
-        return Text("" if s is None else str(s), style=style)
-
-    console.print(tx(result.verdict(), "bold green" if result.equal else "bold red"))
-    for n in result.notes:
-        console.print(tx(f"note: {n}", "dim"))
-    for r in result.ranks:
-        console.print(tx(f"rank {r}: {result.labels[r]} ({result.collectives.get(r, 0)} collective calls)", "dim"))
-    d = result.first
-    if d is not None:
-        t = Table(title=f"First departure: rank {d.rank}", title_justify="left", show_lines=True)
-        t.add_column("")
-        t.add_column("", overflow="fold")
-        t.add_row(tx("record"), tx(d.record, "red"))
-        t.add_row(tx("kind"), tx(d.what))
-        if d.param:
-            t.add_row(tx("parameter"), tx(d.param))
-        t.add_row(tx("ranks"), tx(f"departing: {', '.join(map(str, d.ranks))}; "
-                                  f"reference: {', '.join(map(str, d.reference))}"))
-        t.add_row(tx("why"), tx(d.reason))
-        if d.max_abs is not None:
-            t.add_row(tx("largest stat diff"), tx(f"{d.max_abs:.3g}"))
-        t.add_row(tx("call"), tx(f"{d.call or '-'}  {d.api or ''}"))
-        t.add_row(tx("module"), tx(d.module or "<root>"))
-        if d.stack:
-            t.add_row(tx("stack"), tx("\n".join(_frame_text(f) for f in d.stack[-6:])))
-        console.print(t)
-    if len(result.departures) > 1:
-        t = Table(title=f"All departures ({len(result.departures)})", title_justify="left")
-        for col in ("rank", "record", "kind", "call", "module", "why"):
-            t.add_column(col, overflow="fold")
-        for x in result.departures[:_MAX_ROWS]:
-            t.add_row(tx(x.rank), tx(x.record), tx(x.what), tx(x.call or "-"), tx(x.module or "<root>"), tx(x.reason))
-        if len(result.departures) > _MAX_ROWS:
-            t.add_row(tx(f"… {len(result.departures) - _MAX_ROWS} more"), *[tx("")] * 5)
-        console.print(t)
-    if result.expected:
-        parts = ", ".join(f"{n} {k}" for k, n in sorted(result.expected.items()))
-        console.print(tx(f"expected per-rank differences (not errors): {parts}", "dim"))
-    if result.not_comparable:
-        parts = ", ".join(f"{n} ({k})" for k, n in sorted(result.not_comparable.items()))
-        console.print(tx(f"not compared, no checksum: {parts}", "dim"))

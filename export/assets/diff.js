@@ -1,0 +1,151 @@
+"use strict";
+(function () {
+  const data = JSON.parse(document.getElementById("gradtrace-diff").textContent);
+  const el = (tag, cls, text) => {
+    const e = document.createElement(tag);
+    if (cls) e.className = cls;
+    if (text !== undefined && text !== null) e.textContent = String(text);
+    return e;
+  };
+  const fmt = x => (x === null || x === undefined) ? "" :
+      (typeof x === "number" ? (x === 0 ? "0" : x.toPrecision(3)) : String(x));
+  const COLORS = {origin: "#f8b4b4", new: "#fcd0d0", contaminated: "#fed7aa", gradient: "#ddd0ff",
+                  inserted: "#fff3a0", removed: "#fff3a0", cast: "#eee", unknown: "#eee",
+                  equal: "#c9f0d3", source: "#e6eefc"};
+  const v = document.getElementById("verdict");
+  v.textContent = data.verdict;
+  v.className = data.equal ? "eq" : "ne";
+  document.getElementById("files").textContent = "A: " + data.a + "    B: " + data.b +
+      (data.tolerance ? "    tolerance: " + data.tolerance : "    bit-exact (checksums)");
+  document.getElementById("notes").textContent = data.notes.join("  ·  ");
+  const main = document.getElementById("main");
+
+  function graph(g) {
+    const NS = "http://www.w3.org/2000/svg";
+    const svg = document.createElementNS(NS, "svg");
+    if (!g.nodes.length) return svg;
+    const cols = g.nodes.map(n => n.col), minc = Math.min(...cols), maxc = Math.max(...cols);
+    const W = 210, H = 46, BW = 180, BH = 34, per = {};
+    const pos = g.nodes.map(n => { const k = per[n.col] = (per[n.col] || 0) + 1;
+      return [(n.col - minc) * W + 10, (k - 1) * H + 10]; });
+    const rows = Math.max(...Object.values(per));
+    svg.setAttribute("width", (maxc - minc + 1) * W + 20);
+    svg.setAttribute("height", rows * H + 20);
+    const defs = document.createElementNS(NS, "defs"), m = document.createElementNS(NS, "marker");
+    m.setAttribute("id", "arrow"); m.setAttribute("viewBox", "0 0 10 10"); m.setAttribute("refX", "10");
+    m.setAttribute("refY", "5"); m.setAttribute("markerWidth", "6"); m.setAttribute("markerHeight", "6");
+    m.setAttribute("orient", "auto");
+    const p = document.createElementNS(NS, "path"); p.setAttribute("d", "M0,0 L10,5 L0,10 z");
+    p.setAttribute("fill", "#888"); m.appendChild(p); defs.appendChild(m); svg.appendChild(defs);
+    for (const [s, t] of g.edges) {
+      const l = document.createElementNS(NS, "line");
+      l.setAttribute("x1", pos[s][0] + BW); l.setAttribute("y1", pos[s][1] + BH / 2);
+      l.setAttribute("x2", pos[t][0]); l.setAttribute("y2", pos[t][1] + BH / 2);
+      l.setAttribute("stroke", "#999"); l.setAttribute("marker-end", "url(#arrow)");
+      svg.appendChild(l);
+    }
+    g.nodes.forEach((n, i) => {
+      const grp = document.createElementNS(NS, "g");
+      grp.setAttribute("class", "gnode " + n.status);
+      const r = document.createElementNS(NS, "rect");
+      r.setAttribute("x", pos[i][0]); r.setAttribute("y", pos[i][1]); r.setAttribute("width", BW);
+      r.setAttribute("height", BH); r.setAttribute("rx", 5);
+      r.setAttribute("fill", COLORS[n.status] || "#eee");
+      r.setAttribute("stroke", n.status === "origin" ? "#b42318" : "#999");
+      r.setAttribute("stroke-width", n.status === "origin" ? 2.5 : 1);
+      const t1 = document.createElementNS(NS, "text"), t2 = document.createElementNS(NS, "text");
+      t1.setAttribute("x", pos[i][0] + 6); t1.setAttribute("y", pos[i][1] + 14);
+      t1.textContent = n.label.length > 28 ? n.label.slice(0, 27) + "…" : n.label;
+      t2.setAttribute("x", pos[i][0] + 6); t2.setAttribute("y", pos[i][1] + 28); t2.setAttribute("fill", "#555");
+      t2.textContent = (n.sub.length > 30 ? n.sub.slice(0, 29) + "…" : n.sub);
+      const tip = document.createElementNS(NS, "title"); tip.textContent = n.name + " — " + n.status;
+      grp.append(r, t1, t2, tip); svg.appendChild(grp);
+    });
+    return svg;
+  }
+
+  function stacks(s) {
+    const box = el("div", "stacks");
+    for (const [side, frames] of [["A", s.stack_a], ["B", s.stack_b]]) {
+      const pre = el("pre");
+      pre.textContent = side + ": " + (side === "A" ? s.origin.a : s.origin.b) + "\n" + frames.map(
+        f => f.file + ":" + f.line + " in " + f.function + "\n    " + f.code).join("\n");
+      box.appendChild(pre);
+    }
+    return box;
+  }
+
+  function table(s) {
+    const wrap = el("div");
+    const tools = el("div", "tools");
+    const lab = el("label"), cb = el("input");
+    cb.type = "checkbox"; lab.append(cb, " only records that differ, inserted or removed");
+    tools.appendChild(lab);
+    const legend = el("span", "legend");
+    for (const k of ["origin", "contaminated", "gradient", "inserted", "removed"]) {
+      const x = el("span", null, k); x.style.background = COLORS[k]; legend.appendChild(x);
+    }
+    tools.appendChild(legend);
+    const box = el("div", "scroll"), t = el("table"), head = el("tr");
+    for (const h of ["#", "A", "module", "op", "status", "B", "max abs", "max rel", "note"]) head.appendChild(el("th", null, h));
+    const thead = el("thead"); thead.appendChild(head); t.appendChild(thead);
+    const body = el("tbody");
+    s.rows.forEach((r, i) => {
+      const [a, b, module, what, status, ab, rel, note] = r;
+      const tr = el("tr", status);
+      tr.dataset.a = a || ""; tr.dataset.b = b || "";
+      for (const [txt, cls] of [[i, "n"], [a || "—", "n"], [module || "<root>"], [what], [status], [b || "—", "n"],
+                                [fmt(ab), "n"], [fmt(rel), "n"], [note]]) tr.appendChild(el("td", cls, txt));
+      body.appendChild(tr);
+    });
+    t.appendChild(body); box.appendChild(t);
+    cb.addEventListener("change", () => {
+      for (const tr of body.children) tr.hidden = cb.checked && tr.className === "equal";
+    });
+    wrap.append(tools, box);
+    return wrap;
+  }
+
+  for (const s of data.sections) {
+    const sec = el("section"); sec.id = "section-" + s.name;
+    sec.appendChild(el("h2", null, s.name === "forward" ? "Forward API calls" : "Backward grad-node steps"));
+    sec.appendChild(el("div", "summary", s.summary));
+    if (s.graph.nodes.length) {
+      sec.appendChild(el("div", "note", "Around the first divergence (trace " + s.graph.side +
+          "): inputs on the left, what consumed the outputs to the right."));
+      sec.appendChild(graph(s.graph));
+    }
+    if (s.origin) sec.appendChild(stacks(s));
+    sec.appendChild(table(s));
+    main.appendChild(sec);
+    // stacks are outermost first: start scrolled to the innermost frames, the user's line
+    for (const pre of sec.querySelectorAll(".stacks pre")) pre.scrollTop = pre.scrollHeight;
+  }
+  if (data.modules.length) {
+    const sec = el("section"); sec.appendChild(el("h2", null, "Per module"));
+    const t = el("table"), head = el("tr");
+    for (const h of ["module", "forward differing", "backward differing", "after backward", "max abs", "max rel"]) head.appendChild(el("th", null, h));
+    t.appendChild(head);
+    for (const m of data.modules) {
+      const tr = el("tr", m.origin ? "origin-module" : "");
+      for (const x of [m.module || "<root>", m.forward, m.backward, m.after_backward, fmt(m.max_abs), fmt(m.max_rel)]) tr.appendChild(el("td", null, x));
+      t.appendChild(tr);
+    }
+    sec.appendChild(t); main.appendChild(sec);
+  }
+  if (data.params.length) {
+    const sec = el("section"); sec.appendChild(el("h2", null, "Parameters that differ"));
+    const t = el("table"), head = el("tr");
+    for (const h of ["parameter", "value", "gradient", "after step"]) head.appendChild(el("th", null, h));
+    t.appendChild(head);
+    const cell = c => c === null ? "-" : c.status + (c.max_rel !== null && c.status !== "equal" ? " (rel " + fmt(c.max_rel) + ")" : "");
+    for (const p of data.params) {
+      const tr = el("tr");
+      for (const x of [p.name, p.only_in ? "only in " + p.only_in : cell(p.value), cell(p.grad), cell(p.updated)]) tr.appendChild(el("td", null, x));
+      t.appendChild(tr);
+    }
+    sec.appendChild(t); main.appendChild(sec);
+  }
+  const first = document.querySelector("tr.origin");
+  if (first) first.scrollIntoView({block: "center"});
+})();

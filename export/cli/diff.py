@@ -1,0 +1,92 @@
+"""``gradtrace diff A B`` (the first divergence of two traces) and ``gradtrace diff-ranks`` /
+``gradtrace diff --ranks`` (which rank of a data-parallel step departed first)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+from export.cli.command import Command
+from export.cli.console import make_console
+from export.diff import diff, diff_html, diff_ranks
+from export.errors import UserError
+
+
+# ---- diff ------------------------------------------------------------------------------------------
+def _diff_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("a", metavar="A", help="first trace (.gtrace)")
+    p.add_argument("b", metavar="B", help="second trace (.gtrace)")
+    p.add_argument("more", nargs="*", metavar="TRACE", help="with --ranks: the other ranks' traces")
+    p.add_argument("--ranks", action="store_true",
+                   help="compare the per-rank traces of one data-parallel step (see gradtrace diff-ranks)")
+    p.add_argument("--html", metavar="OUT", help="also write a self-contained HTML view")
+    p.add_argument("--rtol", type=float, help="relative tolerance: compare by recorded stats, not checksums")
+    p.add_argument("--atol", type=float, help="absolute tolerance: compare by recorded stats, not checksums")
+    p.add_argument("--json", action="store_true", help="print the result as JSON instead of tables")
+
+
+def _cmd_diff(args: argparse.Namespace) -> int:
+    if args.ranks:
+        return run_paths([args.a, args.b, *args.more], as_json=args.json, args=args)
+    if args.more:
+        raise UserError("diff compares two traces; pass --ranks to compare one trace per rank")
+
+    result = diff(args.a, args.b, rtol=args.rtol, atol=args.atol)
+    args.exit_code = result.exit_code  # the verdict, whatever happens to the output (a closed pipe)
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2, sort_keys=True, allow_nan=False))
+    else:
+        result.render(make_console())
+    if args.html:
+        assert result.trace_a is not None and result.trace_b is not None
+        diff_html(result, result.trace_a, result.trace_b, args.html)
+        print(f"wrote {args.html}", file=sys.stderr)
+    return result.exit_code
+
+
+DIFF = Command(
+    "diff", help="first divergence between two traces, forward and backward (exit 1 if any)",
+    description="Align two traces of the same step and report the first record whose inputs match but "
+                "outputs differ, forward and backward, with both call stacks. Exit status: 0 equal (or "
+                "within tolerance), 1 diverged, 2 bad input.",
+    arguments=_diff_arguments, run=_cmd_diff)
+
+
+# ---- diff-ranks ------------------------------------------------------------------------------------
+def run_paths(paths: Sequence[str], *, as_json: bool = False, args: argparse.Namespace | None = None) -> int:
+    """Compare per-rank trace files and print the result; the exit status (for ``diff --ranks``),
+    also put in ``args.exit_code`` before anything is printed (see ``export.cli.main``)."""
+    for path in paths:
+        if not os.path.exists(path):
+            raise UserError(f"no such trace: {path}")
+    result = diff_ranks(list(paths))
+    if result.problems:
+        raise UserError("; ".join(result.problems))
+    if args is not None:
+        args.exit_code = result.exit_code
+    if as_json:
+        print(json.dumps(result.to_json(), indent=2, sort_keys=True, allow_nan=False))
+    else:
+        result.render(make_console())
+    return result.exit_code
+
+
+def _ranks_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("traces", nargs="+", metavar="TRACE", help="per-rank traces (step.rank0.gtrace step.rank1.gtrace ...)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON instead of tables")
+
+
+def _cmd_diff_ranks(args: argparse.Namespace) -> int:
+    return run_paths(args.traces, as_json=args.json, args=args)
+
+
+DIFF_RANKS = Command(
+    "diff-ranks", help="compare the per-rank traces of one data-parallel step (exit 1 if a rank departed)",
+    description="Compare what must be identical across data-parallel replicas (parameters, gradients after "
+                "the all-reduce, outputs of rank-invariant collectives, the order of collectives) in the "
+                "per-rank traces of one step, and report the first record where a rank departs with its "
+                "call, stack and module path. Exit status: 0 agree, 1 a rank departed, 2 bad input.",
+    arguments=_ranks_arguments, run=_cmd_diff_ranks)

@@ -1,0 +1,52 @@
+"""``gradtrace report TRACE [MORE ...]``: the interactive HTML report of a trace (several traces:
+the ranks of one run, on one page with a rank switcher)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from export.cli.command import Command
+from export.errors import UserError
+from export.html import DEFAULT_MAX_BYTES, default_output, html_ranks, write_page
+from export.load import load_trace
+from tracer.model.display import format_size
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", help="a .gtrace file")
+    p.add_argument("more", nargs="*", metavar="TRACE",
+                   help="more traces: the other ranks of a distributed run (one page, a rank switcher)")
+    p.add_argument("-o", "--output", help="output .html (default: the trace path with .html)")
+    p.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES,
+                   help=f"page size limit; past it only the first calls are kept (default {DEFAULT_MAX_BYTES:,})")
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    paths = [args.trace, *args.more]
+    for p in paths:
+        if not os.path.exists(p):
+            raise UserError(f"no such trace file: {p}")
+    out = args.output or default_output(args.trace)
+    if args.more:  # several ranks of one run: one page with a rank switcher
+        size = html_ranks([load_trace(p) for p in paths], out, max_bytes=args.max_bytes)
+        print(f"{out} ({format_size(size)}, {size} bytes, {len(paths)} ranks)")
+        return 0
+    trace = load_trace(args.trace)
+    try:
+        size, omitted = write_page(trace, out, max_bytes=args.max_bytes)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    except OSError as exc:
+        raise UserError(f"cannot write {out}: {exc.strerror or exc}") from None
+    print(f"{out} ({format_size(size)}, {size} bytes)")
+    if omitted is not None:
+        print(f"gradtrace report: note: {omitted['message']}", file=sys.stderr)
+    return 0
+
+
+COMMAND = Command(
+    "report", help="write the interactive HTML report of a trace",
+    description="Write a self-contained HTML report (no network needed to view it).",
+    arguments=_arguments, run=_cmd_report)

@@ -1,0 +1,250 @@
+"""``gradtrace run``: trace chosen steps of an unmodified program, run the way ``python`` runs it.
+
+    gradtrace run --steps 100,200 --report train.py --lr 3e-4
+    gradtrace run --every 500 --out run.gtrace -m mypackage.train --config big.yaml
+
+gradtrace's options come before the program, the program's own arguments after it (as with
+``python`` itself). This module is the command's user interface: its arguments, the progress
+display on stderr and the closing lines; running the program (``sys.argv``, ``__main__``,
+``sys.path[0]``, the exit status, the traceback) is ``tracer.loops.program``'s. The program's
+own output is left alone: everything gradtrace says goes to stderr, as a live line per traced
+step on a terminal and as plain lines otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import re
+import sys
+from typing import Any, TextIO
+
+from rich.console import Console
+from rich.live import Live
+from rich.spinner import Spinner
+
+from export.cli.command import Command
+from export.errors import UserError
+from export.html import default_output, html
+from tracer.api import trace
+from tracer.loops.program import Program, _execute
+from tracer.loops.steps import StepObserver, StepTrace
+from tracer.model import Trace, load_steps
+from tracer.model.display import format_size, with_tag
+
+
+# ---- the program -------------------------------------------------------------------------------
+def program_from_args(args: argparse.Namespace) -> Program:
+    """The script or module to run, checked the way python checks it before running anything."""
+    if args.module is not None:
+        if not args.module:
+            raise UserError("-m needs a module name (gradtrace run [options] -m package.module [args...])")
+        name, *rest = args.module
+        sys.path.insert(0, os.getcwd())  # where `python -m` looks first
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        finally:
+            sys.path.remove(os.getcwd())
+        if not found:
+            raise UserError(f"no module named {name!r}")
+        return Program(name, True, rest)
+    program = list(args.program)
+    if program and program[0] == "--":
+        program = program[1:]
+    if not program:
+        raise UserError("nothing to run: gradtrace run [options] script.py [args...] "
+                        "or gradtrace run [options] -m package.module [args...]")
+    script = program[0]
+    if not os.path.exists(script):
+        raise UserError(f"can't open file {script!r}: no such file")
+    if os.path.isdir(script) and not os.path.exists(os.path.join(script, "__main__.py")):
+        raise UserError(f"can't find '__main__' module in {script!r}")
+    return Program(script, False, program[1:])
+
+
+# ---- progress ------------------------------------------------------------------------------------
+def _facts(trace: Trace) -> str:
+    return (f"{len(trace.calls):,} calls, {len(trace.grad_nodes):,} grad nodes, "
+            f"{len(trace.backward_runs)} backward run{'s' if len(trace.backward_runs) != 1 else ''}")
+
+
+class PlainProgress(StepObserver):
+    """One line per traced or skipped step on a stream (deterministic: for logs, pipes, tests)."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+
+    def step_end(self, step: int, trace: Trace, path: str | None) -> None:
+        stopped = " (recording stopped at a bound)" if any(n.startswith("recording stopped") for n in trace.notes) \
+            else ""
+        status = "" if trace.status == "ok" else f" [{trace.status}]"
+        print(f"gradtrace: step {step} traced: {_facts(trace)}{stopped}{status}", file=self.stream, flush=True)
+
+    def step_skipped(self, step: int, reason: str) -> None:
+        print(f"gradtrace: step {step} not traced: {reason}", file=self.stream, flush=True)
+
+
+class LiveProgress(PlainProgress):
+    """A live line while a step is recorded (calls so far, then checksums being finished)."""
+
+    def __init__(self, stream: TextIO) -> None:
+        super().__init__(stream)
+        self.console = Console(file=stream, stderr=stream is sys.stderr)
+        self._live: Live | None = None
+        self._step = 0
+        self._trace: Trace | None = None
+        self._finishing = False
+
+    def _render(self) -> Spinner:
+        t = self._trace
+        facts = f"{len(t.calls):,} calls, {len(t.grad_nodes):,} grad nodes" if t is not None else ""
+        what = " · finishing checksums" if self._finishing else ""
+        return Spinner("dots", text=f"gradtrace: tracing step {self._step} · {facts}{what}", style="cyan")
+
+    def step_begin(self, step: int, trace: Trace) -> None:
+        self._step, self._trace, self._finishing = step, trace, False
+        # Redirecting the program's prints above the live line is only right when both streams
+        # are the terminal; otherwise its stdout must stay untouched.
+        both_tty = _isatty(sys.stdout) and _isatty(self.stream)
+        self._live = Live(console=self.console, get_renderable=self._render, refresh_per_second=8,
+                          transient=True, redirect_stdout=both_tty, redirect_stderr=both_tty)
+        self._live.start()
+
+    def step_finishing(self, step: int, trace: Trace) -> None:
+        self._finishing = True
+
+    def _stop(self) -> None:
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+        self._trace = None
+
+    def step_end(self, step: int, trace: Trace, path: str | None) -> None:
+        self._stop()
+        stopped = " [yellow](recording stopped at a bound)[/]" if any(
+            n.startswith("recording stopped") for n in trace.notes) else ""
+        status = "" if trace.status == "ok" else f" [red]{trace.status}[/]"
+        self.console.print(f"[green]✓[/] gradtrace: step {step} traced: {_facts(trace)}{stopped}{status}",
+                           highlight=False)
+
+    def step_discarded(self, step: int) -> None:
+        self._stop()
+
+    def step_skipped(self, step: int, reason: str) -> None:
+        self._stop()
+        self.console.print(f"[yellow]gradtrace: step {step} not traced: {reason}[/]", highlight=False, markup=True)
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
+def progress_for(stream: TextIO, enabled: bool = True) -> StepObserver:
+    if not enabled:
+        return StepObserver()
+    return LiveProgress(stream) if _isatty(stream) else PlainProgress(stream)
+
+
+# ---- the command ------------------------------------------------------------------------------
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
+
+
+def _size(text: str) -> int:
+    """``--max-bytes 50M``: bytes with an optional k/M/G/T suffix (powers of 1000)."""
+    m = _SIZE.match(text)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (write e.g. 50000000, 50M or 2G)")
+    return int(float(m.group(1)) * 1000 ** " kmgt".index(m.group(2).lower() or " "))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--steps", metavar="STEPS",
+                   help="optimizer steps to trace, counting from 0: '3', '10,40', '100-105', '500-' "
+                        "(default: 0 unless --every is given)")
+    p.add_argument("--every", type=int, metavar="N", help="trace steps 0, N, 2N, ...")
+    p.add_argument("-o", "--out", metavar="PATH",
+                   help="trace file (default: the program's name + .gtrace; .gz compresses)")
+    p.add_argument("--hash", choices=("md5", "fast", "none"), default="md5",
+                   help="tensor checksums: exact md5 (default), fast on-device fingerprints, or none")
+    p.add_argument("--optimizer-ops", action="store_true",
+                   help="record every op inside optimizer.step() (default: each step is one call)")
+    p.add_argument("--report", action="store_true", help="also write the HTML report of each traced step")
+    p.add_argument("--per-step-files", action="store_true",
+                   help="one file per step (run.step10.gtrace) instead of all steps in one file")
+    p.add_argument("--max-calls", type=int, metavar="N", help="stop recording after N calls in all (the trace says so)")
+    p.add_argument("--max-bytes", type=_size, metavar="SIZE",
+                   help="stop recording when the traces reach about SIZE bytes (50M, 2G)")
+    p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
+    p.add_argument("-m", dest="module", nargs=argparse.REMAINDER, metavar="MODULE [ARGS]",
+                   help="run a module as `python -m` does; everything after it goes to the module")
+    p.add_argument("program", nargs=argparse.REMAINDER, metavar="script.py [ARGS]",
+                   help="the script, then its own arguments")
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run the program with the chosen steps traced; its exit status. A bad option is a
+    ``TraceError``, which ``export.cli.main`` prints as one line (exit status 2)."""
+    program = program_from_args(args)
+    out = args.out or f"{program.stem}.gtrace"
+    steps = args.steps if args.steps is not None or args.every is not None else "0"
+    progress = progress_for(sys.stderr, enabled=not args.no_progress)
+    st: StepTrace = trace(hash=args.hash, out=out, max_calls=args.max_calls, max_bytes=args.max_bytes,
+                          optimizer_ops=args.optimizer_ops, steps=steps, every=args.every,
+                          per_step_files=args.per_step_files, observer=progress)
+    code = _execute(program, st)
+    _conclude(st, program, args, progress)
+    return code
+
+
+def _conclude(st: StepTrace, program: Program, args: argparse.Namespace, progress: StepObserver) -> None:
+    """Say what was written and what to run next (stderr: the program's stdout stays its own)."""
+    err = sys.stderr
+    name = program.target
+    if not st.steps:
+        print(f"gradtrace: no step of {name} was traced (chosen: {st.selection}; the program reached "
+              f"step {st.step})", file=err)
+        return
+    files = st.paths
+    size = sum(os.path.getsize(p) for p in files if os.path.exists(p))
+    listed = ", ".join(map(str, st.steps))
+    where = files[0] if len(files) == 1 else f"{len(files)} files ({files[0]} ...)"
+    print(f"gradtrace: traced step{'s' if len(st.steps) > 1 else ''} {listed} of {name} -> {where} "
+          f"({format_size(size)})", file=err)
+    reports = _reports(st, progress) if args.report else []
+    for r in reports:
+        print(f"gradtrace: report -> {r}", file=err)
+    first = files[0]
+    print(f"next: gradtrace summary {first}" + ("" if reports else f"   (or: gradtrace report {first})"), file=err)
+
+
+def _reports(st: StepTrace, progress: StepObserver) -> list[str]:
+    """One self-contained HTML page per traced step, beside its trace file."""
+    written = []
+    console = getattr(progress, "console", None)
+    for path in st.paths:
+        traces = load_steps(path)
+        for step, t in traces.items():
+            page = default_output(path)
+            if len(traces) > 1:  # several steps in one file: a page each
+                page = with_tag(page, f"step{step}")
+            if console is not None:
+                with console.status(f"gradtrace: writing {page}", spinner="dots"):
+                    html(t, page)
+            else:
+                html(t, page)
+            written.append(page)
+    return written
+
+
+COMMAND = Command(
+    "run", help="run a Python program unchanged and trace chosen training steps",
+    description="Run a script (or -m module) as python would, tracing the chosen optimizer steps. "
+                "gradtrace's options go before the program, the program's own arguments after it.",
+    usage="gradtrace run [options] script.py [args ...]\n       gradtrace run [options] -m module [args ...]",
+    arguments=add_arguments, run=run_command)

@@ -1,0 +1,67 @@
+"""``gradtrace summary``, ``gradtrace show`` and ``gradtrace md5``: terminal views of one trace."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from export.cli.command import Command
+from export.cli.console import make_console
+from export.errors import UserError
+from export.load import load_trace
+from export.summary import lookup, md5_lines, render_record, render_summary
+
+
+def _trace_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", help="a .gtrace file")
+
+
+def _cmd_summary(args: argparse.Namespace) -> int:
+    trace = load_trace(args.trace)
+    render_summary(trace, make_console())
+    return 0
+
+
+def _show_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", help="a .gtrace file")
+    p.add_argument("name", help="the record's name")
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    trace = load_trace(args.trace)
+    lookup(trace, args.name)  # fail with the suggestion before printing anything
+    render_record(trace, args.name, make_console())
+    return 0
+
+
+def _cmd_md5(args: argparse.Namespace) -> int:
+    trace = load_trace(args.trace)
+    if trace.hash_algorithm == "none":
+        raise UserError(f"{args.trace} was recorded with hash='none': it has no checksums "
+                        "(record with tracer.trace(hash='md5'))")
+    lines = md5_lines(trace)
+    sys.stdout.write("".join(line + "\n" for line in lines))
+    sys.stdout.flush()
+    return 0
+
+
+SUMMARY = Command(
+    "summary", help="status, counts, top APIs, modules, backward runs and NaN/Inf of a trace",
+    description="Print a summary of a trace: header, top APIs, per-module counts, backward runs "
+                "and tensors with NaN or Inf. Plain text when not on a terminal.",
+    arguments=_trace_argument, run=_cmd_summary)
+
+SHOW = Command(
+    "show", help="one call, tensor, grad node or backward run with its links and stack",
+    description="Print one record by name (call linear3, tensor linear3:out, grad node "
+                "linear3/AddmmBackward0, backward run backward0) with every field, the records "
+                "it links to and its call stack. An unknown name exits 2 and suggests close names.",
+    arguments=_show_arguments, run=_cmd_show)
+
+MD5 = Command(
+    "md5", help="name:md5 per tensor in creation order (for diff)",
+    description="Print one line 'name:md5' per tensor in creation order and nothing else, so "
+                "`diff <(gradtrace md5 a.gtrace) <(gradtrace md5 b.gtrace)` compares two runs. "
+                "A tensor that was not hashed (meta, fake, sparse, ...) prints 'name:-'. "
+                "A trace recorded with hash='none' is an error (exit 2).",
+    arguments=_trace_argument, run=_cmd_md5)

@@ -1,0 +1,328 @@
+"""What ``diff`` finds, as data: aligned rows, the divergence of each section (forward calls,
+backward steps), the parameters compared by name, and the verdict. ``to_json()`` gives each as
+strict JSON (non-finite numbers as strings); ``render(console)`` prints it (``export.diff.console``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.console import Console
+
+from export.diff.console import render_diff
+from tracer.analysis.numerics import NumericsReport, find_anomalies
+from tracer.model import Frame, Trace
+from tracer.model.display import format_number, json_number
+
+
+# ---- one tensor compared -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Tolerance:
+    rtol: float = 0.0
+    atol: float = 0.0
+
+    def __str__(self) -> str:
+        return f"rtol={self.rtol:g} atol={self.atol:g}"
+
+
+@dataclass(frozen=True)
+class Compared:
+    """One tensor of A against its counterpart in B.
+
+    ``status`` is ``equal``, ``differ``, ``unknown`` (not recorded, or neither hash nor stats to
+    judge by) or ``skipped`` (uninitialised memory: nothing to compare). ``abs``/``rel`` are the
+    largest stat differences where both tensors have stats.
+    """
+
+    status: str
+    abs: float | None = None
+    rel: float | None = None
+    why: str = ""
+
+
+# ---- result records ----------------------------------------------------------------------------
+@dataclass
+class Row:
+    """One aligned record (a call or a backward step) of A and B.
+
+    ``status``: ``equal``, ``origin`` (the first divergence), ``new`` (a later record whose inputs
+    match but outputs differ: another place where a difference enters), ``contaminated``,
+    ``gradient`` (differs only because it reads gradients), ``inserted`` (only in B), ``removed``
+    (only in A), ``cast`` (a dtype conversion only one side made, compared with a tolerance),
+    ``unknown`` (could not be compared).
+    """
+
+    a: str | None
+    b: str | None
+    module: str
+    what: str
+    status: str = "equal"
+    max_abs: float | None = None
+    max_rel: float | None = None
+    note: str = ""
+
+    @property
+    def differs(self) -> bool:
+        return self.status in ("origin", "new", "contaminated", "gradient")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"a": self.a, "b": self.b, "module": self.module, "what": self.what, "status": self.status,
+                "max_abs": json_number(self.max_abs), "max_rel": json_number(self.max_rel), "note": self.note}
+
+
+@dataclass
+class ModuleStat:
+    compared: int = 0
+    differing: int = 0
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+    where: str | None = None
+
+    def add(self, row: Row) -> None:
+        self.compared += 1
+        if row.differs:
+            self.differing += 1
+        if row.max_rel is not None and (row.max_rel > self.max_rel or self.where is None):
+            self.max_rel, self.where = row.max_rel, row.a
+        if row.max_abs is not None:
+            self.max_abs = max(self.max_abs, row.max_abs)
+
+
+@dataclass
+class Divergence:
+    """What differs in one section (``forward`` API calls or ``backward`` grad-node steps).
+
+    ``origin_a``/``origin_b`` name the first divergent record in each trace; ``stack_a``/``stack_b``
+    are their call stacks (for a grad node, the stack of the call that created it).
+    ``contaminated`` counts differing records after the origin per module; ``from_backward`` counts
+    forward calls that differ only because they read gradients (optimizer steps).
+    """
+
+    section: str
+    rows: list[Row] = field(default_factory=list)
+    origin: Row | None = None
+    reason: str = ""
+    stack_a: tuple[Frame, ...] = ()
+    stack_b: tuple[Frame, ...] = ()
+    contaminated: dict[str, int] = field(default_factory=dict)
+    from_backward: dict[str, int] = field(default_factory=dict)
+    independent: list[str] = field(default_factory=list)
+    inserted: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    casts: list[str] = field(default_factory=list)
+    compared: int = 0
+    unknown: int = 0
+    per_module: dict[str, ModuleStat] = field(default_factory=dict)
+    largest: Row | None = None
+    before_origin: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def origin_a(self) -> str | None:
+        return None if self.origin is None else self.origin.a
+
+    @property
+    def origin_b(self) -> str | None:
+        return None if self.origin is None else self.origin.b
+
+    @property
+    def equal(self) -> bool:
+        """No origin, no contamination, no structural change (``from_backward`` aside)."""
+        return self.origin is None and not self.contaminated and not self.inserted and not self.removed
+
+    @property
+    def first_structural(self) -> Row | None:
+        return next((r for r in self.rows if r.status in ("inserted", "removed")), None)
+
+    def summary(self) -> str:
+        """One phrase: where this section first diverges."""
+        n = sum(self.contaminated.values())
+        if self.origin is not None:
+            o = self.origin
+            where = o.a if o.a == o.b else f"{o.a} (B: {o.b})"
+            tail = f"; {n} later record{'s' if n != 1 else ''} contaminated" if n else ""
+            k = sum(self.from_backward.values())
+            tail += f"; {k} call{'s' if k != 1 else ''} after backward differ via gradients" if k else ""
+            return f"first at {where} ({o.what} in {o.module or '<root>'}): {self.reason}{tail}"
+        if self.inserted or self.removed:
+            s = self.first_structural
+            first = "" if s is None else f"; first {s.status}: {s.a or s.b} ({s.what} in {s.module or '<root>'})"
+            rest = "all aligned records equal" if not n else f"{n} aligned records differ"
+            return f"{len(self.inserted)} inserted in B, {len(self.removed)} removed from A{first}; {rest}"
+        if n:
+            return f"{n} records differ with no single origin"
+        if self.from_backward:
+            k = sum(self.from_backward.values())
+            return f"equal up to backward; {k} call{'s' if k != 1 else ''} after it differ only because gradients differ"
+        return f"equal ({self.compared} aligned)"
+
+    def to_json(self) -> dict[str, Any]:
+        o = self.origin
+        return {
+            "equal": self.equal, "summary": self.summary(), "compared": self.compared, "unknown": self.unknown,
+            "origin": None if o is None else {**o.to_json(), "reason": self.reason,
+                                              "stack_a": [frame_json(f) for f in self.stack_a],
+                                              "stack_b": [frame_json(f) for f in self.stack_b]},
+            "contaminated": dict(sorted(self.contaminated.items())),
+            "from_backward": dict(sorted(self.from_backward.items())),
+            "independent": self.independent, "inserted": self.inserted, "removed": self.removed,
+            "casts": self.casts,
+            "largest": None if self.largest is None else self.largest.to_json(),
+            "within_before_origin": json_number(self.before_origin),
+            "per_module": {m: {"compared": s.compared, "differing": s.differing, "max_abs": json_number(s.max_abs),
+                               "max_rel": json_number(s.max_rel), "where": s.where}
+                           for m, s in sorted(self.per_module.items())},
+            "records": [r.to_json() for r in self.rows if r.status != "equal"],
+            "notes": self.notes,
+        }
+
+
+@dataclass
+class ParamDiff:
+    """A parameter or buffer compared by name: its value, gradient and value after the step."""
+
+    name: str
+    value: Compared
+    grad: Compared | None = None
+    updated: Compared | None = None
+    only_in: str | None = None
+
+    @property
+    def differs(self) -> bool:
+        return self.only_in is not None or any(
+            c is not None and c.status == "differ" for c in (self.value, self.grad, self.updated))
+
+    def to_json(self) -> dict[str, Any]:
+        def c(x: Compared | None) -> Any:
+            return None if x is None else {"status": x.status, "max_abs": json_number(x.abs), "max_rel": json_number(x.rel)}
+        return {"name": self.name, "value": c(self.value), "grad": c(self.grad), "updated": c(self.updated),
+                "only_in": self.only_in}
+
+
+@dataclass
+class DiffResult:
+    """The comparison of trace A with trace B. ``exit_code``: 0 equal, 1 diverged."""
+
+    a_label: str
+    b_label: str
+    tolerance: Tolerance | None
+    forward: Divergence
+    backward: Divergence
+    params: list[ParamDiff] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    trace_a: Trace | None = field(default=None, repr=False, compare=False)
+    trace_b: Trace | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def equal(self) -> bool:
+        return (self.forward.equal and self.backward.equal and not self.forward.from_backward
+                and not any(p.differs for p in self.params))
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.equal else 1
+
+    @property
+    def differing_params(self) -> list[ParamDiff]:
+        """Parameters that differ, those whose value before the step differs first."""
+        bad = [p for p in self.params if p.differs]
+        return [p for p in bad if p.value.status == "differ"] + [p for p in bad if p.value.status != "differ"]
+
+    def _changed_values(self) -> str:
+        """The parameters whose value differs before the step, named, each with the first call
+        that read it when forward found no origin (a change rounded away by that call)."""
+        changed = [p.name for p in self.params if p.value.status == "differ" or p.only_in]
+        if not changed:
+            return ""
+        text = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+        head = f"value of {text} differs" if len(changed) == 1 else f"values of {text} differ"
+        if self.forward.origin is None and self.trace_a is not None:
+            reader = next((c.name for c in self.trace_a.calls if c.phase == "forward" and changed[0] in c.inputs), None)
+            if reader is not None:
+                head += f" (first read by {reader}, whose outputs matched)"
+        return head
+
+    def verdict(self) -> str:
+        """The one-line answer, printed first."""
+        f, b = self.forward, self.backward
+        if self.equal:
+            unknown = f.unknown + b.unknown
+            tail = f" ({unknown} records could not be compared: no checksum or stats)" if unknown else ""
+            if self.tolerance is None:
+                return (f"EQUAL: {f.compared} calls, {b.compared} backward steps and {len(self.params)} "
+                        f"parameters bit-identical{tail}")
+            top = max((d.largest for d in (f, b) if d.largest is not None),
+                      key=lambda r: r.max_rel or 0.0, default=None)
+            if top is None or not top.max_rel:
+                at = ": no difference in the recorded stats"
+            else:
+                at = f": largest relative difference {format_number(top.max_rel, 3)} at {top.a} (in {top.module or '<root>'})"
+            casts = len(f.casts) + len(b.casts)
+            tail += f"; {casts} dtype cast(s) made by one side only, ignored" if casts else ""
+            return f"EQUAL within {self.tolerance}{at}{tail}"
+        parts = [f"forward: {f.summary()}", f"backward: {b.summary()}"]
+        if self.differing_params:
+            changed = self._changed_values()
+            n = len(self.differing_params)
+            parts.append(changed + (f"; {n} parameter(s) differ in all" if changed else f"{n} parameter(s) differ"))
+        head = "DIVERGED" if self.tolerance is None else f"BEYOND TOLERANCE ({self.tolerance})"
+        if self.tolerance is not None and f.origin is not None:
+            head += f", within it up to rel {format_number(f.before_origin, 3)}"
+        return f"{head} — " + " | ".join(parts)
+
+    def to_json(self) -> dict[str, Any]:
+        t = self.tolerance
+        return {"equal": self.equal, "exit_code": self.exit_code, "verdict": self.verdict(),
+                "a": self.a_label, "b": self.b_label, "mode": "exact" if t is None else "tolerance",
+                "rtol": None if t is None else t.rtol, "atol": None if t is None else t.atol,
+                "forward": self.forward.to_json(), "backward": self.backward.to_json(),
+                "params": [p.to_json() for p in self.params if p.differs],
+                "params_compared": len(self.params), "notes": self.notes,
+                "numerics": {side: r.to_json() for side, r in self.numerics().items()}}
+
+    def numerics(self) -> dict[str, NumericsReport]:
+        """Each side's first NaN/Inf (forward and backward), for the sides that have any."""
+        out = {}
+        for side, trace in (("A", self.trace_a), ("B", self.trace_b)):
+            if trace is not None:
+                report = find_anomalies(trace)
+                if not report.clean:
+                    out[side] = report
+        return out
+
+    def render(self, console: Console) -> None:
+        """Rich output: the verdict line first, then the tables."""
+        render_diff(self, console)
+
+    def modules(self) -> list[dict[str, Any]]:
+        """``module_table(self)``."""
+        return module_table(self)
+
+
+def frame_json(f: Frame) -> dict[str, Any]:
+    """A frame as the JSON of a result: ``file``, ``line``, ``function``, ``code``."""
+    return {"file": f.file, "line": f.line, "function": f.function, "code": f.code}
+
+
+def module_table(result: DiffResult) -> list[dict[str, Any]]:
+    """Per module: differing records forward/backward, after-backward calls, largest differences.
+
+    Only modules where something differs, or, with a tolerance, where any difference was measured;
+    sorted by largest relative difference with a tolerance, by module path otherwise.
+    """
+    out: list[dict[str, Any]] = []
+    origins = {d.origin.module for d in (result.forward, result.backward) if d.origin is not None}
+    for m in sorted(set(result.forward.per_module) | set(result.backward.per_module)):
+        stats = [x for x in (result.forward.per_module.get(m), result.backward.per_module.get(m)) if x is not None]
+        fwd = sum(1 for r in result.forward.rows if r.module == m and r.status in ("origin", "new", "contaminated"))
+        bwd = sum(1 for r in result.backward.rows if r.module == m and r.status in ("origin", "new", "contaminated"))
+        after = result.forward.from_backward.get(m, 0)
+        rel = max((x.max_rel for x in stats), default=0.0)
+        ab = max((x.max_abs for x in stats), default=0.0)
+        if fwd or bwd or after or (result.tolerance is not None and rel > 0):
+            out.append({"module": m, "forward": fwd, "backward": bwd, "after_backward": after,
+                        "max_abs": ab, "max_rel": rel, "origin": m in origins})
+    if result.tolerance is not None:
+        out.sort(key=lambda r: -r["max_rel"])
+    return out
