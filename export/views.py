@@ -15,8 +15,11 @@ from tracer.model.names import base_name
 _ITEMSIZE = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex128": 16, "complex64": 8,
     "complex32": 4, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "uint16": 2,
-    "uint32": 4, "uint64": 8, "bool": 1,
-}
+    "uint32": 4, "uint64": 8, "bool": 1, "qint32": 4, "qint8": 1, "quint8": 1, "quint4x2": 1, "quint2x4": 1,
+    "float8_e4m3fn": 1, "float8_e4m3fnuz": 1, "float8_e5m2": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
+    "float4_e2m1fn_x2": 1, "bits8": 1, "bits16": 2, "bits1x8": 1, "bits2x4": 1, "bits4x2": 1,
+    **{f"{sign}int{bits}": 1 for sign in ("", "u") for bits in range(1, 8)},
+}  # every dtype of torch 2.13 (a trace is rendered without importing torch)
 
 
 # ---- paths -------------------------------------------------------------------------------------------
@@ -87,14 +90,7 @@ def module_with_class(trace: Trace, path: str, *, outside: str = "(root)") -> st
 # ---- tensors -----------------------------------------------------------------------------------------
 def itemsize(dtype: str) -> int:
     """Bytes per element of a dtype given by name (``float32`` -> 4); 0 when unknown."""
-    size = _ITEMSIZE.get(dtype)
-    if size is None:
-        # torch only for a dtype the table lacks (float8...): a loaded trace renders without it.
-        import torch
-
-        dt = getattr(torch, dtype, None)
-        size = int(getattr(dt, "itemsize", 0) or 0)
-    return size
+    return _ITEMSIZE.get(dtype, 0)
 
 
 def checksum(rec: TensorRecord) -> str | None:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Lint, then run the test suite. Extra arguments go to pytest (`bash scripts/test.sh -k diff -x`).
+# Lint and type-check, then run the test suite. Extra arguments go to pytest (`bash scripts/test.sh -k diff -x`).
 # GPU tests skip themselves on a machine without CUDA.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -8,6 +8,9 @@ PY=${PYTHON:-python3}
 
 echo "test: ruff check ."
 "$PY" -m ruff check . || { echo "test: ruff found problems (see above)" >&2; exit 1; }
+
+echo "test: mypy (strict; configuration in pyproject.toml)"
+"$PY" -m mypy || { echo "test: mypy found problems (see above)" >&2; exit 1; }
 
 echo "test: pytest -q $*"
 "$PY" -m pytest -q "$@"

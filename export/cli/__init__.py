@@ -5,8 +5,5 @@ errors, and ``main`` turns them into exit statuses.
 """
 
 from export.cli.main import main
-from export.errors import (
-    UserError,  # tracer.loops.program's own `gradtrace run` half still imports it from here
-)
 
-__all__ = ["UserError", "main"]
+__all__ = ["main"]

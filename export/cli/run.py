@@ -28,7 +28,7 @@ from export.cli.command import Command
 from export.errors import UserError
 from export.html import default_output, html
 from tracer.api import trace
-from tracer.loops.program import Program, _execute
+from tracer.loops.program import Program, execute
 from tracer.loops.steps import StepObserver, StepTrace
 from tracer.model import Trace, load_steps
 from tracer.model.display import format_size, with_tag
@@ -197,7 +197,7 @@ def run_command(args: argparse.Namespace) -> int:
     st: StepTrace = trace(hash=args.hash, out=out, max_calls=args.max_calls, max_bytes=args.max_bytes,
                           optimizer_ops=args.optimizer_ops, steps=steps, every=args.every,
                           per_step_files=args.per_step_files, observer=progress)
-    code = _execute(program, st)
+    code = execute(program, st)
     _conclude(st, program, args, progress)
     return code
 
