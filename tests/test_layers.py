@@ -236,3 +236,17 @@ def test_export_knows_every_dtype_size_without_torch() -> None:
     dtypes = {name: d for name in dir(torch) if isinstance(d := getattr(torch, name), torch.dtype)}
     assert {str(d).removeprefix("torch."): itemsize(str(d).removeprefix("torch.")) for d in dtypes.values()} == \
         {str(d).removeprefix("torch."): d.itemsize for d in dtypes.values()}
+
+
+def test_reading_a_trace_needs_no_torch() -> None:
+    """`import tracer`, `tracer.load` and the report library load without torch (names that
+    record import it on first use), so a saved trace is read and rendered where torch is
+    missing."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import tracer, tracer.model, tracer.analysis.numerics, export, export.summary, export.text, "
+            "export.html, export.dot, export.diff, export.load; "
+            "tracer.TraceOptions(); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "False"

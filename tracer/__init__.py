@@ -34,13 +34,14 @@ from tracer.model import (
     load,
     load_steps,
 )
-from tracer.options import TraceError
+from tracer.options import TraceError, TraceOptions
 from tracer.version import __version__
 
 if TYPE_CHECKING:  # the names resolved on first use, below
     from tracer.api import check_numerics, explain_errors, record_memory, step, trace
     from tracer.features.logs import get_log_level, log_scope, set_log_level
     from tracer.features.memory import memory_summary
+    from tracer.loops.steps import StepTrace
     from tracer.record.checksums.bytes import md5_of
     from tracer.record.listeners import Listener
     from tracer.record.session import NumericsWarning, TraceSession
@@ -53,6 +54,7 @@ _LAZY = {
     "get_log_level": "tracer.features.logs", "log_scope": "tracer.features.logs",
     "set_log_level": "tracer.features.logs",
     "md5_of": "tracer.record.checksums.bytes",
+    "StepTrace": "tracer.loops.steps",
     "Listener": "tracer.record.listeners",
     "NumericsWarning": "tracer.record.session", "TraceSession": "tracer.record.session",
 }
@@ -81,10 +83,12 @@ __all__ = [
     "NumericsReport",
     "NumericsWarning",
     "Stats",
+    "StepTrace",
     "TensorRecord",
     "Trace",
     "TraceError",
     "TraceFormatError",
+    "TraceOptions",
     "TraceSession",
     "TruncatedTraceWarning",
     "__version__",

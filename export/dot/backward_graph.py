@@ -15,21 +15,34 @@ program gives the same text. Arrows point where gradients flow, from the roots t
 from __future__ import annotations
 
 import os
+import sys
 from collections import deque
 from collections.abc import Iterator, Mapping
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from export.dot.fold import Cluster, GEdge, GNode, Graph
 from export.dot.write import add_legend, check_suffix, to_dot, write_output
 from tracer.model.display import shape_spaced
 
+if TYPE_CHECKING:
+    import torch
+
+
+def _torch() -> Any:
+    """torch as the caller already imported it (a tensor exists only once torch is imported):
+    export itself loads, and reads saved traces, without torch."""
+    return sys.modules.get("torch")
+
+
+def _is_tensor(obj: Any) -> bool:
+    torch_ = _torch()
+    return torch_ is not None and isinstance(obj, torch_.Tensor)
+
 _MAX_NESTING = 6  # how deep to look into nested containers for tensors
 
 
 def _roots(obj: Any, label: str, depth: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
-    if isinstance(obj, torch.Tensor):
+    if _is_tensor(obj):
         if obj.grad_fn is not None:
             yield label or "output", obj
         return
@@ -48,7 +61,8 @@ def _param_names(params: Any) -> dict[int, str]:
     parameters; it never reaches the output."""
     if params is None:
         return {}
-    if isinstance(params, torch.nn.Module):
+    torch_ = _torch()
+    if torch_ is not None and isinstance(params, torch_.nn.Module):
         items = list(params.named_parameters())
     elif isinstance(params, Mapping):
         items = list(params.items())
@@ -57,7 +71,7 @@ def _param_names(params: Any) -> dict[int, str]:
                         f"got {type(params).__name__}")
     names: dict[int, str] = {}
     for name, p in items:
-        if isinstance(p, torch.Tensor):
+        if _is_tensor(p):
             names.setdefault(id(p), str(name))
     return names
 
@@ -107,7 +121,7 @@ def build_backward_graph(obj: Any, params: Any = None) -> Graph:
 def _node(nid: str, node: Any, names: dict[int, str]) -> GNode:
     kind = type(node).__name__
     variable = getattr(node, "variable", None) if kind == "AccumulateGrad" else None
-    if isinstance(variable, torch.Tensor):
+    if _is_tensor(variable):
         name = names.get(id(variable))
         shape = f"{shape_spaced(variable.shape)} {str(variable.dtype).removeprefix('torch.')}"
         return GNode(nid, "leaf", [name or "(unnamed leaf)", kind, shape])
