@@ -120,7 +120,7 @@ def build_backward_graph(obj: Any, params: Any = None) -> Graph:
 
 def _node(nid: str, node: Any, names: dict[int, str]) -> GNode:
     kind = type(node).__name__
-    variable = getattr(node, "variable", None) if kind == "AccumulateGrad" else None
+    variable: Any = getattr(node, "variable", None) if kind == "AccumulateGrad" else None
     if _is_tensor(variable):
         name = names.get(id(variable))
         shape = f"{shape_spaced(variable.shape)} {str(variable.dtype).removeprefix('torch.')}"
