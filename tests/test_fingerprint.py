@@ -85,3 +85,76 @@ def test_cuda_fingerprint_equals_cpu_and_needs_no_sync_per_call():
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert t.tensors["tanh0:out"].fingerprint == fingerprint(out)
+
+
+# ---- the CPU paths: in-place int32 ops, and many small tensors staged into one pass ----------------
+def _reference(t: torch.Tensor) -> str:
+    packed = as_bytes(t)  # alive while host_bytes reads it
+    return fingerprint_reference(bytes(host_bytes(packed)))
+
+
+def test_cpu_paths_equal_the_definition_on_every_length_and_dtype():
+    """Lengths around the staging block (1024 words) and the direct path's chunk (65536 words),
+    odd byte counts (the zero-padded last word), and a byte view that starts off a word."""
+    from tracer.record.checksums.fingerprint import HOST_CHUNK, lane_sums, lane_sums_host
+
+    g = torch.Generator().manual_seed(3)
+    for n in (1, 2, 3, 5, 1023, 1024, 1025, 4097, HOST_CHUNK - 1, HOST_CHUNK, HOST_CHUNK + 3, 2 * HOST_CHUNK + 7):
+        for dtype in (torch.float32, torch.uint8, torch.bfloat16, torch.int64, torch.bool):
+            t = (torch.randn(n, generator=g) * 1e6).to(dtype)
+            want = finish_of(lane_sums(t).tolist(), t) if n > 2000 else _reference(t)
+            got = lane_sums_host(t)
+            assert finish_of(list(got), t) == want, (n, dtype)
+    odd = torch.arange(200, dtype=torch.uint8)[3:]
+    assert fingerprint(odd) == _reference(odd)
+    lone = torch.randn(3, 2, generator=g)[:1, 0]  # one element, stride 2
+    assert fingerprint(lone) == _reference(lone)
+
+
+def finish_of(sums: list[int], t: torch.Tensor) -> str:
+    from tracer.record.checksums.fingerprint import finish
+
+    return finish(sums[0], sums[1], t.numel() * t.element_size())
+
+
+def test_staged_fingerprints_equal_one_at_a_time_and_are_snapshots():
+    """Small tensors share passes (several per pass, the pass started when the stage is full),
+    large ones go alone; each equals the definition, also when the tensor changes after it was
+    added (the staged bytes are a copy)."""
+    from tracer.model import TensorRecord
+    from tracer.record.checksums.host_batch import BATCH_BLOCKS, BLOCK, HostFingerprints
+
+    g = torch.Generator().manual_seed(4)
+    lengths = [1, 17, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 5, BATCH_BLOCKS * BLOCK // 2 - 3,
+               BATCH_BLOCKS * BLOCK // 2 + BLOCK, 5000, 12345] * 3
+    tensors = [(torch.randn(n, generator=g) * 100).to(torch.float32 if i % 3 else torch.bfloat16)
+               for i, n in enumerate(lengths)]
+    wanted = [fingerprint(t) for t in tensors]
+    staged = HostFingerprints()
+    recs = [TensorRecord(f"t{i}", list(t.shape), "float32", "cpu", "output") for i, t in enumerate(tensors)]
+    for rec, t in zip(recs, tensors):
+        staged.add(rec, t)
+        t.add_(1)  # after it was staged: must not reach the fingerprint
+    assert 0 < len(staged.pending()) < len(tensors)  # some passes ran when the stage filled
+    staged.flush()
+    assert staged.pending() == []
+    assert [r.fingerprint for r in recs] == wanted
+
+
+def test_a_traced_cpu_step_fingerprints_like_the_reference():
+    """Through the recorder: outputs, a leaf's gradient and an in-place change after the call
+    (the record keeps the value the call made)."""
+    x = torch.randn(64, 300, requires_grad=True)
+    w = torch.randn(300, 70, requires_grad=True)
+    with tracer.trace(hash="fast") as t:
+        y = x @ w
+        made = y.detach().clone()
+        z = y.relu()
+        z.sum().backward()
+        with torch.no_grad():
+            y.mul_(2)  # after y was recorded
+    mm = next(c for c in t.calls if c.api.endswith("matmul"))
+    assert t[mm.outputs[0]].fingerprint == _reference(made)
+    assert t[mm.outputs[0]].fingerprint != _reference(y.detach())
+    grads = [r for r in t.tensors.values() if r.role == "grad" and list(r.shape) == [300, 70]]
+    assert grads and all(r.fingerprint == _reference(w.grad) for r in grads[-1:])

@@ -44,7 +44,12 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
         x = x.resolve_conj()
     if x.is_neg():
         x = x.resolve_neg()
-    return x.contiguous().reshape(-1).view(torch.uint8)
+    x = x.contiguous().reshape(-1)
+    if x.numel() == 1 and x.stride(0) != 1:
+        # One element with a stride other than 1 (``randn(3, 2)[:1, 0]``) counts as contiguous,
+        # so neither call above gives it stride 1, and a byte view of it is refused.
+        x = x.clone(memory_format=torch.contiguous_format)
+    return x.view(torch.uint8)
 
 
 def host_bytes(b: torch.Tensor) -> memoryview:

@@ -40,6 +40,7 @@ from tracer.options import HASH_ALGORITHMS
 from tracer.record.checksums import fingerprint as fp
 from tracer.record.checksums.bytes import ALLOWED_TYPES, as_bytes, host_bytes, unhashable_reason
 from tracer.record.checksums.fused import Fused, triton_usable
+from tracer.record.checksums.host_batch import HostFingerprints
 from tracer.record.checksums.stats import (
     SCALAR_DTYPES,
     cpu_stats,
@@ -95,6 +96,7 @@ class Hasher:
         self._fingerprints: list[tuple[TensorRecord, torch.Tensor, int]] = []
         self._fused: Any = None  # tracer.record.checksums.fused.Fused, made on the first CUDA tensor
         self._fused_tried = False
+        self._host_fp: HostFingerprints | None = None  # CPU hash="fast", made on first use
         # Tests only: CPU tensors through the batched kernels under Triton's CPU interpreter
         # (TRITON_INTERPRET=1 must be set before triton is first imported), so a machine
         # without a GPU exercises the batching and its flush rules end to end.
@@ -143,7 +145,12 @@ class Hasher:
                 if self.algorithm == "md5":
                     self._submit_md5(rec, t)
                 elif self.algorithm == "fast":
-                    rec.fingerprint = _cpu_fingerprint(t)
+                    if t.numel() * t.element_size() <= 64:
+                        rec.fingerprint = _tiny_fingerprint(t)
+                    else:
+                        if self._host_fp is None:
+                            self._host_fp = HostFingerprints()
+                        self._host_fp.add(rec, t)
                 return
             if not on_cpu and torch.cuda.is_current_stream_capturing():
                 rec.hash_note = "not hashed: CUDA graph capture in progress"
@@ -289,6 +296,8 @@ class Hasher:
         """Fill in finished checksums and stats: all of them if ``wait`` (one fetch per device,
         the only synchronisation), else those whose kernels or copies have already finished."""
         finish, hex_of = fp.finish, fp.hex_of
+        if wait and self._host_fp is not None:
+            self._host_fp.flush()
         fused = self._fused
         if fused is not None:
             fused.flush()
@@ -335,6 +344,8 @@ class Hasher:
         with self._lock:
             waiting = {id(r) for r, _, _ in self._jobs} | {id(r) for r, _, _ in self._fingerprints}
             waiting.update(id(r) for r, _ in self._stat_rows)
+        if self._host_fp is not None:
+            waiting.update(id(r) for r in self._host_fp.pending())
         if self._fused is not None:
             waiting.update(self._fused.pending())
         return waiting
@@ -352,13 +363,11 @@ def _small_fingerprint(data: bytes) -> str:
     return fp.fingerprint_reference(data)
 
 
-def _cpu_fingerprint(t: torch.Tensor) -> str:
-    """A CPU tensor's fingerprint now: tiny ones (scalars such as an optimizer's step count)
-    in plain Python, which beats a dozen torch kernel launches; larger ones in torch."""
-    if t.numel() * t.element_size() <= 64:
-        b = as_bytes(t)  # alive while its bytes are read
-        return _small_fingerprint(bytes(host_bytes(b)))
-    return fp.fingerprint(t)
+def _tiny_fingerprint(t: torch.Tensor) -> str:
+    """A few bytes' fingerprint (scalars such as an optimizer's step count) in plain Python,
+    which beats any torch op."""
+    b = as_bytes(t)  # alive while its bytes are read
+    return _small_fingerprint(bytes(host_bytes(b)))
 
 
 def _by_device(items: list[tuple[TensorRecord, torch.Tensor]]) -> list[list[tuple[TensorRecord, torch.Tensor]]]:
