@@ -152,3 +152,70 @@ def test_cuda_trace_uses_batches_without_a_sync_and_matches_after_in_place_chang
     # recorded before the optimizer changed it in place, and read before that change too
     assert t.tensors["0.weight"].fingerprint == fingerprint(w0) != fingerprint(model[0].weight)
     assert all(r.stats is not None for r in t.tensors.values() if r.numel)
+
+
+def _rows(batcher) -> dict[str, tuple[list[float], list[int]]]:
+    rows = {}
+    for slots, floats, ints in batcher.take(wait=True):
+        for recs_of_row, frow, irow in zip(slots, floats, ints):
+            for rec in recs_of_row:
+                rows[rec.name] = (frow, irow)
+    return rows
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_cached_launcher_gives_the_same_results_as_the_normal_launch():
+    """The first batch of a specialisation launches through Triton's JIT; later ones through the
+    compiled kernel's launcher (launcher.FastLaunch), with the same fingerprints and stats."""
+    from tracer.model import TensorRecord
+    from tracer.record.checksums.fused import Fused
+
+    batcher = Fused(stats=True, fingerprint=True)
+    names = []
+    for round_ in range(3):
+        for i, shape in enumerate([(1000,), (33, 17), (4096, 8)]):
+            t = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+            t.view(-1)[i] = float("inf")
+            name = f"{round_}.{i}"
+            names.append((name, t))
+            rec = TensorRecord(name=name, shape=(), dtype="", device="cuda:0", role="output", producer=None)
+            assert batcher.add(rec, t)
+        batcher.flush()
+    rows = _rows(batcher)
+    assert batcher.launches == 6 and batcher.fast_launches == 4  # the first round compiled them
+    for name, t in names:
+        frow, irow = rows[name]
+        assert hex_of(irow[2], irow[3]) == fingerprint(t), name
+        ref = stats_tensor(t).tolist()
+        assert irow[:2] == [int(ref[4]), int(ref[5])] == [0, 1]
+        assert frow[0] == ref[0] and frow[1] == ref[1]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_warm_up_compiles_in_the_background_and_the_first_batch_uses_it():
+    from tracer.model import TensorRecord
+    from tracer.record.checksums.fused import Fused, warm_up
+    from tracer.record.checksums.launcher import WARMUP
+
+    torch.cuda.init()
+    warm_up(torch.cuda.current_device(), True, True)
+    key = (torch.cuda.current_device(), torch.float16)
+    assert WARMUP.wanted(key)
+    batcher = Fused(stats=True, fingerprint=True)
+    t = torch.randn(300, device="cuda", dtype=torch.float16)
+    rec = TensorRecord(name="x", shape=(), dtype="", device="cuda:0", role="output", producer=None)
+    import time
+    deadline = time.monotonic() + 300
+    while not WARMUP.ready(key):
+        assert not batcher.add(rec, t)  # still compiling: the caller's torch path takes it
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert WARMUP.result(key) is not None
+    assert batcher.add(rec, t)
+    batcher.flush()
+    assert batcher.fast_launches == 2  # both kernels of the very first batch: the warmed ones
+    frow, irow = _rows(batcher)["x"]
+    assert hex_of(irow[2], irow[3]) == fingerprint(t)
+    assert frow[1] == t.float().max().item()

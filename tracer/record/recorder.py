@@ -87,6 +87,7 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin):
 
     # ---- installation -------------------------------------------------------------------------
     def install(self) -> None:
+        self.hasher.prepare()
         self._install_module_hooks()
         self._handles.append(register_optimizer_step_pre_hook(self._optimizer_pre))
         install_apply_wrapper(self)

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from tracer.model import TensorRecord
+from tracer.record.checksums.launcher import WARMUP, FastLaunch, fast_launcher
 
 # Tuned on an H200 with benchmarks/fused_kernel.py: 8 KiB steps and 256 KiB per program read
 # 1.23 TB/s with stats and fingerprints together, against 0.95 TB/s for 4 KiB and 64 KiB (8 warps
@@ -46,6 +47,7 @@ MAX_PROGRAMS = 8192  # per tensor: a large tensor is spread over every SM, in sh
 MAX_TENSORS = 512  # per batch
 DEFAULT_MAX_BYTES = 2 << 30  # bytes a batch keeps alive before it is flushed
 _LOG2_MAX_TENSORS = 10  # binary-search steps over a batch's tensors (2^10 > MAX_TENSORS)
+_PBLOCK = 1024  # partial rows the finalize kernel folds per step
 
 # torch dtype -> (Triton element type name, element size, accumulate in float64)
 _SPECS: dict[torch.dtype, tuple[str, int, bool]] = {
@@ -92,6 +94,35 @@ def kernels(interpret: bool = False) -> tuple[Any, Any]:
     return mod.partials, mod.finalize
 
 
+# Compiled ahead when a trace starts on a GPU, commonest first (the others compile on first use).
+WARM_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64)
+
+
+def warm_up(index: int, stats: bool, fingerprint: bool) -> None:
+    """Compile the kernels of the common dtypes for CUDA device ``index`` on a background thread
+    (``launcher.Warmup``); their tensors take the torch path until they are ready."""
+    if not triton_usable():
+        return
+    jobs = [((index, dtype), functools.partial(_compile, index, dtype, stats, fingerprint)) for dtype in WARM_DTYPES]
+    WARMUP.start(index, jobs)
+
+
+def _compile(index: int, dtype: torch.dtype, stats: bool, fingerprint: bool) -> dict[tuple[Any, ...], Any]:
+    """The compiled kernels one batch of ``dtype`` launches, under the keys ``Fused._launch`` uses
+    (aligned tensors: the common case). Torch dtypes stand in for the pointer arguments."""
+    import triton.language as tl  # an optional dependency, loaded with the kernels
+
+    partials, finalize = kernels()
+    name, esize, wide = _SPECS[dtype]
+    ptrs = (torch.int64, torch.float64, torch.int64)
+    compiled_p = partials.warmup(*ptrs, 1, EDT=getattr(tl, name), ESIZE=esize, ACC=tl.float64 if wide else tl.float32,
+                                 STATS=stats, FP=fingerprint, CHUNK=CHUNK_BYTES, LOG2B=_LOG2_MAX_TENSORS, ALIGNED=True,
+                                 num_warps=NUM_WARPS, grid=(1,))
+    compiled_f = finalize.warmup(*ptrs, torch.float64, torch.int64, ESIZE=esize, PBLOCK=_PBLOCK, grid=(1,))
+    return {("partials", index, name, esize, wide, stats, fingerprint, True): compiled_p,
+            ("finalize", index, esize): compiled_f}
+
+
 class _Batch:
     __slots__ = ("aligned", "by_addr", "dtype", "held", "meta", "nbytes", "programs", "slots", "spec", "stream")
 
@@ -124,8 +155,12 @@ class Fused:
         # device, and an event marking the kernels' end (None on the CPU).
         self.done: list[tuple[list[list[TensorRecord]], torch.Tensor, torch.Tensor, Any]] = []
         self.launches = 0
+        self.fast_launches = 0  # of those, through a cached launcher (launcher.FastLaunch)
         # The last launch's end per (device, stream): a writer on another stream waits for it.
         self.events: dict[tuple[torch.device, int], Any] = {}
+        # Per kernel specialisation: its launcher, once a normal launch or the warm-up compiled it
+        # (None: compiled, but launched the normal way).
+        self._fast: dict[tuple[Any, ...], FastLaunch | None] = {}
 
     def add(self, rec: TensorRecord, t: torch.Tensor) -> bool:
         """Queue ``t`` for ``rec``; False when this path cannot take it (the caller falls back).
@@ -144,13 +179,15 @@ class Fused:
         numel = t.numel()
         if not numel or t.is_neg():
             return False
+        index = t.get_device()
+        if WARMUP.wanted((index, dtype)) and not WARMUP.ready((index, dtype)):
+            return False  # its kernels are still compiling in the background: the torch path
         addr = t.data_ptr()
         if not t.is_contiguous() or (self.fingerprint and addr & 3):
             # A packed copy of the logical contents; the batch holds it, not the original.
             with torch._C.DisableTorchFunction():
                 t = t.clone(memory_format=torch.contiguous_format)
             addr = t.data_ptr()
-        index = t.get_device()
         # (device, stream of the producer, dtype), flat: one tuple per tensor, not two.
         key = (index, _stream_handle(index), dtype)
         batch = self._batches.get(key)
@@ -218,15 +255,20 @@ class Fused:
         res_i = buf_i[at:].view(k, 4)
         # The kernels must run after the tensors' producers: on the stream they were made on
         # (usually the current one: then no stream switch, which costs ~40 µs of host time).
-        index, handle, _ = key
+        index, handle, dtype = key
         ctx = contextlib.nullcontext() if batch.stream is None or _stream_handle(index) == handle \
             else torch.cuda.stream(batch.stream)
+        # Every parameter in order, constexprs included (the fast launcher's argument list).
+        p_args = (meta, buf_f, buf_i, k, getattr(tl, name), esize, tl.float64 if wide else tl.float32,
+                  self.stats, self.fingerprint, CHUNK_BYTES, _LOG2_MAX_TENSORS, batch.aligned)
+        f_args = (meta, buf_f, buf_i, res_f, res_i, esize, _PBLOCK)
+        p_key = ("partials", index, name, esize, wide, self.stats, self.fingerprint, batch.aligned)
+        f_key = ("finalize", index, esize)
         with ctx:
-            partials[(batch.programs,)](meta, buf_f, buf_i, k, EDT=getattr(tl, name), ESIZE=esize,
-                                        ACC=tl.float64 if wide else tl.float32, STATS=self.stats,
-                                        FP=self.fingerprint, CHUNK=CHUNK_BYTES, LOG2B=_LOG2_MAX_TENSORS,
-                                        ALIGNED=batch.aligned, num_warps=NUM_WARPS)
-            finalize[(k,)](meta, buf_f, buf_i, res_f, res_i, ESIZE=esize, PBLOCK=1024)
+            stream = _stream_handle(index)
+            self._run(p_key, partials, batch.programs, stream, p_args,
+                      ("EDT", "ESIZE", "ACC", "STATS", "FP", "CHUNK", "LOG2B", "ALIGNED"), (index, dtype))
+            self._run(f_key, finalize, k, stream, f_args, ("ESIZE", "PBLOCK"), (index, dtype))
             event = None
             if dev.type == "cuda":
                 event = torch.cuda.Event()
@@ -234,6 +276,30 @@ class Fused:
                 self.events[(dev, handle)] = event
         self.launches += 2
         self.done.append((batch.slots, res_f, res_i, event))
+
+    def _run(self, key: tuple[Any, ...], kernel: Any, grid: int, stream: int, args: tuple[Any, ...],
+             constexprs: tuple[str, ...], warm_key: tuple[int, torch.dtype]) -> None:
+        """Launch one kernel: through its cached launcher, else the normal way (which compiles
+        it the first time), keeping what that returns for the next launch."""
+        fast = self._fast.get(key)
+        if fast is None and key not in self._fast and WARMUP.ready(warm_key):
+            compiled = (WARMUP.result(warm_key) or {}).get(key)  # what the warm-up compiled
+            if compiled is not None:
+                fast = self._fast[key] = fast_launcher(compiled)
+        if fast is not None and FastLaunch.usable:
+            try:
+                fast(grid, stream, args)
+                self.fast_launches += 1
+                return
+            except (TypeError, ValueError, AttributeError):  # this Triton's launcher differs: never again
+                FastLaunch.usable = False
+        n_plain = len(args) - len(constexprs)
+        kwargs = dict(zip(constexprs, args[n_plain:]))
+        if key[0] == "partials":
+            kwargs["num_warps"] = NUM_WARPS
+        compiled = kernel[(grid,)](*args[:n_plain], **kwargs)
+        if key not in self._fast and not self.interpret:
+            self._fast[key] = fast_launcher(compiled)
 
     def take(self, wait: bool) -> list[tuple[list[list[TensorRecord]], list[list[float]], list[list[int]]]]:
         """Fetch launched results: all of them (``wait``: one copy per device, the trace's one

@@ -39,7 +39,7 @@ from tracer.model import Stats, TensorRecord
 from tracer.options import HASH_ALGORITHMS
 from tracer.record.checksums import fingerprint as fp
 from tracer.record.checksums.bytes import ALLOWED_TYPES, as_bytes, host_bytes, unhashable_reason
-from tracer.record.checksums.fused import Fused, triton_usable
+from tracer.record.checksums.fused import Fused, triton_usable, warm_up
 from tracer.record.checksums.host_batch import HostFingerprints
 from tracer.record.checksums.stats import (
     SCALAR_DTYPES,
@@ -105,6 +105,13 @@ class Hasher:
         # The last MD5 copy queued per (device, stream): writers on other streams wait for it.
         self._copy_events: dict[tuple[torch.device, int], Any] = {}
         self.capturing_skipped = 0
+
+    def prepare(self) -> None:
+        """When a trace starts on a process that already uses CUDA: compile the batched kernels
+        in the background, so the first traced step does not wait for Triton's compiler.
+        (A process that has not touched CUDA yet is left alone: this must not initialise it.)"""
+        if (self.want_stats or self.algorithm == "fast") and not self._interpret and torch.cuda.is_initialized():
+            warm_up(torch.cuda.current_device(), self.want_stats, self.algorithm == "fast")
 
     # ---- submission (training thread or autograd threads) ---------------------------------------
     def submit(self, rec: TensorRecord, t: torch.Tensor) -> None:

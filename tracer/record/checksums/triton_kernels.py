@@ -3,50 +3,34 @@
 ``partials``: one program per 256 KiB of a tensor (a batch of tensors per launch, found by a
 binary search over the batch's first-program table) reads its bytes once and writes partial
 stats and fingerprint lane sums. ``finalize``: one program per tensor folds its partials in a
-fixed order and applies the fingerprint's final mix. Constants come from ``tracer.record.checksums.fingerprint``,
-which defines the algorithm.
+fixed order and applies the fingerprint's final mix. The constants are those of
+``tracer.record.checksums.fingerprint``, which defines the algorithm.
 """
 
 
 import triton
 import triton.language as tl
 
-from tracer.record.checksums import fingerprint as fp
-
-KA0: tl.constexpr = tl.constexpr(fp.KEY_A[0])
-KA1: tl.constexpr = tl.constexpr(fp.KEY_A[1])
-KA2: tl.constexpr = tl.constexpr(fp.KEY_A[2])
-KB0: tl.constexpr = tl.constexpr(fp.KEY_B[0])
-KB1: tl.constexpr = tl.constexpr(fp.KEY_B[1])
-KB2: tl.constexpr = tl.constexpr(fp.KEY_B[2])
-FA_S1: tl.constexpr = tl.constexpr(fp.FMIX_A[0])
-FA_M1: tl.constexpr = tl.constexpr(fp.FMIX_A[1])
-FA_S2: tl.constexpr = tl.constexpr(fp.FMIX_A[2])
-FA_M2: tl.constexpr = tl.constexpr(fp.FMIX_A[3])
-FA_S3: tl.constexpr = tl.constexpr(fp.FMIX_A[4])
-FB_S1: tl.constexpr = tl.constexpr(fp.FMIX_B[0])
-FB_M1: tl.constexpr = tl.constexpr(fp.FMIX_B[1])
-FB_S2: tl.constexpr = tl.constexpr(fp.FMIX_B[2])
-FB_M2: tl.constexpr = tl.constexpr(fp.FMIX_B[3])
-FB_S3: tl.constexpr = tl.constexpr(fp.FMIX_B[4])
-SALT_A: tl.constexpr = tl.constexpr(fp.LENGTH_SALT[0])
-SALT_B: tl.constexpr = tl.constexpr(fp.LENGTH_SALT[1])
+# The algorithm's constants are written as literals, not as module-level tl.constexpr globals:
+# Triton re-checks every global a kernel reads on each launch (~25 µs per launch for these 18).
+# They are tracer.record.checksums.fingerprint's KEY_A, KEY_B, FMIX_A, FMIX_B and LENGTH_SALT;
+# tests/test_fused.py runs the kernels against that module's reference.
 
 @triton.jit
 def fmix_a(h):
-    h = h ^ (h >> FA_S1)
-    h = h * FA_M1
-    h = h ^ (h >> FA_S2)
-    h = h * FA_M2
-    return h ^ (h >> FA_S3)
+    h = h ^ (h >> 16)
+    h = h * 0x85EBCA6B
+    h = h ^ (h >> 13)
+    h = h * 0xC2B2AE35
+    return h ^ (h >> 16)
 
 @triton.jit
 def fmix_b(h):
-    h = h ^ (h >> FB_S1)
-    h = h * FB_M1
-    h = h ^ (h >> FB_S2)
-    h = h * FB_M2
-    return h ^ (h >> FB_S3)
+    h = h ^ (h >> 16)
+    h = h * 0x7FEB352D
+    h = h ^ (h >> 15)
+    h = h * 0x846CA68B
+    return h ^ (h >> 16)
 
 @triton.jit
 def _stats_step(x, m, vmin, vmax, vabs, vsum, nnan, nfin):
@@ -100,8 +84,8 @@ def partials(meta_ptr, out_f_ptr, out_i_ptr, n_tensors,
     all_w = woffs < CW
     # A chunk never straddles a multiple of 2^32 words (CW divides it): within one, the key is a
     # per-chunk scalar plus the word's offset times the multiplier, precomputed here.
-    koffs_a = woffs * KA0
-    koffs_b = woffs * KB0
+    koffs_a = woffs * 0x9E3779B1
+    koffs_b = woffs * 0x85EBCA77
     eptr = addr.to(tl.pointer_type(EDT))
     wptr = addr.to(tl.pointer_type(tl.int32))
     # Stats, first pass: min, max and sum only (three operations per element). A sum is finite
@@ -118,8 +102,8 @@ def partials(meta_ptr, out_f_ptr, out_i_ptr, n_tensors,
         base = c * CW
         blo = (base & 0xFFFFFFFF).to(tl.uint32)
         bhi = (base >> 32).to(tl.uint32)
-        key_a = koffs_a + (blo * KA0 + bhi * KA1 + KA2)
-        key_b = koffs_b + (blo * KB0 + bhi * KB1 + KB2)
+        key_a = koffs_a + (blo * 0x9E3779B1 + bhi * 0x7FEB352D + 0x243F6A88)
+        key_b = koffs_b + (blo * 0x85EBCA77 + bhi * 0x68E31DA4 + 0xB7E15162)
         if c < nfull:
             if STATS:
                 x = tl.load(eptr + c * CE + eoffs).to(ACC)
@@ -182,8 +166,8 @@ def partials(meta_ptr, out_f_ptr, out_i_ptr, n_tensors,
             w = tl.sum(bts << (k * 8).to(tl.uint32), axis=0).to(tl.uint32)
             ilo = (nwords & 0xFFFFFFFF).to(tl.uint32)
             ihi = (nwords >> 32).to(tl.uint32)
-            sum_a += fmix_a(w ^ (ilo * KA0 + ihi * KA1 + KA2))
-            sum_b += fmix_b(w ^ (ilo * KB0 + ihi * KB1 + KB2))
+            sum_a += fmix_a(w ^ (ilo * 0x9E3779B1 + ihi * 0x7FEB352D + 0x243F6A88))
+            sum_b += fmix_b(w ^ (ilo * 0x85EBCA77 + ihi * 0x68E31DA4 + 0xB7E15162))
     tl.store(out_f_ptr + pid * 4, lo_v)
     tl.store(out_f_ptr + pid * 4 + 1, hi_v)
     tl.store(out_f_ptr + pid * 4 + 2, sum_v)
@@ -227,8 +211,8 @@ def finalize(meta_ptr, out_f_ptr, out_i_ptr, res_f_ptr, res_i_ptr, ESIZE: tl.con
     nbytes = numel * ESIZE
     nlo = (nbytes & 0xFFFFFFFF).to(tl.uint32)
     nhi = (nbytes >> 32).to(tl.uint32)
-    fa = fmix_a(lane_a + fmix_a(nlo ^ SALT_A ^ fmix_a(nhi)))
-    fb = fmix_b(lane_b + fmix_b(nlo ^ SALT_B ^ fmix_b(nhi)))
+    fa = fmix_a(lane_a + fmix_a(nlo ^ 0x5851F42D ^ fmix_a(nhi)))
+    fb = fmix_b(lane_b + fmix_b(nlo ^ 0x4C957F2D ^ fmix_b(nhi)))
     tl.store(res_f_ptr + i * 4, vmin)
     tl.store(res_f_ptr + i * 4 + 1, vmax)
     tl.store(res_f_ptr + i * 4 + 2, vsum / tl.maximum(nfin, 1).to(tl.float64))
