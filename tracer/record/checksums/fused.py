@@ -109,18 +109,25 @@ def warm_up(index: int, stats: bool, fingerprint: bool) -> None:
 
 def _compile(index: int, dtype: torch.dtype, stats: bool, fingerprint: bool) -> dict[tuple[Any, ...], Any]:
     """The compiled kernels one batch of ``dtype`` launches, under the keys ``Fused._launch`` uses
-    (aligned tensors: the common case). Torch dtypes stand in for the pointer arguments."""
+    (aligned tensors: the common case). Torch dtypes stand in for the pointer arguments (Triton
+    takes them as 16-byte aligned, as every buffer ``_launch`` passes is), and the batch's size
+    is 3: an integer Triton does not specialise on, so the kernel serves every size."""
     import triton.language as tl  # an optional dependency, loaded with the kernels
 
     partials, finalize = kernels()
     name, esize, wide = _SPECS[dtype]
     ptrs = (torch.int64, torch.float64, torch.int64)
-    compiled_p = partials.warmup(*ptrs, 1, EDT=getattr(tl, name), ESIZE=esize, ACC=tl.float64 if wide else tl.float32,
+    compiled_p = partials.warmup(*ptrs, 3, EDT=getattr(tl, name), ESIZE=esize, ACC=tl.float64 if wide else tl.float32,
                                  STATS=stats, FP=fingerprint, CHUNK=CHUNK_BYTES, LOG2B=_LOG2_MAX_TENSORS, ALIGNED=True,
                                  num_warps=NUM_WARPS, grid=(1,))
     compiled_f = finalize.warmup(*ptrs, torch.float64, torch.int64, ESIZE=esize, PBLOCK=_PBLOCK, grid=(1,))
     return {("partials", index, name, esize, wide, stats, fingerprint, True): compiled_p,
             ("finalize", index, esize): compiled_f}
+
+
+def _int_class(n: int) -> int:
+    """What Triton's specialisation reads off an integer argument: 1, a multiple of 16, or neither."""
+    return 1 if n == 1 else 16 if n % 16 == 0 else 0
 
 
 class _Batch:
@@ -181,7 +188,10 @@ class Fused:
             return False
         index = t.get_device()
         if WARMUP.wanted((index, dtype)) and not WARMUP.ready((index, dtype)):
-            return False  # its kernels are still compiling in the background: the torch path
+            # Its kernels are still compiling in the background: the torch path. (Waiting for them
+            # at the first launch instead was no faster with a warm Triton cache, on GPT-2 small
+            # and ResNet-50 on the H200, and 1.6x slower with a cold one.)
+            return False
         addr = t.data_ptr()
         if not t.is_contiguous() or (self.fingerprint and addr & 3):
             # A packed copy of the logical contents; the batch holds it, not the original.
@@ -280,12 +290,21 @@ class Fused:
     def _run(self, key: tuple[Any, ...], kernel: Any, grid: int, stream: int, args: tuple[Any, ...],
              constexprs: tuple[str, ...], warm_key: tuple[int, torch.dtype]) -> None:
         """Launch one kernel: through its cached launcher, else the normal way (which compiles
-        it the first time), keeping what that returns for the next launch."""
-        fast = self._fast.get(key)
-        if fast is None and key not in self._fast and WARMUP.ready(warm_key):
+        it the first time), keeping what that returns for the next launch.
+
+        A launch compiles for what Triton reads off its integer arguments (16 | n, and n == 1 on
+        some versions), so a cached launcher serves only calls of the same class: ``key`` gets
+        each integer's class. Pointers need no class: every buffer here is a fresh allocation
+        (the caching allocator aligns to 512 bytes) or a view at a multiple of 32 bytes into one.
+        The warm-up compiles with n = 3 (no integer specialisation): valid for every class."""
+        n_plain = len(args) - len(constexprs)
+        classes = tuple(_int_class(a) for a in args[:n_plain] if type(a) is int)
+        full_key = key + classes
+        fast = self._fast.get(full_key)
+        if fast is None and full_key not in self._fast and WARMUP.ready(warm_key):
             compiled = (WARMUP.result(warm_key) or {}).get(key)  # what the warm-up compiled
             if compiled is not None:
-                fast = self._fast[key] = fast_launcher(compiled)
+                fast = self._fast[full_key] = fast_launcher(compiled)
         if fast is not None and FastLaunch.usable:
             try:
                 fast(grid, stream, args)
@@ -293,13 +312,12 @@ class Fused:
                 return
             except (TypeError, ValueError, AttributeError):  # this Triton's launcher differs: never again
                 FastLaunch.usable = False
-        n_plain = len(args) - len(constexprs)
         kwargs = dict(zip(constexprs, args[n_plain:]))
         if key[0] == "partials":
             kwargs["num_warps"] = NUM_WARPS
         compiled = kernel[(grid,)](*args[:n_plain], **kwargs)
-        if key not in self._fast and not self.interpret:
-            self._fast[key] = fast_launcher(compiled)
+        if full_key not in self._fast and not self.interpret:
+            self._fast[full_key] = fast_launcher(compiled)
 
     def take(self, wait: bool) -> list[tuple[list[list[TensorRecord]], list[list[float]], list[list[int]]]]:
         """Fetch launched results: all of them (``wait``: one copy per device, the trace's one

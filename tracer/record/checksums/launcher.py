@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -89,6 +90,7 @@ class Warmup:
     def __init__(self) -> None:
         self._futures: dict[Any, Future[Any]] = {}
         self._lock = threading.Lock()
+        self.seconds: dict[Any, float] = {}  # per key: from the start of its batch to its result
 
     def start(self, device: int, jobs: Sequence[tuple[Any, Callable[[], Any]]]) -> None:
         """Compile ``jobs`` (key, compile function) for CUDA device ``device`` in the background."""
@@ -104,12 +106,14 @@ class Warmup:
 
     def _run(self, device: int, todo: list[tuple[Any, Callable[[], Any]]]) -> None:
         torch.cuda.set_device(device)  # the current device is per thread; Triton compiles for it
+        start = time.perf_counter()
         for key, job in todo:
             future = self._futures[key]
             try:
                 future.set_result(job())
             except BaseException as exc:
                 future.set_exception(exc)
+            self.seconds[key] = time.perf_counter() - start
 
     def wanted(self, key: Any) -> bool:
         return key in self._futures
