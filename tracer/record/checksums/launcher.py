@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from typing import Any
 
 import torch
@@ -121,6 +122,10 @@ class Warmup:
     def ready(self, key: Any) -> bool:
         future = self._futures.get(key)
         return future is not None and future.done()
+
+    def wait_all(self, timeout: float | None = None) -> None:
+        """Block until every compilation started so far is over (benchmarks: time steady state)."""
+        futures_wait(list(self._futures.values()), timeout=timeout)
 
     def result(self, key: Any) -> Any:
         """The compiled kernel (None if the warm-up failed: the normal launch compiles it)."""
