@@ -9,6 +9,7 @@ import os
 import platform
 import socket
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -22,6 +23,32 @@ from tracer.options import TraceError, TraceOptions
 from tracer.record import recorder as _recorder
 from tracer.record.checksums.fingerprint import ALGORITHM as FINGERPRINT_ALGORITHM
 from tracer.version import __version__
+
+# One trace at a time per process (the apply wrapper, the module hooks and the gc thresholds are
+# process-wide): a session claims the process under this lock before it installs anything, and
+# gives it back once everything is uninstalled and restored.
+_CLAIM_LOCK = threading.Lock()
+_claimed_by: tuple[TraceSession, int, str] | None = None  # (session, thread ident, thread name)
+
+
+def _claim(session: TraceSession) -> None:
+    global _claimed_by
+    with _CLAIM_LOCK:
+        active = _recorder.active_recorder()
+        if _claimed_by is not None or (active is not None and not active.closed):
+            where = "this thread" if _claimed_by is None or _claimed_by[1] == threading.get_ident() \
+                else f"thread {_claimed_by[2]!r}"
+            raise TraceError(f"tracer.trace() is already active in this process (entered by {where}); traces "
+                             "do not nest and one process records one trace at a time. Close the other "
+                             "`with tracer.trace()` block first, or trace the outer block only.")
+        _claimed_by = (session, threading.get_ident(), threading.current_thread().name)
+
+
+def _release(session: TraceSession) -> None:
+    global _claimed_by
+    with _CLAIM_LOCK:
+        if _claimed_by is not None and _claimed_by[0] is session:
+            _claimed_by = None
 
 
 class NumericsWarning(RuntimeWarning):
@@ -72,10 +99,14 @@ class TraceSession:
 
     # ---- enter / exit -------------------------------------------------------------------------
     def __enter__(self) -> Trace:
-        active = _recorder.active_recorder()
-        if active is not None and not active.closed:
-            raise TraceError("tracer.trace() is already active in this process; traces do not nest. "
-                             "Close the outer `with tracer.trace()` block first, or trace the outer block only.")
+        _claim(self)
+        try:
+            return self._enter()
+        except BaseException:
+            _release(self)  # (__exit__ ran already where anything was installed)
+            raise
+
+    def _enter(self) -> Trace:
         o = self.options
         t = Trace(header={"hash": o.hash, "stacks": o.stacks, "stats": o.effective_stats,
                           "check_numerics": o.numerics, "optimizer_ops": o.optimizer_ops,
@@ -128,12 +159,21 @@ class TraceSession:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> Literal[False]:
+        try:
+            self._exit(exc)
+        finally:
+            _release(self)  # last: the next trace may start once everything here is undone
+        return False
+
+    def _exit(self, exc: BaseException | None) -> None:
         rec, t = self._recorder, self.trace
         assert rec is not None and t is not None
-        rec.uninstall()  # first: whatever happens below, nothing stays installed
-        if self._gc_threshold is not None:
-            gc.set_threshold(*self._gc_threshold)
-            self._gc_threshold = None
+        try:
+            rec.uninstall()  # first: whatever happens below, nothing stays installed
+        finally:
+            if self._gc_threshold is not None:
+                gc.set_threshold(*self._gc_threshold)
+                self._gc_threshold = None
         while self._detach:
             self._detach.pop()()
         try:
@@ -145,7 +185,6 @@ class TraceSession:
             # finished recorder and trace are freed by reference counting, not by the cycle
             # collector walking every record.
             rec.on_records = None
-        return False
 
     def _finalize(self, rec: _recorder.Recorder, t: Trace, exc: BaseException | None) -> None:
         rec.hasher.close()
