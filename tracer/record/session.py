@@ -51,6 +51,12 @@ def _release(session: TraceSession) -> None:
             _claimed_by = None
 
 
+# A streamed file is flushed (written through to the OS, gzip with a sync flush) every
+# ``flush_every`` calls and at the first call this many seconds after the last flush: a SIGKILL
+# loses fewer than ``flush_every`` calls, and none recorded this long before a later call.
+FLUSH_SECONDS = 1.0
+
+
 class NumericsWarning(RuntimeWarning):
     """``check_numerics`` found a NaN or Inf; the message is the report."""
 
@@ -88,6 +94,7 @@ class TraceSession:
         self._written = {"frames": 0, "stacks": 0, "modules": 0, "tensors": 0, "calls": 0, "nodes": 0, "runs": 0}
         self._held_tensors: list[Any] = []
         self._last_flush_calls = 0
+        self._last_flush_time = 0.0
         self._seqs_written: set[int] = set()
         self._detach: list[Callable[[], None]] = []
         self._gc_threshold: tuple[int, int, int] | None = None
@@ -133,6 +140,7 @@ class TraceSession:
                 self._writer = StreamWriter(self.out, append=self.append)
                 self._writer.write([t.header_record(), {"t": "meta", **t.meta}])
             self._t0 = time.perf_counter()
+            self._last_flush_time = time.monotonic()
             # Every call adds a few small records; with CPython's default thresholds the young
             # generation fills every few dozen calls and collections over the growing trace cost as
             # much as the recording itself (measured: 29.8 -> 16.0 us/call on a 20k-call trace).
@@ -216,7 +224,9 @@ class TraceSession:
     def _maybe_flush(self) -> None:
         t = self.trace
         assert t is not None
-        if len(t.calls) - self._last_flush_calls >= self.options.flush_every or (
+        unwritten = len(t.calls) - self._last_flush_calls
+        if unwritten >= self.options.flush_every or (
+                unwritten and time.monotonic() - self._last_flush_time >= FLUSH_SECONDS) or (
                 t.backward_runs and self._written["runs"] < len(t.backward_runs) and self._recorder is not None
                 and not self._recorder.backward_open):
             self._flush(final=False)
@@ -249,6 +259,7 @@ class TraceSession:
             out += [c.to_json() for c in calls]
             n["calls"] = len(t.calls)
             self._last_flush_calls = len(t.calls)
+            self._last_flush_time = time.monotonic()
             nodes = t.grad_nodes[n["nodes"]:]
             out += [g.to_json() for g in nodes]
             n["nodes"] += len(nodes)
