@@ -22,6 +22,7 @@ from tracer.model import StreamWriter, Trace
 from tracer.options import TraceError, TraceOptions
 from tracer.record import recorder as _recorder
 from tracer.record.checksums.fingerprint import ALGORITHM as FINGERPRINT_ALGORITHM
+from tracer.record.mode import COMPILED
 from tracer.version import __version__
 
 # One trace at a time per process (the apply wrapper, the module hooks and the gc thresholds are
@@ -141,6 +142,7 @@ class TraceSession:
                 self._writer.write([t.header_record(), {"t": "meta", **t.meta}])
             self._t0 = time.perf_counter()
             self._last_flush_time = time.monotonic()
+            COMPILED.ran = False
             # Every call adds a few small records; with CPython's default thresholds the young
             # generation fills every few dozen calls and collections over the growing trace cost as
             # much as the recording itself (measured: 29.8 -> 16.0 us/call on a 20k-call trace).
@@ -205,6 +207,9 @@ class TraceSession:
             t.stacks = list(rec.stack_table.stacks)
         t.calls.sort(key=lambda c: c.seq)
         t.meta["seconds"] = round(time.perf_counter() - self._t0, 6)
+        if COMPILED.ran:
+            t.notes.append("torch.compile'd functions ran in this block: what their compiled code ran was not seen "
+                           "(an op that runs as eager Python, e.g. under backend='eager', is recorded as usual)")
         if rec.hasher.capturing_skipped:
             t.notes.append(f"{rec.hasher.capturing_skipped} tensors were not hashed during CUDA graph capture")
         if exc is not None:
