@@ -50,6 +50,7 @@ from tracer.record.checksums.stats import (
     stats_from_row,
     stats_input,
 )
+from tracer.record.transforms import is_wrapped, transforms_active, transforms_off, unwrap
 
 INLINE_BYTES = 256 * 1024
 
@@ -119,6 +120,10 @@ class Hasher:
     def submit(self, rec: TensorRecord, t: torch.Tensor) -> None:
         if not self.active:
             return
+        if transforms_active():  # inside torch.func.grad/vmap/jvp...: see tracer.record.transforms
+            with transforms_off():
+                self._submit_wrapped(rec, t)
+            return
         # The common case first, with as few tensor attribute reads as possible: this runs for
         # every tensor a step makes (thousands), and each read costs a fraction of a microsecond.
         if t.is_cuda and not self._interpret and type(t) in ALLOWED_TYPES and t.layout is _STRIDED \
@@ -138,7 +143,30 @@ class Hasher:
             self._submit_slow(rec, t)
         except RuntimeError as exc:  # e.g. a storage freed and not yet reallocated (FSDP): never
             # an error in the user's code; the record says why it has no checksum.
-            rec.hash_note = f"not hashed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+            if is_wrapped(t):  # a torch.func tensor that outlived its transform
+                self._submit_wrapped(rec, t)
+            else:
+                rec.hash_note = f"not hashed: {_first_line(exc)}"
+
+    def _submit_wrapped(self, rec: TensorRecord, t: torch.Tensor) -> None:
+        """A tensor met while a torch.func transform runs (the transforms are off): the plain
+        tensor it wraps is hashed, with a note where that is not the tensor's own value (vmap's
+        whole batch)."""
+        plain, note = unwrap(t)
+        if plain is None:
+            rec.hash_note = f"not hashed: {note}"
+            return
+        reason = unhashable_reason(plain)
+        if reason is not None:
+            rec.hash_note = f"not hashed: {reason}"
+            return
+        try:
+            self._submit_slow(rec, plain)
+        except RuntimeError as exc:
+            rec.hash_note = f"not hashed: {_first_line(exc)}"
+            return
+        if note is not None:
+            rec.hash_note = note
 
     def _submit_slow(self, rec: TensorRecord, t: torch.Tensor) -> None:
         """Every tensor the batched CUDA path did not take."""
@@ -222,7 +250,8 @@ class Hasher:
         """Launch the batched kernels for every waiting tensor (no sync). The recorder calls this
         before code that may change a recorded tensor in place."""
         if self._fused is not None:
-            self._fused.flush()
+            with transforms_off():
+                self._fused.flush()
 
     def before_write(self) -> None:
         """Called by the recorder before code that may write into tensors it recorded (an op that
@@ -231,6 +260,13 @@ class Hasher:
         fused = self._fused
         if fused is None and not self._copy_events:
             return
+        if transforms_active():
+            with transforms_off():
+                self._before_write(fused)
+        else:
+            self._before_write(fused)
+
+    def _before_write(self, fused: Any) -> None:
         if torch.cuda.is_initialized() and _capturing():
             # Nothing runs while a CUDA graph is captured (the writes happen at replay), and a
             # launch or a wait on uncaptured work would break the capture: later.
@@ -309,6 +345,13 @@ class Hasher:
     def drain(self, wait: bool = False) -> None:
         """Fill in finished checksums and stats: all of them if ``wait`` (one fetch per device,
         the only synchronisation), else those whose kernels or copies have already finished."""
+        if transforms_active():  # a streamed file's flush inside torch.func.grad/vmap...
+            with transforms_off():
+                self._drain(wait)
+        else:
+            self._drain(wait)
+
+    def _drain(self, wait: bool) -> None:
         finish, hex_of = fp.finish, fp.hex_of
         if wait and self._host_fp is not None:
             self._host_fp.flush()
@@ -393,6 +436,10 @@ def _by_device(items: list[tuple[TensorRecord, torch.Tensor]]) -> list[list[tupl
     for rec, value in items:
         groups.setdefault(value.device, []).append((rec, value))
     return list(groups.values())
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
 def _md5_host(buf: torch.Tensor, event: Any) -> str:
