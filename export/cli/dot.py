@@ -6,6 +6,7 @@ import argparse
 from typing import Literal
 
 from export.cli.command import Command
+from export.cli.overwrite import add_force, check_overwrite
 from export.dot import check_suffix, default_output, dot
 from export.load import load_trace
 
@@ -39,11 +40,13 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer-detail", action="store_true",
                    help="draw each parameter, gradient and state tensor of an optimizer step "
                         "(default: one node, e.g. 'AdamW0: 148 params')")
+    add_force(p)
 
 
 def _cmd_dot(args: argparse.Namespace) -> int:
     out = args.output or default_output(args.trace)
     check_suffix(out)
+    check_overwrite(out, args.trace, args.force)
     trace = load_trace(args.trace)
     dot(trace, out, depth=args.depth, fold_repeats=args.fold_repeats, forward=not args.backward_only,
         backward=not args.forward_only, checksums=not args.no_checksums,
