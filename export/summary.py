@@ -29,6 +29,7 @@ from export.text import call_site, compact_stats, format_stack, stats_text
 from export.views import checksum, module_groups, module_with_class, nonfinite, param_totals
 from tracer.model import BackwardRun, Call, Frame, GradNode, TensorRecord, Trace
 from tracer.model.display import format_bytes, format_number, shape_compact, short_api, short_dtype
+from tracer.model.gradients import summed_from
 
 TOP_APIS = 15
 MAX_ROWS = 40
@@ -210,7 +211,12 @@ def _module_text(trace: Trace, module: str) -> str:
     return module_with_class(trace, module, outside="(outside modules)")
 
 
-def _describe_producer(trace: Trace, producer: str | None) -> str:
+def _describe_producer(trace: Trace, producer: str | None, tensor: str = "") -> str:
+    summed = summed_from(trace, tensor) if tensor else []
+    if summed:  # tied weights, a tensor used twice: the engine's sum of several edges
+        return (f"sum of {len(summed)} gradients: "
+                + ", ".join(f"{e.name} (from {e.node})" if e.name.split(":")[0] != e.node else e.name
+                            for e in summed))
     if producer is None:
         return "- (made outside the traced block)"
     rec = trace.get(producer)
@@ -261,7 +267,7 @@ def _show_tensor(trace: Trace, t: TensorRecord, console: Console) -> None:
     newer = [x.name for x in trace.tensors_in_order() if x.previous == t.name]
     rows: list[tuple[str, Any]] = [
         ("shape", shape_compact(t.shape)), ("dtype", t.dtype), ("device", t.device), ("role", t.role),
-        ("producer", _describe_producer(trace, t.producer)),
+        ("producer", _describe_producer(trace, t.producer, t.name)),
         ("stride", "-" if t.stride is None else shape_compact(t.stride)),
         ("contiguous", t.contiguous), ("requires_grad", t.requires_grad), ("version", t.version),
         ("seq", t.seq), ("previous", t.previous or "-"), ("next version", ", ".join(newer) or "-"),
@@ -295,6 +301,8 @@ def _show_tensor(trace: Trace, t: TensorRecord, console: Console) -> None:
     producer = trace.get(t.producer) if t.producer else None
     if isinstance(producer, Call | GradNode | BackwardRun):
         _print_stack(console, producer.stack, f"Stack of producer {producer.name} (most recent call last):")
+    elif summed_from(trace, t.name):
+        console.print("Stack: none (the autograd engine summed the gradients above; `show` each for its line)")
     else:
         console.print("Stack: none (the tensor was made outside the traced block)")
 

@@ -8,6 +8,7 @@ import os
 import sys
 
 from export.cli.command import Command
+from export.cli.overwrite import add_force, check_overwrite
 from export.errors import UserError
 from export.html import DEFAULT_MAX_BYTES, default_output, html_ranks, write_page
 from export.load import load_trace
@@ -21,6 +22,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", help="output .html (default: the trace path with .html)")
     p.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES,
                    help=f"page size limit; past it only the first calls are kept (default {DEFAULT_MAX_BYTES:,})")
+    add_force(p)
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
@@ -29,6 +31,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
         if not os.path.exists(p):
             raise UserError(f"no such trace file: {p}")
     out = args.output or default_output(args.trace)
+    check_overwrite(out, args.trace, args.force)
     if args.more:  # several ranks of one run: one page with a rank switcher
         size = html_ranks([load_trace(p) for p in paths], out, max_bytes=args.max_bytes)
         print(f"{out} ({format_size(size)}, {size} bytes, {len(paths)} ranks)")
