@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 
 from export.cli.command import Command
+from export.cli.outputs import check_output
+from export.cli.traces import add_trace_options, load_for
 from export.dot import check_suffix, default_output, dot
-from export.load import load_trace
 
 
 def _depth(text: str) -> int:
@@ -31,12 +32,14 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     half.add_argument("--forward-only", action="store_true", help="only the forward calls")
     half.add_argument("--backward-only", action="store_true", help="only the grad nodes")
     p.add_argument("--no-checksums", action="store_true", help="leave MD5 prefixes out of labels")
+    add_trace_options(p)
 
 
 def _cmd_dot(args: argparse.Namespace) -> int:
     out = args.output or default_output(args.trace)
     check_suffix(out)
-    trace = load_trace(args.trace)
+    check_output(out, [args.trace])
+    trace = load_for(args, args.trace).trace
     dot(trace, out, depth=args.depth, fold_repeats=args.fold_repeats, forward=not args.backward_only,
         backward=not args.forward_only, checksums=not args.no_checksums)
     print(f"wrote {out}")
