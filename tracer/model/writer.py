@@ -4,12 +4,15 @@ format is documented in docs/trace-format.md, and ``tracer.model.fileformat`` re
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import io
 import json
 import os
+import stat
+import tempfile
 from collections.abc import Iterable
-from typing import IO, Any
+from typing import IO, Any, cast
 
 GZIP_MAGIC = b"\x1f\x8b"
 
@@ -28,13 +31,39 @@ def _dumps(record: dict[str, Any]) -> str:
 
 
 def write_trace(records: Iterable[dict[str, Any]], path: str) -> None:
-    """Write a complete trace's records (``Trace.records()``, in canonical order)."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with _open_write(tmp, gz=str(path).endswith(".gz")) as fh:
-        for rec in records:
-            fh.write(_dumps(rec))
-            fh.write("\n")
-    os.replace(tmp, path)
+    """Write a complete trace's records (``Trace.records()``, in canonical order).
+
+    The records go to a fresh temporary file in the target's directory (``mkstemp``: a new name,
+    created with ``O_EXCL``, so a link planted at a predictable name is never followed), which is
+    then renamed over ``path``: a saved file is complete or absent.
+    """
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as raw:
+            binary = cast(IO[bytes], gzip.GzipFile(fileobj=raw, mode="wb") if path.endswith(".gz") else raw)
+            with io.TextIOWrapper(binary, encoding="utf-8") as fh:
+                for rec in records:
+                    fh.write(_dumps(rec))
+                    fh.write("\n")
+        os.chmod(tmp, _mode_for(path))
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _mode_for(path: str) -> int:
+    # mkstemp makes the file private (0600); a saved trace gets what open() would have given it:
+    # the existing file's mode, or 0666 less the umask.
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
 
 
 class StreamWriter:
