@@ -5,7 +5,8 @@ tensor the value it replaced). Every report follows these names, so a file whose
 (two calls each other's parent) would make a report loop, and a name that points nowhere would
 make it guess. ``check_structure`` refuses such a file with one line:
 
-- names are unique among calls, among grad nodes and among backward runs;
+- names are unique among calls, among grad nodes and among backward runs, and so are their
+  ``seq`` numbers (the order everything is shown in); a call's parent call began before it;
 - a record's stack id indexes the file's stack table;
 - what must be acyclic is: the chain of calls' ``parent``, of grad nodes' ``parent``, of
   tensors' ``previous``, and the graph of grad nodes' ``next`` edges (autograd's graph is a DAG);
@@ -40,6 +41,16 @@ def structure_problems(trace: Trace, *, complete: bool) -> Iterator[str]:
         if len(table) != len(names):
             twice = next(n for n, k in Counter(names).items() if k > 1)
             yield f"two {what}s named {twice!r}"
+    for what, seqs in (("calls", [c.seq for c in trace.calls]), ("grad nodes", [n.seq for n in trace.grad_nodes]),
+                       ("backward runs", [b.seq for b in trace.backward_runs])):
+        if len(set(seqs)) != len(seqs):
+            seq = next(n for n, k in Counter(seqs).items() if k > 1)
+            yield f"two {what} with seq {seq}"
+    for c in trace.calls:
+        parent = calls.get(c.parent) if c.parent is not None else None
+        if parent is not None and parent.seq >= c.seq:
+            yield f"call {c.name!r} (seq {c.seq}) has a parent call that began after it ({parent.name!r}, seq {parent.seq})"
+            break
     n_stacks = len(trace.stacks)
     linked: list[Call | GradNode | BackwardRun] = [*trace.calls, *trace.grad_nodes, *trace.backward_runs]
     for rec in linked:
