@@ -198,6 +198,10 @@ def _parse_constant(name: str) -> float:
     return float(name)
 
 
+# One decoder for every line (``json.loads`` with an option builds a new one per call).
+_DECODER = json.JSONDecoder(parse_constant=_parse_constant)
+
+
 class _BadLine(Exception):
     """A line that is not a JSON value gradtrace accepts; the message says why."""
 
@@ -208,7 +212,7 @@ def _parse(raw: bytes) -> Any:
     except UnicodeDecodeError:
         raise _BadLine("not UTF-8 text") from None
     try:
-        rec = json.loads(text, parse_constant=_parse_constant)
+        rec = _DECODER.decode(text)
     except json.JSONDecodeError as exc:
         raise _BadLine(f"{exc.msg} at column {exc.colno}") from None
     except RecursionError:

@@ -46,11 +46,6 @@ def structure_problems(trace: Trace, *, complete: bool) -> Iterator[str]:
         if len(set(seqs)) != len(seqs):
             seq = next(n for n, k in Counter(seqs).items() if k > 1)
             yield f"two {what} with seq {seq}"
-    for c in trace.calls:
-        parent = calls.get(c.parent) if c.parent is not None else None
-        if parent is not None and parent.seq >= c.seq:
-            yield f"call {c.name!r} (seq {c.seq}) has a parent call that began after it ({parent.name!r}, seq {parent.seq})"
-            break
     n_stacks = len(trace.stacks)
     linked: list[Call | GradNode | BackwardRun] = [*trace.calls, *trace.grad_nodes, *trace.backward_runs]
     for rec in linked:
@@ -62,6 +57,11 @@ def structure_problems(trace: Trace, *, complete: bool) -> Iterator[str]:
     yield from _cycles("tensor", "previous",
                        {t.name: [t.previous] for t in trace.tensors.values() if t.previous in trace.tensors})
     yield from _cycles("grad node", "next", {n.name: [x for x in n.next if x in nodes] for n in trace.grad_nodes})
+    for c in trace.calls:
+        parent = calls.get(c.parent) if c.parent is not None else None
+        if parent is not None and parent.seq >= c.seq:
+            yield f"call {c.name!r} (seq {c.seq}) has a parent call that began after it ({parent.name!r}, seq {parent.seq})"
+            break
 
     if not complete:
         return
