@@ -205,7 +205,7 @@ class Watch:
         """``@tracer.watch(model, opt)`` on a step function: every call is a watched step."""
         if not callable(fn):
             raise TraceError(f"tracer.watch(...) decorates a step function, got {fn!r}")
-        self.name = getattr(fn, "__qualname__", self.name)
+        self.name = getattr(fn, "__name__", self.name)
 
         @functools.wraps(fn)
         def watched(*args: Any, **kwargs: Any) -> Any:
@@ -401,8 +401,10 @@ class Watch:
         reproduced = replayed is not None and replayed.bad_anywhere and same_bits is not False
         anomaly = None
         if trace is not None:
-            report = trace.anomalies
-            anomaly = report.forward or report.backward
+            found = trace.anomalies.anomalies()
+            # The op that made the value, not where it went next: an optimizer step that read NaN
+            # gradients is a forward-phase call too, but it comes after the backward that made them.
+            anomaly = next((a for a in found if a.origin and not a.from_forward), found[0] if found else None)
         rank = dist.get_rank() if self._distributed else None
         incident = Incident(entry.step, self.trigger.name, self.trigger.explain(values, entry.context), self.policy,
                             None, None, reproduced, same_bits, original, replay, anomaly, later, rank,
