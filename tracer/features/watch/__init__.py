@@ -29,6 +29,7 @@ from tracer.features.watch.core import (
     SnapshotPlacement,
     Watch,
     WatchTripped,
+    check_options,
 )
 from tracer.features.watch.triggers import Spike, Trigger
 
@@ -64,4 +65,4 @@ def watch(model: Any, optimizer: Any, *, on: str | Trigger | Callable[[Any], Any
                  report=report, status_every=status_every, **trace_options)
 
 
-__all__ = ["Incident", "NonFiniteStepError", "Spike", "Trigger", "Watch", "WatchTripped", "watch"]
+__all__ = ["Incident", "NonFiniteStepError", "Spike", "Trigger", "Watch", "WatchTripped", "check_options", "watch"]

@@ -134,6 +134,35 @@ class NonFiniteStepError(NonFiniteError, WatchTripped):
         self.incident = incident
 
 
+def check_options(*, model: Any = None, on: Any = "nonfinite", out: Any = None, policy: Any = "raise",
+                  snapshots: Any = "auto", lag: Any = None, grads: Any = None, report: Any = None,
+                  status_every: Any = None, **trace_options: Any) -> TraceOptions:
+    """The replay's trace options, after checking every option ``tracer.watch`` takes (a
+    ``TraceError`` naming the first bad one); the framework callbacks check theirs at once."""
+    if policy not in POLICIES:
+        raise TraceError(f"policy must be 'raise', 'skip' or 'continue', got {policy!r}")
+    if snapshots not in ("auto", "device", "host"):
+        raise TraceError(f"snapshots must be 'auto', 'device' or 'host', got {snapshots!r}")
+    if lag is not None and (isinstance(lag, bool) or not isinstance(lag, int) or lag < 0):
+        raise TraceError(f"lag must be a number of steps >= 0, got {lag!r}")
+    if status_every is not None and (isinstance(status_every, bool) or not isinstance(status_every, int)
+                                     or status_every < 1):
+        raise TraceError(f"status_every must be a positive number of steps, got {status_every!r}")
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TraceError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if out is not None and not isinstance(out, str | os.PathLike):
+        raise TraceError(f"out must be a path or None, got {out!r}")
+    for name in ("steps", "every", "check_numerics"):
+        if name in trace_options:
+            raise TraceError(f"tracer.watch() does not take {name}= (the replay is one step, with check_numerics on)")
+    options = TraceOptions.from_kwargs(**{**trace_options, "check_numerics": True})
+    if options.out is not None:
+        raise TraceError("tracer.watch() takes out= for the incident trace (not as a trace option)")
+    if not isinstance(on, Trigger):
+        make_trigger(on)
+    return options
+
+
 @dataclass
 class _Pending:
     step: int
@@ -154,25 +183,8 @@ class Watch:
                  snapshots: SnapshotPlacement = "auto", lag: int | None = None, grads: bool | None = None,
                  report: ReportWriter | None = None, status_every: int | None = None,
                  **trace_options: Any) -> None:
-        if policy not in POLICIES:
-            raise TraceError(f"policy must be 'raise', 'skip' or 'continue', got {policy!r}")
-        if snapshots not in ("auto", "device", "host"):
-            raise TraceError(f"snapshots must be 'auto', 'device' or 'host', got {snapshots!r}")
-        if lag is not None and (isinstance(lag, bool) or not isinstance(lag, int) or lag < 0):
-            raise TraceError(f"lag must be a number of steps >= 0, got {lag!r}")
-        if status_every is not None and (isinstance(status_every, bool) or not isinstance(status_every, int)
-                                         or status_every < 1):
-            raise TraceError(f"status_every must be a positive number of steps, got {status_every!r}")
-        if model is not None and not isinstance(model, torch.nn.Module):
-            raise TraceError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if out is not None and not isinstance(out, str | os.PathLike):
-            raise TraceError(f"out must be a path or None, got {out!r}")
-        for name in ("steps", "every", "check_numerics"):
-            if name in trace_options:
-                raise TraceError(f"tracer.watch() does not take {name}= (the replay is one step, with check_numerics on)")
-        self.options = TraceOptions.from_kwargs(**{**trace_options, "check_numerics": True})
-        if self.options.out is not None:
-            raise TraceError("tracer.watch() takes out= for the incident trace (not as a trace option)")
+        self.options = check_options(model=model, on=on, out=out, policy=policy, snapshots=snapshots, lag=lag,
+                                     status_every=status_every, **trace_options)
         try:
             self.optimizer = real_optimizer(optimizer) if optimizer is not None else None
         except TypeError as exc:
