@@ -160,7 +160,7 @@ def test_custom_attention_nan_in_backward_with_lag_1_undoes_the_next_step_too(tm
     assert (b.kind, b.producer_kind, b.origin) == ("nan", "Tensor.div", True)
     assert b.node is not None and "AttentionNaNBackward" in b.node
     assert (b.stack[-1].file, b.stack[-1].line) == (MODELS, line_of("BUG-BACKWARD"))
-    assert len(step.watch._slots) == 2  # lag + 1 snapshots
+    assert step.watch.snapshot_count == 2  # lag + 1 snapshots
 
 
 # ---- a loss spike ------------------------------------------------------------------------------------

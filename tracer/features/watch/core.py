@@ -302,6 +302,11 @@ class Watch:
 
     # ---- status ----------------------------------------------------------------------------------
     @property
+    def snapshot_count(self) -> int:
+        """Snapshots allocated (``lag + 1`` at most)."""
+        return len(self._slots)
+
+    @property
     def snapshot_bytes(self) -> int:
         """Bytes the snapshots hold."""
         return sum(s.nbytes for s in self._slots)
