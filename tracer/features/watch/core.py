@@ -46,7 +46,7 @@ from tracer.features.logs.levels import COMPONENTS
 from tracer.features.plugins import session_plugins
 from tracer.features.watch import registry
 from tracer.features.watch.sentinel import Flag, FlagValues, Sentinel
-from tracer.features.watch.snapshot import Placement, StateSnapshot, real_optimizer, state_bytes
+from tracer.features.watch.snapshot import Layout, Placement, StateSnapshot, real_optimizer, state_bytes
 from tracer.features.watch.triggers import Trigger, make_trigger
 from tracer.model import Trace
 from tracer.model.display import format_size, sibling, with_tag
@@ -207,6 +207,7 @@ class Watch:
         self._slots: list[StateSnapshot] = []
         self._pending: deque[_Pending] = deque()
         self._sentinel: Sentinel | None = None
+        self._layout: Layout | None = None
         self._current: StateSnapshot | None = None
         self._distributed = False
         registry.add(self)
@@ -249,7 +250,7 @@ class Watch:
         if self._sentinel is None:
             self._start()
         snap = self._free_slot()
-        snap.capture(self.model, self.optimizer, self.step, grads=self.grads)
+        self._layout = snap.capture(self.model, self.optimizer, self.step, grads=self.grads, layout=self._layout)
         self._current = snap
         assert self._sentinel is not None
         self._sentinel.begin()
@@ -281,6 +282,11 @@ class Watch:
             self._resolve(self._pending.popleft())
         if self.status_every is not None and self.step % self.status_every == 0:
             LOG.info(self.status())
+
+    def refresh(self) -> None:
+        """Read the model's parameters and buffers afresh at the next step (after a module
+        replaced a buffer or parameter tensor; optimizer changes are noticed by themselves)."""
+        self._layout = None
 
     def flush(self) -> None:
         """Read every pending flag now (waits for the device) and handle what tripped."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import copy
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -80,12 +80,65 @@ class _Rng:
 
 @dataclass
 class _OptimizerEntry:
-    """One parameter's optimizer state: tensor keys index ``StateSnapshot.sources``; other values
-    are kept as they are (ints, floats, a deep copy of anything mutable)."""
+    """One parameter's optimizer state: tensor keys index ``Layout.sources``; the other keys'
+    values are kept per snapshot."""
 
     param: torch.Tensor
     tensors: dict[Any, int]
-    values: dict[Any, Any]
+    value_keys: list[Any]
+
+
+def _optimizer_key(optimizer: torch.optim.Optimizer | None) -> tuple[Any, ...]:
+    if optimizer is None:
+        return ()
+    return (len(optimizer.state), *((id(g["params"]), len(g["params"])) for g in optimizer.param_groups))
+
+
+class Layout:
+    """What a snapshot copies, in order: the parameters, the module buffers, the gradients (when
+    asked), the optimizer's state tensors. Built once and reused while the optimizer's parameter
+    lists and state entries stay the same objects (checked every step by identity, which costs
+    far less than walking the modules); ``Watch.refresh()`` rebuilds it after a module swapped a
+    buffer for a new tensor."""
+
+    def __init__(self, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
+                 grads: bool) -> None:
+        self.key = _optimizer_key(optimizer)
+        self.grads = grads
+        self.params = model_parameters(model, optimizer)
+        self.module_buffers = list(model.buffers()) if model is not None else []
+        sources: list[torch.Tensor] = [*self.params, *self.module_buffers]
+        self.grad_index: list[int | None] | None = None
+        if grads:
+            self.grad_index = []
+            for p in self.params:
+                if p.grad is None:
+                    self.grad_index.append(None)
+                else:
+                    self.grad_index.append(len(sources))
+                    sources.append(p.grad)
+        self.entries: list[_OptimizerEntry] = []
+        self.state_refs: list[tuple[dict[Any, Any], Any, torch.Tensor]] = []
+        if optimizer is not None:
+            for p, state in optimizer.state.items():
+                tensors: dict[Any, int] = {}
+                value_keys: list[Any] = []
+                for k, v in state.items():
+                    if isinstance(v, torch.Tensor):
+                        tensors[k] = len(sources)
+                        sources.append(v)
+                        self.state_refs.append((state, k, v))
+                    else:
+                        value_keys.append(k)
+                self.entries.append(_OptimizerEntry(p, tensors, value_keys))
+        self.sources = sources
+        self.grad_refs = [(p, p.grad) for p in self.params] if grads else []
+
+    def valid(self, optimizer: torch.optim.Optimizer | None, grads: bool) -> bool:
+        """Whether this layout still describes the state (the same tensors in the same places)."""
+        return (grads == self.grads and _optimizer_key(optimizer) == self.key
+                and all(state.get(k) is t for state, k, t in self.state_refs)
+                and all(p.grad is g for p, g in self.grad_refs))
 
 
 @dataclass
@@ -93,16 +146,14 @@ class StateSnapshot:
     """One set of buffers holding a copy of the state a step changes (see the module docstring)."""
 
     placement: Placement = "device"
-    sources: list[torch.Tensor] = field(default_factory=list)  # what was copied, in order
-    buffers: list[torch.Tensor] = field(default_factory=list)  # the copies
-    params: list[torch.Tensor] = field(default_factory=list)
-    module_buffers: list[torch.Tensor] = field(default_factory=list)
-    grads: list[int | None] | None = None  # index into sources per parameter; None: no gradients at all
-    optimizer_state: list[_OptimizerEntry] = field(default_factory=list)
+    layout: Layout | None = None  # what was copied
+    buffers: list[torch.Tensor] = field(default_factory=list)  # the copies, in the layout's order
+    values: list[list[Any]] = field(default_factory=list)  # per optimizer entry: its non-tensor values
     groups: list[dict[str, Any]] = field(default_factory=list)
     rng: _Rng | None = None
     step: int = -1
     allocations: int = 0  # how often buffers were (re)allocated
+    _copy_plan: list[tuple[list[torch.Tensor], list[torch.Tensor], bool]] = field(default_factory=list, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -111,81 +162,69 @@ class StateSnapshot:
 
     # ---- capture -----------------------------------------------------------------------------
     def capture(self, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None, step: int, *,
-                grads: bool | None = None) -> None:
+                grads: bool | None = None, layout: Layout | None = None) -> Layout:
         """Copy the state now (asynchronously on devices). ``grads``: also the gradients (None:
-        when any parameter holds one, as when gradients accumulate over calls)."""
-        params = model_parameters(model, optimizer)
-        module_buffers = [b for b in model.buffers()] if model is not None else []
-        sources: list[torch.Tensor] = [p.detach() for p in params] + [b.detach() for b in module_buffers]
-        grad_index: list[int | None] | None = None
+        when any parameter holds one, as when gradients accumulate over calls). ``layout``: the
+        one used last time, reused when still valid. Returns the layout used."""
         if grads is None:
+            params = layout.params if layout is not None else model_parameters(model, optimizer)
             grads = any(p.grad is not None for p in params)
-        if grads:
-            grad_index = []
-            for p in params:
-                if p.grad is None:
-                    grad_index.append(None)
-                else:
-                    grad_index.append(len(sources))
-                    sources.append(p.grad.detach())
-        entries: list[_OptimizerEntry] = []
-        groups: list[dict[str, Any]] = []
-        if optimizer is not None:
-            for p, state in optimizer.state.items():
-                tensors: dict[Any, int] = {}
-                values: dict[Any, Any] = {}
-                for k, v in state.items():
-                    if isinstance(v, torch.Tensor):
-                        tensors[k] = len(sources)
-                        sources.append(v.detach())
-                    else:
-                        values[k] = v if isinstance(v, int | float | str | bool | None) else copy.deepcopy(v)
-                entries.append(_OptimizerEntry(p, tensors, values))
-            for g in optimizer.param_groups:
-                saved: dict[str, Any] = {}
-                for k, v in g.items():
-                    if k == "params":
-                        continue
-                    if isinstance(v, torch.Tensor):  # a tensor learning rate: its value, now
-                        saved[k] = v.detach().clone()
-                    else:
-                        saved[k] = v if isinstance(v, int | float | str | bool | None) else copy.deepcopy(v)
-                groups.append(saved)
-        self._ensure_buffers(sources)
+        if layout is None or not layout.valid(optimizer, grads):
+            layout = Layout(model, optimizer, grads)
+        if layout is not self.layout:
+            self._ensure_buffers(layout)
         with torch.no_grad():
-            _copy_all(self.buffers, sources)
-        self.sources, self.params, self.module_buffers = sources, params, module_buffers
-        self.grads, self.optimizer_state, self.groups = grad_index, entries, groups
+            for dst, src, same_device in self._copy_plan:
+                if same_device:
+                    torch._foreach_copy_(dst, src)
+                else:  # to pinned host memory: asynchronous on the current stream
+                    for d, t in zip(dst, src):
+                        d.copy_(t, non_blocking=True)
+        self.values = []
+        if optimizer is not None:
+            for e in layout.entries:
+                state = optimizer.state[e.param]
+                self.values.append([_kept(state[k]) for k in e.value_keys])
+            self.groups = [{k: (v.detach().clone() if isinstance(v, torch.Tensor) else _kept(v))
+                            for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         self.rng = _Rng.capture()
         self.step = step
+        return layout
 
-    def _ensure_buffers(self, sources: Sequence[torch.Tensor]) -> None:
-        bufs = self.buffers
-        if len(bufs) == len(sources) and all(
+    def _ensure_buffers(self, layout: Layout) -> None:
+        sources, bufs = layout.sources, self.buffers
+        if not (len(bufs) == len(sources) and all(
                 b.shape == s.shape and b.dtype == s.dtype and _home(s, self.placement) == b.device
-                for b, s in zip(bufs, sources)):
-            return
-        self.buffers = [_buffer_for(s, self.placement) for s in sources]
-        self.allocations += 1
+                for b, s in zip(bufs, sources))):
+            self.buffers = [_buffer_for(s, self.placement) for s in sources]
+            self.allocations += 1
+        self.layout = layout
+        plan: dict[tuple[torch.device, torch.device, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for b, s in zip(self.buffers, sources):
+            dst, src = plan.setdefault((b.device, s.device, b.dtype), ([], []))
+            dst.append(b)
+            src.append(s.detach())
+        self._copy_plan = [(dst, src, dd == sd) for (dd, sd, _), (dst, src) in plan.items()]
 
     # ---- restore -----------------------------------------------------------------------------
     def restore(self, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None) -> None:
         """Put the captured state back: values, gradients, optimizer state (entries made since
         are removed), hyperparameters and random number generators."""
-        if self.step < 0:
+        layout = self.layout
+        if self.step < 0 or layout is None:
             raise RuntimeError("nothing captured")
-        n_params, n_bufs = len(self.params), len(self.module_buffers)
+        n = len(layout.params) + len(layout.module_buffers)
         with torch.no_grad():
-            _copy_all(self.sources[: n_params + n_bufs], self.buffers[: n_params + n_bufs])
-            self._restore_grads()
+            _copy_all(layout.sources[:n], self.buffers[:n])
+            self._restore_grads(layout)
             if optimizer is not None:
-                self._restore_optimizer(optimizer)
+                self._restore_optimizer(layout, optimizer)
         assert self.rng is not None
         self.rng.restore()
 
-    def _restore_grads(self) -> None:
-        for i, p in enumerate(self.params):
-            at = self.grads[i] if self.grads is not None else None
+    def _restore_grads(self, layout: Layout) -> None:
+        for i, p in enumerate(layout.params):
+            at = layout.grad_index[i] if layout.grad_index is not None else None
             if at is None:
                 p.grad = None
             elif p.grad is not None and p.grad.shape == self.buffers[at].shape:
@@ -193,28 +232,33 @@ class StateSnapshot:
             else:
                 p.grad = self.buffers[at].to(p.device, copy=True)
 
-    def _restore_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        kept = {id(e.param) for e in self.optimizer_state}
+    def _restore_optimizer(self, layout: Layout, optimizer: torch.optim.Optimizer) -> None:
+        kept = {id(e.param) for e in layout.entries}
         for p in [p for p in optimizer.state if id(p) not in kept]:  # state the step created
             del optimizer.state[p]
-        for e in self.optimizer_state:
+        for e, values in zip(layout.entries, self.values):
             state = optimizer.state[e.param]
-            for k in [k for k in state if k not in e.tensors and k not in e.values]:
+            for k in [k for k in state if k not in e.tensors and k not in e.value_keys]:
                 del state[k]
             for k, at in e.tensors.items():
                 saved, current = self.buffers[at], state.get(k)
                 if isinstance(current, torch.Tensor) and current.shape == saved.shape and current.dtype == saved.dtype:
                     current.copy_(saved)
                 else:
-                    state[k] = saved.to(self.sources[at].device, copy=True)
-            for k, v in e.values.items():
-                state[k] = v if isinstance(v, int | float | str | bool | None) else copy.deepcopy(v)
+                    state[k] = saved.to(layout.sources[at].device, copy=True)
+            for k, v in zip(e.value_keys, values):
+                state[k] = _kept(v)
         for g, group_saved in zip(optimizer.param_groups, self.groups):
             for k, v in group_saved.items():
                 if isinstance(v, torch.Tensor) and isinstance(g.get(k), torch.Tensor):
                     g[k].copy_(v)
                 else:
-                    g[k] = v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+                    g[k] = v.clone() if isinstance(v, torch.Tensor) else _kept(v)
+
+
+def _kept(v: Any) -> Any:
+    """A value as it is now: immutable ones as they are, anything else deep-copied."""
+    return v if isinstance(v, int | float | str | bool | None) else copy.deepcopy(v)
 
 
 def _home(src: torch.Tensor, placement: Placement) -> torch.device:
