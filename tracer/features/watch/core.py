@@ -42,7 +42,6 @@ import torch.distributed as dist
 from tracer.analysis.numerics import Anomaly, NonFiniteError
 from tracer.features import logs as _logs  # noqa: F401  (installs the gradtrace console handler)
 from tracer.features.distributed import rank_path
-from tracer.features.logs.levels import COMPONENTS
 from tracer.features.plugins import session_plugins
 from tracer.features.watch import registry
 from tracer.features.watch.sentinel import Flag, FlagValues, Sentinel
@@ -54,8 +53,8 @@ from tracer.options import TraceError, TraceOptions
 from tracer.record.recorder import active_recorder
 from tracer.record.session import NumericsWarning, TraceSession
 
-if "watch" not in COMPONENTS:
-    COMPONENTS.append("watch")  # tracer.set_log_level({"watch": "INFO"}) shows the status lines
+# Status lines at INFO (logging.getLogger("gradtrace.watch").setLevel("INFO") shows them),
+# incidents at WARNING. Not a log component of traces: set_log_level() leaves it alone.
 LOG = logging.getLogger("gradtrace.watch")
 
 Policy = Literal["raise", "skip", "continue"]
