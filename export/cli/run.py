@@ -26,6 +26,7 @@ from rich.live import Live
 from rich.spinner import Spinner
 
 from export.cli.command import Command
+from export.cli.outputs import check_output
 from export.errors import UserError
 from export.html import default_output, html
 from tracer.api import trace
@@ -198,6 +199,7 @@ def run_command(args: argparse.Namespace) -> int:
     if args.watch:
         return _run_watched(program, args)
     out = args.out or f"{program.stem}.gtrace"
+    check_output(out, option="--out")  # before the program runs, not after its work is done
     steps = args.steps if args.steps is not None or args.every is not None else "0"
     progress = progress_for(sys.stderr, enabled=not args.no_progress)
     st: StepTrace = trace(hash=args.hash, out=out, max_calls=args.max_calls, max_bytes=args.max_bytes,
