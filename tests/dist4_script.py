@@ -20,6 +20,7 @@ one-rank desync ``gradtrace diff --ranks`` must find. Every rank prints one ``RE
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -88,6 +89,10 @@ def local_of(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _md5(t: torch.Tensor) -> str:
+    return hashlib.md5(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data).hexdigest()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -122,6 +127,9 @@ def main() -> None:
             local = local_of(model.get_parameter(args.perturb)).view(-1)
             local[0] = torch.nextafter(local[0], local[0] + 1)
 
+    # Checksums of two local shards taken by hand, for the test to hold the trace's against.
+    local_md5 = {n: _md5(local_of(model.get_parameter(n))) for n in ("model.norm.weight", "lm_head.weight")}
+
     import tracer
 
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -135,10 +143,11 @@ def main() -> None:
     params = {n: p for n, p in model.named_parameters()}
     norm = params["model.norm.weight"]
     result = {
-        "rank": rank, "world": world, "loss": float(local_of(loss)),
+        "rank": rank, "world": world, "loss": float(local_of(loss.detach())),
         "path": None if t is None else t.meta.get("out"),
         "norm_placements": [str(p) for p in norm.placements] if isinstance(norm, DTensor) else None,
         "params": len(params), "dtensors": sum(isinstance(p, DTensor) for p in params.values()),
+        "local_md5": local_md5,
     }
     print("RESULT " + json.dumps(result), flush=True)
     dist.destroy_process_group()
