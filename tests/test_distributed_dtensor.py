@@ -149,9 +149,10 @@ def test_fsdp2_four_ranks_agree_and_shards_are_not_compared(fsdp4, capsys) -> No
     assert main(["diff", "--ranks", *_paths(d)]) == 0
     assert capsys.readouterr().out.startswith("REPLICAS AGREE: ranks 0, 1, 2, 3,")
     res = dr.diff_ranks(_paths(d))
-    # The 5 all-gathered buffers and the 21 step counts (plain tensors) and... nothing sharded:
-    # each of the 21 parameters' shards (value, gradient, two moments, new value) is on one rank.
-    assert res.compared == 5 + 21
+    # The 5 all-gathered buffers, the 21 step counts (plain tensors) and the rotary embedding's
+    # buffer, and nothing sharded: each of the 21 parameters' shards (value, gradient, two
+    # moments, new value) is on one rank only.
+    assert res.compared == 5 + 21 + 1
     assert res.expected["distinct shards"] == 21 * 5
     assert res.not_comparable == {}
 
