@@ -290,7 +290,8 @@ def test_cli_report_writes_beside_the_trace_and_prints_the_size(step: tracer.Tra
     assert cli_main(["report", os.fspath(trace_path), "-o", os.fspath(other)]) == 0 and other.exists()
     capsys.readouterr()
     budget = out.stat().st_size - 20_000
-    assert cli_main(["report", os.fspath(trace_path), "-o", os.fspath(other), "--max-bytes", str(budget)]) == 0
+    assert cli_main(["report", os.fspath(trace_path), "-o", os.fspath(other), "--max-bytes", str(budget),
+                     "--force"]) == 0
     assert other.stat().st_size <= budget
     assert "note: This page shows the first" in capsys.readouterr().err
 

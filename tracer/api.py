@@ -43,7 +43,7 @@ def trace(*, hash: HashKind = ..., stacks: bool = ..., stats: bool | None = ...,
 
 
 def trace(*, hash: HashKind = "md5", stacks: bool = True, stats: bool | None = None,
-          out: str | os.PathLike[str] | None = None, flush_every: int = 1024,
+          out: str | os.PathLike[str] | None = None, flush_every: int = 256,
           listeners: Iterable[Listener] = (), memory: bool = False, max_calls: int | None = None,
           max_bytes: int | None = None, check_numerics: bool = False, raise_on_nonfinite: bool = False,
           optimizer_ops: bool = False, steps: StepSpec | None = None, every: int | None = None,
@@ -54,8 +54,11 @@ def trace(*, hash: HashKind = "md5", stacks: bool = True, stats: bool | None = N
     order-sensitive fingerprint computed on the tensor's device) or ``"none"``.
     ``stacks``: capture the user's call stack of every call (cheap, on by default).
     ``stats``: min/max/mean/absmax/NaN/Inf of every tensor (default: on when hashing).
-    ``out``: stream the trace to this file while recording (a crash keeps what was flushed).
-    ``flush_every``: calls between two flushes of a streamed file.
+    ``out``: stream the trace to this file while recording: a crash, even a SIGKILL, keeps every
+    call but those of the last ``flush_every`` calls and, of those, the ones recorded in the last
+    second (``tracer.record.session.FLUSH_SECONDS``).
+    ``flush_every``: calls between two flushes of a streamed file (it is also flushed at the first
+    call a second or more after the last flush, and after every backward run).
     ``listeners``: extra ``tracer.Listener`` objects to attach to the recorder.
     ``memory``: also record every allocation and free, attributed to calls and grad nodes.
     ``max_calls``: stop recording cleanly after this many calls (the trace says so).

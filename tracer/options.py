@@ -48,7 +48,7 @@ class TraceOptions:
     stacks: bool = True
     stats: bool | None = None
     out: str | None = None
-    flush_every: int = 1024
+    flush_every: int = 256
     listeners: tuple[Any, ...] = ()
     memory: bool = False
     max_calls: int | None = None

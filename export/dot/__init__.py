@@ -18,6 +18,8 @@ What the picture shows (the legend in every file repeats it):
 * folded modules (``depth=N``) are folder shapes labelled ``path (Class)``, ``×calls``, the
   shapes crossing their boundary and the parameters folded in; a repeated block drawn once
   carries ``×12: h.0 … h.11``, and edges it stands for several times carry ``×12`` too.
+* a yellow component shape is an optimizer step (``AdamW0: 148 params``), fed by the backward run
+  before it; ``optimizer_detail=True`` draws each tensor it reads and writes instead.
 * anything red holds NaN or Inf, or raised.
 
 Node ids follow recording order (``c<i>`` = i-th call, ``g<i>`` = i-th grad node, ``s``/``o`` =
@@ -28,6 +30,7 @@ contains no addresses, times or paths, so the same program gives the same file.
 from __future__ import annotations
 
 import os
+from typing import Literal
 
 from export.dot.fold import Graph, build
 from export.dot.write import add_legend, check_suffix, to_dot, write_output
@@ -36,22 +39,26 @@ from tracer.model import Trace
 from tracer.model.display import sibling
 
 
-def dot(trace: Trace, path: str | os.PathLike[str] | None = None, *, depth: int | None = None,
-        fold_repeats: bool = False, forward: bool = True, backward: bool = True,
-        checksums: bool = True) -> str:
+def dot(trace: Trace, path: str | os.PathLike[str] | None = None, *,
+        depth: int | Literal["auto"] | None = "auto", fold_repeats: bool = False, forward: bool = True, backward: bool = True,
+        checksums: bool = True, optimizer_detail: bool = False) -> str:
     """Draw ``trace`` as a Graphviz graph and return the DOT text.
 
     ``path`` ending in ``.dot``/``.gv`` gets the text; ``.svg``/``.png``/``.pdf`` are rendered with
     Graphviz's ``dot`` program (``RenderError`` when it is missing). ``depth=N`` draws each module
     at depth N (``blocks.0`` has depth 2) as one node holding its own calls and its submodules', and
     their grad nodes as one backward node; ``depth=0`` folds the whole model, leaving top-level code
-    (loss, optimizer) drawn. ``fold_repeats`` draws identical sibling blocks once, marked ``×N``; ``forward``/``backward`` pick the halves; ``checksums`` adds the
-    first 8 hex digits of each tensor's MD5 to its label.
+    (loss, optimizer) drawn; ``depth=None`` draws every call; the default ``"auto"`` draws every call
+    when that makes at most 80 nodes, else folds repeated blocks and then modules from the deepest
+    level up until it does. ``fold_repeats`` draws identical sibling blocks once, marked ``×N``;
+    ``forward``/``backward`` pick the halves; ``checksums`` adds the first 8 hex digits of each
+    tensor's MD5 to its label. An optimizer step is one node (``AdamW0: 148 params``) unless
+    ``optimizer_detail`` asks for each parameter, gradient and state tensor it reads and writes.
     """
     if path is not None:
         check_suffix(os.fspath(path))  # fail before the work
     g = build(trace, depth=depth, fold_repeats=fold_repeats, forward=forward, backward=backward,
-              checksums=checksums)
+              checksums=checksums, optimizer_detail=optimizer_detail)
     add_legend(g)
     text = to_dot(g)
     if path is not None:

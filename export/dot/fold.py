@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Literal
 
 from export.views import module_with_class, parent_path
 from tracer.model import BackwardRun, Call, GradNode, TensorRecord, Trace
@@ -212,9 +213,11 @@ class Repeats:
 # ---- the builder --------------------------------------------------------------------------------
 class _Builder:
     def __init__(self, trace: Trace, depth: int | None, fold_repeats: bool, forward: bool,
-                 backward: bool, checksums: bool) -> None:
+                 backward: bool, checksums: bool, optimizer_detail: bool = False) -> None:
         self.t = trace
         self.depth = depth
+        self.optimizer_detail = optimizer_detail
+        self.optimizer_nodes: list[tuple[str, Call]] = []  # collapsed optimizer steps, for their edge
         self.forward = forward
         self.backward = backward
         self.checksums = checksums
@@ -363,11 +366,32 @@ class _Builder:
                 lines.append("raised: " + clip(rc.error, 36))
             kind = "function" if rc.kind in ("function", "custom_op") else "compiled" if rc.kind == "compiled" \
                 else "bcall" if rc.phase == "backward" else "call"
+            if self._collapsed(rc):
+                lines, kind = self._optimizer_lines(rc), "optimizer"
             self.g.nodes[nid] = GNode(nid, kind, lines, alert=bool(rc.error))
             cluster = self.nest_cluster(sec, rc) if rc.name in self.has_children else self.call_cluster(sec, rc)
             self.g.place("node", nid, cluster)
         self.ids[key] = nid
         return nid
+
+    def _collapsed(self, c: Call) -> bool:
+        """An optimizer step drawn as one node: its inputs are every parameter, gradient and
+        state tensor, and drawn one by one they would make the picture as wide as the model."""
+        return c.kind == "optimizer" and not self.optimizer_detail
+
+    def _optimizer_lines(self, c: Call) -> list[str]:
+        roles: dict[str, int] = {}
+        for name in dict.fromkeys(c.inputs):
+            rec = self.t.tensors.get(name)
+            role = rec.role if rec is not None else "other"
+            roles[role] = roles.get(role, 0) + 1
+        lines = [f"{c.name}: {plural(roles.get('param', 0), 'param')}", short_api(c.api)]
+        extra = [plural(roles[r], w) for r, w in (("grad", "grad"), ("state", "state tensor")) if roles.get(r)]
+        if extra:
+            lines.append("reads " + ", ".join(extra))
+        if c.error:
+            lines.append("raised: " + clip(c.error, 36))
+        return lines
 
     def target(self, call_name: str) -> str:
         return self.ids[self.call_key[call_name]]
@@ -503,6 +527,8 @@ class _Builder:
         # folded block used only inside it): counted in the fold node's label instead.
         source_targets: dict[str, set[tuple[str, str]]] = {}
         for c in self.fwd_calls:
+            if self._collapsed(c):
+                continue
             for name in c.inputs:
                 if self.producer_call(name, c) is None:
                     source_targets.setdefault(self.rep.tensor(name), set()).add(self.call_key[c.name])
@@ -545,6 +571,9 @@ class _Builder:
     def _calls_pass(self, sec: str, calls: list[Call], consumed: set[str],
                     absorbed: dict[str, tuple[str, str]]) -> None:
         for c in calls:
+            if self._collapsed(c):
+                self.optimizer_nodes.append((self.node_for_call(c), c))
+                continue
             # Sources first so that they sit above their first consumer.
             for name in c.inputs:
                 if self.producer_call(name, c) is None and self.rep.tensor(name) not in absorbed:
@@ -600,6 +629,13 @@ class _Builder:
                         else ([], False)
                     self.add_edge(f"b{i}", self.node_for_grad(self.gnodes[s.node]), "grad",
                                   f"{b.name}:{s.node}", grad or "", lines, alert)
+        for nid, c in self.optimizer_nodes:  # the gradients of the backward run just before the step
+            before = [i for i, b in enumerate(runs) if b.seq < c.seq]
+            if before:
+                grads = sum(1 for n in dict.fromkeys(c.inputs)
+                            if (rec := self.t.tensors.get(n)) is not None and rec.role == "grad")
+                self.add_edge(f"b{before[-1]}", nid, "grad_flow", "step:" + c.name, "",
+                              [plural(grads, "gradient")] if grads else [])
         for c in self.bwd_calls:  # calls a grad node made while it ran (custom Function backward)
             if c.parent in self.gnodes:
                 self.add_edge(self.node_for_grad(self.gnodes[c.parent]), self.target(c.name), "nested", c.name)
@@ -658,22 +694,63 @@ def _shapes(trace: Trace, names: Iterable[str], limit: int = 3) -> str:
     return ", ".join(seen[:limit]) + (f", +{more} more" if more > 0 else "")
 
 
-def build(trace: Trace, *, depth: int | None = None, fold_repeats: bool = False, forward: bool = True,
-          backward: bool = True, checksums: bool = True) -> Graph:
-    """The graph to draw for ``trace`` (see the module docstring for what folding does)."""
-    if depth is not None and depth < 0:
+AUTO_NODES = 80  # the most nodes an automatic fold leaves: about what a screen shows readably
+
+
+def _drawn(g: Graph) -> int:
+    return len(g.nodes)
+
+
+def _fitting(trace: Trace, fold_repeats: bool, forward: bool, backward: bool, checksums: bool,
+             optimizer_detail: bool) -> tuple[_Builder, Graph, int | None]:
+    """The least folded graph with at most ``AUTO_NODES`` nodes: everything, then repeated blocks
+    drawn once, then modules folded from the deepest level up; the most folded one if none fits."""
+    known = {p for c in trace.calls for p in _ancestors(c.module)} | set(trace.modules)
+    deepest = max((module_depth(p) for p in known if p), default=0)
+    candidates: list[tuple[int | None, bool]] = [(None, fold_repeats), (None, True)]
+    candidates += [(d, True) for d in range(deepest - 1, -1, -1)]
+    best: tuple[_Builder, Graph, int | None] | None = None
+    for depth, repeats in dict.fromkeys(candidates):
+        b = _Builder(trace, depth, repeats, forward, backward, checksums, optimizer_detail)
+        best = (b, b.build(), depth)
+        if _drawn(best[1]) <= AUTO_NODES:
+            break
+    assert best is not None
+    return best
+
+
+def _ancestors(path: str) -> list[str]:
+    parts = path.split(".") if path else []
+    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+
+
+def build(trace: Trace, *, depth: int | Literal["auto"] | None = None, fold_repeats: bool = False,
+          forward: bool = True, backward: bool = True, checksums: bool = True,
+          optimizer_detail: bool = False) -> Graph:
+    """The graph to draw for ``trace`` (see the module docstring for what folding does).
+
+    ``depth="auto"`` picks the least folding that leaves at most ``AUTO_NODES`` nodes (and draws
+    repeated blocks once if that is needed); ``None`` draws every call. ``optimizer_detail`` draws
+    an optimizer step's parameters, gradients and state one by one instead of one node."""
+    if isinstance(depth, int) and depth < 0:
         raise ValueError(f"depth must be 0 or more, got {depth}")
     if not forward and not backward:
         raise ValueError("nothing to draw: forward and backward are both off")
-    b = _Builder(trace, depth, fold_repeats, forward, backward, checksums)
-    g = b.build()
+    if depth == "auto":
+        b, g, chosen = _fitting(trace, fold_repeats, forward, backward, checksums, optimizer_detail)
+    else:
+        chosen = depth
+        b = _Builder(trace, depth, fold_repeats, forward, backward, checksums, optimizer_detail)
+        g = b.build()
     parts = [plural(len(trace.calls), "call"), plural(len(trace.grad_nodes), "grad node"),
              plural(len(trace.backward_runs), "backward run")]
     opts = []
-    if depth is not None:
-        opts.append(f"each module at depth {depth} folded into one node")
+    if chosen is not None:
+        opts.append(f"each module at depth {chosen} folded into one node")
     if b.rep.groups:
         opts.append("repeated blocks drawn once")
+    if depth == "auto" and (chosen is not None or (b.rep.groups and not fold_repeats)):
+        opts[-1] += " (chosen to fit; --depth full draws every call)"
     if not forward:
         opts.append("backward only")
     if not backward:

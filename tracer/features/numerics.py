@@ -9,6 +9,7 @@ import torch
 from tracer.analysis.numerics import NonFiniteError, find_anomalies, has_inf_constant
 from tracer.model import Trace
 from tracer.record.listeners import Listener
+from tracer.record.transforms import transforms_off, unwrap
 
 
 class NonFiniteGuard(Listener):
@@ -27,11 +28,16 @@ class NonFiniteGuard(Listener):
     def _nonfinite(tensors: Any) -> tuple[bool, bool]:
         """(any NaN, any Inf) among the tensors, in one device read per tensor."""
         nan = inf = False
-        for t in tensors:
-            if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) and t.numel() \
-                    and t.layout == torch.strided and not t.is_meta and type(t) in (torch.Tensor, torch.nn.Parameter):
-                a, b = torch.stack((torch.isnan(t).any(), torch.isinf(t).any())).tolist()
-                nan, inf = nan or bool(a), inf or bool(b)
+        with transforms_off():  # a torch.func tensor is read through what it wraps (vmap: the batch)
+            for t in tensors:
+                if not isinstance(t, torch.Tensor):
+                    continue
+                plain, _ = unwrap(t)
+                if plain is not None and (plain.is_floating_point() or plain.is_complex()) and plain.numel() \
+                        and plain.layout == torch.strided and not plain.is_meta \
+                        and type(plain) in (torch.Tensor, torch.nn.Parameter):
+                    a, b = torch.stack((torch.isnan(plain).any(), torch.isinf(plain).any())).tolist()
+                    nan, inf = nan or bool(a), inf or bool(b)
         return nan, inf
 
     def _raise(self, trace: Trace, phase: str) -> None:

@@ -3,12 +3,31 @@ that make or change tensors to the recorder."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch.overrides import TorchFunctionMode
 
 if TYPE_CHECKING:
     from tracer.record.recorder import Recorder
+
+
+# True only while Dynamo traces Python (torch.compile of a function called inside the block):
+# then the handler is compiled into the graph as the op itself, nothing recorded, so the mode
+# causes no graph break and no recompilation. Its ops run untraced (one opaque region).
+_dynamo_compiling: Callable[[], bool] = getattr(torch.compiler, "is_dynamo_compiling", None) \
+    or getattr(torch.compiler, "is_compiling", None) or (lambda: False)
+
+
+class CompiledRegions:
+    """Set from inside compiled code (Dynamo replays the attribute store after each run of the
+    compiled graph): whether a compiled function ran while a trace was active."""
+
+    ran = False
+
+
+COMPILED = CompiledRegions()
 
 
 class RecordingMode(TorchFunctionMode):
@@ -20,6 +39,9 @@ class RecordingMode(TorchFunctionMode):
                            kwargs: dict[str, Any] | None = None) -> Any:
         if kwargs is None:
             kwargs = {}
+        if _dynamo_compiling():
+            COMPILED.ran = True
+            return func(*args, **kwargs)
         rec = self.recorder
         if rec is None:
             return func(*args, **kwargs)

@@ -9,6 +9,7 @@ import os
 import platform
 import socket
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -21,7 +22,40 @@ from tracer.model import StreamWriter, Trace
 from tracer.options import TraceError, TraceOptions
 from tracer.record import recorder as _recorder
 from tracer.record.checksums.fingerprint import ALGORITHM as FINGERPRINT_ALGORITHM
+from tracer.record.mode import COMPILED
 from tracer.version import __version__
+
+# One trace at a time per process (the apply wrapper, the module hooks and the gc thresholds are
+# process-wide): a session claims the process under this lock before it installs anything, and
+# gives it back once everything is uninstalled and restored.
+_CLAIM_LOCK = threading.Lock()
+_claimed_by: tuple[TraceSession, int, str] | None = None  # (session, thread ident, thread name)
+
+
+def _claim(session: TraceSession) -> None:
+    global _claimed_by
+    with _CLAIM_LOCK:
+        active = _recorder.active_recorder()
+        if _claimed_by is not None or (active is not None and not active.closed):
+            where = "this thread" if _claimed_by is None or _claimed_by[1] == threading.get_ident() \
+                else f"thread {_claimed_by[2]!r}"
+            raise TraceError(f"tracer.trace() is already active in this process (entered by {where}); traces "
+                             "do not nest and one process records one trace at a time. Close the other "
+                             "`with tracer.trace()` block first, or trace the outer block only.")
+        _claimed_by = (session, threading.get_ident(), threading.current_thread().name)
+
+
+def _release(session: TraceSession) -> None:
+    global _claimed_by
+    with _CLAIM_LOCK:
+        if _claimed_by is not None and _claimed_by[0] is session:
+            _claimed_by = None
+
+
+# A streamed file is flushed (written through to the OS, gzip with a sync flush) every
+# ``flush_every`` calls and at the first call this many seconds after the last flush: a SIGKILL
+# loses fewer than ``flush_every`` calls, and none recorded this long before a later call.
+FLUSH_SECONDS = 1.0
 
 
 class NumericsWarning(RuntimeWarning):
@@ -61,6 +95,7 @@ class TraceSession:
         self._written = {"frames": 0, "stacks": 0, "modules": 0, "tensors": 0, "calls": 0, "nodes": 0, "runs": 0}
         self._held_tensors: list[Any] = []
         self._last_flush_calls = 0
+        self._last_flush_time = 0.0
         self._seqs_written: set[int] = set()
         self._detach: list[Callable[[], None]] = []
         self._gc_threshold: tuple[int, int, int] | None = None
@@ -72,10 +107,14 @@ class TraceSession:
 
     # ---- enter / exit -------------------------------------------------------------------------
     def __enter__(self) -> Trace:
-        active = _recorder.active_recorder()
-        if active is not None and not active.closed:
-            raise TraceError("tracer.trace() is already active in this process; traces do not nest. "
-                             "Close the outer `with tracer.trace()` block first, or trace the outer block only.")
+        _claim(self)
+        try:
+            return self._enter()
+        except BaseException:
+            _release(self)  # (__exit__ ran already where anything was installed)
+            raise
+
+    def _enter(self) -> Trace:
         o = self.options
         t = Trace(header={"hash": o.hash, "stacks": o.stacks, "stats": o.effective_stats,
                           "check_numerics": o.numerics, "optimizer_ops": o.optimizer_ops,
@@ -102,6 +141,8 @@ class TraceSession:
                 self._writer = StreamWriter(self.out, append=self.append)
                 self._writer.write([t.header_record(), {"t": "meta", **t.meta}])
             self._t0 = time.perf_counter()
+            self._last_flush_time = time.monotonic()
+            COMPILED.ran = False
             # Every call adds a few small records; with CPython's default thresholds the young
             # generation fills every few dozen calls and collections over the growing trace cost as
             # much as the recording itself (measured: 29.8 -> 16.0 us/call on a 20k-call trace).
@@ -128,12 +169,21 @@ class TraceSession:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> Literal[False]:
+        try:
+            self._exit(exc)
+        finally:
+            _release(self)  # last: the next trace may start once everything here is undone
+        return False
+
+    def _exit(self, exc: BaseException | None) -> None:
         rec, t = self._recorder, self.trace
         assert rec is not None and t is not None
-        rec.uninstall()  # first: whatever happens below, nothing stays installed
-        if self._gc_threshold is not None:
-            gc.set_threshold(*self._gc_threshold)
-            self._gc_threshold = None
+        try:
+            rec.uninstall()  # first: whatever happens below, nothing stays installed
+        finally:
+            if self._gc_threshold is not None:
+                gc.set_threshold(*self._gc_threshold)
+                self._gc_threshold = None
         while self._detach:
             self._detach.pop()()
         try:
@@ -145,7 +195,6 @@ class TraceSession:
             # finished recorder and trace are freed by reference counting, not by the cycle
             # collector walking every record.
             rec.on_records = None
-        return False
 
     def _finalize(self, rec: _recorder.Recorder, t: Trace, exc: BaseException | None) -> None:
         rec.hasher.close()
@@ -158,6 +207,9 @@ class TraceSession:
             t.stacks = list(rec.stack_table.stacks)
         t.calls.sort(key=lambda c: c.seq)
         t.meta["seconds"] = round(time.perf_counter() - self._t0, 6)
+        if COMPILED.ran:
+            t.notes.append("torch.compile'd functions ran in this block: what their compiled code ran was not seen "
+                           "(an op that runs as eager Python, e.g. under backend='eager', is recorded as usual)")
         if rec.hasher.capturing_skipped:
             t.notes.append(f"{rec.hasher.capturing_skipped} tensors were not hashed during CUDA graph capture")
         if exc is not None:
@@ -177,7 +229,9 @@ class TraceSession:
     def _maybe_flush(self) -> None:
         t = self.trace
         assert t is not None
-        if len(t.calls) - self._last_flush_calls >= self.options.flush_every or (
+        unwritten = len(t.calls) - self._last_flush_calls
+        if unwritten >= self.options.flush_every or (
+                unwritten and time.monotonic() - self._last_flush_time >= FLUSH_SECONDS) or (
                 t.backward_runs and self._written["runs"] < len(t.backward_runs) and self._recorder is not None
                 and not self._recorder.backward_open):
             self._flush(final=False)
@@ -210,6 +264,7 @@ class TraceSession:
             out += [c.to_json() for c in calls]
             n["calls"] = len(t.calls)
             self._last_flush_calls = len(t.calls)
+            self._last_flush_time = time.monotonic()
             nodes = t.grad_nodes[n["nodes"]:]
             out += [g.to_json() for g in nodes]
             n["nodes"] += len(nodes)

@@ -24,9 +24,11 @@ from tracer.record.stacks import StackTable
 from tracer.record.tensors import (
     DEVICE_NAMES,
     DTYPE_NAMES,
+    RAGGED_NOTE,
     device_name,
     dtype_name,
     get_seq,
+    plain_sizes,
     same_view,
     storage_key,
     version_of,
@@ -150,16 +152,23 @@ class RecorderState:
         # Shapes and strides repeat across a step: one tuple per distinct value, not two fresh
         # tuples per record (memory, and fewer objects for the garbage collector to visit).
         interned = self._interned
-        size = t.shape
+        ragged = False
         try:
+            size = t.shape
             shape = interned.get(size)
-            if shape is None:
+            if shape is None:  # a shape not met before: plain ints only (SymInts hash too)
                 shape = tuple(size)
+                if not all(type(v) is int for v in shape) or (
+                        stride is not None and not all(type(v) is int for v in stride)):
+                    raise TypeError("symbolic sizes")
                 interned[shape] = shape
             if stride is not None:
                 stride = interned.setdefault(stride, stride)
-        except TypeError:  # symbolic sizes are not hashable: keep this record's own tuples
-            shape = tuple(size)
+        except (TypeError, RuntimeError):
+            # Symbolic sizes (not hashable) and nested tensors (a strided one has no sizes at
+            # all; a jagged one has a symbolic ragged size): plain ints in the record, 0 where a
+            # size is not one number (JSON, and every reader, needs ints).
+            shape, stride, ragged = plain_sizes(t, stride)
         if stride is not None and type(stride) is not tuple:
             stride = tuple(stride)
         try:
@@ -174,6 +183,12 @@ class RecorderState:
         if uninitialized:
             rec.uninitialized = True
             rec.hash_note = f"not hashed: uninitialised memory (made by {producer}); its first write is a new version"
+        elif ragged:
+            rec.hash_note = RAGGED_NOTE
+            self._tensor_seq += 1
+            self.trace.tensors[rec.name] = rec
+            self._tensor_names[t] = (rec.name, ver)
+            return rec.name
         return self._add_record(rec, t, ver)
 
     def _add_record(self, rec: TensorRecord, t: torch.Tensor, ver: int) -> str:

@@ -47,6 +47,47 @@ def version_of(t: torch.Tensor) -> int:
         return 0
 
 
+RAGGED_NOTE = "not hashed: nested tensor (a size that varies between its components is recorded as 0)"
+
+
+def plain_sizes(t: torch.Tensor, stride: Any) -> tuple[tuple[int, ...], tuple[int, ...] | None, bool]:
+    """Shape and strides of a tensor whose sizes are not all plain ints, as ints: a size that is
+    not one number (a nested tensor's ragged dimension) becomes 0. Returns (shape, strides or
+    None, whether some size was not one number). Never raises."""
+    ragged = False
+
+    def as_int(v: Any) -> int:
+        nonlocal ragged
+        if type(v) is int:
+            return v
+        try:
+            return int(v)
+        except Exception:  # a nested int (jagged) has no value; torch raises several kinds
+            ragged = True
+            return 0
+
+    try:
+        sizes: Any = t.shape
+    except RuntimeError:  # a strided nested tensor: its dims are known, not its sizes
+        sizes = None
+    if sizes is None:
+        dims = t.dim()
+        shape = []
+        for d in range(dims):
+            try:
+                shape.append(as_int(t.size(d)))
+            except RuntimeError:
+                ragged = True
+                shape.append(0)
+        stride = None
+    else:
+        shape = [as_int(v) for v in sizes]
+    plain_stride: tuple[int, ...] | None = None
+    if stride is not None and all(type(v) is int for v in stride):
+        plain_stride = tuple(stride)  # (strides that depend on a ragged size: none)
+    return tuple(shape), plain_stride, ragged or bool(getattr(t, "is_nested", False))
+
+
 def flat_tensors(obj: Any, out: list[torch.Tensor] | None = None, depth: int = 0) -> list[torch.Tensor]:
     """Tensors inside an argument or result (tuples, lists, dicts, a few levels deep)."""
     if out is None:

@@ -41,6 +41,7 @@ from tracer.record.checksums import fingerprint as fp
 from tracer.record.checksums.bytes import ALLOWED_TYPES, as_bytes, host_bytes, unhashable_reason
 from tracer.record.checksums.fused import Fused, triton_usable, warm_up
 from tracer.record.checksums.host_batch import HostFingerprints
+from tracer.record.checksums.host_stats import HostStats, stageable
 from tracer.record.checksums.stats import (
     SCALAR_DTYPES,
     cpu_stats,
@@ -50,6 +51,7 @@ from tracer.record.checksums.stats import (
     stats_input,
 )
 from tracer.record.sharding import local_shard
+from tracer.record.transforms import is_wrapped, transforms_active, transforms_off, unwrap
 
 INLINE_BYTES = 256 * 1024
 
@@ -98,6 +100,7 @@ class Hasher:
         self._fused: Any = None  # tracer.record.checksums.fused.Fused, made on the first CUDA tensor
         self._fused_tried = False
         self._host_fp: HostFingerprints | None = None  # CPU hash="fast", made on first use
+        self._host_stats: HostStats | None = None  # CPU stats of small tensors, made on first use
         # Tests only: CPU tensors through the batched kernels under Triton's CPU interpreter
         # (TRITON_INTERPRET=1 must be set before triton is first imported), so a machine
         # without a GPU exercises the batching and its flush rules end to end.
@@ -117,6 +120,10 @@ class Hasher:
     # ---- submission (training thread or autograd threads) ---------------------------------------
     def submit(self, rec: TensorRecord, t: torch.Tensor) -> None:
         if not self.active:
+            return
+        if transforms_active():  # inside torch.func.grad/vmap/jvp...: see tracer.record.transforms
+            with transforms_off():
+                self._submit_wrapped(rec, t)
             return
         # The common case first, with as few tensor attribute reads as possible: this runs for
         # every tensor a step makes (thousands), and each read costs a fraction of a microsecond.
@@ -142,7 +149,30 @@ class Hasher:
             self._submit_slow(rec, t)
         except RuntimeError as exc:  # e.g. a storage freed and not yet reallocated (FSDP): never
             # an error in the user's code; the record says why it has no checksum.
-            rec.hash_note = f"not hashed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+            if is_wrapped(t):  # a torch.func tensor that outlived its transform
+                self._submit_wrapped(rec, t)
+            else:
+                rec.hash_note = f"not hashed: {_first_line(exc)}"
+
+    def _submit_wrapped(self, rec: TensorRecord, t: torch.Tensor) -> None:
+        """A tensor met while a torch.func transform runs (the transforms are off): the plain
+        tensor it wraps is hashed, with a note where that is not the tensor's own value (vmap's
+        whole batch)."""
+        plain, note = unwrap(t)
+        if plain is None:
+            rec.hash_note = f"not hashed: {note}"
+            return
+        reason = unhashable_reason(plain)
+        if reason is not None:
+            rec.hash_note = f"not hashed: {reason}"
+            return
+        try:
+            self._submit_slow(rec, plain)
+        except RuntimeError as exc:
+            rec.hash_note = f"not hashed: {_first_line(exc)}"
+            return
+        if note is not None:
+            rec.hash_note = note
 
     def _submit_slow(self, rec: TensorRecord, t: torch.Tensor) -> None:
         """Every tensor the batched CUDA path did not take."""
@@ -154,7 +184,12 @@ class Hasher:
                 # On the CPU reading a result costs no sync: stats now, from the tensor itself
                 # (no snapshot), with the cheap all-finite path.
                 if self.want_stats:
-                    rec.stats = cpu_stats(t)
+                    if stageable(t):
+                        if self._host_stats is None:
+                            self._host_stats = HostStats()
+                        self._host_stats.add(rec, t)
+                    else:
+                        rec.stats = cpu_stats(t)
                 if self.algorithm == "md5":
                     self._submit_md5(rec, t)
                 elif self.algorithm == "fast":
@@ -221,7 +256,8 @@ class Hasher:
         """Launch the batched kernels for every waiting tensor (no sync). The recorder calls this
         before code that may change a recorded tensor in place."""
         if self._fused is not None:
-            self._fused.flush()
+            with transforms_off():
+                self._fused.flush()
 
     def before_write(self) -> None:
         """Called by the recorder before code that may write into tensors it recorded (an op that
@@ -230,6 +266,13 @@ class Hasher:
         fused = self._fused
         if fused is None and not self._copy_events:
             return
+        if transforms_active():
+            with transforms_off():
+                self._before_write(fused)
+        else:
+            self._before_write(fused)
+
+    def _before_write(self, fused: Any) -> None:
         if torch.cuda.is_initialized() and _capturing():
             # Nothing runs while a CUDA graph is captured (the writes happen at replay), and a
             # launch or a wait on uncaptured work would break the capture: later.
@@ -308,9 +351,18 @@ class Hasher:
     def drain(self, wait: bool = False) -> None:
         """Fill in finished checksums and stats: all of them if ``wait`` (one fetch per device,
         the only synchronisation), else those whose kernels or copies have already finished."""
+        if transforms_active():  # a streamed file's flush inside torch.func.grad/vmap...
+            with transforms_off():
+                self._drain(wait)
+        else:
+            self._drain(wait)
+
+    def _drain(self, wait: bool) -> None:
         finish, hex_of = fp.finish, fp.hex_of
         if wait and self._host_fp is not None:
             self._host_fp.flush()
+        if wait and self._host_stats is not None:
+            self._host_stats.flush()
         fused = self._fused
         if fused is not None:
             fused.flush()
@@ -359,6 +411,8 @@ class Hasher:
             waiting.update(id(r) for r, _ in self._stat_rows)
         if self._host_fp is not None:
             waiting.update(id(r) for r in self._host_fp.pending())
+        if self._host_stats is not None:
+            waiting.update(id(r) for r in self._host_stats.pending())
         if self._fused is not None:
             waiting.update(self._fused.pending())
         return waiting
@@ -388,6 +442,10 @@ def _by_device(items: list[tuple[TensorRecord, torch.Tensor]]) -> list[list[tupl
     for rec, value in items:
         groups.setdefault(value.device, []).append((rec, value))
     return list(groups.values())
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
 def _md5_host(buf: torch.Tensor, event: Any) -> str:

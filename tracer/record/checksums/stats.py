@@ -37,7 +37,13 @@ def cpu_stats(t: torch.Tensor) -> Stats | None:
     lo, hi = torch.aminmax(x)
     lo_f, hi_f = float(lo), float(hi)
     if math.isfinite(lo_f) and math.isfinite(hi_f):
-        mean = float(x.sum(dtype=torch.float64)) / x.numel()
+        # float32 values are summed in float32 (torch's cascade sum: ~40x faster on the CPU than
+        # converting to float64 as it sums, and as precise as the CUDA kernel, which accumulates
+        # float32 too); float64 if that overflows.
+        total = float(x.sum()) if x.dtype == torch.float32 else math.inf
+        if not math.isfinite(total):
+            total = float(x.sum(dtype=torch.float64))
+        mean = total / x.numel()
         # absmax reuses max's float object when max dominates (no new object per record).
         return Stats(lo_f, hi_f, mean, hi_f if hi_f >= -lo_f else -lo_f, 0, 0)
     return stats_from_row(reduce_one(x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)).tolist())
@@ -93,6 +99,6 @@ def scalar_stats(value: float | int | bool) -> Stats | None:
     v = float(value)
     if not math.isfinite(v):
         return None
-    # The mean as cpu_stats makes it: the float64 sum of one value, which is 0.0 + v (so -0.0
-    # gives 0.0); absmax as there too.
+    # The mean as cpu_stats makes it: the sum of one value, which is 0.0 + v (so -0.0 gives
+    # 0.0); absmax as there too.
     return Stats(v, v, 0.0 + v, v if v >= -v else -v, 0, 0)
