@@ -368,10 +368,17 @@ def test_fsdp2_traces_and_compares(tmp_path) -> None:
     res = dr.diff_ranks(traces)
     assert res.exit_code == 0, res.verdict()
     # 5 all-gathered parameter sets; all_reduce, broadcast, all_gather_single; and AdamW's step
-    # count of each of the 29 parameters (plain tensors: the DTensor state is not hashed).
+    # count of each of the 29 parameters (plain tensors).
     assert res.compared == 8 + 29
     assert res.expected["rank-specific collective outputs"] == 3  # each rank's gradient shard
-    assert res.not_comparable == {"not hashed: tensor subclass DTensor": sum(res.not_comparable.values())}
+    # The sharded DTensors are hashed (their local shard), and each shard lives on one rank: the
+    # 29 parameters before and after the step, their gradients and AdamW's two moments.
+    assert res.not_comparable == {}
+    assert res.expected["distinct shards"] == 29 * 5
+    p = a["blocks.0.fc1.weight"]
+    assert p.sharding is not None and (p.shape, p.sharding.local_shape, p.sharding.placements) == \
+        ((64, 16), (32, 16), ("Shard(0)",))
+    assert [t["blocks.0.fc1.weight"].sharding.coordinate for t in traces] == [(0,), (1,)]
 
 
 def test_gradtrace_run_under_torchrun_writes_one_file_per_rank(tmp_path) -> None:

@@ -166,7 +166,7 @@ def test_nested_tensor_records_say_their_ragged_size_is_zero() -> None:
         "not hashed: nested tensor (a size that varies between its components is recorded as 0)")
 
 
-def test_dtensor_is_recorded_with_a_note(tmp_path: Any) -> None:
+def test_dtensor_is_recorded_through_its_local_shard(tmp_path: Any) -> None:
     dist = pytest.importorskip("torch.distributed")
     if not dist.is_available():
         pytest.skip("torch.distributed is not built")
@@ -181,9 +181,14 @@ def test_dtensor_is_recorded_with_a_note(tmp_path: Any) -> None:
             with _block(block, str(tmp_path / f"{block}.gtrace")) as t:
                 got = d * 2 + 1
             assert torch.equal(got.full_tensor(), expected)
-            assert t["input0"].md5 is None and t["input0"].fingerprint is None
-            if block != "check_numerics":
-                assert t["input0"].hash_note == "not hashed: tensor subclass DTensor"
+            # Hashed through its local shard (the whole tensor on one rank), its layout beside it.
+            rec = t["input0"]
+            assert rec.hash_note is None and rec.sharding is not None
+            assert (rec.sharding.placements, rec.sharding.local_shape) == (("Shard(0)",), (4, 4))
+            if block == "md5":
+                assert rec.md5 == reference_md5(local)
+            else:
+                assert rec.md5 is None and (rec.fingerprint is not None) == (block == "fast")
             assert len(tracer.load(tmp_path / f"{block}.rank0.gtrace").calls) == len(t.calls)  # a file per rank
     finally:
         dist.destroy_process_group()

@@ -124,6 +124,8 @@ def render_ranks(result: RankDiffResult, console: Console) -> None:
         t.add_row(_tx("kind"), _tx(d.what))
         if d.param:
             t.add_row(_tx("parameter"), _tx(d.param))
+        if d.placement:
+            t.add_row(_tx("placement"), _tx(d.placement))
         t.add_row(_tx("ranks"), _tx(f"departing: {', '.join(map(str, d.ranks))}; "
                                   f"reference: {', '.join(map(str, d.reference))}"))
         t.add_row(_tx("why"), _tx(d.reason))
@@ -131,6 +133,8 @@ def render_ranks(result: RankDiffResult, console: Console) -> None:
             t.add_row(_tx("largest stat diff"), _tx(format_number(d.max_abs, 3)))
         t.add_row(_tx("call"), _tx(f"{d.call or '-'}  {d.api or ''}"))
         t.add_row(_tx("module"), _tx(d.module or "<root>"))
+        if d.carrier:
+            t.add_row(_tx("first carried by"), _tx(f"{d.carrier}  {d.carrier_api or ''} ({d.carrier_args or ''})"))
         if d.stack:
             t.add_row(_tx("stack"), _tx("\n".join(frame_text(f) for f in d.stack[-6:])))
         console.print(t)

@@ -13,6 +13,17 @@ agree:
 - outputs of collectives that return the same value on every rank of their group (all_reduce,
   all_gather*, broadcast and their functional forms), compared among the ranks of that group.
 
+Distributed tensors (DTensor: FSDP2's sharded parameters, tensor-parallel weights and
+activations) carry their layout (``TensorRecord.sharding``) and the checksum of the local shard.
+Ranks hold different shards, so such a record is compared only among the ranks whose layout says
+they hold the same shard: same mesh and placements, same coordinate on every mesh dimension that
+is not ``Replicate()`` (``Sharding.replica_key``). Parameters, optimizer state and the gradient a
+sharded parameter carries into the optimizer (FSDP2 reduce-scatters it, DTensor resolves a
+Partial before it lands there) are compared that way, and so is any other DTensor value with a
+``Replicate()`` dimension (a tensor-parallel activation every rank of a tp group computes). With
+pure sharding (FSDP2 alone) every shard lives on one rank and nothing is compared: a perturbed
+shard cannot be told from a legitimate one (all ranks then all-gather the same perturbed value).
+
 Inputs of different data shards, activations, local gradients before the reduction and outputs
 of rank-specific collectives (reduce_scatter, all_to_all, scatter, recv...) are expected to differ
 and are only counted. The sequence of collectives on the default group is compared too: a rank
@@ -21,7 +32,11 @@ that issues a different (or an extra, or one fewer) collective is reported.
 For each compared record the ranks are grouped by value; the largest group is the reference (a
 tie goes to the group holding the lowest rank, so with two ranks rank 0 is the reference) and
 every other rank departs. The departure reported first is the earliest in the departing rank's
-own execution order, with the call that produced the record there, its stack and module path.
+own execution order (a value that existed before the step, a parameter or optimizer state as
+first seen, comes before everything the step made), with the call that produced the record there,
+its stack and module path, and the first collective that carried it: the first collective call on
+that rank whose inputs hold the record, the same bytes (FSDP2 all-gathers a copy of the local
+shard), or anything computed from them.
 
 Exit status: 0 replicas agree, 1 a rank departed, 2 traces that cannot be compared.
 """
@@ -48,7 +63,8 @@ from tracer.model import Call, Frame, GradNode, TensorRecord, Trace
 RANK_INVARIANT = frozenset({
     "all_reduce", "all_reduce_coalesced", "broadcast", "all_gather", "all_gather_coalesced",
     "all_gather_into_tensor", "all_gather_single", "_all_gather_base", "all_gather_tensor",
-    "all_gather_into_tensor_coalesced", "allreduce",
+    "all_gather_into_tensor_coalesced", "allreduce", "all_gather_single_coalesced", "all_gather_tensor_autograd",
+    "all_gather_single_autograd",
 })
 MISSING = "<missing>"
 _GROUP = re.compile(r"group=(\[[\d, ]*\]|'[^']*'|\"[^\"]*\")")
@@ -81,11 +97,16 @@ class Departure:
     stack: tuple[Frame, ...] = ()
     max_abs: float | None = None  # largest stat difference to the reference, where stats exist
     order: int = 0  # position in the departing rank's execution order
+    placement: str | None = None  # a DTensor's layout on the departing rank (Sharding.describe)
+    carrier: str | None = None  # the first collective call that carried the record off that rank
+    carrier_api: str | None = None
+    carrier_args: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"record": self.record, "what": self.what, "rank": self.rank, "ranks": self.ranks,
                 "reference": self.reference, "reason": self.reason, "param": self.param, "call": self.call,
-                "api": self.api, "module": self.module, "max_abs": self.max_abs,
+                "api": self.api, "module": self.module, "max_abs": self.max_abs, "placement": self.placement,
+                "carrier": self.carrier, "carrier_api": self.carrier_api, "carrier_args": self.carrier_args,
                 "stack": [frame_json(f) for f in self.stack]}
 
 
@@ -128,7 +149,8 @@ class RankDiffResult:
         d = self.departures[0]
         where = f" (parameter {d.param})" if d.param and d.param != d.record else ""
         made = f", made by {d.call}" if d.call else ""
-        return (f"RANK {d.rank} DEPARTED first at {d.what} {d.record}{where}{made}: {d.reason} "
+        carried = f"; first carried by {d.carrier} ({d.carrier_args})" if d.carrier else ""
+        return (f"RANK {d.rank} DEPARTED first at {d.what} {d.record}{where}{made}: {d.reason}{carried} "
                 f"[{len(self.departures)} departing record(s)]")
 
     def to_json(self) -> dict[str, Any]:
@@ -217,6 +239,11 @@ class _Ranked:
             return "reduced gradient" if grad_like and self.param_of(name) else "collective output"
         if rec.role == "grad" and _VERSION.sub("", name).endswith(".grad") and self.param_of(name):
             return "reduced gradient"  # the value on the parameter when the optimizer stepped
+        if rec.sharding is not None:
+            if rec.role == "grad" and self.param_of(name):
+                return "reduced gradient"  # a DTensor parameter's .grad: reduced by FSDP2 / DTensor
+            if any(p.startswith("Replicate") for p in rec.sharding.placements):
+                return "replicated value"
         return _FOLLOW
 
     def expected_kind(self, name: str) -> str:
@@ -250,6 +277,35 @@ class _Ranked:
 
     def collectives(self) -> list[Call]:
         return sorted((c for c in self.trace.calls if c.kind == "collective"), key=lambda c: c.seq)
+
+    def order(self, name: str) -> int:
+        """Where a record stands in this rank's execution: a value from before the step (a
+        parameter, buffer or optimizer state as first seen) before everything the step made."""
+        rec = self.trace.tensors[name]
+        if rec.previous is None and rec.producer is None and rec.role in ("param", "buffer", "state"):
+            return -1
+        return rec.seq
+
+    def carrier(self, name: str) -> Call | None:
+        """The first collective call whose inputs hold ``name``, a record with the same bytes made
+        outside the traced calls (FSDP2 copies a parameter's local shard into its all-gather
+        buffer), or a value computed from them."""
+        rec = self.trace.tensors.get(name)
+        if rec is None:
+            return None
+        digest = checksum(rec)
+        reached = {name}
+        if digest is not None:
+            reached.update(n for n, r in self.trace.tensors.items()
+                           if r.producer is None and r.dtype == rec.dtype and r.numel == (
+                               rec.sharding.numel if rec.sharding else rec.numel) and checksum(r) == digest)
+        for call in sorted(self.trace.calls, key=lambda c: c.seq):
+            if not any(i in reached for i in call.inputs):
+                continue
+            if call.kind == "collective":
+                return call
+            reached.update(call.outputs)
+        return None
 
 
 def _absmax_diff(a: TensorRecord, b: TensorRecord) -> float | None:
@@ -349,7 +405,11 @@ def _compare_tensors(ranked: list[_Ranked], result: RankDiffResult) -> None:
                 expected[holder.expected_kind(name)] += 1
             continue
         what = next(w for w in whats.values() if w)
-        for members in _comparison_sets(ranked, name, what):
+        sets = _comparison_sets(ranked, name, what)
+        if all(len(members) < 2 for members in sets):
+            expected["distinct shards"] += 1  # sharded: no other rank holds this one's bytes
+            continue
+        for members in sets:
             values: dict[int, str] = {}
             for x in members:
                 mine = x.trace.tensors.get(name)
@@ -372,8 +432,20 @@ def _compare_tensors(ranked: list[_Ranked], result: RankDiffResult) -> None:
 
 
 def _comparison_sets(ranked: list[_Ranked], name: str, what: str) -> list[list[_Ranked]]:
-    """Which ranks must agree on a record: all of them, or for a collective's output the ranks
-    whose call names the same group (a rank that lacks the record joins every set)."""
+    """Which ranks must agree on a record: all of them; for a distributed tensor the ranks that hold
+    the same shard (``Sharding.replica_key``); for a collective's output the ranks whose call names
+    the same group. A rank that lacks the record joins every set."""
+    holders = [x.trace.tensors[name] for x in ranked if name in x.trace.tensors]
+    if any(rec.sharding is not None for rec in holders):
+        by_key: dict[Any, list[_Ranked]] = {}
+        missing = []
+        for x in ranked:
+            rec = x.trace.tensors.get(name)
+            if rec is None:
+                missing.append(x)
+                continue
+            by_key.setdefault(None if rec.sharding is None else rec.sharding.replica_key(), []).append(x)
+        return [sorted(members + missing, key=lambda x: x.rank) for members in by_key.values()]
     if what != "collective output":
         return [ranked]
     sets: dict[str, list[_Ranked]] = {}
@@ -409,9 +481,13 @@ def _departure(members: list[_Ranked], name: str, what: str, values: dict[int, s
     max_abs = None
     if values[rank] != MISSING and values[ref[0]] != MISSING:
         max_abs = _absmax_diff(ref_x.trace.tensors[name], x.trace.tensors[name])
+    carrier = x.carrier(name) if values[rank] != MISSING else None
     return Departure(record=name, what=what, rank=rank, ranks=departing, reference=ref, reason=reason,
                      param=source.param_of(name), call=call, api=api, module=module, stack=stack,
-                     max_abs=max_abs, order=rec.seq)
+                     max_abs=max_abs, order=source.order(name),
+                     placement=rec.sharding.describe() if rec.sharding is not None else None,
+                     carrier=carrier.name if carrier else None, carrier_api=carrier.api if carrier else None,
+                     carrier_args=carrier.args if carrier else None)
 
 
 def _compare_schedule(ranked: list[_Ranked], result: RankDiffResult) -> None:

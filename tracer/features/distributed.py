@@ -112,9 +112,14 @@ C10D: dict[str, _Spec] = {
     "monitored_barrier": _Spec(()),
 }
 # Functional collectives: they return new tensors (AsyncCollectiveTensor until waited for).
+# DTensor redistributes through the ``*_single`` forms (torch 2.13: Shard -> Replicate is
+# ``all_gather_single``, Partial -> Shard ``reduce_scatter_single``); the ``*_autograd`` forms
+# serve loss_parallel and sequence parallelism.
 FUNCOL = ("all_reduce", "all_reduce_coalesced", "all_gather_tensor", "all_gather_into_tensor_coalesced",
           "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced", "all_to_all_single", "broadcast",
-          "permute_tensor")
+          "permute_tensor", "all_gather_single", "reduce_scatter_single", "all_gather_single_coalesced",
+          "reduce_scatter_single_coalesced", "all_gather_tensor_autograd", "all_gather_single_autograd",
+          "reduce_scatter_tensor_autograd", "reduce_scatter_single_autograd", "all_to_all_single_autograd")
 _FUNCOL_MODULE = "torch.distributed._functional_collectives"
 # The ops underneath (torch.ops._c10d_functional.*), for calls the mode sees (see collective_for).
 FUNCOL_OPS = frozenset({"all_reduce", "all_reduce_coalesced", "all_gather_into_tensor",

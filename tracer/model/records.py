@@ -79,6 +79,67 @@ class Stats:
         return self.nan == 0 and self.inf == 0
 
 
+@dataclass(frozen=True, slots=True)
+class Sharding:
+    """How a distributed tensor (``torch.distributed.tensor.DTensor``) is laid out over its device
+    mesh, as seen on the rank that recorded it. The record's ``shape`` is the global shape; its
+    checksum and stats are of this rank's local shard (``DTensor.to_local()``).
+
+    ``placements`` has one entry per mesh dimension: ``Shard(d)`` (split along tensor dim ``d``),
+    ``Replicate()`` (the same on every rank of that mesh dimension) or ``Partial(<op>)`` (a
+    pending reduction: each rank holds a summand). ``mesh_ranks`` are the global ranks of the
+    mesh, row-major; ``coordinate`` is this rank's position in it (None when not a member).
+    """
+
+    placements: tuple[str, ...]
+    mesh_dims: tuple[str | None, ...]
+    mesh_shape: tuple[int, ...]
+    mesh_ranks: tuple[int, ...]
+    coordinate: tuple[int, ...] | None
+    local_shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        """Elements of the local shard."""
+        n = 1
+        for s in self.local_shape:
+            n *= s
+        return n
+
+    def replica_key(self) -> tuple[Any, ...]:
+        """What a rank holding the same bytes must share with this one: the mesh, the placements
+        and the coordinate on every dimension that is not ``Replicate()`` (ranks that differ only
+        along replicated dimensions hold copies of one shard)."""
+        coord = self.coordinate or ()
+        kept = tuple(c if not p.startswith("Replicate") else "*" for c, p in zip(coord, self.placements))
+        return (self.mesh_ranks, self.mesh_shape, self.placements, kept)
+
+    def describe(self) -> str:
+        """``Shard(0)@dp, Replicate()@tp on mesh dp=2 x tp=2`` (dimensions without a name: ``dim<i>``)."""
+        dims = [d or f"dim{i}" for i, d in enumerate(self.mesh_dims)]
+        placed = ", ".join(f"{p}@{d}" for p, d in zip(self.placements, dims))
+        return f"{placed} on mesh {' x '.join(f'{d}={n}' for d, n in zip(dims, self.mesh_shape))}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"placements": list(self.placements), "mesh_dims": list(self.mesh_dims),
+                "mesh_shape": list(self.mesh_shape), "mesh_ranks": list(self.mesh_ranks),
+                "coordinate": None if self.coordinate is None else list(self.coordinate),
+                "local_shape": list(self.local_shape)}
+
+    @classmethod
+    def from_json(cls, d: Any) -> Sharding:
+        if not isinstance(d, dict):
+            raise TraceFormatError(f"sharding must be an object, got {d!r}")
+        d = {"t": "tensor sharding", **d}
+        _require(d, "placements", "mesh_shape", "mesh_ranks", "local_shape")
+        dims = d.get("mesh_dims") or [None] * len(d["mesh_shape"])
+        if not isinstance(dims, list) or not all(x is None or isinstance(x, str) for x in dims):
+            raise TraceFormatError("tensor sharding: 'mesh_dims' must be a list of names or nulls")
+        coord = None if d.get("coordinate") is None else tuple(_ints(d, "coordinate"))
+        return cls(tuple(_strs(d, "placements")), tuple(dims), tuple(_ints(d, "mesh_shape")),
+                   tuple(_ints(d, "mesh_ranks")), coord, tuple(_ints(d, "local_shape")))
+
+
 # Field order matters: the recorder builds these positionally on its hot path
 # (tests/test_recorder_fastpaths.py checks the order).
 @dataclass(slots=True)
@@ -109,6 +170,8 @@ class TensorRecord:
     previous: str | None = None  # the name of the value this one replaced (in-place change)
     # Memory nobody wrote (``torch.empty_like``): no checksum, no stats, never compared.
     uninitialized: bool = False
+    # A DTensor's layout; its md5/fingerprint/stats are then of this rank's local shard.
+    sharding: Sharding | None = None
 
     @property
     def numel(self) -> int:
@@ -130,6 +193,8 @@ class TensorRecord:
         }
         if self.uninitialized:
             out["uninitialized"] = True
+        if self.sharding is not None:
+            out["sharding"] = self.sharding.to_json()
         return out
 
     @classmethod
@@ -145,6 +210,7 @@ class TensorRecord:
             fingerprint=_opt_hex(d, "fingerprint"), hash_note=_opt_str(d, "hash_note"),
             stats=None if stats is None else Stats.from_json(stats),
             previous=_opt_str(d, "previous"), uninitialized=_bool(d, "uninitialized", False),
+            sharding=None if d.get("sharding") is None else Sharding.from_json(d["sharding"]),
         )
 
 

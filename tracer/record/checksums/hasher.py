@@ -50,6 +50,7 @@ from tracer.record.checksums.stats import (
     stats_from_row,
     stats_input,
 )
+from tracer.record.sharding import local_shard
 from tracer.record.transforms import is_wrapped, transforms_active, transforms_off, unwrap
 
 INLINE_BYTES = 256 * 1024
@@ -137,7 +138,12 @@ class Hasher:
                 return
         reason = unhashable_reason(t)
         if reason is not None:
-            rec.hash_note = f"not hashed: {reason}"
+            shard = local_shard(t)  # a DTensor: this rank's local shard is hashed, its layout recorded
+            if shard is None:
+                rec.hash_note = f"not hashed: {reason}"
+                return
+            t, rec.sharding = shard
+            self.submit(rec, t)
             return
         try:
             self._submit_slow(rec, t)
