@@ -7,6 +7,7 @@ from typing import Literal
 
 from export.cli.command import Command
 from export.cli.overwrite import add_force, check_overwrite
+from export.cli.progress import Stages, describe_load
 from export.dot import check_suffix, default_output, dot
 from export.load import load_trace
 
@@ -47,10 +48,13 @@ def _cmd_dot(args: argparse.Namespace) -> int:
     out = args.output or default_output(args.trace)
     check_suffix(out)
     check_overwrite(out, args.trace, args.force)
-    trace = load_trace(args.trace)
-    dot(trace, out, depth=args.depth, fold_repeats=args.fold_repeats, forward=not args.backward_only,
-        backward=not args.forward_only, checksums=not args.no_checksums,
-        optimizer_detail=args.optimizer_detail)
+    with Stages(["load", "draw"]) as stages:
+        stages.next(describe_load(args.trace))
+        trace = load_trace(args.trace)
+        stages.next(f"drawing {out}")
+        dot(trace, out, depth=args.depth, fold_repeats=args.fold_repeats, forward=not args.backward_only,
+            backward=not args.forward_only, checksums=not args.no_checksums,
+            optimizer_detail=args.optimizer_detail)
     print(f"wrote {out}")
     return 0
 

@@ -7,6 +7,7 @@ import sys
 
 from export.cli.command import Command
 from export.cli.console import make_console
+from export.cli.progress import Stages, describe_load
 from export.errors import UserError
 from export.load import load_trace
 from export.summary import lookup, md5_lines, render_record, render_summary
@@ -17,7 +18,9 @@ def _trace_argument(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_summary(args: argparse.Namespace) -> int:
-    trace = load_trace(args.trace)
+    with Stages(["load"]) as stages:
+        stages.next(describe_load(args.trace))
+        trace = load_trace(args.trace)
     render_summary(trace, make_console())
     return 0
 
