@@ -62,8 +62,9 @@ def card(kind: str, title: str, facts: Sequence[tuple[str, str]], note: str = ""
                    f"{html.escape(label)}</th><td style=\"text-align:left\">{value}</td></tr>"
                    for label, value in facts)
     extra = f'<div style="color:#d1242f">{esc(note, 300)}</div>' if note else ""
+    table = f'<table style="font-size:12px">{rows}</table>' if rows else ""
     return (f'<div class="gradtrace-record" style="{CARD_STYLE}"><b>{html.escape(kind)}</b> '
-            f"<code>{esc(title)}</code>{extra}<table style=\"font-size:12px\">{rows}</table></div>")
+            f"<code>{esc(title)}</code>{extra}{table}</div>")
 
 
 def _where(stack: tuple[Frame, ...]) -> list[tuple[str, str]]:
