@@ -7,7 +7,7 @@ from typing import Literal
 
 from export.cli.command import Command
 from export.cli.overwrite import add_force, check_overwrite
-from export.cli.progress import Stages, describe_load
+from export.cli.progress import Stages, describe_load, describe_write
 from export.dot import check_suffix, default_output, dot
 from export.load import load_trace
 
@@ -51,7 +51,7 @@ def _cmd_dot(args: argparse.Namespace) -> int:
     with Stages(["load", "draw"]) as stages:
         stages.next(describe_load(args.trace))
         trace = load_trace(args.trace)
-        stages.next(f"drawing {out}")
+        stages.next(describe_write("drawing", out))
         dot(trace, out, depth=args.depth, fold_repeats=args.fold_repeats, forward=not args.backward_only,
             backward=not args.forward_only, checksums=not args.no_checksums,
             optimizer_detail=args.optimizer_detail)

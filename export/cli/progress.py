@@ -47,12 +47,17 @@ def progress_console() -> Console | None:
 
 
 def describe_load(path: str) -> str:
-    """``loading step.gtrace (32.1 MB)``."""
+    """``loading step.gtrace (32.1 MB)``: the file's name (a bar has one line), and its size."""
     try:
         size = f" ({format_size(os.path.getsize(path))})"
     except OSError:
         size = ""
-    return f"loading {path}{size}"
+    return f"loading {os.path.basename(path)}{size}"
+
+
+def describe_write(verb: str, path: str) -> str:
+    """``writing step.html``."""
+    return f"{verb} {os.path.basename(path)}"
 
 
 class Stages:

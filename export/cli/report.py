@@ -9,7 +9,7 @@ import sys
 
 from export.cli.command import Command
 from export.cli.overwrite import add_force, check_overwrite
-from export.cli.progress import Stages, describe_load
+from export.cli.progress import Stages, describe_load, describe_write
 from export.errors import UserError
 from export.html import DEFAULT_MAX_BYTES, default_output, html_ranks, write_page
 from export.load import load_trace
@@ -39,14 +39,14 @@ def _cmd_report(args: argparse.Namespace) -> int:
             for p in paths:
                 stages.next(describe_load(p))
                 traces.append(load_trace(p))
-            stages.next(f"writing {out}")
+            stages.next(describe_write("writing", out))
             size = html_ranks(traces, out, max_bytes=args.max_bytes)
         print(f"{out} ({format_size(size)}, {size} bytes, {len(paths)} ranks)")
         return 0
     with Stages(["load", "write"]) as stages:
         stages.next(describe_load(args.trace))
         trace = load_trace(args.trace)
-        stages.next(f"writing {out}")
+        stages.next(describe_write("writing", out))
         try:
             size, omitted = write_page(trace, out, max_bytes=args.max_bytes)
         except ValueError as exc:
