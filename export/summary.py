@@ -25,7 +25,7 @@ from rich.table import Table
 from rich.text import Text
 
 from export.errors import UserError
-from export.text import call_site, compact_stats, format_stack, stats_text
+from export.text import call_site, compact_stats, format_stack, inert, stats_text
 from export.views import checksum, module_groups, module_with_class, nonfinite, param_totals
 from tracer.model import BackwardRun, Call, Frame, GradNode, TensorRecord, Trace
 from tracer.model.display import format_bytes, format_number, shape_compact, short_api, short_dtype
@@ -33,6 +33,12 @@ from tracer.model.gradients import summed_from
 
 TOP_APIS = 15
 MAX_ROWS = 40
+
+
+def _add_row(table: Table, *cells: Any, style: str | None = None) -> None:
+    # Cells come from the trace file: each shows on its own row, with control characters escaped
+    # (a newline in a name would otherwise make a second row).
+    table.add_row(*(Text(inert(c)) if isinstance(c, str) else c for c in cells), style=style)
 
 
 # ---- summary ---------------------------------------------------------------------------------------
@@ -51,22 +57,24 @@ def _render_header(trace: Trace, console: Console) -> None:
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold")
     grid.add_column()
-    grid.add_row("status", Text(trace.status, style=status_style))
-    grid.add_row("torch", str(h.get("torch", "?")))
-    grid.add_row("gradtrace", str(h.get("gradtrace", "?")))
-    grid.add_row("hash", trace.hash_algorithm)
-    grid.add_row("records", f"{len(trace.calls)} calls, {len(trace.grad_nodes)} grad nodes, "
+    if "step" in h:
+        _add_row(grid, "step", str(h["step"]))
+    _add_row(grid, "status", Text(trace.status, style=status_style))
+    _add_row(grid, "torch", str(h.get("torch", "?")))
+    _add_row(grid, "gradtrace", str(h.get("gradtrace", "?")))
+    _add_row(grid, "hash", trace.hash_algorithm)
+    _add_row(grid, "records", f"{len(trace.calls)} calls, {len(trace.grad_nodes)} grad nodes, "
                             f"{len(trace.tensors)} tensors, {len(trace.backward_runs)} backward runs")
     n_params, numel, nbytes = param_totals(trace)
-    grid.add_row("parameters", f"{numel:,} elements in {n_params} tensors ({format_bytes(nbytes)})")
+    _add_row(grid, "parameters", f"{numel:,} elements in {n_params} tensors ({format_bytes(nbytes)})")
     root = trace.modules.get("")
-    grid.add_row("module", root if root is not None else "-")
+    _add_row(grid, "module", root if root is not None else "-")
     if trace.error:
         err = trace.error
         last = f" (last call {err['last_call']})" if err.get("last_call") else ""
-        grid.add_row("error", Text(f"{err.get('type', '')}: {err.get('message', '')}{last}", style="red"))
+        _add_row(grid, "error", Text(inert(f"{err.get('type', '')}: {err.get('message', '')}{last}"), style="red"))
     for note in trace.notes:
-        grid.add_row("note", note)
+        _add_row(grid, "note", note)
     console.print(grid)
 
 
@@ -81,10 +89,10 @@ def _render_apis(trace: Trace, console: Console) -> None:
     table.add_column("calls", justify="right")
     table.add_column("grad nodes", justify="right")
     for api, n in counts.most_common(TOP_APIS):
-        table.add_row(short_api(api), str(n), str(nodes[api]))
+        _add_row(table, short_api(api), str(n), str(nodes[api]))
     if len(counts) > TOP_APIS:
         rest = counts.total() - sum(n for _, n in counts.most_common(TOP_APIS))
-        table.add_row(f"... {len(counts) - TOP_APIS} more APIs", str(rest), "", style="dim")
+        _add_row(table, f"... {len(counts) - TOP_APIS} more APIs", str(rest), "", style="dim")
     console.print(table)
 
 
@@ -104,7 +112,7 @@ def _render_modules(trace: Trace, console: Console) -> None:
     for key, n in calls.items():  # first-seen order: the order the model ran
         # Call.module is '' both in the root module and outside every module (the optimizer).
         label = key if key else "(root module or outside modules)"
-        table.add_row(label, trace.modules.get(key, "-") if key else "-", str(n), str(nodes[key]))
+        _add_row(table, label, trace.modules.get(key, "-") if key else "-", str(n), str(nodes[key]))
     console.print(table)
 
 
@@ -120,7 +128,7 @@ def _render_backward(trace: Trace, console: Console) -> None:
     table.add_column("called from", overflow="fold")
     for run in trace.backward_runs:
         status = Text(run.status, style="green" if run.status == "ok" else "red")
-        table.add_row(run.name, run.api, str(len(run.steps)), status, call_site(run.stack))
+        _add_row(table, run.name, run.api, str(len(run.steps)), status, call_site(run.stack))
     console.print(table)
 
 
@@ -131,13 +139,15 @@ def _render_nonfinite(trace: Trace, console: Console) -> None:
         console.print("No tensor stats recorded (NaN/Inf check not available).")
         return
     if not bad:
-        console.print(f"No NaN or Inf in the {len(with_stats)} tensors with stats.")
+        # A file of several steps: the verdict is this step's (the list of steps says the others').
+        of_step = f" of step {trace.header['step']}" if "step" in trace.header else ""
+        console.print(f"No NaN or Inf in the {len(with_stats)} tensors with stats{of_step}.")
         return
     # The verdict first: where the first non-finite value was made, forward and backward.
     report = trace.anomalies
     for anomaly in report.anomalies():
         if anomaly is not None:
-            console.print(Text(anomaly.describe(), style="bold red"))
+            console.print(Text(inert(anomaly.describe()), style="bold red"))
     table = Table(title=f"Tensors with NaN or Inf ({len(bad)} of {len(with_stats)})", box=box.SIMPLE_HEAD,
                   title_justify="left", title_style="bold red")
     for col in ("tensor", "shape", "dtype", "role", "producer"):
@@ -146,10 +156,10 @@ def _render_nonfinite(trace: Trace, console: Console) -> None:
     table.add_column("inf", justify="right")
     for t in bad[:MAX_ROWS]:
         assert t.stats is not None
-        table.add_row(t.name, shape_compact(t.shape), t.dtype, t.role, t.producer or "-",
+        _add_row(table, t.name, shape_compact(t.shape), t.dtype, t.role, t.producer or "-",
                       str(t.stats.nan), str(t.stats.inf), style="red")
     if len(bad) > MAX_ROWS:
-        table.add_row(f"... {len(bad) - MAX_ROWS} more", "", "", "", "", "", "", style="dim")
+        _add_row(table, f"... {len(bad) - MAX_ROWS} more", "", "", "", "", "", "", style="dim")
     console.print(table)
 
 
@@ -175,12 +185,12 @@ def render_record(trace: Trace, name: str, console: Console) -> None:
 
 
 def _fields(console: Console, title: str, rows: list[tuple[str, Any]]) -> None:
-    console.print(Text(title, style="bold"))
+    console.print(Text(inert(title), style="bold"))
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="cyan")
     grid.add_column(overflow="fold")
     for key, value in rows:
-        grid.add_row(key, value if isinstance(value, Text) else Text(str(value)))
+        _add_row(grid, key, value if isinstance(value, Text) else str(value))
     console.print(grid)
 
 
@@ -194,15 +204,15 @@ def _tensor_table(trace: Trace, title: str, names: list[str | None]) -> Table:
     table.add_column("stats [min, max] mean", overflow="fold")
     for i, name in enumerate(names):
         if name is None:
-            table.add_row(str(i), "-", "", "", "", "no gradient", style="dim")
+            _add_row(table, str(i), "-", "", "", "", "no gradient", style="dim")
             continue
         t = trace.tensors.get(name)
         if t is None:
-            table.add_row(str(i), name, "?", "?", "-", "not in trace")
+            _add_row(table, str(i), name, "?", "?", "-", "not in trace")
             continue
         md5 = t.md5 or (t.hash_note or "-")
         style = "red" if t.stats is not None and not t.stats.finite else None
-        table.add_row(str(i), name, shape_compact(t.shape), short_dtype(t.dtype), md5, compact_stats(t.stats),
+        _add_row(table, str(i), name, shape_compact(t.shape), short_dtype(t.dtype), md5, compact_stats(t.stats),
                       style=style)
     return table
 
@@ -243,7 +253,7 @@ def _show_call(trace: Trace, call: Call, console: Console) -> None:
     if call.mutated:
         rows.append(("changed in place", ", ".join(call.mutated)))
     if call.error:
-        rows.append(("error", Text(call.error, style="red")))
+        rows.append(("error", Text(inert(call.error), style="red")))
     _fields(console, f"call {call.name}", rows)
     console.print(_tensor_table(trace, "inputs", list(call.inputs)))
     console.print(_tensor_table(trace, "outputs", list(call.outputs)))
@@ -255,11 +265,11 @@ def _show_call(trace: Trace, call: Call, console: Console) -> None:
         for n in call.grad_nodes:
             node = trace.get(n)
             nxt = ", ".join("-" if x is None else x for x in node.next) if isinstance(node, GradNode) else "?"
-            table.add_row(n, node.kind if isinstance(node, GradNode) else "?", nxt or "-")
+            _add_row(table, n, node.kind if isinstance(node, GradNode) else "?", nxt or "-")
         console.print(table)
     nested = [c for c in trace.calls if c.parent == call.name]
     if nested:
-        console.print(Text("nested calls: ", style="bold") + Text(", ".join(c.name for c in nested)))
+        console.print(Text("nested calls: ", style="bold") + Text(inert(", ".join(c.name for c in nested))))
     _print_stack(console, call.stack)
 
 
@@ -289,13 +299,13 @@ def _show_tensor(trace: Trace, t: TensorRecord, console: Console) -> None:
     table.add_column("module / run", overflow="fold")
     for c in trace.calls:
         if t.name in c.inputs:
-            table.add_row(c.name, c.api, _module_text(trace, c.module))
+            _add_row(table, c.name, c.api, _module_text(trace, c.module))
     for run in trace.backward_runs:
         if t.name in run.roots:
-            table.add_row(run.name, f"{run.api} (root)", run.name)
+            _add_row(table, run.name, f"{run.api} (root)", run.name)
         for step in run.steps:
             if t.name in step.grads_in:
-                table.add_row(step.node, "grad node (received)", run.name)
+                _add_row(table, step.node, "grad node (received)", run.name)
     console.print(table if table.row_count else Text("consumers: none"))
 
     producer = trace.get(t.producer) if t.producer else None
@@ -328,7 +338,7 @@ def _show_node(trace: Trace, node: GradNode, console: Console) -> None:
     table.add_column("gradient sent (last run)", overflow="fold")
     for i, dest in enumerate(node.next):
         grad = node.grads_out[i] if i < len(node.grads_out) else None
-        table.add_row(str(i), dest or "- (no edge)", grad or "-")
+        _add_row(table, str(i), dest or "- (no edge)", grad or "-")
     if node.next:
         console.print(table)
     if node.grads_in or node.grads_out:
@@ -347,7 +357,7 @@ def _show_run(trace: Trace, run: BackwardRun, console: Console) -> None:
     if run.outputs:
         rows.append(("outputs", ", ".join(run.outputs)))
     if run.error:
-        rows.append(("error", Text(run.error, style="red")))
+        rows.append(("error", Text(inert(run.error), style="red")))
     _fields(console, f"backward run {run.name}", rows)
     # One line per step rather than a table: gradient names are long and a table would cut them.
     console.print(Text("steps (engine order): node  <- received  -> produced", style="bold"))
@@ -355,7 +365,7 @@ def _show_run(trace: Trace, run: BackwardRun, console: Console) -> None:
     for i, s in enumerate(run.steps):
         recv = ", ".join(g or "-" for g in s.grads_in) or "-"
         sent = ", ".join(g or "-" for g in s.grads_out) or "-"
-        console.print(Text(f"  {i:>{width}}  {s.node}  <- {recv}  -> {sent}"), soft_wrap=True)
+        console.print(Text(inert(f"  {i:>{width}}  {s.node}  <- {recv}  -> {sent}")), soft_wrap=True)
     _print_stack(console, run.stack)
 
 
@@ -363,6 +373,7 @@ def _show_run(trace: Trace, run: BackwardRun, console: Console) -> None:
 def md5_lines(trace: Trace) -> list[str]:
     """``name:md5`` per tensor in creation order; ``name:-`` for a tensor that was not hashed."""
     # With hash="fast" the checksum column holds the 64-bit fingerprint instead.
-    return [f"{t.name}:{checksum(t) or '-'}" for t in trace.tensors_in_order()]
+    # One line per tensor whatever its name holds (a newline in a name cannot forge a line).
+    return [f"{inert(t.name)}:{checksum(t) or '-'}" for t in trace.tensors_in_order()]
 
 

@@ -27,11 +27,43 @@ Names, shapes, dtypes and numbers are written with ``tracer.model.display``.
 from __future__ import annotations
 
 import os
+import re
 
 from tracer.model import Call, Frame, Stats, TensorRecord, Trace
 from tracer.model.display import format_number, module_depth, shape_compact, short_api, short_dtype
 
 HASH_CHARS = 8
+
+
+# ---- inert text ----------------------------------------------------------------------------------------
+# What a terminal acts on or a reader is misled by: C0/C1 control characters (ESC starts the
+# sequences that clear a screen or set a window title; a newline would forge an output line),
+# the Unicode line separators, the bidirectional overrides that reorder what is shown, and lone
+# surrogates (not text at all).
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+_UNSAFE_BUT_NEWLINE = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e"
+                                 "\u2066-\u2069\ud800-\udfff]")
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(m: re.Match[str]) -> str:
+    ch = m.group()
+    named = _NAMED.get(ch)
+    if named is not None:
+        return named
+    code = ord(ch)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def inert(text: str) -> str:
+    """``text`` with every control character shown as an escape (``\\x1b``, ``\\n``): a string
+    from a trace file, safe to print on one line of a terminal."""
+    return _UNSAFE.sub(_escape, text)
+
+
+def inert_lines(text: str) -> str:
+    """``inert`` but for the newlines, which stay: text that gradtrace laid out in lines."""
+    return _UNSAFE_BUT_NEWLINE.sub(_escape, text)
 
 
 # ---- tensors -----------------------------------------------------------------------------------------
@@ -45,8 +77,8 @@ def describe_tensor(trace: Trace, name: str | None, *, hashes: bool = True) -> s
         return "-"
     rec = trace.tensors.get(name)
     if rec is None:  # a name the trace lost (a truncated file): keep the name alone
-        return name
-    text = f"{name} {short_dtype(rec.dtype)}{shape_compact(rec.shape)}"
+        return inert(name)
+    text = f"{inert(name)} {inert(short_dtype(rec.dtype))}{shape_compact(rec.shape)}"
     if hashes:
         text += " " + short_hash(rec)
     return text
@@ -85,13 +117,14 @@ def short_path(path: str) -> str:
 
 def format_stack(frames: tuple[Frame, ...], title: str = "Stack (most recent call last):") -> str:
     """A stack as Python prints a traceback: ``File "x", line N, in f`` and the source line."""
+    title = inert(title)
     if not frames:
         return f"{title}\n  (no stack recorded)"
     lines = [title]
     for f in frames:
-        lines.append(f'  File "{f.file}", line {f.line}, in {f.function}')
+        lines.append(f'  File "{inert(f.file)}", line {f.line}, in {inert(f.function)}')
         if f.code:
-            lines.append(f"    {f.code}")
+            lines.append(f"    {inert(f.code)}")
     return "\n".join(lines)
 
 
@@ -100,12 +133,12 @@ def call_site(frames: tuple[Frame, ...]) -> str:
     if not frames:
         return "-"
     f = frames[-1]
-    return f"{short_path(f.file)}:{f.line}  {f.code}".rstrip()
+    return inert(f"{short_path(f.file)}:{f.line}  {f.code}".rstrip())
 
 
 def frame_text(f: Frame) -> str:
     """One frame on two lines, ``file.py:12 in f`` and the source line (a table cell)."""
-    return f"{os.path.basename(f.file)}:{f.line} in {f.function}\n  {f.code}"
+    return f"{inert(os.path.basename(f.file))}:{f.line} in {inert(f.function)}\n  {inert(f.code)}"
 
 
 # ---- the whole trace ---------------------------------------------------------------------------------
@@ -125,17 +158,19 @@ def call_line(trace: Trace, call: Call, calls: dict[str, Call], *, hashes: bool 
     indent = "  " * (module_depth(call.module) + function_depth(call, calls))
     outs = ", ".join(describe_tensor(trace, o, hashes=hashes) for o in call.outputs) or "-"
     line = (f"{indent}{call.name}  {short_api(call.api)}  {call.module or '-'}  "
-            f"({', '.join(call.inputs)}) -> {outs}")
+            f"({', '.join(call.inputs)}) -> ")
     if call.phase == "backward" and (call.parent is None or call.parent not in calls):
         # Made by a grad node's own code; a call nested in another call shows by its indent.
-        line += f"  [in backward of {call.parent}]" if call.parent else "  [in backward]"
+        tail = f"  [in backward of {call.parent}]" if call.parent else "  [in backward]"
+    else:
+        tail = ""
     if call.error:
-        line += f"  !! {call.error}"
-    return line
+        tail += f"  !! {call.error}"
+    return inert(line) + outs + inert(tail)
 
 
 def _names(names: list[str | None]) -> str:
-    return ", ".join("-" if n is None else n for n in names) or "-"
+    return inert(", ".join("-" if n is None else n for n in names) or "-")
 
 
 def to_text(trace: Trace, *, hashes: bool = True, backward: bool = True) -> str:
@@ -144,21 +179,21 @@ def to_text(trace: Trace, *, hashes: bool = True, backward: bool = True) -> str:
     lines = [call_line(trace, c, calls, hashes=hashes) for c in sorted(trace.calls, key=lambda c: c.seq)]
     if backward:
         for run in sorted(trace.backward_runs, key=lambda b: b.seq):
-            head = f"{run.name}  {run.api}  ({', '.join(run.roots)})"
+            head = inert(f"{run.name}  {run.api}  ({', '.join(run.roots)})")
             if run.outputs:
                 head += " -> " + ", ".join(describe_tensor(trace, o, hashes=hashes) for o in run.outputs)
             if run.status != "ok":
-                head += f"  !! {run.status}: {run.error or ''}".rstrip()
+                head += inert(f"  !! {run.status}: {run.error or ''}".rstrip())
             lines.append(head)
             for step in run.steps:
                 outs = ", ".join(describe_tensor(trace, g, hashes=hashes) for g in step.grads_out) or "-"
-                lines.append(f"{run.name}  {step.node}  <- {_names(step.grads_in)} -> {outs}")
+                lines.append(f"{inert(run.name)}  {inert(step.node)}  <- {_names(step.grads_in)} -> {outs}")
     if trace.status != "ok":
         err = trace.error or {}
         detail = f": {err.get('type', '')}: {err.get('message', '')}" if err else ""
-        lines.append(f"status {trace.status}{detail}")
+        lines.append(inert(f"status {trace.status}{detail}"))
     return "".join(line + "\n" for line in lines)
 
 
 __all__ = ["HASH_CHARS", "call_line", "call_site", "compact_stats", "describe_tensor", "format_stack", "frame_text",
-           "function_depth", "short_hash", "short_path", "stats_text", "to_text"]
+           "function_depth", "inert", "inert_lines", "short_hash", "short_path", "stats_text", "to_text"]

@@ -174,7 +174,7 @@ def test_cuda_cached_launcher_gives_the_same_results_as_the_normal_launch():
     from tracer.record.checksums.fused import Fused
     from tracer.record.checksums.launcher import WARMUP
 
-    key = (torch.cuda.current_device(), torch.bfloat16)
+    key = (torch.cuda.current_device(), torch.bfloat16, True, True)
     deadline = time.monotonic() + 300
     while WARMUP.wanted(key) and not WARMUP.ready(key):  # a trace earlier in this process started it
         assert time.monotonic() < deadline
@@ -211,7 +211,7 @@ def test_cuda_warm_up_compiles_in_the_background_and_the_first_batch_uses_it():
 
     torch.cuda.init()
     warm_up(torch.cuda.current_device(), True, True)
-    key = (torch.cuda.current_device(), torch.float16)
+    key = (torch.cuda.current_device(), torch.float16, True, True)
     assert WARMUP.wanted(key)
     batcher = Fused(stats=True, fingerprint=True)
     t = torch.randn(300, device="cuda", dtype=torch.float16)

@@ -403,3 +403,23 @@ def test_cuda_expandable_segments_change_fragmentation():
     assert (default["expandable_segments"], expandable["expandable_segments"]) == (False, True)
     assert expandable["max_reserved"] < default["max_reserved"]
     assert expandable["fragmentation"] != default["fragmentation"]
+
+
+def test_csv_cells_from_the_trace_cannot_run_as_formulas(tmp_path):
+    """Module names come from the user's model and from trace files (untrusted): a cell that a
+    spreadsheet would run as a formula gets a leading apostrophe; numbers are left alone."""
+    from tracer.analysis.memory_views import csv_cell
+
+    model = torch.nn.Sequential()
+    for name in ("=HYPERLINK(\"http://evil/x\")", "+1", "@SUM(A1)", "-2"):
+        model.add_module(name, torch.nn.Linear(4, 4))
+    with tracer.trace(hash="none", memory=True) as t:
+        model(torch.randn(2, 4)).sum().backward()
+    path = os.fspath(tmp_path / "mem.csv")
+    MemoryRecord.from_trace(t).to_csv(path)
+    with open(path, newline="", encoding="utf-8") as fh:
+        rows = list(csv.DictReader(fh))
+    modules = {r["module"] for r in rows if r["module"]}
+    assert "'=HYPERLINK(\"http://evil/x\")" in modules and "'+1" in modules
+    assert all(not v.startswith(("=", "+", "-", "@")) for r in rows for v in r.values())
+    assert csv_cell(-5) == -5 and csv_cell(None) == "" and csv_cell("\tx") == "'\tx" and csv_cell("a=b") == "a=b"

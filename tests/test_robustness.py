@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import threading
 import weakref
@@ -219,9 +220,14 @@ def test_lookup_suggests_close_names():
 
 def test_max_calls_stops_recording_cleanly_and_says_so(tmp_trace):
     model = MLP(depth=4)
-    with pytest.warns(RuntimeWarning, match="max_calls=5"), tracer.trace(max_calls=5, out=tmp_trace) as t:
+    with pytest.warns(RuntimeWarning, match="max_calls=5") as caught, tracer.trace(max_calls=5, out=tmp_trace) as t:
         loss = model(torch.randn(2, 8)).sum()
         loss.backward()
+    # The warning points at the user's line that made the call past the bound, not at gradtrace.
+    [w] = [w for w in caught if "max_calls=5" in str(w.message)]
+    with open(w.filename, encoding="utf-8") as fh:
+        line = fh.read().splitlines()[w.lineno - 1]
+    assert (os.path.basename(w.filename), line.strip()) == ("models.py", "x = torch.tanh(layer(x))")
     assert len(t.calls) == 5 and not t.backward_runs
     assert any("max_calls=5" in n for n in t.notes)
     assert tracer.load(tmp_trace).notes[0].startswith("recording stopped at max_calls=5")

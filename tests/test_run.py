@@ -168,6 +168,15 @@ def test_usage_errors_are_one_line_exit_2(script, capsys):
     assert "'1-x' is not a step number" in capsys.readouterr().err
 
 
+def test_an_output_that_cannot_be_written_is_refused_before_the_program_runs(script, tmp_path, capsys):
+    out = tmp_path / "missing" / "x.gtrace"
+    assert main_run(["--out", str(out), script]) == 2
+    captured = capsys.readouterr()
+    assert "argv" not in captured.out  # the program never started
+    assert captured.err.count("\n") == 1 and "does not exist" in captured.err and "Traceback" not in captured.err
+    assert not out.exists()
+
+
 def test_register_sends_options_after_the_program_to_the_program():
     parser = build_parser()
     args = parser.parse_args(["run", "--steps", "3", "--report", "--max-bytes", "50M", "s.py", "--steps", "5",

@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # the names resolved on first use, below
     from tracer.api import check_numerics, explain_errors, record_memory, step, trace
     from tracer.features.logs import get_log_level, log_scope, set_log_level
     from tracer.features.memory import memory_summary
+    from tracer.features.watch import Incident, Spike, WatchTripped, watch
     from tracer.loops.steps import StepTrace
     from tracer.record.checksums.bytes import md5_of
     from tracer.record.listeners import Listener
@@ -54,6 +55,8 @@ _LAZY = {
     "get_log_level": "tracer.features.logs", "log_scope": "tracer.features.logs",
     "set_log_level": "tracer.features.logs",
     "md5_of": "tracer.record.checksums.bytes",
+    "watch": "tracer.features.watch", "Spike": "tracer.features.watch", "WatchTripped": "tracer.features.watch",
+    "Incident": "tracer.features.watch",
     "StepTrace": "tracer.loops.steps",
     "Listener": "tracer.record.listeners",
     "NumericsWarning": "tracer.record.session", "TraceSession": "tracer.record.session",
@@ -76,12 +79,14 @@ __all__ = [
     "Call",
     "Frame",
     "GradNode",
+    "Incident",
     "Listener",
     "MemoryRecord",
     "NodeRun",
     "NonFiniteError",
     "NumericsReport",
     "NumericsWarning",
+    "Spike",
     "Stats",
     "StepTrace",
     "TensorRecord",
@@ -91,6 +96,7 @@ __all__ = [
     "TraceOptions",
     "TraceSession",
     "TruncatedTraceWarning",
+    "WatchTripped",
     "__version__",
     "check_numerics",
     "explain_errors",
@@ -104,4 +110,5 @@ __all__ = [
     "set_log_level",
     "step",
     "trace",
+    "watch",
 ]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -11,8 +12,11 @@ from collections.abc import Sequence
 
 from export.cli.command import Command
 from export.cli.console import make_console
+from export.cli.outputs import check_output
+from export.cli.traces import add_trace_options, load_for
 from export.diff import diff, diff_html, diff_ranks
 from export.errors import UserError
+from export.load import load_options
 
 
 # ---- diff ------------------------------------------------------------------------------------------
@@ -26,15 +30,21 @@ def _diff_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rtol", type=float, help="relative tolerance: compare by recorded stats, not checksums")
     p.add_argument("--atol", type=float, help="absolute tolerance: compare by recorded stats, not checksums")
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of tables")
+    add_trace_options(p)
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
+    if args.html:
+        check_output(args.html, [args.a, args.b, *args.more], option="--html")
     if args.ranks:
         return run_paths([args.a, args.b, *args.more], as_json=args.json, args=args)
     if args.more:
         raise UserError("diff compares two traces; pass --ranks to compare one trace per rank")
 
-    result = diff(args.a, args.b, rtol=args.rtol, atol=args.atol)
+    # Loaded here, not by diff(), so that --step and --max-decompressed apply and a file's
+    # steps are said; the result keeps the paths as its labels.
+    ta, tb = load_for(args, args.a).trace, load_for(args, args.b).trace
+    result = dataclasses.replace(diff(ta, tb, rtol=args.rtol, atol=args.atol), a_label=args.a, b_label=args.b)
     args.exit_code = result.exit_code  # the verdict, whatever happens to the output (a closed pipe)
     if args.json:
         print(json.dumps(result.to_json(), indent=2, sort_keys=True, allow_nan=False))
@@ -62,7 +72,8 @@ def run_paths(paths: Sequence[str], *, as_json: bool = False, args: argparse.Nam
     for path in paths:
         if not os.path.exists(path):
             raise UserError(f"no such trace: {path}")
-    result = diff_ranks(list(paths))
+    with load_options(getattr(args, "step", None), getattr(args, "max_decompressed", None)):
+        result = diff_ranks(list(paths))
     if result.problems:
         raise UserError("; ".join(result.problems))
     if args is not None:
@@ -77,6 +88,7 @@ def run_paths(paths: Sequence[str], *, as_json: bool = False, args: argparse.Nam
 def _ranks_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("traces", nargs="+", metavar="TRACE", help="per-rank traces (step.rank0.gtrace step.rank1.gtrace ...)")
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of tables")
+    add_trace_options(p)
 
 
 def _cmd_diff_ranks(args: argparse.Namespace) -> int:

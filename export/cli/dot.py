@@ -6,10 +6,11 @@ import argparse
 from typing import Literal
 
 from export.cli.command import Command
+from export.cli.outputs import check_output
 from export.cli.overwrite import add_force, check_overwrite
 from export.cli.progress import Stages, describe_load, describe_write
+from export.cli.traces import add_trace_options, load_for
 from export.dot import check_suffix, default_output, dot
-from export.load import load_trace
 
 
 def _depth(text: str) -> int | Literal["auto"] | None:
@@ -42,15 +43,17 @@ def _arguments(p: argparse.ArgumentParser) -> None:
                    help="draw each parameter, gradient and state tensor of an optimizer step "
                         "(default: one node, e.g. 'AdamW0: 148 params')")
     add_force(p)
+    add_trace_options(p)
 
 
 def _cmd_dot(args: argparse.Namespace) -> int:
     out = args.output or default_output(args.trace)
     check_suffix(out)
+    check_output(out, [args.trace])
     check_overwrite(out, args.trace, args.force)
     with Stages(["load", "draw"]) as stages:
         stages.next(describe_load(args.trace))
-        trace = load_trace(args.trace)
+        trace = load_for(args, args.trace).trace
         stages.next(describe_write("drawing", out))
         dot(trace, out, depth=args.depth, fold_repeats=args.fold_repeats, forward=not args.backward_only,
             backward=not args.forward_only, checksums=not args.no_checksums,

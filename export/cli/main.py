@@ -3,7 +3,10 @@
 Each subcommand is a ``Command`` (name, help, arguments, what it runs) in a module of this
 package; ``COMMANDS`` lists them in the order ``--help`` shows them. Errors a user can fix (a
 missing or corrupt trace, a bad option) are ``UserError``/``TraceFormatError``/``TraceError``:
-one line on stderr and exit status 2, no traceback.
+one line on stderr and exit status 2, no traceback. So are a file that cannot be read or written
+(``OSError``) and a trace too large for memory; anything else is a bug in gradtrace, said on one
+line too (``GRADTRACE_DEBUG=1`` shows its traceback). The line is inert text: control characters
+from a trace or a path are escaped, so one error is always one line.
 """
 
 from __future__ import annotations
@@ -11,11 +14,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 from collections.abc import Sequence
+from typing import NoReturn
 
 from export.cli import demo, diff, dot, memory, report, run, summary
 from export.cli.command import Command
 from export.errors import UserError
+from export.text import inert
 from tracer.model import TraceFormatError
 from tracer.options import TraceError
 from tracer.version import __version__
@@ -26,8 +32,21 @@ COMMANDS: tuple[Command, ...] = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """A bad option is one line on stderr and exit status 2, like every other error."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: error: {inert(message)} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _error(command: str, message: str) -> int:
+    print(f"gradtrace {command}: error: {inert(message)}", file=sys.stderr)
+    return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="gradtrace",
         description="Record, render, summarise and diff PyTorch forward/backward traces.")
     parser.add_argument("--version", action="version", version=f"gradtrace {__version__}")
@@ -51,8 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()  # here, not at exit, so that a closed pipe is seen below
         return code
     except (UserError, TraceFormatError, TraceError) as exc:
-        print(f"gradtrace {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        return _error(args.command, str(exc))
     except BrokenPipeError:
         # `gradtrace diff a b | head -1` closed the pipe: not an error, and the exit status must
         # not depend on the reader. A command whose verdict is known before it prints (diff) puts
@@ -62,6 +80,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(getattr(args, "exit_code", 0))
     except KeyboardInterrupt:
         return 130
+    except OSError as exc:  # an output that cannot be written, a disk full, an input gone
+        where = f"{exc.filename}: " if exc.filename else ""
+        return _error(args.command, f"{where}{exc.strerror or exc}")
+    except (MemoryError, RecursionError) as exc:
+        return _error(args.command, f"the trace is too large or too deeply nested to process ({type(exc).__name__})")
+    except Exception as exc:  # a bug: still one line, with what a report of it needs
+        if os.environ.get("GRADTRACE_DEBUG"):
+            traceback.print_exc()
+        return _error(args.command, f"internal error {type(exc).__name__}: {exc} (a bug in gradtrace; please "
+                                    "report it with the trace file; GRADTRACE_DEBUG=1 shows the traceback)")
 
 
 def _silence_stdout() -> None:

@@ -7,22 +7,37 @@ import argparse
 
 from export.cli.command import Command
 from export.cli.console import make_console
+from export.cli.outputs import check_output
+from export.cli.traces import add_trace_options, load_for
 from export.errors import UserError
-from export.load import load_trace
 from tracer.analysis.memory import MemoryRecord
 from tracer.analysis.memory_views import PlotUnavailable, plot_record, record_tables, write_csv
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", help="a .gtrace file")
-    p.add_argument("--top", type=int, default=15, help="rows per table (default 15)")
+    p.add_argument("--top", type=_rows, default=15, help="rows per table (default 15)")
     p.add_argument("--csv", metavar="PATH", help="also write every event as CSV")
     p.add_argument("--plot", metavar="PATH", help="also plot the timeline (.png or .svg; needs matplotlib)")
     p.add_argument("--device", help="device of the plot (default: the one with the most bytes)")
+    add_trace_options(p)
+
+
+def _rows(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text[:40]!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be 1 or more")
+    return value
 
 
 def _cmd_memory(args: argparse.Namespace) -> int:
-    trace = load_trace(args.trace)
+    for option, out in (("--csv", args.csv), ("--plot", args.plot)):
+        if out is not None:
+            check_output(out, [args.trace], option=option)
+    trace = load_for(args, args.trace).trace
     rec = MemoryRecord.from_trace(trace)
     if not rec.events:
         raise UserError(f"{args.trace} has no memory records; record with tracer.trace(memory=True) "

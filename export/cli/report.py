@@ -8,11 +8,12 @@ import os
 import sys
 
 from export.cli.command import Command
+from export.cli.outputs import check_output
 from export.cli.overwrite import add_force, check_overwrite
 from export.cli.progress import Stages, describe_load, describe_write
+from export.cli.traces import add_trace_options, load_for
 from export.errors import UserError
 from export.html import DEFAULT_MAX_BYTES, default_output, html_ranks, write_page
-from export.load import load_trace
 from tracer.model.display import format_size
 
 
@@ -24,6 +25,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES,
                    help=f"page size limit; past it only the first calls are kept (default {DEFAULT_MAX_BYTES:,})")
     add_force(p)
+    add_trace_options(p)
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
@@ -32,20 +34,23 @@ def _cmd_report(args: argparse.Namespace) -> int:
         if not os.path.exists(p):
             raise UserError(f"no such trace file: {p}")
     out = args.output or default_output(args.trace)
+    check_output(out, paths)
+    if args.max_bytes < 1:
+        raise UserError(f"--max-bytes must be 1 or more, got {args.max_bytes}")
     check_overwrite(out, args.trace, args.force)
     if args.more:  # several ranks of one run: one page with a rank switcher
         with Stages([*paths, out]) as stages:
             traces = []
             for p in paths:
                 stages.next(describe_load(p))
-                traces.append(load_trace(p))
+                traces.append(load_for(args, p).trace)
             stages.next(describe_write("writing", out))
             size = html_ranks(traces, out, max_bytes=args.max_bytes)
         print(f"{out} ({format_size(size)}, {size} bytes, {len(paths)} ranks)")
         return 0
     with Stages(["load", "write"]) as stages:
         stages.next(describe_load(args.trace))
-        trace = load_trace(args.trace)
+        trace = load_for(args, args.trace).trace
         stages.next(describe_write("writing", out))
         try:
             size, omitted = write_page(trace, out, max_bytes=args.max_bytes)

@@ -2,6 +2,7 @@
 
     gradtrace run --steps 100,200 --report train.py --lr 3e-4
     gradtrace run --every 500 --out run.gtrace -m mypackage.train --config big.yaml
+    gradtrace run --watch train.py          # the program's tracer.watch / WatchCallback, with reports
 
 gradtrace's options come before the program, the program's own arguments after it (as with
 ``python`` itself). This module is the command's user interface: its arguments, the progress
@@ -25,10 +26,11 @@ from rich.live import Live
 from rich.spinner import Spinner
 
 from export.cli.command import Command
+from export.cli.outputs import check_output
 from export.errors import UserError
 from export.html import default_output, html
 from tracer.api import trace
-from tracer.loops.program import Program, execute
+from tracer.loops.program import Program, WatchedRun, execute
 from tracer.loops.steps import StepObserver, StepTrace
 from tracer.model import Trace, load_steps
 from tracer.model.display import format_size, with_tag
@@ -181,6 +183,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-bytes", type=_size, metavar="SIZE",
                    help="stop recording when the traces reach about SIZE bytes (50M, 2G)")
     p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
+    p.add_argument("--watch", action="store_true",
+                   help="trace nothing up front: the program's own tracer.watch (or WatchCallback) watches every "
+                        "step, and each incident gets its HTML report; says so when the program has no watch")
     p.add_argument("-m", dest="module", nargs=argparse.REMAINDER, metavar="MODULE [ARGS]",
                    help="run a module as `python -m` does; everything after it goes to the module")
     p.add_argument("program", nargs=argparse.REMAINDER, metavar="script.py [ARGS]",
@@ -191,7 +196,10 @@ def run_command(args: argparse.Namespace) -> int:
     """Run the program with the chosen steps traced; its exit status. A bad option is a
     ``TraceError``, which ``export.cli.main`` prints as one line (exit status 2)."""
     program = program_from_args(args)
+    if args.watch:
+        return _run_watched(program, args)
     out = args.out or f"{program.stem}.gtrace"
+    check_output(out, option="--out")  # before the program runs, not after its work is done
     steps = args.steps if args.steps is not None or args.every is not None else "0"
     progress = progress_for(sys.stderr, enabled=not args.no_progress)
     st: StepTrace = trace(hash=args.hash, out=out, max_calls=args.max_calls, max_bytes=args.max_bytes,
@@ -199,6 +207,31 @@ def run_command(args: argparse.Namespace) -> int:
                           per_step_files=args.per_step_files, observer=progress)
     code = execute(program, st)
     _conclude(st, program, args, progress)
+    return code
+
+
+def _run_watched(program: Program, args: argparse.Namespace) -> int:
+    """``--watch``: run the program with its watches collected; then what they saw."""
+    chosen = [flag for flag, given in (("--steps", args.steps is not None), ("--every", args.every is not None),
+                                       ("--out", args.out is not None), ("--report", args.report),
+                                       ("--per-step-files", args.per_step_files)) if given]
+    if chosen:
+        raise UserError(f"--watch traces only the steps that trip, where the program's watch says: "
+                        f"drop {', '.join(chosen)} (give out= to tracer.watch)")
+    run = WatchedRun(report=html)
+    code = execute(program, run)
+    err = sys.stderr
+    if not run.watches:
+        print(f"gradtrace: {program.target} created no watch, so nothing was watched: decorate its step function "
+              "with @tracer.watch(model, optimizer), or give its Trainer "
+              "tracer.integrations.hf.WatchCallback() / tracer.integrations.lightning.WatchCallback()", file=err)
+        return code
+    for w in run.watches:
+        print(w.status(), file=err)
+        for incident in w.incidents:
+            where = incident.path or "kept in memory"
+            report = f", report -> {incident.report}" if incident.report else ""
+            print(f"gradtrace: step {incident.step} tripped ({incident.reason}) -> {where}{report}", file=err)
     return code
 
 

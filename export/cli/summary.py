@@ -8,37 +8,47 @@ import sys
 from export.cli.command import Command
 from export.cli.console import make_console
 from export.cli.progress import Stages, describe_load
+from export.cli.traces import add_trace_options, load_for, step_facts
 from export.errors import UserError
-from export.load import load_trace
 from export.summary import lookup, md5_lines, render_record, render_summary
 
 
 def _trace_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", help="a .gtrace file")
+    add_trace_options(p)
 
 
 def _cmd_summary(args: argparse.Namespace) -> int:
     with Stages(["load"]) as stages:
         stages.next(describe_load(args.trace))
-        trace = load_trace(args.trace)
-    render_summary(trace, make_console())
+        loaded = load_for(args, args.trace, say_steps=False)
+    console = make_console()
+    if loaded.several_steps:  # what every step holds first: a NaN in a later step must show
+        console.print(f"{len(loaded.steps)} traces in this file:")
+        for info in loaded.steps:
+            console.print(f"  {step_facts(info)}", soft_wrap=True)
+        if args.step is None:
+            console.print("Showing the first; choose another with --step N.")
+        console.print()
+    render_summary(loaded.trace, console)
     return 0
 
 
 def _show_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", help="a .gtrace file")
     p.add_argument("name", help="the record's name")
+    add_trace_options(p)
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
-    trace = load_trace(args.trace)
+    trace = load_for(args, args.trace).trace
     lookup(trace, args.name)  # fail with the suggestion before printing anything
     render_record(trace, args.name, make_console())
     return 0
 
 
 def _cmd_md5(args: argparse.Namespace) -> int:
-    trace = load_trace(args.trace)
+    trace = load_for(args, args.trace).trace
     if trace.hash_algorithm == "none":
         raise UserError(f"{args.trace} was recorded with hash='none': it has no checksums "
                         "(record with tracer.trace(hash='md5'))")

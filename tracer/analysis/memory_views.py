@@ -147,7 +147,23 @@ def record_tables(rec: MemoryRecord, top: int = 15) -> Printable:
 
 
 # ---- CSV ---------------------------------------------------------------------------------------------
+# A spreadsheet runs a cell that starts with one of these as a formula (CSV injection): a trace
+# file is untrusted input, so such a text cell gets a leading apostrophe, which spreadsheets show
+# as text and do not display.
+_FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_cell(value: object) -> object:
+    """``value`` as a CSV cell: None as empty, a text that could run as a formula made inert."""
+    if value is None:
+        return ""
+    if isinstance(value, str) and value.startswith(_FORMULA_STARTS):
+        return "'" + value
+    return value
+
+
 def write_csv(rec: MemoryRecord, path: str) -> None:
+    """Every event as a row of ``CSV_FIELDS``; text cells are neutralised (``csv_cell``)."""
     with open(path, "w", newline="", encoding="utf-8") as fh:
         w = csv.writer(fh)
         w.writerow(CSV_FIELDS)
@@ -155,7 +171,7 @@ def write_csv(rec: MemoryRecord, path: str) -> None:
             owner = e.get("owner")
             extra = {"module": rec.module_of(owner) or "", "kind": rec.owner_kind(owner),
                      "line": _user_line(rec, owner)}
-            w.writerow(["" if (v := (extra[k] if k in extra else e.get(k))) is None else v for k in CSV_FIELDS])
+            w.writerow([csv_cell(extra[k] if k in extra else e.get(k)) for k in CSV_FIELDS])
 
 
 # ---- timeline ----------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""A PyTorch Lightning ``Callback`` that traces chosen training steps.
+"""PyTorch Lightning ``Callback``s: ``TraceCallback`` traces chosen training steps,
+``WatchCallback`` watches every step and replays the first bad one under a full trace.
 
     from tracer.integrations.lightning import TraceCallback
 
@@ -10,12 +11,24 @@ trace runs from ``on_train_batch_start`` until the batch after which ``global_st
 on, so it holds every accumulated micro-batch, the optimizer step and its closure. Only the
 global-zero process traces. Built on ``lightning.pytorch`` where that package is installed,
 else on ``pytorch_lightning``.
+
+    from tracer.integrations.lightning import WatchCallback
+
+    trainer = L.Trainer(max_steps=100_000, callbacks=[WatchCallback(out="incident.gtrace", policy="skip")])
+
+``WatchCallback`` is ``tracer.watch`` for Lightning's automatic optimization: a step runs from its
+first micro-batch's ``on_train_batch_start`` to the batch after which ``global_step`` moved on.
+The replay of a tripped step runs its batches again: ``optimizer.zero_grad()``, then per batch
+``training_step`` (through the strategy, so precision contexts apply) and ``backward`` of the loss
+divided by ``accumulate_grad_batches``, then gradient clipping as the Trainer is configured and
+``optimizer.step()``. Manual optimization is not replayed this way: use ``tracer.watch`` on your
+own step function there. Every process watches (each rank writes its own incident file).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 try:
@@ -26,6 +39,9 @@ except ImportError:  # pragma: no cover - depends on the environment
     except ImportError as exc:
         raise ImportError("tracer.integrations.lightning needs lightning (or pytorch_lightning)") from exc
 
+import torch
+
+from tracer.features.watch import Watch, check_options
 from tracer.loops.steps import StepRecorder, StepResults, StepSelection
 from tracer.options import TraceOptions
 
@@ -67,4 +83,88 @@ class TraceCallback(Callback, StepResults):
         self.recorder.end(exception, completed=False)
 
 
-__all__ = ["TraceCallback"]
+class WatchCallback(Callback):
+    """``tracer.watch`` for a Lightning Trainer (see the module docstring). ``watch_options`` are
+    ``tracer.watch``'s; ``.watch`` is the ``Watch`` once training started (its ``incidents``)."""
+
+    def __init__(self, **watch_options: Any) -> None:
+        super().__init__()
+        check_options(**watch_options)
+        self.watch_options = watch_options
+        self.watch: Watch | None = None
+        self._started: int | None = None  # global_step of the step whose batches are running
+        self._batches: list[tuple[Any, int]] = []
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if not trainer.optimizers:
+            return
+        self.watch = Watch(pl_module, trainer.optimizers[0], **self.watch_options)
+        self.watch.name = f"{type(pl_module).__name__}.training_step"
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self.watch is None or not pl_module.automatic_optimization:
+            return
+        if self._started is None:
+            self._started = trainer.global_step
+            self._batches = []
+            self.watch.begin_step()
+        self._batches.append((batch, batch_idx))
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.watch is None or self._started is None:
+            return
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        if isinstance(loss, torch.Tensor):
+            self.watch.add_loss(loss)
+        if trainer.global_step != self._started:  # the optimizer stepped: the step is complete
+            self._started = None
+            self.watch.end_step(None, _LightningReplay(trainer, pl_module, self._batches))
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._close()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._close(abort=True)
+
+    def _close(self, abort: bool = False) -> None:
+        if self.watch is None:
+            return
+        if self._started is not None:
+            self.watch.abort_step()
+            self._started = None
+        if abort:  # the training already failed: read nothing more
+            self.watch.closed = True
+        else:
+            self.watch.close()
+
+
+class _LightningReplay:
+    """One automatic-optimization step again; returns the sum of its normalised batch losses
+    (what Lightning reports per batch, so the sentinel compares like with like)."""
+
+    def __init__(self, trainer: Any, module: Any, batches: list[tuple[Any, int]]) -> None:
+        self.trainer, self.module, self.batches = trainer, module, list(batches)
+
+    def __call__(self) -> torch.Tensor | None:
+        trainer, module = self.trainer, self.module
+        optimizer = trainer.optimizers[0]
+        optimizer.zero_grad()
+        losses = []
+        for batch, batch_idx in self.batches:
+            out = trainer.strategy.training_step(batch, batch_idx)
+            loss = out.get("loss") if isinstance(out, Mapping) else out
+            if not isinstance(loss, torch.Tensor):
+                continue
+            loss = loss / trainer.accumulate_grad_batches
+            loss.backward()
+            losses.append(loss.detach().float())
+        if trainer.gradient_clip_val:
+            if trainer.gradient_clip_algorithm == "value":
+                torch.nn.utils.clip_grad_value_(module.parameters(), trainer.gradient_clip_val)
+            else:
+                torch.nn.utils.clip_grad_norm_(module.parameters(), trainer.gradient_clip_val)
+        optimizer.step()
+        return torch.stack(losses).sum() if losses else None
+
+
+__all__ = ["TraceCallback", "WatchCallback"]

@@ -5,6 +5,9 @@ behind ``gradtrace run``; its arguments, progress display and closing lines are
 ``sys.argv``, ``__name__ == "__main__"``, ``sys.path[0]``, the exit status and the traceback are
 what ``python script.py`` / ``python -m module`` would give. Steps are counted from
 ``optimizer.step()`` calls (or ``tracer.step()`` marks in the program); see ``tracer.loops.steps``.
+With ``--watch`` the program runs inside a ``WatchedRun`` instead: nothing is traced, the watches
+the program creates (``tracer.watch``, the ``WatchCallback``s) are collected, given the report
+writer, and closed (their last flags read) when the program ends.
 """
 
 from __future__ import annotations
@@ -17,10 +20,13 @@ import os
 import runpy
 import sys
 import types
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any
 
-from tracer.loops.steps import StepTrace
+from tracer.features.watch import Watch, registry
 
 
 # ---- the program -------------------------------------------------------------------------------
@@ -66,11 +72,34 @@ class _ProgramArgv:
             sys.path[0] = self._path0
 
 
-def execute(program: Program, steps: StepTrace) -> int:
-    """Run the program inside the step trace; the exit status python would give."""
+class WatchedRun:
+    """Collects the watches a program creates (``watches``) and closes them when it ends;
+    ``report(trace, path)`` writes the HTML report of each incident."""
+
+    def __init__(self, report: Callable[[Any, str], object] | None = None) -> None:
+        self.report = report
+        self.watches: list[Watch] = []
+
+    def __enter__(self) -> WatchedRun:
+        self.watches = registry.collect(self.report)
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        try:
+            for w in self.watches:
+                if not w.closed:
+                    w.close()  # reads the last flags: a trip there raises like any other
+        finally:
+            registry.stop()
+
+
+def execute(program: Program, context: AbstractContextManager[object]) -> int:
+    """Run the program inside ``context`` (a ``StepTrace``, a ``WatchedRun``); the exit status
+    python would give."""
     with _ProgramArgv(program):
         try:
-            with steps:
+            with context:
                 if program.is_module:
                     runpy.run_module(program.target, run_name="__main__", alter_sys=True)
                 elif os.path.isfile(program.target) and not _is_zip(program.target):

@@ -2,7 +2,7 @@
 links them by name, the name grammar, and the file format (reading and streaming). Pure data:
 nothing here imports torch, so a trace loads and renders without it."""
 
-from tracer.model.fileformat import TruncatedTraceWarning, load, load_steps
+from tracer.model.fileformat import StepInfo, TruncatedTraceWarning, load, load_steps, read_trace
 from tracer.model.records import (
     FORMAT,
     SCHEMA_VERSION,
@@ -31,6 +31,7 @@ __all__ = [
     "NodeRun",
     "Record",
     "Stats",
+    "StepInfo",
     "StreamWriter",
     "TensorRecord",
     "Trace",
@@ -39,5 +40,6 @@ __all__ = [
     "install_view",
     "load",
     "load_steps",
+    "read_trace",
     "write_trace",
 ]

@@ -67,8 +67,14 @@ class Stats:
     @classmethod
     def from_json(cls, data: list[Any]) -> Stats:
         if not isinstance(data, list) or len(data) != 6:
-            raise TraceFormatError(f"stats must be a list of 6 numbers, got {data!r}")
-        return cls(*data)
+            raise TraceFormatError("stats must be a list of 6 numbers")
+        values = data[:4]
+        if not all(v is None or (isinstance(v, int | float) and not isinstance(v, bool)) for v in values):
+            raise TraceFormatError("stats: min, max, mean and absmax must be numbers or null")
+        nan, inf = data[4], data[5]
+        if not all(_is_count(v) for v in (nan, inf)):
+            raise TraceFormatError("stats: the NaN and Inf counts must be integers from 0 to 2**63-1")
+        return cls(values[0], values[1], values[2], values[3], nan, inf)
 
     @property
     def finite(self) -> bool:
@@ -138,15 +144,16 @@ class TensorRecord:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> TensorRecord:
         _require(d, "name", "shape", "dtype", "device", "role")
+        stats = d.get("stats")
         return cls(
             name=_str(d, "name"), shape=tuple(_ints(d, "shape")), dtype=_str(d, "dtype"),
-            device=_str(d, "device"), role=_choice(d, "role", ROLES), producer=d.get("producer"),
+            device=_str(d, "device"), role=_choice(d, "role", ROLES), producer=_opt_str(d, "producer"),
             stride=None if d.get("stride") is None else tuple(_ints(d, "stride")),
-            contiguous=bool(d.get("contiguous", True)), requires_grad=bool(d.get("requires_grad", False)),
-            version=int(d.get("version", 0)), seq=int(d.get("seq", 0)), md5=d.get("md5"),
-            fingerprint=d.get("fingerprint"), hash_note=d.get("hash_note"),
-            stats=None if d.get("stats") is None else Stats.from_json(d["stats"]),
-            previous=d.get("previous"), uninitialized=d.get("uninitialized", False) is True,
+            contiguous=_bool(d, "contiguous", True), requires_grad=_bool(d, "requires_grad", False),
+            version=_int(d, "version"), seq=_int(d, "seq"), md5=_opt_hex(d, "md5"),
+            fingerprint=_opt_hex(d, "fingerprint"), hash_note=_opt_str(d, "hash_note"),
+            stats=None if stats is None else Stats.from_json(stats),
+            previous=_opt_str(d, "previous"), uninitialized=_bool(d, "uninitialized", False),
         )
 
 
@@ -197,11 +204,11 @@ class Call:
     def from_json(cls, d: dict[str, Any]) -> Call:
         _require(d, "name", "api", "module", "inputs", "outputs")
         return cls(name=_str(d, "name"), api=_str(d, "api"), module=_str(d, "module"),
-                   inputs=_strs(d, "inputs"), outputs=_strs(d, "outputs"), args=str(d.get("args", "")),
+                   inputs=_strs(d, "inputs"), outputs=_strs(d, "outputs"), args=_str(d, "args", ""),
                    grad_nodes=_strs(d, "grad_nodes"), stack_id=_opt_int(d, "stack"),
-                   parent=d.get("parent"), kind=_choice(d, "kind", CALL_KINDS, "op"),
-                   phase=_choice(d, "phase", PHASES, "forward"), seq=int(d.get("seq", 0)),
-                   mutated=_strs(d, "mutated"), error=d.get("error"))
+                   parent=_opt_str(d, "parent"), kind=_choice(d, "kind", CALL_KINDS, "op"),
+                   phase=_choice(d, "phase", PHASES, "forward"), seq=_int(d, "seq"),
+                   mutated=_strs(d, "mutated"), error=_opt_str(d, "error"))
 
 
 # Field order matters: the recorder builds these positionally on its hot path
@@ -250,12 +257,9 @@ class GradNode:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> GradNode:
         _require(d, "name", "kind")
-        nxt = d.get("next", [])
-        if not isinstance(nxt, list) or not all(n is None or isinstance(n, str) for n in nxt):
-            raise TraceFormatError(f"node {d.get('name')!r}: 'next' must be a list of names")
-        return cls(name=_str(d, "name"), kind=_str(d, "kind"), call=d.get("call"), param=d.get("param"),
-                   next=list(nxt), stack_id=_opt_int(d, "stack"), seq=int(d.get("seq", 0)),
-                   external=bool(d.get("external", False)), parent=_opt_str(d, "parent"))
+        return cls(name=_str(d, "name"), kind=_str(d, "kind"), call=_opt_str(d, "call"), param=_opt_str(d, "param"),
+                   next=_opt_strs(d, "next"), stack_id=_opt_int(d, "stack"), seq=_int(d, "seq"),
+                   external=_bool(d, "external", False), parent=_opt_str(d, "parent"))
 
 
 @dataclass(slots=True)
@@ -306,32 +310,53 @@ class BackwardRun:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> BackwardRun:
         _require(d, "name", "api", "roots")
+        raw_steps = d.get("steps", [])
+        if not isinstance(raw_steps, list):
+            raise TraceFormatError("backward record: 'steps' must be a list")
         steps = []
-        for s in d.get("steps", []):
-            if not (isinstance(s, list) and len(s) in (3, 4) and isinstance(s[0], str)):
-                raise TraceFormatError(f"backward {d.get('name')!r}: malformed step {s!r}")
+        for i, s in enumerate(raw_steps):
+            if not (isinstance(s, list) and len(s) in (3, 4) and isinstance(s[0], str)
+                    and all(_is_name_list(x) for x in s[1:3])):
+                raise TraceFormatError(f"backward record: step {i} must be [node, grads_in, grads_out(, calls)] "
+                                       "with lists of names")
             calls = s[3] if len(s) == 4 else []
             if not (isinstance(calls, list) and all(isinstance(c, str) for c in calls)):
-                raise TraceFormatError(f"backward {d.get('name')!r}: malformed calls of step {s[0]!r}")
+                raise TraceFormatError(f"backward record: the calls of step {i} must be a list of names")
             steps.append(NodeRun(s[0], list(s[1]), list(s[2]), list(calls)))
         return cls(name=_str(d, "name"), api=_str(d, "api"), roots=_strs(d, "roots"),
                    stack_id=_opt_int(d, "stack"), steps=steps, outputs=_strs(d, "outputs"),
-                   status=_choice(d, "status", RUN_STATUSES, "ok"), error=d.get("error"),
-                   seq=int(d.get("seq", 0)))
+                   status=_choice(d, "status", RUN_STATUSES, "ok"), error=_opt_str(d, "error"),
+                   seq=_int(d, "seq"))
 
 
 Record = Call | GradNode | TensorRecord | BackwardRun
 
 
 # ---- validation helpers (loading must never trust the file) ------------------------------------
+# Integers in a trace are counts, sizes, ids and sequence numbers: 0 .. 2**63-1, never a bool
+# (JSON's true is Python's 1), a float (Infinity, 1e400) or a 5,000-digit number.
+MAX_INT = 2**63 - 1
+MAX_DIMS = 256  # far more dimensions than torch allows; bounds what one shape can cost
+_HEX = frozenset("0123456789abcdefABCDEF")
+_MISSING = object()
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_INT
+
+
+def _is_name_list(v: Any) -> bool:
+    return isinstance(v, list) and all(x is None or isinstance(x, str) for x in v)
+
+
 def _require(d: dict[str, Any], *keys: str) -> None:
     missing = [k for k in keys if k not in d]
     if missing:
         raise TraceFormatError(f"{d.get('t', 'record')} record is missing {', '.join(missing)}")
 
 
-def _str(d: dict[str, Any], key: str) -> str:
-    v = d[key]
+def _str(d: dict[str, Any], key: str, default: Any = _MISSING) -> str:
+    v = d[key] if default is _MISSING else d.get(key, default)
     if not isinstance(v, str):
         raise TraceFormatError(f"{d.get('t')} record: {key!r} must be a string, got {type(v).__name__}")
     return v
@@ -344,24 +369,55 @@ def _strs(d: dict[str, Any], key: str) -> list[str]:
     return list(v)
 
 
+def _opt_strs(d: dict[str, Any], key: str) -> list[str | None]:
+    v = d.get(key, [])
+    if not _is_name_list(v):
+        raise TraceFormatError(f"{d.get('t')} record: {key!r} must be a list of names (or null)")
+    return list(v)
+
+
 def _ints(d: dict[str, Any], key: str) -> list[int]:
     v = d[key]
-    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
-        raise TraceFormatError(f"{d.get('t')} record: {key!r} must be a list of integers")
+    if not isinstance(v, list) or len(v) > MAX_DIMS or not all(_is_count(x) for x in v):
+        raise TraceFormatError(f"{d.get('t')} record: {key!r} must be a list of at most {MAX_DIMS} "
+                               "integers from 0 to 2**63-1")
     return list(v)
+
+
+def _int(d: dict[str, Any], key: str, default: int = 0) -> int:
+    v = d.get(key, default)
+    if not _is_count(v):
+        raise TraceFormatError(f"{d.get('t')} record: {key!r} must be an integer from 0 to 2**63-1")
+    return int(v)
+
+
+def _bool(d: dict[str, Any], key: str, default: bool) -> bool:
+    v = d.get(key, default)
+    if not isinstance(v, bool):
+        raise TraceFormatError(f"{d.get('t')} record: {key!r} must be true or false")
+    return v
 
 
 def _choice(d: dict[str, Any], key: str, allowed: tuple[Any, ...], default: Any = None) -> Any:
     v = d.get(key, default)
-    if v not in allowed or not isinstance(v, str):
-        raise TraceFormatError(f"{d.get('t')} record: {key!r} must be one of {', '.join(allowed)}, got {v!r}")
+    if not isinstance(v, str) or v not in allowed:
+        shown = repr(v) if isinstance(v, str | int | float | bool) or v is None else type(v).__name__
+        raise TraceFormatError(f"{d.get('t')} record: {key!r} must be one of {', '.join(allowed)}, got {shown[:80]}")
     return v
 
 
 def _opt_str(d: dict[str, Any], key: str) -> str | None:
     v = d.get(key)
     if v is not None and not isinstance(v, str):
-        raise TraceFormatError(f"{d.get('t')} record: {key!r} must be a string")
+        raise TraceFormatError(f"{d.get('t')} record: {key!r} must be a string or null")
+    return v
+
+
+def _opt_hex(d: dict[str, Any], key: str) -> str | None:
+    # A checksum is printed bare (``gradtrace md5``): hex digits only, nothing a terminal acts on.
+    v = _opt_str(d, key)
+    if v is not None and (len(v) > 128 or not _HEX.issuperset(v)):
+        raise TraceFormatError(f"{d.get('t')} record: {key!r} must be hexadecimal digits")
     return v
 
 
@@ -369,9 +425,9 @@ def _opt_int(d: dict[str, Any], key: str) -> int | None:
     v = d.get(key)
     if v is None:
         return None
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise TraceFormatError(f"{d.get('t')} record: {key!r} must be an integer")
-    return v
+    if not _is_count(v):
+        raise TraceFormatError(f"{d.get('t')} record: {key!r} must be an integer from 0 to 2**63-1 or null")
+    return int(v)
 
 
 class MemoryEvent(TypedDict, total=False):

@@ -9,6 +9,7 @@ import gzip
 import io
 import json
 import os
+import stat
 import tempfile
 import zlib
 from collections.abc import Iterable
@@ -44,7 +45,7 @@ def write_trace(records: Iterable[dict[str, Any]], path: str) -> None:
                 fh.flush()
                 if binary is not raw:
                     binary.close()  # the gzip trailer, before the raw file closes
-        os.chmod(tmp, 0o666 & ~_umask())
+        os.chmod(tmp, _mode_for(path))
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -62,6 +63,15 @@ def _umask() -> int:
     except (OSError, ValueError, IndexError):
         pass
     return 0o022
+
+
+def _mode_for(path: str) -> int:
+    """``mkstemp`` makes the file private (0600); a saved trace gets what ``open()`` would have
+    given it: the existing file's mode, or 0666 less the umask."""
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        return 0o666 & ~_umask()
 
 
 class StreamWriter:

@@ -50,6 +50,7 @@ from tracer.record.identity import identity
 from tracer.record.mode import RecordingMode
 from tracer.record.modules import ModulesMixin
 from tracer.record.optimizer import OptimizerMixin
+from tracer.record.stacks import user_stacklevel
 from tracer.record.tensors import (
     call_tensors,
     flat_tensors,
@@ -152,7 +153,7 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin):
             return
         self.stopped = True
         self.trace.notes.append(reason)
-        warnings.warn(f"gradtrace: {reason}", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"gradtrace: {reason}", RuntimeWarning, stacklevel=user_stacklevel())
 
     # ---- forward calls ------------------------------------------------------------------------
     def record_call(self, func: Any, api: str, short: str, kind: str, args: tuple[Any, ...],

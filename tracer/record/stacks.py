@@ -246,3 +246,15 @@ def _line_of(code: CodeType, lasti: int) -> int:
         if start <= lasti < end and line is not None:
             return line
     return code.co_firstlineno
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning issued by the caller point at the innermost frame
+    outside gradtrace and torch: the user's line (where a bound was reached, say), as a warning
+    of the user's own code would. Walks frames only when a warning is issued (rare)."""
+    frame: FrameType | None = sys._getframe(1)  # the function that calls warnings.warn: stacklevel 1
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL_PREFIXES):
+        frame = frame.f_back
+        level += 1
+    return level

@@ -103,7 +103,9 @@ def warm_up(index: int, stats: bool, fingerprint: bool) -> None:
     (``launcher.Warmup``); their tensors take the torch path until they are ready."""
     if not triton_usable():
         return
-    jobs = [((index, dtype), functools.partial(_compile, index, dtype, stats, fingerprint)) for dtype in WARM_DTYPES]
+    # Keyed by what the kernels are compiled for: a later trace with other options warms its own.
+    jobs = [((index, dtype, stats, fingerprint), functools.partial(_compile, index, dtype, stats, fingerprint))
+            for dtype in WARM_DTYPES]
     WARMUP.start(index, jobs)
 
 
@@ -187,7 +189,8 @@ class Fused:
         if not numel or t.is_neg():
             return False
         index = t.get_device()
-        if WARMUP.wanted((index, dtype)) and not WARMUP.ready((index, dtype)):
+        warm_key = (index, dtype, self.stats, self.fingerprint)
+        if WARMUP.wanted(warm_key) and not WARMUP.ready(warm_key):
             # Its kernels are still compiling in the background: the torch path. (Waiting for them
             # at the first launch instead was no faster with a warm Triton cache, on GPT-2 small
             # and ResNet-50 on the H200, and 1.6x slower with a cold one.)
@@ -266,6 +269,7 @@ class Fused:
         # The kernels must run after the tensors' producers: on the stream they were made on
         # (usually the current one: then no stream switch, which costs ~40 µs of host time).
         index, handle, dtype = key
+        warm_key = (index, dtype, self.stats, self.fingerprint)
         ctx = contextlib.nullcontext() if batch.stream is None or _stream_handle(index) == handle \
             else torch.cuda.stream(batch.stream)
         # Every parameter in order, constexprs included (the fast launcher's argument list).
@@ -277,8 +281,8 @@ class Fused:
         with ctx:
             stream = _stream_handle(index)
             self._run(p_key, partials, batch.programs, stream, p_args,
-                      ("EDT", "ESIZE", "ACC", "STATS", "FP", "CHUNK", "LOG2B", "ALIGNED"), (index, dtype))
-            self._run(f_key, finalize, k, stream, f_args, ("ESIZE", "PBLOCK"), (index, dtype))
+                      ("EDT", "ESIZE", "ACC", "STATS", "FP", "CHUNK", "LOG2B", "ALIGNED"), warm_key)
+            self._run(f_key, finalize, k, stream, f_args, ("ESIZE", "PBLOCK"), warm_key)
             event = None
             if dev.type == "cuda":
                 event = torch.cuda.Event()
@@ -288,7 +292,7 @@ class Fused:
         self.done.append((batch.slots, res_f, res_i, event))
 
     def _run(self, key: tuple[Any, ...], kernel: Any, grid: int, stream: int, args: tuple[Any, ...],
-             constexprs: tuple[str, ...], warm_key: tuple[int, torch.dtype]) -> None:
+             constexprs: tuple[str, ...], warm_key: tuple[int, torch.dtype, bool, bool]) -> None:
         """Launch one kernel: through its cached launcher, else the normal way (which compiles
         it the first time), keeping what that returns for the next launch.
 

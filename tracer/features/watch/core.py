@@ -1,0 +1,474 @@
+"""``Watch``: run a training step untraced with a snapshot and a sentinel; when the sentinel
+trips, rewind and replay that step under a full trace (what ``tracer.watch()`` returns).
+
+One watched step, ``K``:
+
+1. ``begin_step``: copy what the step changes into a reused ``StateSnapshot``.
+2. The step runs untraced. The ``Sentinel`` keeps the loss and the gradient and parameter norms
+   on the device; at the end the trigger is evaluated there too and the flag starts its way to
+   the host (``tracer.features.watch.sentinel``).
+3. The flag of step K is read at the end of step ``K + lag``. ``lag=1`` (the default on GPUs)
+   reads it once step K+1 is queued behind it, so the host waits for step K only, while the
+   device has work; ``lag=0`` (the default on the CPU, where reading costs nothing) reads it at
+   once. Until then step K's snapshot is kept: ``lag + 1`` snapshots exist at most.
+4. When it tripped: restore step K's snapshot, replay step K (the same function and arguments,
+   the same random state) under ``TraceSession(check_numerics=True, ...)``, save the incident
+   trace with what the replay showed (``meta["watch"]``: did it reproduce the trigger, with the
+   same loss bits?), write the HTML report when a report writer is set, then follow the policy:
+   ``"raise"`` restores the state from before step K and raises (``NonFiniteStepError``, a
+   ``tracer.NonFiniteError``, when the replay found the first NaN/Inf; ``WatchTripped``
+   otherwise); ``"skip"`` restores the state from before step K and goes on; ``"continue"``
+   puts back the state the run had reached and goes on. Steps after K that ran before its flag
+   was read (``lag`` of them at most) are undone by ``raise`` and ``skip``: ``incident.undone``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import logging
+import os
+import struct
+import warnings
+import weakref
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from tracer.analysis.numerics import Anomaly, NonFiniteError
+from tracer.features import logs as _logs  # noqa: F401  (installs the gradtrace console handler)
+from tracer.features.distributed import rank_path
+from tracer.features.plugins import session_plugins
+from tracer.features.watch import registry
+from tracer.features.watch.sentinel import Flag, FlagValues, Sentinel
+from tracer.features.watch.snapshot import Layout, Placement, StateSnapshot, real_optimizer, state_bytes
+from tracer.features.watch.triggers import Trigger, make_trigger
+from tracer.model import Trace
+from tracer.model.display import format_size, sibling, with_tag
+from tracer.options import TraceError, TraceOptions
+from tracer.record.recorder import active_recorder
+from tracer.record.session import NumericsWarning, TraceSession
+
+# Status lines at INFO (logging.getLogger("gradtrace.watch").setLevel("INFO") shows them),
+# incidents at WARNING. Not a log component of traces: set_log_level() leaves it alone.
+LOG = logging.getLogger("gradtrace.watch")
+
+Policy = Literal["raise", "skip", "continue"]
+POLICIES: tuple[Policy, ...] = ("raise", "skip", "continue")
+SnapshotPlacement = Literal["auto", "device", "host"]
+F = TypeVar("F", bound=Callable[..., Any])
+# Snapshots go on the device when all of them take at most this share of its free memory.
+DEVICE_SHARE = 0.5
+
+
+@dataclass
+class Incident:
+    """One tripped step: what fired, what the replay showed, where its trace went."""
+
+    step: int
+    trigger: str
+    reason: str
+    policy: Policy
+    path: str | None  # the incident trace (None: kept in memory only, ``trace``)
+    report: str | None  # the HTML report, when one was written
+    reproduced: bool  # the replay tripped the same trigger (and, where a loss was returned, with the same bits)
+    same_loss_bits: bool | None  # None: the step returned no loss
+    original: dict[str, float | None]
+    replay: dict[str, float | None]
+    anomaly: Anomaly | None  # the replay's first NaN/Inf (forward first)
+    undone: list[int] = field(default_factory=list)
+    rank: int | None = None
+    replay_error: str | None = None
+    trace: Trace | None = None
+
+    def describe(self) -> str:
+        lines = [f"gradtrace watch: step {self.step} tripped: {self.reason}"]
+        if self.anomaly is not None:
+            lines.append(self.anomaly.describe())
+        if not self.reproduced:
+            lines.append("the replay did not reproduce it (" + _replay_words(self) + "); the trace holds the replayed "
+                         "step anyway")
+        if self.replay_error is not None:
+            lines.append(f"the replay raised {self.replay_error}")
+        if self.path is not None:
+            lines.append(f"incident trace: {self.path}" + (f", report: {self.report}" if self.report
+                                                          else f" (report: gradtrace report {self.path})"))
+        if self.undone:
+            lines.append(f"steps undone with it (they ran before its flag was read): "
+                         f"{', '.join(map(str, self.undone))}")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "trigger": self.trigger, "reason": self.reason, "policy": self.policy,
+                "reproduced": self.reproduced, "same_loss_bits": self.same_loss_bits, "original": self.original,
+                "replay": self.replay, "undone": self.undone, "rank": self.rank, "replay_error": self.replay_error}
+
+
+def _replay_words(i: Incident) -> str:
+    o, r = i.original, i.replay
+    return ", ".join(f"{k}: {o.get(k)!r} then {r.get(k)!r}" for k in ("loss", "grad_norm", "param_norm")
+                     if o.get(k) is not None or r.get(k) is not None)
+
+
+class WatchTripped(RuntimeError):
+    """A watched step tripped under ``policy="raise"``; ``.incident`` says what and where."""
+
+    def __init__(self, incident: Incident) -> None:
+        super().__init__(incident.describe())
+        self.incident = incident
+
+
+class NonFiniteStepError(NonFiniteError, WatchTripped):
+    """A watched step tripped and its replay found the first NaN/Inf: a ``tracer.NonFiniteError``
+    (``.anomaly``: the op and the user's line) that is also a ``WatchTripped`` (``.incident``)."""
+
+    def __init__(self, incident: Incident) -> None:
+        assert incident.anomaly is not None
+        FloatingPointError.__init__(self, incident.describe())
+        self.anomaly = incident.anomaly
+        self.incident = incident
+
+
+def check_options(*, model: Any = None, on: Any = "nonfinite", out: Any = None, policy: Any = "raise",
+                  snapshots: Any = "auto", lag: Any = None, grads: Any = None, report: Any = None,
+                  status_every: Any = None, **trace_options: Any) -> TraceOptions:
+    """The replay's trace options, after checking every option ``tracer.watch`` takes (a
+    ``TraceError`` naming the first bad one); the framework callbacks check theirs at once."""
+    if policy not in POLICIES:
+        raise TraceError(f"policy must be 'raise', 'skip' or 'continue', got {policy!r}")
+    if snapshots not in ("auto", "device", "host"):
+        raise TraceError(f"snapshots must be 'auto', 'device' or 'host', got {snapshots!r}")
+    if lag is not None and (isinstance(lag, bool) or not isinstance(lag, int) or lag < 0):
+        raise TraceError(f"lag must be a number of steps >= 0, got {lag!r}")
+    if status_every is not None and (isinstance(status_every, bool) or not isinstance(status_every, int)
+                                     or status_every < 1):
+        raise TraceError(f"status_every must be a positive number of steps, got {status_every!r}")
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TraceError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if out is not None and not isinstance(out, str | os.PathLike):
+        raise TraceError(f"out must be a path or None, got {out!r}")
+    for name in ("steps", "every", "check_numerics"):
+        if name in trace_options:
+            raise TraceError(f"tracer.watch() does not take {name}= (the replay is one step, with check_numerics on)")
+    options = TraceOptions.from_kwargs(**{**trace_options, "check_numerics": True})
+    if options.out is not None:
+        raise TraceError("tracer.watch() takes out= for the incident trace (not as a trace option)")
+    if not isinstance(on, Trigger):
+        make_trigger(on)
+    return options
+
+
+@dataclass
+class _Pending:
+    step: int
+    snapshot: StateSnapshot
+    replay: Callable[[], Any]
+    flag: Flag
+    context: Any
+
+
+ReportWriter = Callable[[Trace, str], object]
+
+
+class Watch:
+    """See ``tracer.watch`` (``tracer.features.watch``) and the module docstring."""
+
+    def __init__(self, model: torch.nn.Module | None, optimizer: Any, *, on: Any = "nonfinite",
+                 out: str | os.PathLike[str] | None = "incident.gtrace", policy: Policy = "raise",
+                 snapshots: SnapshotPlacement = "auto", lag: int | None = None, grads: bool | None = None,
+                 report: ReportWriter | None = None, status_every: int | None = None,
+                 **trace_options: Any) -> None:
+        self.options = check_options(model=model, on=on, out=out, policy=policy, snapshots=snapshots, lag=lag,
+                                     status_every=status_every, **trace_options)
+        try:
+            self.optimizer = real_optimizer(optimizer) if optimizer is not None else None
+        except TypeError as exc:
+            raise TraceError(f"optimizer: {exc}") from None
+        self.model = model
+        self.trigger: Trigger = make_trigger(on)
+        self.out = os.fspath(out) if out is not None else None
+        self.policy: Policy = policy
+        self.placement_choice: SnapshotPlacement = snapshots
+        self.placement: Placement | None = None
+        self.lag = lag
+        self.grads = grads
+        self.report = report
+        self.status_every = status_every
+        self.step = 0  # steps watched so far (the next step's number)
+        self.incidents: list[Incident] = []
+        self.last_checked: int | None = None  # the last step whose flag was read
+        self.name = "step"
+        self.closed = False
+        self._slots: list[StateSnapshot] = []
+        self._pending: deque[_Pending] = deque()
+        self._sentinel: Sentinel | None = None
+        self._layout: Layout | None = None
+        self._current: StateSnapshot | None = None
+        self._distributed = False
+        registry.add(self)
+        _OPEN.add(self)
+
+    # ---- as a decorator ------------------------------------------------------------------------
+    def __call__(self, fn: F) -> F:
+        """``@tracer.watch(model, opt)`` on a step function: every call is a watched step."""
+        if not callable(fn):
+            raise TraceError(f"tracer.watch(...) decorates a step function, got {fn!r}")
+        self.name = getattr(fn, "__name__", self.name)
+
+        @functools.wraps(fn)
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            return self.run(fn, *args, **kwargs)
+
+        watched.watch = self  # type: ignore[attr-defined]
+        return watched  # type: ignore[return-value]
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """One watched call of ``fn(*args, **kwargs)``: its return value."""
+        if self._current is not None:  # called from inside a watched step (or its replay): plain
+            return fn(*args, **kwargs)
+        self.begin_step()
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException:
+            self.abort_step()
+            raise
+        self.end_step(result, functools.partial(fn, *args, **kwargs))
+        return result
+
+    # ---- the protocol the framework callbacks use ------------------------------------------------
+    def begin_step(self) -> None:
+        """A step starts: snapshot the state and arm the sentinel."""
+        if self.closed:
+            raise TraceError("this watch is closed")
+        if self._current is not None:
+            raise TraceError("a watched step is already running (watched steps do not nest)")
+        if self._sentinel is None:
+            self._start()
+        snap = self._free_slot()
+        self._layout = snap.capture(self.model, self.optimizer, self.step, grads=self.grads, layout=self._layout)
+        self._current = snap
+        assert self._sentinel is not None
+        self._sentinel.begin()
+
+    def add_loss(self, loss: torch.Tensor) -> None:
+        """A loss of the running step (each micro-batch's, when the step returns none)."""
+        if self._sentinel is not None:
+            self._sentinel.add_loss(loss)
+
+    def abort_step(self) -> None:
+        """The running step raised: forget it (its snapshot is free again)."""
+        if self._sentinel is not None:
+            self._sentinel.abort()
+        self._current = None
+
+    def end_step(self, result: Any, replay: Callable[[], Any]) -> None:
+        """The running step ended with ``result``; ``replay()`` runs it again from its snapshot.
+        Reads the flags that are due and handles an incident (may raise, by the policy)."""
+        snap, sentinel = self._current, self._sentinel
+        if snap is None or sentinel is None:
+            raise TraceError("end_step() without begin_step()")
+        self._current = None
+        context = self.trigger.context()
+        flag = sentinel.end(result, lambda v, r: self.trigger.check(v, r, context), self._distributed)
+        self._pending.append(_Pending(self.step, snap, replay, flag, context))
+        self.step += 1
+        lag = self.lag if self.lag is not None else 0
+        while len(self._pending) > lag:
+            self._resolve(self._pending.popleft())
+        if self.status_every is not None and self.step % self.status_every == 0:
+            LOG.info(self.status())
+
+    def refresh(self) -> None:
+        """Read the model's parameters and buffers afresh at the next step (after a module
+        replaced a buffer or parameter tensor; optimizer changes are noticed by themselves)."""
+        self._layout = None
+
+    def flush(self) -> None:
+        """Read every pending flag now (waits for the device) and handle what tripped."""
+        while self._pending:
+            self._resolve(self._pending.popleft())
+
+    def close(self) -> None:
+        """Read the last flags (handling a trip), remove the hooks and log the status line."""
+        if self.closed:
+            return
+        try:
+            self.flush()
+        finally:
+            self.closed = True
+            _OPEN.discard(self)
+            if self._sentinel is not None:
+                self._sentinel.remove()
+            LOG.info(self.status())
+
+    # ---- status ----------------------------------------------------------------------------------
+    @property
+    def snapshot_count(self) -> int:
+        """Snapshots allocated (``lag + 1`` at most)."""
+        return len(self._slots)
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """Bytes the snapshots hold."""
+        return sum(s.nbytes for s in self._slots)
+
+    def status(self) -> str:
+        """One line: steps watched, the snapshots' memory, the last check, incidents."""
+        where = self.placement or "not yet allocated"
+        n = len(self._slots)
+        last = "no check yet" if self.last_checked is None else f"last check: step {self.last_checked}"
+        found = f"{len(self.incidents)} incident(s) (first at step {self.incidents[0].step})" if self.incidents \
+            else "no incident"
+        return (f"gradtrace watch {self.name}: {self.step} step(s) watched, {n} snapshot(s) of "
+                f"{format_size(self.snapshot_bytes // max(n, 1))} ({where}), {last}, {found}")
+
+    # ---- internals --------------------------------------------------------------------------------
+    def _start(self) -> None:
+        self._sentinel = Sentinel(self.model, self.optimizer)
+        self._distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        devices = {p.device.type for p in self._params()}
+        on_gpu = "cuda" in devices
+        if self.lag is None:
+            self.lag = 1 if on_gpu else 0
+        if self.placement_choice != "auto":
+            self.placement = self.placement_choice
+        elif not on_gpu:
+            self.placement = "device"  # CPU tensors: copies on the CPU either way
+        else:
+            device = next(p.device for p in self._params() if p.device.type == "cuda")
+            free, _ = torch.cuda.mem_get_info(device)
+            need = (self.lag + 1) * state_bytes(self.model, self.optimizer)
+            self.placement = "device" if need <= DEVICE_SHARE * free else "host"
+        LOG.info(f"gradtrace watch {self.name}: trigger {self.trigger.name}, policy {self.policy}, "
+                 f"snapshots on the {self.placement}, flags read {self.lag} step(s) late")
+
+    def _params(self) -> list[torch.Tensor]:
+        from_model = list(self.model.parameters()) if self.model is not None else []
+        from_opt = [p for g in self.optimizer.param_groups for p in g["params"]] if self.optimizer is not None else []
+        return from_model + from_opt
+
+    def _free_slot(self) -> StateSnapshot:
+        used = {id(p.snapshot) for p in self._pending}
+        for s in self._slots:
+            if id(s) not in used:
+                return s
+        assert self.placement is not None
+        s = StateSnapshot(self.placement)
+        self._slots.append(s)
+        return s
+
+    def _resolve(self, entry: _Pending) -> None:
+        values = entry.flag.read()
+        self.last_checked = entry.step
+        if not values.bad_anywhere:
+            self.trigger.observe(values)
+            return
+        self._incident(entry, values)
+
+    def _incident(self, entry: _Pending, values: FlagValues) -> None:
+        later = [p.step for p in self._pending]
+        reached: StateSnapshot | None = None
+        if self.policy == "continue":  # the state the run reached, to put back after the replay
+            assert self.placement is not None
+            reached = StateSnapshot(self.placement)
+            reached.capture(self.model, self.optimizer, self.step)
+        entry.snapshot.restore(self.model, self.optimizer)
+        trace, replayed, error = self._replay(entry)
+        incident = self._record(entry, values, replayed, trace, error, later)
+        if self.policy == "continue":
+            assert reached is not None
+            reached.restore(self.model, self.optimizer)
+        else:
+            entry.snapshot.restore(self.model, self.optimizer)
+            self._pending.clear()
+        self.incidents.append(incident)
+        LOG.warning(incident.describe())
+        if self.policy == "raise":
+            raise NonFiniteStepError(incident) if incident.anomaly is not None else WatchTripped(incident)
+
+    def _replay(self, entry: _Pending) -> tuple[Trace | None, FlagValues | None, BaseException | None]:
+        sentinel = self._sentinel
+        assert sentinel is not None
+        active = active_recorder()
+        if active is not None and not active.closed:
+            return None, None, TraceError("another tracer.trace() block is active: the step was not replayed")
+        session = TraceSession(self.options, plugins=session_plugins(self.options), header_extra={"step": entry.step})
+        result: Any = None
+        error: BaseException | None = None
+        self._current = entry.snapshot  # a watched call inside the replay runs plainly
+        sentinel.begin()
+        try:
+            # The incident says what the replay found; the trace's own warning would repeat it.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", NumericsWarning)
+                with session:
+                    result = entry.replay()
+        except Exception as exc:  # the trace says "failed"; the incident says what was raised
+            error = exc
+        finally:
+            self._current = None
+        flag = sentinel.end(result, lambda v, r: self.trigger.check(v, r, entry.context), self._distributed)
+        return session.trace, flag.read(), error
+
+    def _record(self, entry: _Pending, values: FlagValues, replayed: FlagValues | None, trace: Trace | None,
+                error: BaseException | None, later: list[int]) -> Incident:
+        original = _numbers(values)
+        replay = _numbers(replayed) if replayed is not None else {}
+        same_bits = None if values.loss is None or replayed is None or replayed.loss is None \
+            else _bits(values.loss) == _bits(replayed.loss)
+        reproduced = replayed is not None and replayed.bad_anywhere and same_bits is not False
+        anomaly = None
+        if trace is not None:
+            found = trace.anomalies.anomalies()
+            # The op that made the value, not where it went next: an optimizer step that read NaN
+            # gradients is a forward-phase call too, but it comes after the backward that made them.
+            anomaly = next((a for a in found if a.origin and not a.from_forward), found[0] if found else None)
+        rank = dist.get_rank() if self._distributed else None
+        incident = Incident(entry.step, self.trigger.name, self.trigger.explain(values, entry.context), self.policy,
+                            None, None, reproduced, same_bits, original, replay, anomaly, later, rank,
+                            None if error is None else f"{type(error).__name__}: {error}", trace)
+        if trace is not None:
+            trace.meta["watch"] = incident.to_json()
+            trace.notes.append(f"watch: step {entry.step} tripped ({incident.reason}); "
+                               + ("the replay reproduced it" + (" with the same loss bits" if same_bits else "")
+                                  if reproduced else "the replay did NOT reproduce it: " + _replay_words(incident)))
+            if self.out is not None:
+                path = with_tag(self.out, f"step{entry.step}")
+                if rank is not None:
+                    path = rank_path(path, rank)
+                trace.save(path)
+                incident.path = path
+                writer = self.report or registry.default_report
+                if writer is not None:
+                    page = sibling(path, ".html")
+                    try:
+                        writer(trace, page)
+                        incident.report = page
+                    except Exception as exc:  # the trace is saved; the report is a convenience
+                        LOG.error(f"gradtrace watch: could not write the report {page}: {exc}")
+        return incident
+
+
+def _numbers(v: FlagValues) -> dict[str, float | None]:
+    return {"loss": v.loss, "grad_norm": v.grad_norm, "param_norm": v.param_norm}
+
+
+def _bits(x: float) -> bytes:
+    return struct.pack("<f", x)  # the loss as the float32 the device held
+
+
+_OPEN: weakref.WeakSet[Watch] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_watches() -> None:
+    """A decorated step function has no end: read its last flags when the program ends."""
+    for w in list(_OPEN):
+        try:
+            w.close()
+        except Exception as exc:  # at exit there is no caller to raise to
+            LOG.error(f"gradtrace watch {w.name}: {exc}")
