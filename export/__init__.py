@@ -3,6 +3,7 @@
     import export
     export.render(trace, "step.html")      # the view the extension names: .html, .dot/.svg/.png/.pdf, .txt
     export.html(trace, "step.html")        # self-contained interactive report
+    export.inline_report(trace)            # that report inside a notebook cell (on request)
     export.dot(trace, "step.svg")          # Graphviz (.dot always; .svg/.png/.pdf with `dot`)
     export.diff(a, b)                      # first divergence, forward and backward
     export.backward_graph(loss, "g.svg")   # grad-node graph of any tensor, no trace needed
@@ -25,7 +26,7 @@ from export.diff import diff, diff_ranks
 from export.dot import dot
 from export.dot.backward_graph import backward_graph
 from export.errors import DiffError, RenderError, UserError
-from export.html import html, html_ranks
+from export.html import html, html_ranks, inline_report
 from export.summary import md5_lines, render_summary
 from export.text import to_text
 from tracer.model import Trace
@@ -52,4 +53,4 @@ def render(trace: Trace, path: str | os.PathLike[str]) -> None:
 
 
 __all__ = ["DiffError", "RenderError", "UserError", "backward_graph", "diff", "diff_ranks", "dot", "html",
-           "html_ranks", "md5_lines", "render", "render_summary", "to_text"]
+           "html_ranks", "inline_report", "md5_lines", "render", "render_summary", "to_text"]

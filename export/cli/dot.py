@@ -8,6 +8,7 @@ from typing import Literal
 from export.cli.command import Command
 from export.cli.outputs import check_output
 from export.cli.overwrite import add_force, check_overwrite
+from export.cli.progress import Stages, describe_load, describe_write
 from export.cli.traces import add_trace_options, load_for
 from export.dot import check_suffix, default_output, dot
 
@@ -50,10 +51,13 @@ def _cmd_dot(args: argparse.Namespace) -> int:
     check_suffix(out)
     check_output(out, [args.trace])
     check_overwrite(out, args.trace, args.force)
-    trace = load_for(args, args.trace).trace
-    dot(trace, out, depth=args.depth, fold_repeats=args.fold_repeats, forward=not args.backward_only,
-        backward=not args.forward_only, checksums=not args.no_checksums,
-        optimizer_detail=args.optimizer_detail)
+    with Stages(["load", "draw"]) as stages:
+        stages.next(describe_load(args.trace))
+        trace = load_for(args, args.trace).trace
+        stages.next(describe_write("drawing", out))
+        dot(trace, out, depth=args.depth, fold_repeats=args.fold_repeats, forward=not args.backward_only,
+            backward=not args.forward_only, checksums=not args.no_checksums,
+            optimizer_detail=args.optimizer_detail)
     print(f"wrote {out}")
     return 0
 

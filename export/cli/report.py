@@ -10,6 +10,7 @@ import sys
 from export.cli.command import Command
 from export.cli.outputs import check_output
 from export.cli.overwrite import add_force, check_overwrite
+from export.cli.progress import Stages, describe_load, describe_write
 from export.cli.traces import add_trace_options, load_for
 from export.errors import UserError
 from export.html import DEFAULT_MAX_BYTES, default_output, html_ranks, write_page
@@ -38,16 +39,25 @@ def _cmd_report(args: argparse.Namespace) -> int:
         raise UserError(f"--max-bytes must be 1 or more, got {args.max_bytes}")
     check_overwrite(out, args.trace, args.force)
     if args.more:  # several ranks of one run: one page with a rank switcher
-        size = html_ranks([load_for(args, p).trace for p in paths], out, max_bytes=args.max_bytes)
+        with Stages([*paths, out]) as stages:
+            traces = []
+            for p in paths:
+                stages.next(describe_load(p))
+                traces.append(load_for(args, p).trace)
+            stages.next(describe_write("writing", out))
+            size = html_ranks(traces, out, max_bytes=args.max_bytes)
         print(f"{out} ({format_size(size)}, {size} bytes, {len(paths)} ranks)")
         return 0
-    trace = load_for(args, args.trace).trace
-    try:
-        size, omitted = write_page(trace, out, max_bytes=args.max_bytes)
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
-    except OSError as exc:
-        raise UserError(f"cannot write {out}: {exc.strerror or exc}") from None
+    with Stages(["load", "write"]) as stages:
+        stages.next(describe_load(args.trace))
+        trace = load_for(args, args.trace).trace
+        stages.next(describe_write("writing", out))
+        try:
+            size, omitted = write_page(trace, out, max_bytes=args.max_bytes)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+        except OSError as exc:
+            raise UserError(f"cannot write {out}: {exc.strerror or exc}") from None
     print(f"{out} ({format_size(size)}, {size} bytes)")
     if omitted is not None:
         print(f"gradtrace report: note: {omitted['message']}", file=sys.stderr)

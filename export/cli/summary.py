@@ -7,6 +7,7 @@ import sys
 
 from export.cli.command import Command
 from export.cli.console import make_console
+from export.cli.progress import Stages, describe_load
 from export.cli.traces import add_trace_options, load_for, step_facts
 from export.errors import UserError
 from export.summary import lookup, md5_lines, render_record, render_summary
@@ -18,7 +19,9 @@ def _trace_argument(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_summary(args: argparse.Namespace) -> int:
-    loaded = load_for(args, args.trace, say_steps=False)
+    with Stages(["load"]) as stages:
+        stages.next(describe_load(args.trace))
+        loaded = load_for(args, args.trace, say_steps=False)
     console = make_console()
     if loaded.several_steps:  # what every step holds first: a NaN in a later step must show
         console.print(f"{len(loaded.steps)} traces in this file:")

@@ -52,6 +52,7 @@ from typing import Any
 
 from rich.console import Console
 
+from export.diff import reprs
 from export.diff.console import render_ranks
 from export.diff.result import frame_json
 from export.load import load_with_notes
@@ -102,6 +103,10 @@ class Departure:
     carrier_api: str | None = None
     carrier_args: str | None = None
 
+    # One line in a REPL (export/diff/reprs.py).
+    def __repr__(self) -> str:
+        return reprs.departure_repr(self)
+
     def to_json(self) -> dict[str, Any]:
         return {"record": self.record, "what": self.what, "rank": self.rank, "ranks": self.ranks,
                 "reference": self.reference, "reason": self.reason, "param": self.param, "call": self.call,
@@ -124,6 +129,13 @@ class RankDiffResult:
     not_comparable: dict[str, int] = field(default_factory=dict)  # must-match records without a checksum
     notes: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+
+    # One line in a REPL, a card in a notebook (export/diff/reprs.py).
+    def __repr__(self) -> str:
+        return reprs.ranks_repr(self)
+
+    def _repr_html_(self) -> str:
+        return reprs.ranks_html(self)
 
     @property
     def first(self) -> Departure | None:

@@ -10,6 +10,7 @@ from typing import Any
 
 from rich.console import Console
 
+from export.diff import reprs
 from export.diff.console import render_diff
 from tracer.analysis.numerics import NumericsReport, find_anomalies
 from tracer.model import Frame, Trace
@@ -61,6 +62,10 @@ class Row:
     max_abs: float | None = None
     max_rel: float | None = None
     note: str = ""
+
+    # One line in a REPL (export/diff/reprs.py).
+    def __repr__(self) -> str:
+        return reprs.row_repr(self)
 
     @property
     def differs(self) -> bool:
@@ -117,6 +122,10 @@ class Divergence:
     largest: Row | None = None
     before_origin: float | None = None
     notes: list[str] = field(default_factory=list)
+
+    # One line in a REPL (export/diff/reprs.py).
+    def __repr__(self) -> str:
+        return reprs.divergence_repr(self)
 
     @property
     def origin_a(self) -> str | None:
@@ -188,6 +197,10 @@ class ParamDiff:
     updated: Compared | None = None
     only_in: str | None = None
 
+    # One line in a REPL (export/diff/reprs.py).
+    def __repr__(self) -> str:
+        return reprs.param_repr(self)
+
     @property
     def differs(self) -> bool:
         return self.only_in is not None or any(
@@ -213,6 +226,13 @@ class DiffResult:
     notes: list[str] = field(default_factory=list)
     trace_a: Trace | None = field(default=None, repr=False, compare=False)
     trace_b: Trace | None = field(default=None, repr=False, compare=False)
+
+    # One line in a REPL, a card in a notebook (export/diff/reprs.py).
+    def __repr__(self) -> str:
+        return reprs.result_repr(self)
+
+    def _repr_html_(self) -> str:
+        return reprs.result_html(self)
 
     @property
     def equal(self) -> bool:

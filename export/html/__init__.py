@@ -9,7 +9,7 @@ from ``export/assets``, ``json_for_script``).
 
 from __future__ import annotations
 
-from export.html.notebook import notebook_html
+from export.html.notebook import NOTEBOOK_MAX_BYTES, InlineReport, inline_report, notebook_html
 from export.html.page import DEFAULT_MAX_BYTES, default_output, html, render, write_page
 from export.html.ranks import html_ranks
 from export.html.template import json_for_script
@@ -17,5 +17,5 @@ from tracer.model import install_view
 
 install_view("notebook", notebook_html)  # Trace._repr_html_ in notebooks, once export is imported
 
-__all__ = ["DEFAULT_MAX_BYTES", "default_output", "html", "html_ranks", "json_for_script", "notebook_html",
-           "render", "write_page"]
+__all__ = ["DEFAULT_MAX_BYTES", "NOTEBOOK_MAX_BYTES", "InlineReport", "default_output", "html", "html_ranks",
+           "inline_report", "json_for_script", "notebook_html", "render", "write_page"]

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tracer.analysis import memory_views as views
+from tracer.analysis import reprs
 from tracer.model import GradNode, MemoryEvent, Trace
 from tracer.model.display import format_bytes, param_module
 
@@ -244,6 +245,10 @@ class MemoryRecord:
         return (f"<MemoryRecord {len(self.allocs)} allocs, {len(self.frees)} frees, net {format_bytes(self.net())}"
                 f"{'' if peak is None else f', peak {format_bytes(peak.allocated)} on {peak.device}'}>")
 
+
+    def _repr_html_(self) -> str:
+        """The notebook card: events, the peak and the top allocators (tracer/analysis/reprs.py)."""
+        return reprs.memory_html(self)
 
 # ---- the allocator's state, as memory_summary() reports it ----------------------------------------
 # Block-size buckets of the distribution (lower bounds in bytes), as in Paddle's memory summary.

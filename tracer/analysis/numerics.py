@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from tracer.analysis import reprs
 from tracer.model import Call, Frame, GradNode, NodeRun, TensorRecord, Trace, install_view
 
 # An inf among a call's argument text: "-inf", "inf", "fill_value=-inf", "[0.0, inf]".
@@ -83,6 +84,13 @@ class Anomaly:
         if self.contaminated:
             lines.append(f"  then {self.contaminated} more record(s) with {self.what} {_modules_text(self, full)}")
         return "\n".join(lines)
+
+    # One line in a REPL, a card in a notebook (tracer/analysis/reprs.py).
+    def __repr__(self) -> str:
+        return reprs.anomaly_repr(self)
+
+    def _repr_html_(self) -> str:
+        return reprs.anomaly_html(self)
 
     def to_json(self) -> dict[str, Any]:
         return {"phase": self.phase, "kind": self.kind, "tensor": self.tensor, "producer": self.producer,
@@ -146,6 +154,13 @@ class NumericsReport:
         if tail:
             parts.append(tail.strip(" ()"))
         return "\n".join(parts)
+
+    # One line in a REPL, cards in a notebook (tracer/analysis/reprs.py).
+    def __repr__(self) -> str:
+        return reprs.numerics_repr(self)
+
+    def _repr_html_(self) -> str:
+        return reprs.numerics_html(self)
 
     def __str__(self) -> str:
         return self.describe()

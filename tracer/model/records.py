@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypedDict, get_args
 
+from tracer.model import reprs
+
 FORMAT = "gradtrace"
 SCHEMA_VERSION = 2
 
@@ -180,6 +182,13 @@ class TensorRecord:
             n *= s
         return n
 
+    # How the record reads in a REPL and in a notebook (tracer/model/reprs.py).
+    def __repr__(self) -> str:
+        return reprs.tensor_repr(self)
+
+    def _repr_html_(self) -> str:
+        return reprs.tensor_html(self)
+
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "t": "tensor", "name": self.name, "shape": list(self.shape), "dtype": self.dtype,
@@ -243,6 +252,13 @@ class Call:
     error: str | None = None
     stack: tuple[Frame, ...] = field(default=(), compare=False, repr=False)
 
+    # How the record reads in a REPL and in a notebook (tracer/model/reprs.py).
+    def __repr__(self) -> str:
+        return reprs.call_repr(self)
+
+    def _repr_html_(self) -> str:
+        return reprs.call_html(self)
+
     def to_json(self) -> dict[str, Any]:
         return {"t": "call", "name": self.name, "api": self.api, "module": self.module,
                 "inputs": self.inputs, "outputs": self.outputs, "args": self.args,
@@ -288,6 +304,13 @@ class GradNode:
     stack: tuple[Frame, ...] = field(default=(), compare=False, repr=False)
     grads_in: list[str | None] = field(default_factory=list, compare=False, repr=False)
     grads_out: list[str | None] = field(default_factory=list, compare=False, repr=False)
+
+    # How the record reads in a REPL and in a notebook (tracer/model/reprs.py).
+    def __repr__(self) -> str:
+        return reprs.node_repr(self)
+
+    def _repr_html_(self) -> str:
+        return reprs.node_html(self)
 
     def to_json(self) -> dict[str, Any]:
         out = {"t": "node", "name": self.name, "kind": self.kind, "call": self.call,
@@ -335,6 +358,13 @@ class BackwardRun:
     def order(self) -> list[str]:
         """Grad node names in the order the engine ran them."""
         return [s.node for s in self.steps]
+
+    # How the record reads in a REPL and in a notebook (tracer/model/reprs.py).
+    def __repr__(self) -> str:
+        return reprs.backward_repr(self)
+
+    def _repr_html_(self) -> str:
+        return reprs.backward_html(self)
 
     def to_json(self) -> dict[str, Any]:
         return {"t": "backward", "name": self.name, "api": self.api, "roots": self.roots,
