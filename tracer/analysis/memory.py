@@ -1,47 +1,12 @@
 """Memory records: every allocation and free of a traced block, attributed to the call or grad node
-that made it (recorded by ``tracer.features.memory``; here, the record as users read it).
+that made it, as users read them (tables, peak, CSV, plot).
 
     with tracer.record_memory() as rec:          # or tracer.trace(memory=True) / MemoryRecord.from_trace
         loss = model(x).pow(2).mean(); loss.backward()
     print(rec.table()); rec.peak; rec.to_csv("mem.csv"); rec.plot("mem.png")
-    print(tracer.memory_summary())                # the allocator's state now (CUDA) / what is known (CPU)
 
-Where the bytes are seen:
-
-- CUDA, ``history``: the caching allocator records every alloc and free itself
-  (``torch.cuda.memory._record_memory_history``, private: feature-detected). The listener tags
-  each stretch of work with a short string (``torch.cuda.memory._set_memory_metadata``, which the
-  allocator keeps per thread and copies into each entry), so each entry names the call or grad
-  node that was running. Nothing is synchronised and nothing is read per call.
-- CUDA, ``deltas`` (a torch without allocation metadata): the allocator's counters are read at
-  every call and grad-node boundary; each interval's allocated and freed bytes become one alloc
-  and one free event of the call or node that ran in it. No per-tensor detail.
-- CPU: the CPU allocator keeps no record, so the listener follows tensor storages: each storage
-  made by a recorded call (or produced by a grad node) is an allocation of ``nbytes``, and its
-  death (a weak reference on the storage, which lives exactly as long as its memory) is the free.
-  Temporaries inside one op, and storages made by code the trace does not see, are not counted.
-
-Attribution: an event belongs to the call or grad node running on its thread when it happened.
-Between two of them it belongs to the one that ran last, with ``after: true`` (a grad node's
-saved tensors are released right after it ran; a tensor dropped by the user's code right after a
-call). Gradients the engine creates before a node runs (the root gradient, sums of two
-contributions) belong to what ran before: ``backward0`` for the root, the producing node for a sum.
-
-Each event is a plain dict stored in ``Trace.memory`` (``{"t": "memory", ...}`` in the file):
-
-    seq              position in the record (all devices merged, by time)
-    action           "alloc" | "free"; "start" / "end" markers carry a device's figures
-    bytes            size requested (CUDA) or storage bytes (CPU)
-    device           "cpu" | "cuda:0" ...
-    addr             block address (CUDA) / storage address (CPU); pairs a free with its alloc
-    allocated_after  bytes allocated on that device after the event (CPU: live bytes of tracked storages)
-    reserved_after   bytes reserved by the caching allocator after the event (None on CPU)
-    owner            name of the call, grad node or backward run responsible (None: unknown)
-    after            true when it happened after ``owner`` finished, before the next began
-    phase            "forward" | "backward"
-    tensor           name of the tensor whose storage it is, where known
-    source           (markers only) "history" | "deltas" | "storages"
-    requested        (markers only, CUDA) the allocator's requested bytes at that point
+How the events are recorded on each device, how they are attributed, and the fields of each event
+(``Trace.memory``): the docstring of ``tracer.features.memory``, which records them.
 """
 
 from __future__ import annotations
