@@ -16,7 +16,7 @@ import tracer
 from export.cli.main import main
 from export.html.data import build_payload
 from tests.models import hf_model
-from tracer.model.frames import fold_label, folded, frame_class
+from tracer.model.frames import fold_label, folded, frame_class, stack_lines
 
 HERE = os.path.abspath(__file__)
 SITE = sysconfig.get_paths()["purelib"]
@@ -113,3 +113,31 @@ def test_html_stack_payload_carries_each_frames_class(gpt2_trace: tuple[tracer.T
     classes = {row[0]: row[4] for row in payload["frames"]}
     assert classes[HERE] == "user"
     assert {classes[f.file] for f in _deep_call(t).stack} == {"user", "library"}
+
+
+def test_a_notebook_stack_starts_at_the_cell() -> None:
+    site = "/opt/conda/lib/python3.11/site-packages"
+    frames = (
+        tracer.Frame("/opt/conda/lib/python3.11/asyncio/base_events.py", 607, "BaseEventLoop.run_forever", "self._run_once()"),
+        tracer.Frame(f"{site}/tornado/ioloop.py", 740, "IOLoop._run_callback", "ret = callback()"),
+        tracer.Frame(f"{site}/ipykernel/kernelbase.py", 534, "Kernel.dispatch_queue", "await self.process_one()"),
+        tracer.Frame(f"{site}/IPython/core/interactiveshell.py", 3577, "InteractiveShell.run_code", "exec(code_obj)"),
+        tracer.Frame("/tmp/ipykernel_4242/1311357514.py", 3, "<module>", "loss = model(ids, labels=ids).loss"),
+        tracer.Frame(f"{site}/transformers/models/gpt2/modeling_gpt2.py", 1066, "GPT2LMHeadModel.forward",
+                     "transformer_outputs = self.transformer("),
+        tracer.Frame(f"{site}/transformers/models/gpt2/modeling_gpt2.py", 310, "GPT2MLP.forward",
+                     "hidden_states = self.act(hidden_states)"),
+        tracer.Frame(f"{site}/transformers/activations.py", 66, "NewGELUActivation.forward",
+                     "return 0.5 * input * (1.0 + torch.tanh(input))"),
+    )
+    assert [frame_class(f.file) for f in frames] == ["kernel"] * 4 + ["user"] + ["library"] * 3
+    assert stack_lines(frames) == [
+        "  ... 4 frames folded (4 notebook kernel)",
+        '  File "/tmp/ipykernel_4242/1311357514.py", line 3, in <module>',
+        "    loss = model(ids, labels=ids).loss",
+        "  ... 2 frames folded (2 library)",
+        f'  File "{site}/transformers/activations.py", line 66, in NewGELUActivation.forward',
+        "    return 0.5 * input * (1.0 + torch.tanh(input))",
+    ]
+    assert len(stack_lines(frames, all_frames=True)) == 2 * len(frames)
+    assert fold_label(frames[:1]) == "1 frame folded (1 notebook kernel)"
