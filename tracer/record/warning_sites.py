@@ -58,9 +58,10 @@ def install() -> None:
         if not any(f[0] == "always" and f[3] is not None and f[3].pattern == _MODULE_PATTERN
                    for f in warnings.filters):
             warnings.filterwarnings("always", module=_MODULE_PATTERN)
-        current = warnings._showwarnmsg  # type: ignore[attr-defined]
-        if current is not _show:
-            _original_show = current
+        # Wrapped once per process: a later wrapper installed by someone else over ours is left
+        # alone (wrapping it again would make each call the other's original: endless recursion).
+        if _original_show is None:
+            _original_show = warnings._showwarnmsg  # type: ignore[attr-defined]
             warnings._showwarnmsg = _show  # type: ignore[attr-defined]
 
 
