@@ -25,10 +25,11 @@ from rich.table import Table
 from rich.text import Text
 
 from export.errors import UserError
-from export.text import call_site, compact_stats, format_stack, inert, stats_text
+from export.text import call_site, compact_stats, format_stack, inert, inert_lines, stats_text
 from export.views import checksum, module_groups, module_with_class, nonfinite, param_totals
 from tracer.model import BackwardRun, Call, Frame, GradNode, TensorRecord, Trace
 from tracer.model.display import format_bytes, format_number, shape_compact, short_api, short_dtype
+from tracer.model.frames import folded
 from tracer.model.gradients import summed_from
 
 TOP_APIS = 15
@@ -42,13 +43,14 @@ def _add_row(table: Table, *cells: Any, style: str | None = None) -> None:
 
 
 # ---- summary ---------------------------------------------------------------------------------------
-def render_summary(trace: Trace, console: Console) -> None:
-    """Print the summary of a trace on a rich console."""
+def render_summary(trace: Trace, console: Console, *, all_anomalies: bool = False, all_frames: bool = False) -> None:
+    """Print the summary of a trace on a rich console; ``all_anomalies``: every module a NaN/Inf
+    reached, ``all_frames``: every frame of the anomalies' stacks."""
     _render_header(trace, console)
     _render_apis(trace, console)
     _render_modules(trace, console)
     _render_backward(trace, console)
-    _render_nonfinite(trace, console)
+    _render_nonfinite(trace, console, all_anomalies, all_frames)
 
 
 def _render_header(trace: Trace, console: Console) -> None:
@@ -132,7 +134,7 @@ def _render_backward(trace: Trace, console: Console) -> None:
     console.print(table)
 
 
-def _render_nonfinite(trace: Trace, console: Console) -> None:
+def _render_nonfinite(trace: Trace, console: Console, all_anomalies: bool, all_frames: bool) -> None:
     with_stats = [t for t in trace.tensors_in_order() if t.stats is not None]
     bad = nonfinite(trace)
     if not with_stats:
@@ -147,7 +149,8 @@ def _render_nonfinite(trace: Trace, console: Console) -> None:
     report = trace.anomalies
     for anomaly in report.anomalies():
         if anomaly is not None:
-            console.print(Text(inert(anomaly.describe()), style="bold red"))
+            console.print(Text(inert_lines(anomaly.describe(all_anomalies, all_frames)), style="bold red"),
+                          soft_wrap=True)
     table = Table(title=f"Tensors with NaN or Inf ({len(bad)} of {len(with_stats)})", box=box.SIMPLE_HEAD,
                   title_justify="left", title_style="bold red")
     for col in ("tensor", "shape", "dtype", "role", "producer"):
@@ -171,17 +174,18 @@ def lookup(trace: Trace, name: str) -> Any:
         raise UserError(str(exc.args[0]) if exc.args else f"no record named {name!r}") from None
 
 
-def render_record(trace: Trace, name: str, console: Console) -> None:
-    """Print one call, tensor, grad node or backward run with its links and stack."""
+def render_record(trace: Trace, name: str, console: Console, *, all_frames: bool = False) -> None:
+    """Print one call, tensor, grad node or backward run with its links and stack (the user's
+    frames and the innermost one, the rest folded, unless ``all_frames``)."""
     rec = lookup(trace, name)
     if isinstance(rec, Call):
-        _show_call(trace, rec, console)
+        _show_call(trace, rec, console, all_frames)
     elif isinstance(rec, TensorRecord):
-        _show_tensor(trace, rec, console)
+        _show_tensor(trace, rec, console, all_frames)
     elif isinstance(rec, GradNode):
-        _show_node(trace, rec, console)
+        _show_node(trace, rec, console, all_frames)
     elif isinstance(rec, BackwardRun):
-        _show_run(trace, rec, console)
+        _show_run(trace, rec, console, all_frames)
 
 
 def _fields(console: Console, title: str, rows: list[tuple[str, Any]]) -> None:
@@ -239,12 +243,17 @@ def _describe_producer(trace: Trace, producer: str | None, tensor: str = "") -> 
     return producer
 
 
-def _print_stack(console: Console, frames: tuple[Frame, ...], title: str = "Stack (most recent call last):") -> None:
+def _print_stack(console: Console, frames: tuple[Frame, ...], all_frames: bool,
+                 title: str = "Stack (most recent call last):") -> None:
     # soft_wrap: long paths and source lines stay on one line, as in a real traceback.
-    console.print(Text(format_stack(frames, title)), soft_wrap=True)
+    console.print(Text(format_stack(frames, title, all_frames=all_frames)), soft_wrap=True)
+    hidden = 0 if all_frames else sum(folded(frames))
+    if hidden:
+        noun = "frame" if hidden == 1 else "frames"
+        console.print(Text(f"({hidden} {noun} folded: --all-frames shows every frame)", style="dim"))
 
 
-def _show_call(trace: Trace, call: Call, console: Console) -> None:
+def _show_call(trace: Trace, call: Call, console: Console, all_frames: bool) -> None:
     rows: list[tuple[str, Any]] = [
         ("api", call.api), ("kind", call.kind), ("phase", call.phase),
         ("module", _module_text(trace, call.module)), ("args", call.args or "-"),
@@ -270,10 +279,10 @@ def _show_call(trace: Trace, call: Call, console: Console) -> None:
     nested = [c for c in trace.calls if c.parent == call.name]
     if nested:
         console.print(Text("nested calls: ", style="bold") + Text(inert(", ".join(c.name for c in nested))))
-    _print_stack(console, call.stack)
+    _print_stack(console, call.stack, all_frames)
 
 
-def _show_tensor(trace: Trace, t: TensorRecord, console: Console) -> None:
+def _show_tensor(trace: Trace, t: TensorRecord, console: Console, all_frames: bool) -> None:
     newer = [x.name for x in trace.tensors_in_order() if x.previous == t.name]
     rows: list[tuple[str, Any]] = [
         ("shape", shape_compact(t.shape)), ("dtype", t.dtype), ("device", t.device), ("role", t.role),
@@ -310,14 +319,14 @@ def _show_tensor(trace: Trace, t: TensorRecord, console: Console) -> None:
 
     producer = trace.get(t.producer) if t.producer else None
     if isinstance(producer, Call | GradNode | BackwardRun):
-        _print_stack(console, producer.stack, f"Stack of producer {producer.name} (most recent call last):")
+        _print_stack(console, producer.stack, all_frames, f"Stack of producer {producer.name} (most recent call last):")
     elif summed_from(trace, t.name):
         console.print("Stack: none (the autograd engine summed the gradients above; `show` each for its line)")
     else:
         console.print("Stack: none (the tensor was made outside the traced block)")
 
 
-def _show_node(trace: Trace, node: GradNode, console: Console) -> None:
+def _show_node(trace: Trace, node: GradNode, console: Console, all_frames: bool) -> None:
     call = trace.get(node.call) if node.call else None
     rows: list[tuple[str, Any]] = [
         ("kind", node.kind),
@@ -345,10 +354,10 @@ def _show_node(trace: Trace, node: GradNode, console: Console) -> None:
         console.print(_tensor_table(trace, "gradients received (last run)", list(node.grads_in)))
         if node.grads_out:
             console.print(_tensor_table(trace, "gradients produced (last run)", list(node.grads_out)))
-    _print_stack(console, node.stack)
+    _print_stack(console, node.stack, all_frames)
 
 
-def _show_run(trace: Trace, run: BackwardRun, console: Console) -> None:
+def _show_run(trace: Trace, run: BackwardRun, console: Console, all_frames: bool) -> None:
     rows: list[tuple[str, Any]] = [
         ("api", run.api), ("roots", ", ".join(run.roots) or "-"),
         ("status", Text(run.status, style="green" if run.status == "ok" else "red")),
@@ -366,7 +375,7 @@ def _show_run(trace: Trace, run: BackwardRun, console: Console) -> None:
         recv = ", ".join(g or "-" for g in s.grads_in) or "-"
         sent = ", ".join(g or "-" for g in s.grads_out) or "-"
         console.print(Text(inert(f"  {i:>{width}}  {s.node}  <- {recv}  -> {sent}")), soft_wrap=True)
-    _print_stack(console, run.stack)
+    _print_stack(console, run.stack, all_frames)
 
 
 # ---- md5 -------------------------------------------------------------------------------------------

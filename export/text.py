@@ -31,6 +31,7 @@ import re
 
 from tracer.model import Call, Frame, Stats, TensorRecord, Trace
 from tracer.model.display import format_number, module_depth, shape_compact, short_api, short_dtype
+from tracer.model.frames import stack_lines
 
 HASH_CHARS = 8
 
@@ -115,17 +116,15 @@ def short_path(path: str) -> str:
     return path if rel.startswith("..") else rel
 
 
-def format_stack(frames: tuple[Frame, ...], title: str = "Stack (most recent call last):") -> str:
-    """A stack as Python prints a traceback: ``File "x", line N, in f`` and the source line."""
+def format_stack(frames: tuple[Frame, ...], title: str = "Stack (most recent call last):", *,
+                 all_frames: bool = True) -> str:
+    """A stack as Python prints a traceback: ``File "x", line N, in f`` and the source line; unless
+    ``all_frames``, only the user's frames and the innermost one, the rest folded
+    (``tracer.model.frames``). Every line is inert text (the frames come from a trace file)."""
     title = inert(title)
     if not frames:
         return f"{title}\n  (no stack recorded)"
-    lines = [title]
-    for f in frames:
-        lines.append(f'  File "{inert(f.file)}", line {f.line}, in {inert(f.function)}')
-        if f.code:
-            lines.append(f"    {inert(f.code)}")
-    return "\n".join(lines)
+    return "\n".join([title, *(inert(line) for line in stack_lines(frames, all_frames))])
 
 
 def call_site(frames: tuple[Frame, ...]) -> str:

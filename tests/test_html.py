@@ -19,6 +19,7 @@ from export.cli import main as cli_main
 from export.html import default_output, json_for_script, notebook_html, render
 from export.html import html as write_html
 from export.html.data import build_payload, rows
+from tracer.model.frames import frame_class
 
 ASSETS = Path(__file__).resolve().parents[1] / "export" / "assets"
 HOSTILE = "</script><img src=x onerror=alert(1)>"
@@ -101,7 +102,7 @@ def test_embedded_json_matches_the_trace(step: tracer.Trace, page: str) -> None:
         row = tensors[name]
         assert (row["md5"], tuple(row["shape"]), row["dtype"], row["device"], row["role"]) == (t.md5, t.shape, t.dtype, t.device, t.role)
         assert row["stats"] == (None if t.stats is None else t.stats.to_json())
-    assert data["frames"] == [[f.file, f.line, f.function, f.code] for f in step.frames]
+    assert data["frames"] == [[f.file, f.line, f.function, f.code, frame_class(f.file)] for f in step.frames]
     assert data["stacks"] == [list(s) for s in step.stacks]
     assert data["modules"] == step.modules
     s = data["summary"]

@@ -758,13 +758,35 @@
     const wrap = el('div', { class: 'stack' });
     const ids = stackId === null || stackId === undefined ? [] : (D.stacks[stackId] || []);
     if (!ids.length) { wrap.append(el('div', { class: 'empty', text: 'no stack recorded' })); return wrap; }
+    // The user's frames and the innermost one are shown; each run of other frames (libraries,
+    // torch, the notebook kernel) is folded behind a toggle. Classes: tracer/model/frames.py.
+    let run = null;
     ids.forEach(function (fi, j) {
       const f = D.frames[fi];
-      // the user's own frames stand out; installed libraries (site-packages) are dimmed
-      const lib = /[\\/](site|dist)-packages[\\/]|[\\/]lib[\\/]python\d/.test(f[0]);
-      const fr = el('div', { class: 'frame' + (lib ? ' lib' : ' user') + (j === ids.length - 1 ? ' last' : '') });
+      const cls = f[4] || 'user';
+      const last = j === ids.length - 1;
+      const fr = el('div', { class: 'frame ' + (cls === 'user' ? 'user' : 'lib') + ' fc-' + cls + (last ? ' last' : '') });
       fr.append(el('div', { class: 'where', text: f[0] + ':' + f[1] + ' in ' + f[2] }), el('div', { class: 'code', text: f[3] }));
-      wrap.append(fr);
+      if (cls === 'user' || last) { run = null; wrap.append(fr); return; }
+      if (!run) {
+        const box = el('div', { class: 'folded', hidden: '' });
+        const toggle = el('button', { class: 'fold-toggle', 'data-folded': '0' });
+        toggle.onclick = function () {
+          box.hidden = !box.hidden;
+          toggle.textContent = (box.hidden ? '▸ ' : '▾ ') + toggle.dataset.label;
+        };
+        run = { box: box, toggle: toggle, counts: {} , n: 0 };
+        wrap.append(toggle, box);
+      }
+      run.box.append(fr);
+      run.n += 1;
+      run.counts[cls] = (run.counts[cls] || 0) + 1;
+      const labels = { library: 'library', framework: 'framework', kernel: 'notebook kernel' };
+      const parts = ['library', 'framework', 'kernel'].filter(function (c) { return run.counts[c]; })
+        .map(function (c) { return run.counts[c] + ' ' + labels[c]; });
+      run.toggle.dataset.folded = String(run.n);
+      run.toggle.dataset.label = run.n + (run.n === 1 ? ' frame' : ' frames') + ' folded (' + parts.join(', ') + ')';
+      run.toggle.textContent = '▸ ' + run.toggle.dataset.label;
     });
     if (title) wrap.prepend(el('div', { class: 'k', text: title }));
     return wrap;

@@ -18,6 +18,14 @@ def _trace_argument(p: argparse.ArgumentParser) -> None:
     add_trace_options(p)
 
 
+def _summary_arguments(p: argparse.ArgumentParser) -> None:
+    _trace_argument(p)
+    p.add_argument("--all-anomalies", action="store_true",
+                   help="list every module a NaN/Inf reached, with its count (default: the count and a range)")
+    p.add_argument("--all-frames", action="store_true",
+                   help="print every frame of the anomalies' stacks (default: the user's frames and the innermost one)")
+
+
 def _cmd_summary(args: argparse.Namespace) -> int:
     with Stages(["load"]) as stages:
         stages.next(describe_load(args.trace))
@@ -30,7 +38,7 @@ def _cmd_summary(args: argparse.Namespace) -> int:
         if args.step is None:
             console.print("Showing the first; choose another with --step N.")
         console.print()
-    render_summary(loaded.trace, console)
+    render_summary(loaded.trace, console, all_anomalies=args.all_anomalies, all_frames=args.all_frames)
     return 0
 
 
@@ -38,12 +46,14 @@ def _show_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", help="a .gtrace file")
     p.add_argument("name", help="the record's name")
     add_trace_options(p)
+    p.add_argument("--all-frames", action="store_true",
+                   help="print every frame of the stack (default: the user's frames and the innermost one)")
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
     trace = load_for(args, args.trace).trace
     lookup(trace, args.name)  # fail with the suggestion before printing anything
-    render_record(trace, args.name, make_console())
+    render_record(trace, args.name, make_console(), all_frames=args.all_frames)
     return 0
 
 
@@ -61,8 +71,9 @@ def _cmd_md5(args: argparse.Namespace) -> int:
 SUMMARY = Command(
     "summary", help="status, counts, top APIs, modules, backward runs and NaN/Inf of a trace",
     description="Print a summary of a trace: header, top APIs, per-module counts, backward runs "
-                "and tensors with NaN or Inf. Plain text when not on a terminal.",
-    arguments=_trace_argument, run=_cmd_summary)
+                "and tensors with NaN or Inf (the first of each per phase, then counts and a range; "
+                "--all-anomalies lists every module). Plain text when not on a terminal.",
+    arguments=_summary_arguments, run=_cmd_summary)
 
 SHOW = Command(
     "show", help="one call, tensor, grad node or backward run with its links and stack",

@@ -5,7 +5,7 @@ the page as ``<script type="application/json" id="gt-data">`` and tests read it 
 is part of the report's contract (``PAYLOAD_VERSION``):
 
 ``summary``   model class, devices, counts, parameter count, settings, status, notes
-``frames``    ``[file, line, function, code]`` rows; ``stacks`` lists frame indices, outermost first
+``frames``    ``[file, line, function, code, class]`` rows (class: ``tracer.model.frames.frame_class``); ``stacks`` lists frame indices, outermost first
 ``tensors``/``calls``/``nodes``/``groups``   ``{"fields": [...], "rows": [[...], ...]}`` tables
 ``runs``      backward runs: name, api, roots, stack, order (node names), outputs, status, error
 ``fwd_edges`` ``[producer call index, consumer call index, [tensor names]]``
@@ -31,6 +31,7 @@ from typing import Any
 from export.views import first_params, module_label, nonfinite, parent_path, prefixes
 from tracer.model import Call, GradNode, Stats, TensorRecord, Trace
 from tracer.model.display import clip, json_number, param_module
+from tracer.model.frames import frame_class
 from tracer.model.names import base_name, gradient_of
 
 PAYLOAD_VERSION = 1
@@ -460,7 +461,7 @@ def build_payload(trace: Trace) -> dict[str, Any]:
         "format": "gradtrace-html",
         "version": PAYLOAD_VERSION,
         "summary": _summary(trace),
-        "frames": [[f.file, f.line, f.function, f.code] for f in trace.frames],
+        "frames": [[f.file, f.line, f.function, f.code, frame_class(f.file)] for f in trace.frames],
         "stacks": [list(s) for s in trace.stacks],
         "modules": dict(trace.modules),
         "tensors": {"fields": TENSOR_FIELDS, "rows": [_tensor_row(t) for t in trace.tensors_in_order()]},

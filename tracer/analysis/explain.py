@@ -15,6 +15,7 @@ import re
 from collections.abc import Callable
 
 from tracer.model import BackwardRun, Call, Frame, GradNode, Trace
+from tracer.model.frames import USER, fold_label, frame_class
 
 _INPLACE = re.compile(r"which is output (\d+) of (\w+), is at version (\d+); expected version (\d+)")
 INDENT = "    "
@@ -30,8 +31,15 @@ def add_note(exc: BaseException, note: str) -> None:
 def _where(stack: tuple[Frame, ...], indent: str) -> list[str]:
     if not stack:
         return [f"{indent}(no forward stack recorded)"]
-    f = stack[-1]
-    return [f'{indent}File "{f.file}", line {f.line}, in {f.function}', f"{indent}{INDENT}{f.code}"]
+    def frame(f: Frame) -> list[str]:
+        return [f'{indent}File "{f.file}", line {f.line}, in {f.function}', f"{indent}{INDENT}{f.code}"]
+    # The innermost frame, and before it the user's innermost line when the call was made inside
+    # a library (a transformers model): the frames between them are folded.
+    user = [i for i, f in enumerate(stack) if frame_class(f.file) == USER]
+    if not user or user[-1] == len(stack) - 1:
+        return frame(stack[-1])
+    between = stack[user[-1] + 1:-1]
+    return [*frame(stack[user[-1]]), *([f"{indent}... {fold_label(between)}"] if between else []), *frame(stack[-1])]
 
 
 def explain_backward_error(trace: Trace, run: BackwardRun, running: list[str], exc: BaseException,

@@ -32,6 +32,7 @@ from typing import Any
 
 from tracer.analysis import reprs
 from tracer.model import Call, Frame, GradNode, NodeRun, TensorRecord, Trace, install_view
+from tracer.model.frames import stack_lines
 
 # An inf among a call's argument text: "-inf", "inf", "fill_value=-inf", "[0.0, inf]".
 _INF_CONSTANT = re.compile(r"(?<![\w.])-?inf(?![\w])")
@@ -66,9 +67,10 @@ class Anomaly:
     def what(self) -> str:
         return "NaN" if self.kind == "nan" else "Inf"
 
-    def describe(self, full: bool = False) -> str:
-        """The anomaly in a few lines: what, where, the user's line, then what it contaminated
-        (``full``: every module, else the count and the first and last module)."""
+    def describe(self, full: bool = False, all_frames: bool = False) -> str:
+        """The anomaly in a few lines: what, where, its stack (the user's frames and the innermost
+        one, the rest folded; ``all_frames``: every frame), then what it contaminated (the count
+        and the first and last module; ``full``: every module with its count, one a line)."""
         role = "origin" if self.origin else f"propagated from input(s) {', '.join(self.bad_inputs)}"
         if self.from_forward:
             role += " (its forward call already saw non-finite values: see the forward report)"
@@ -77,12 +79,9 @@ class Anomaly:
             where += f" in the backward of {self.node}"
         lines = [f"first {self.what} in {self.phase}: {self.tensor} ({self.nan} NaN, {self.inf} Inf) made by "
                  f"{where} in module {self.module or '<root>'} — {role}"]
-        if self.stack:
-            f = self.stack[-1]
-            lines.append(f'  File "{f.file}", line {f.line}, in {f.function}')
-            lines.append(f"    {f.code}")
+        lines += stack_lines(self.stack, all_frames)
         if self.contaminated:
-            lines.append(f"  then {self.contaminated} more record(s) with {self.what} {_modules_text(self, full)}")
+            lines += _contaminated_lines(self, full)
         return "\n".join(lines)
 
     # One line in a REPL, a card in a notebook (tracer/analysis/reprs.py).
@@ -101,11 +100,16 @@ class Anomaly:
                 "stack": [[f.file, f.line, f.function, f.code] for f in self.stack]}
 
 
-def _modules_text(a: Anomaly, full: bool) -> str:
+def _contaminated_lines(a: Anomaly, full: bool) -> list[str]:
+    """``then 171 more record(s) with NaN in 51 modules, h.7.mlp.c_proj … lm_head``; with ``full``
+    every module follows, one a line with its count, in the order they were reached."""
     mods = [m or "<root>" for m in a.contaminated_by_module]
-    if full or len(mods) <= 3:
-        return "(" + ", ".join(f"{m}: {n}" for m, n in zip(mods, a.contaminated_by_module.values())) + ")"
-    return f"in {len(mods)} modules, {mods[0]} … {mods[-1]}"
+    head = f"  then {a.contaminated} more record(s) with {a.what} in {len(mods)} module{'s' if len(mods) != 1 else ''}"
+    if full:
+        return [head + ":", *(f"    {m}: {n}" for m, n in zip(mods, a.contaminated_by_module.values()))]
+    if len(mods) <= 3:
+        return [head + " (" + ", ".join(f"{m}: {n}" for m, n in zip(mods, a.contaminated_by_module.values())) + ")"]
+    return [f"{head}, {mods[0]} … {mods[-1]}"]
 
 
 @dataclass
@@ -139,7 +143,9 @@ class NumericsReport:
     def clean(self) -> bool:
         return not self.anomalies()
 
-    def describe(self, full: bool = False) -> str:
+    def describe(self, full: bool = False, all_frames: bool = False) -> str:
+        """Each anomaly's ``describe`` (forward then backward, NaN before Inf) or a line saying
+        that a phase was clean; ``full``/``all_frames`` as for ``Anomaly.describe``."""
         if self.checked == 0:
             return "numerics: no tensor stats in this trace (record with check_numerics=True)"
         tail = f" ({self.intended_inf} record(s) with an intended Inf, e.g. -inf attention masks)" \
@@ -149,7 +155,7 @@ class NumericsReport:
         parts = []
         for phase, found in (("forward", (self.forward_nan, self.forward_inf)),
                              ("backward", (self.backward_nan, self.backward_inf))):
-            present = [a.describe(full) for a in found if a is not None]
+            present = [a.describe(full, all_frames) for a in found if a is not None]
             parts += present or [f"{phase}: no NaN, no unintended Inf"]
         if tail:
             parts.append(tail.strip(" ()"))
@@ -161,6 +167,10 @@ class NumericsReport:
 
     def _repr_html_(self) -> str:
         return reprs.numerics_html(self)
+
+    def full(self) -> str:
+        """The whole report: every contaminated module with its count, every frame of each stack."""
+        return self.describe(full=True, all_frames=True)
 
     def __str__(self) -> str:
         return self.describe()

@@ -21,6 +21,7 @@ import torch
 from tracer.model import StreamWriter, Trace
 from tracer.options import TraceError, TraceOptions
 from tracer.record import recorder as _recorder
+from tracer.record import warning_sites
 from tracer.record.checksums.fingerprint import ALGORITHM as FINGERPRINT_ALGORITHM
 from tracer.record.mode import COMPILED
 from tracer.version import __version__
@@ -158,6 +159,7 @@ class TraceSession:
             if t0 > 0:
                 gc.set_threshold(max(t0, 50_000), max(t1, 50), max(t2, 100))
             rec.install()
+            warning_sites.install()  # warnings inside traced ops point at the user's line
             for plugin in self.plugins:
                 undo = plugin.attach(rec)
                 if undo is not None:
