@@ -400,7 +400,9 @@ def test_commands_run_as_gradtrace_and_as_python_m_tracer(rec, tmp_path, capsys)
 
     p = _proc([sys.executable, "-m", "tracer", "show", rec.path, "linear0"])
     assert p.returncode == 0, p.stderr
-    assert p.stdout.rstrip("\n").splitlines()[-2:] == [
+    lines = p.stdout.rstrip("\n").splitlines()
+    assert lines[-1].endswith("folded: --all-frames shows every frame)")  # the footer of a folded stack
+    assert lines[-3:-1] == [
         f'  File "{__file__}", line {_line_of(FORWARD_MARK)}, in _record_step',
         f"    out = model(x)  {FORWARD_MARK}"]
     rc, in_process, _ = run(capsys, "show", rec.path, "linear0")
