@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -52,3 +53,19 @@ def tmp_trace(tmp_path):
 
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture
+def one_rank():
+    """A one-rank gloo process group for the test (distributed recording in process)."""
+    import torch.distributed as dist  # only the distributed tests ask for this fixture
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    hook = sys.excepthook  # init_process_group replaces it for good (prefixes "[rank0]: ")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        sys.excepthook = hook

@@ -87,19 +87,6 @@ SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else
 
 
 # ---- one rank, in process --------------------------------------------------------------------------------
-@pytest.fixture
-def one_rank():
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    hook = sys.excepthook  # init_process_group replaces it for good (prefixes "[rank0]: ")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-        sys.excepthook = hook
-
-
 def test_collectives_recorded_as_calls(one_rank: None, tmp_path) -> None:
     before = _patched_state()
     gather = getattr(dist, GATHER)

@@ -13,12 +13,10 @@ import json
 import os
 import re
 import shutil
-import sys
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import tracer
 from export.cli import main
@@ -61,19 +59,6 @@ def tp4_perturbed(tmp_path_factory):
 
 
 # ---- one rank, in process --------------------------------------------------------------------------------
-@pytest.fixture
-def one_rank():
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    hook = sys.excepthook  # init_process_group replaces it for good (prefixes "[rank0]: ")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-        sys.excepthook = hook
-
-
 def test_dtensor_record_hashes_the_local_shard_and_keeps_its_layout(one_rank: None, tmp_path) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor

@@ -17,20 +17,10 @@ import torch
 import tracer
 from export.cli import main
 from export.load import open_trace
-from tests.models import MLP
+from tests.models import MLP, Scale
 from tracer.model import TraceFormatError, read_trace
 
 COMMANDS = ("summary", "md5", "dot", "report", "memory", "diff", "show")
-
-
-class Scale(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x * 2
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-        return g * 2
 
 
 def _record(path: str, **kw: Any) -> tracer.Trace:
@@ -38,7 +28,7 @@ def _record(path: str, **kw: Any) -> tracer.Trace:
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with tracer.trace(out=path, **kw) as t:
-        Scale.apply(model(torch.randn(3, 8))).pow(2).mean().backward()
+        Scale.apply(model(torch.randn(3, 8)), 2.0).pow(2).mean().backward()
         opt.step()
     return t
 
@@ -232,7 +222,7 @@ def test_a_streamed_gzip_killed_after_backward_loads_its_calls(tmp_path):
     path = os.fspath(tmp_path / "run.gtrace.gz")
     model = MLP()
     with tracer.trace(out=path) as t:
-        Scale.apply(model(torch.randn(3, 8))).pow(2).mean().backward()
+        Scale.apply(model(torch.randn(3, 8)), 2.0).pow(2).mean().backward()
         # What a SIGKILL here leaves on disk: the streamed gzip as flushed after the backward run,
         # a member without its end.
         killed = Path(path).read_bytes()

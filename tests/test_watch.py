@@ -18,9 +18,9 @@ from tests.watch_models import (
     TinyAttentionLM,
     checksum,
     gpt2_batches,
+    gpt2_train_step,
     line_of,
     lm_loss,
-    masked_lm_loss,
     padded_batches,
     tiny_gpt2,
 )
@@ -39,16 +39,6 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-def _gpt2_step(model, opt):
-    def train_step(ids, keep):
-        loss = masked_lm_loss(model, ids, keep)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-    return train_step
-
-
 def _lm_step(model, opt):
     def train_step(ids):
         loss = lm_loss(model, ids)
@@ -64,7 +54,7 @@ def test_gpt2_nan_at_step_37_raises_naming_the_op_and_line_and_keeps_the_good_st
     model = tiny_gpt2()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     out = tmp_path / "incident.gtrace"
-    step = tracer.watch(model, opt, out=out)(_gpt2_step(model, opt))
+    step = tracer.watch(model, opt, out=out)(gpt2_train_step(model, opt))
     reached = []
     with pytest.raises(tracer.NonFiniteError) as info:
         for n, (ids, keep) in enumerate(gpt2_batches(STEPS, BAD)):
@@ -99,7 +89,7 @@ def test_gpt2_nan_at_step_37_raises_naming_the_op_and_line_and_keeps_the_good_st
 def test_gpt2_skip_leaves_parameters_and_optimizer_state_bit_equal_to_before_step_37(tmp_path):
     model = tiny_gpt2()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    step = tracer.watch(model, opt, out=tmp_path / "incident.gtrace", policy="skip")(_gpt2_step(model, opt))
+    step = tracer.watch(model, opt, out=tmp_path / "incident.gtrace", policy="skip")(gpt2_train_step(model, opt))
     losses = []
     for n, (ids, keep) in enumerate(gpt2_batches(STEPS, BAD)):
         if n == BAD:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tracer
-from tests.watch_models import gpt2_batches, line_of, masked_lm_loss, tiny_gpt2
+from tests.watch_models import gpt2_batches, gpt2_train_step, line_of, tiny_gpt2
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 N, BAD = 16, 9
@@ -26,23 +26,13 @@ def _checksum(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
     return h.hexdigest()
 
 
-def _step(model, opt):
-    def train_step(ids, keep):
-        loss = masked_lm_loss(model, ids, keep)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-    return train_step
-
-
 @pytest.mark.parametrize("snapshots", ["device", "host"])
 def test_cuda_watch_skip_restores_the_state_before_the_bad_step(tmp_path, snapshots):
     torch.manual_seed(0)
     model = tiny_gpt2().cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     step = tracer.watch(model, opt, out=tmp_path / "incident.gtrace", policy="skip",
-                        snapshots=snapshots)(_step(model, opt))
+                        snapshots=snapshots)(gpt2_train_step(model, opt))
     for n, (ids, keep) in enumerate(gpt2_batches(N, BAD)):
         if n == BAD:
             before = _checksum(model, opt)
@@ -71,7 +61,7 @@ def test_cuda_watch_raise_names_the_op_and_line():
     torch.manual_seed(0)
     model = tiny_gpt2().cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    step = tracer.watch(model, opt, out=None, lag=0)(_step(model, opt))
+    step = tracer.watch(model, opt, out=None, lag=0)(gpt2_train_step(model, opt))
     with pytest.raises(tracer.NonFiniteError) as info:
         for ids, keep in gpt2_batches(N, BAD):
             step(ids.cuda(), keep.cuda())

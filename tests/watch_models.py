@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -42,6 +42,17 @@ def masked_lm_loss(model: nn.Module, ids: torch.Tensor, keep: torch.Tensor) -> t
     per_token = F.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1), reduction="none")
     weights = keep[:, 1:].reshape(-1)
     return (per_token * weights).sum() / weights.sum()  # BUG: no guard for an empty batch
+
+
+def gpt2_train_step(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The watched step of the GPT-2 tests: masked LM loss, backward, optimizer step, zero_grad."""
+    def train_step(ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        loss = masked_lm_loss(model, ids, keep)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    return train_step
 
 
 def gpt2_batches(steps: int, bad_step: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

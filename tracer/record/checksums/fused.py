@@ -189,8 +189,8 @@ class Fused:
         if not numel or t.is_neg():
             return False
         index = t.get_device()
-        warm_key = (index, dtype, self.stats, self.fingerprint)
-        if WARMUP.wanted(warm_key) and not WARMUP.ready(warm_key):
+        if WARMUP.compiling and WARMUP.wanted(warm_key := (index, dtype, self.stats, self.fingerprint)) \
+                and not WARMUP.ready(warm_key):
             # Its kernels are still compiling in the background: the torch path. (Waiting for them
             # at the first launch instead was no faster with a warm Triton cache, on GPT-2 small
             # and ResNet-50 on the H200, and 1.6x slower with a cold one.)

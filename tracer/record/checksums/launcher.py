@@ -92,6 +92,9 @@ class Warmup:
         self._futures: dict[Any, Future[Any]] = {}
         self._lock = threading.Lock()
         self.seconds: dict[Any, float] = {}  # per key: from the start of its batch to its result
+        # Compilations not finished yet: the hot path reads this int first (one attribute read
+        # per tensor) and looks keys up only while something is compiling.
+        self.compiling = 0
 
     def start(self, device: int, jobs: Sequence[tuple[Any, Callable[[], Any]]]) -> None:
         """Compile ``jobs`` (key, compile function) for CUDA device ``device`` in the background."""
@@ -101,6 +104,7 @@ class Warmup:
                 if key not in self._futures:
                     self._futures[key] = Future()
                     todo.append((key, job))
+            self.compiling += len(todo)
         if todo:
             threading.Thread(target=self._run, args=(device, todo), name="gradtrace-triton-warmup",
                              daemon=True).start()
@@ -115,6 +119,8 @@ class Warmup:
             except BaseException as exc:
                 future.set_exception(exc)
             self.seconds[key] = time.perf_counter() - start
+            with self._lock:
+                self.compiling -= 1
 
     def wanted(self, key: Any) -> bool:
         return key in self._futures
