@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch.nn.modules import module as nn_module
 
+from tracer.record.calls import PendingCall
+from tracer.record.opaque import COMPILED_NOTE, ModeOff, OpaqueRegion
 from tracer.record.state import RecorderState
 from tracer.record.tensors import (
     flat_tensors,
@@ -27,6 +29,22 @@ class ModulesMixin(RecorderState):
         except TypeError:  # older torch without always_call
             post = nn_module.register_module_forward_hook(self._module_post)
         self._module_handles = [nn_module.register_module_forward_pre_hook(self._module_pre), post]
+
+    def holds_every_global_module_hook(self) -> bool:
+        """Whether the module hooks of the whole process are this recorder's and no one else's
+        (torch warns about global hooks when a compiled module is called: then it warns about
+        ours only)."""
+        ours = {(id(ref()), h.id) for h in self._module_handles if (ref := getattr(h, "hooks_dict_ref", None))}
+        if len(ours) != len(self._module_handles):
+            return False
+        for name in ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_hooks",
+                     "_global_backward_pre_hooks"):
+            hooks = getattr(nn_module, name, None)
+            if not isinstance(hooks, dict):
+                return False
+            if any((id(hooks), key) not in ours for key in hooks):
+                return False
+        return True
 
     def _remove_module_hooks(self) -> None:
         for h in self._module_handles:
@@ -115,36 +133,52 @@ class ModulesMixin(RecorderState):
                 named[b] = (bname, "buffer")
         return self._module_paths[module]
 
+    # ---- compiled regions ----------------------------------------------------------------------
+    def open_region(self, owner: object, ins: list[torch.Tensor], hook: Any = None) -> OpaqueRegion:
+        """Begin a compiled region's call, then get the recorder out of its way until
+        ``close_region``: the mode off the stack (a mode inside makes Dynamo graph-break and
+        recompile), our global module hooks removed (Dynamo would inline them into the compiled
+        frame) and recording paused."""
+        pending = self.begin_call(ins, api="torch.compile", short="compiled", kind="compiled")
+        pending.stack_id = self.stack_table.capture(2) if self.stack_table is not None else None
+        if not self._opaque:
+            self._remove_module_hooks()
+        region = OpaqueRegion(owner, ModeOff(self._mode), hook, pending)
+        self._opaque.append(region)
+        self.paused = True
+        if COMPILED_NOTE not in self.trace.notes:
+            self.trace.notes.append(COMPILED_NOTE)
+        return region
+
+    def close_region(self, region: OpaqueRegion) -> PendingCall:
+        """End ``region`` (the innermost one open): everything ``open_region`` took away is put
+        back. Returns its call, for the caller to finish or fail."""
+        if self._opaque and self._opaque[-1] is region:
+            self._opaque.pop()
+        elif region in self._opaque:
+            self._opaque.remove(region)
+        region.mode_off.restore()
+        if region.hook is not None:
+            region.hook.remove()
+        self.paused = bool(self._opaque)
+        if not self._opaque and not self.closed:
+            self._install_module_hooks()
+        return region.pending
+
     def _enter_opaque(self, module: torch.nn.Module, args: Any) -> None:
-        # A compiled region runs with no trace machinery in its way: torch functions undisturbed
-        # (a mode inside makes Dynamo graph-break and recompile) and our global module hooks
-        # removed (Dynamo would inline them into the compiled frame). A one-shot hook on the
-        # compiled module itself ends the region and puts everything back.
+        # A compiled module's region ends at a one-shot hook on the compiled module itself.
         with torch._C.DisableTorchFunction():
             ins = unique(flat_tensors(args))
-        pending = self.begin_call(ins, api="torch.compile", short="compiled", kind="compiled")
-        self._remove_module_hooks()
         try:
-            local = module.register_forward_hook(self._opaque_post, always_call=True)
+            hook = module.register_forward_hook(self._opaque_post, always_call=True)
         except TypeError:
-            local = module.register_forward_hook(self._opaque_post)
-        ctx = torch._C.DisableTorchFunction()
-        ctx.__enter__()
-        self.paused = True
-        self._opaque.append((module, ctx, local, pending))
-        note = "torch.compile regions are recorded as one opaque call each; the calls inside them were not seen"
-        if note not in self.trace.notes:
-            self.trace.notes.append(note)
+            hook = module.register_forward_hook(self._opaque_post)
+        self.open_region(module, ins, hook)
 
     def _opaque_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if not self._opaque or self._opaque[-1][0] is not module:
+        if not self._opaque or self._opaque[-1].owner is not module:
             return
-        _module, ctx, local, pending = self._opaque.pop()
-        ctx.__exit__(None, None, None)
-        local.remove()
-        self.paused = bool(self._opaque)
-        if not self._opaque:
-            self._install_module_hooks()
+        pending = self.close_region(self._opaque[-1])
         with torch._C.DisableTorchFunction():
             outs = unique(flat_tensors(output))
         self.finish_call(pending, outs)

@@ -39,6 +39,7 @@ from tracer.record import naming
 from tracer.record.autograd import AutogradMixin
 from tracer.record.calls import CAPTURE_NOW, PendingCall
 from tracer.record.checksums.hasher import Hasher
+from tracer.record.compiled_functions import CompiledFunctionWatch
 from tracer.record.effects import UNINITIALISED, Writes
 from tracer.record.functions import (
     FunctionsMixin,
@@ -85,6 +86,7 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin):
                  on_records: Callable[[], None] | None = None) -> None:
         super().__init__(trace, options, on_records=on_records)
         self._mode = RecordingMode(self)
+        self._compiled_functions = CompiledFunctionWatch(self)
 
     # ---- installation -------------------------------------------------------------------------
     def install(self) -> None:
@@ -93,6 +95,7 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin):
         self._handles.append(register_optimizer_step_pre_hook(self._optimizer_pre))
         install_apply_wrapper(self)
         self._mode.__enter__()
+        self._compiled_functions.install()
 
     def uninstall(self) -> None:
         """Remove every mode, hook and wrapper. Safe to call twice."""
@@ -104,6 +107,11 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin):
             except Exception:  # recording must not stop the uninstall
                 self.open_step = None
         self.closed = True
+        # Regions still open (the block left from inside compiled code) put the mode back first:
+        # the mode's own exit pops whatever is on top of the stack.
+        while self._opaque:
+            self.close_region(self._opaque[-1])
+        self._compiled_functions.uninstall()
         try:
             self._mode.__exit__(None, None, None)
             # The mode points back at this recorder: once it is off the stack, drop that link, so
@@ -118,10 +126,6 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin):
                 except Exception:  # a handle whose owner is gone already
                     pass
             self._handles.clear()
-            while self._opaque:
-                _, ctx, local, _pending = self._opaque.pop()
-                ctx.__exit__(None, None, None)
-                local.remove()
             self._remove_module_hooks()
             if self.stack_table is not None:
                 self.stack_table.clear_scopes()

@@ -160,6 +160,9 @@ class TraceSession:
                 gc.set_threshold(max(t0, 50_000), max(t1, 50), max(t2, 100))
             rec.install()
             warning_sites.install()  # warnings inside traced ops point at the user's line
+            quiet = warning_sites.quiet_global_hooks_warning(rec)
+            if quiet is not None:
+                self._detach.append(quiet)
             for plugin in self.plugins:
                 undo = plugin.attach(rec)
                 if undo is not None:

@@ -37,6 +37,8 @@ from tracer.record.weakmap import IdWeakMap
 
 if TYPE_CHECKING:
     from tracer.record.calls import PendingCall
+    from tracer.record.mode import RecordingMode
+    from tracer.record.opaque import OpaqueRegion
     from tracer.record.optimizer import OpenStep
 
 _TRACE_IDS = itertools.count()
@@ -107,8 +109,7 @@ class RecorderState:
         self._flush_before: set[str] = set()
         # Saved-tensor hooks were active while the call being finished ran (see _register_node).
         self._saved_hooks = True
-        # Compiled regions running now: (module, the DisableTorchFunction context, its hook, the call)
-        self._opaque: list[tuple[torch.nn.Module, Any, Any, PendingCall]] = []
+        self._opaque: list[OpaqueRegion] = []  # compiled regions running now, innermost last
         self._module_handles: list[Any] = []
         self._run: BackwardRun | None = None
         self._run_index = -1
@@ -307,6 +308,8 @@ class RecorderState:
         return names.version_name(base, n)
 
     if TYPE_CHECKING:  # defined by the rooms that join in Recorder; declared for the others
+        _mode: RecordingMode
+
         def _collect_nodes(self, root: Any, seq0: int | None, seq1: int | None, call: str, stack_id: int | None,
                            out: list[str], local_kinds: dict[str, int]) -> str | None: ...
         def _install_module_hooks(self) -> None: ...

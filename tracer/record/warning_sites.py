@@ -21,15 +21,23 @@ warning is raised. Two process-wide pieces, installed when the first trace start
   would without gradtrace. Any other warning passes through unchanged.
 
 The filter is re-added at each trace start if a ``catch_warnings`` block dropped it.
+
+One warning is gradtrace's own doing: torch warns, each time a compiled module is called, that
+global module hooks will fire an extra time for it. When the only global module hooks are the
+recorder's (which take the compiled module's call as one opaque call), that warning is ignored
+for the block (a filter added at its start and removed at its end), so that ``-W error`` test
+suites and logs see what they see without gradtrace.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 import threading
 import warnings
 from collections.abc import Callable
 from types import CodeType, FrameType
+from typing import Any, cast
 
 import torch.overrides
 
@@ -95,3 +103,25 @@ def _user_site(msg: warnings.WarningMessage) -> FrameType | None:
             return caller
         f = f.f_back
     return None
+
+
+_GLOBAL_HOOKS_WARNING = "Using `torch.compile(module)` when there are global hooks"
+
+
+def quiet_global_hooks_warning(rec: Recorder) -> Callable[[], None] | None:
+    """Ignore torch's warning about global module hooks while ``rec``'s are the only ones;
+    returns what removes the filter again (None: other global hooks exist, the warning stays)."""
+    if not rec.holds_every_global_module_hook():
+        return None
+    warnings.filterwarnings("ignore", message=re.escape(_GLOBAL_HOOKS_WARNING), category=UserWarning)
+    entry = warnings.filters[0]
+
+    def undo() -> None:
+        filters = cast(list[Any], warnings.filters)  # a list at run time
+        if entry in filters:
+            filters.remove(entry)
+            mutated = getattr(warnings, "_filters_mutated", None)  # invalidates the once-registries
+            if mutated is not None:
+                mutated()
+
+    return undo
