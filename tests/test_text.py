@@ -86,8 +86,8 @@ sum0  Tensor.sum  -  (relu0:out) -> sum0:out f32[] d9d0cc23
 backward0  Tensor.backward  (sum0:out)
 backward0  sum0/SumBackward0  <- sum0:out@grad -> relu0:out@grad f32[2,3] bbec5b7e
 backward0  relu0/ReluBackward0  <- relu0:out@grad -> StraightClamp0:out@grad f32[2,3] 431b43b3
-backward0  StraightClamp0/StraightClampBackward  <- StraightClamp0:out@grad -> StraightClamp0:out@grad f32[2,3] 431b43b3
-backward0  linear0/AddmmBackward0  <- StraightClamp0:out@grad -> fc.bias@grad f32[3] 7435400a, -, linear0/AddmmBackward0:grad2 f32[4,3] 8334fe91
+backward0  StraightClamp0/StraightClampBackward  <- StraightClamp0:out@grad -> linear0:out@grad f32[2,3] 431b43b3
+backward0  linear0/AddmmBackward0  <- linear0:out@grad -> fc.bias@grad f32[3] 7435400a, -, linear0/AddmmBackward0:grad2 f32[4,3] 8334fe91
 backward0  fc.bias/AccumulateGrad  <- fc.bias@grad -> -
 backward0  linear0/TBackward0  <- linear0/AddmmBackward0:grad2 -> fc.weight@grad f32[3,4] 980354c2
 backward0  fc.weight/AccumulateGrad  <- fc.weight@grad -> -

@@ -5,6 +5,7 @@ produced (a leaf's ``.grad`` included), the calls a node's own code made, the no
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import weakref
@@ -224,6 +225,7 @@ class AutogradMixin(RecorderState):
             self._run = run
             self.trace.backward_runs.append(run)
             self._indegree = self._indegree_from(unique(flat_tensors(first)))
+            self._passed_on.clear()
             self._create_graph = creates_graph(api, args, kwargs)
             if self._create_graph and get_seq is not None:
                 self._bwd_seq0 = (threading.get_ident(), get_seq())
@@ -329,6 +331,7 @@ class AutogradMixin(RecorderState):
     def _current_run(self) -> BackwardRun:
         if self._run is None:  # backward started where the trace could not see it
             self._indegree = self._indegree_all()
+            self._passed_on.clear()
             self._run_index = len(self.trace.backward_runs)
             self._run = BackwardRun(name=self.counters.next("backward"), api="(engine)", roots=[],
                                     seq=len(self.trace.backward_runs))
@@ -343,13 +346,24 @@ class AutogradMixin(RecorderState):
         edges = self._edges.get(node, ()) if produced else ()
         names: list[str | None] = []
         tensor_names = self._tensor_names
+        passed = self._passed_on
         for i, g in enumerate(grads):
             if not isinstance(g, torch.Tensor):
                 names.append(None)
                 continue
+            if not produced and passed:  # the very tensor a node passed on along this edge
+                on_edge = passed.pop((node, i), None)
+                # The same tensor at the same version: a slot fed by several edges may have been
+                # summed into it in place by the engine (then it is that slot's sum, named below).
+                if on_edge is not None and on_edge[1] == id(g) and on_edge[2] == version_of(g):
+                    names.append(on_edge[0])
+                    continue
             hit = tensor_names.get(g)
             if hit is not None and hit[1] == version_of(g) and not (own_calls and self._made_by(hit[0], own_calls)):
-                names.append(hit[0])
+                if produced and i < len(edges) and edges[i][0] is not None:
+                    names.append(self._pass_on(node, i, g, hit[0], edges[i]))
+                else:
+                    names.append(hit[0])
             elif produced:
                 # A gradient the node's own code made (a custom backward: named by the op that
                 # made it) is also recorded under its gradient name, so <param>@grad exists.
@@ -366,6 +380,34 @@ class AutogradMixin(RecorderState):
                 gname = self._slot_grad(node, i) or self._in_run(f"{node}:gin{i}")
                 names.append(self._new_tensor(g, gname, "grad", None))
         return names
+
+    def _pass_on(self, node: str, i: int, g: torch.Tensor, name: str, edge: tuple[str | None, int]) -> str:
+        """A gradient ``node`` received and passes on unchanged (``AddBackward0`` hands its
+        incoming gradient to both inputs): on each edge it is that edge's gradient, named by it
+        (``<tensor>@grad`` when it alone flows into the slot, else ``<node>:grad<i>``), with
+        the checksum and stats of the value it is, computed once."""
+        dest, k = edge
+        assert dest is not None
+        own = self._slot_grad(dest, k) if self._indegree.get((dest, k), 0) == 1 else None
+        edge_name = own or self._in_run(f"{node}:grad{i}")
+        if edge_name == name:
+            return name
+        original = self.trace.tensors.get(name)
+        if original is None:
+            return name
+        tensors = self.trace.tensors
+        if edge_name in tensors:
+            k2 = 1
+            while f"{edge_name}#{k2}" in tensors:
+                k2 += 1
+            edge_name = f"{edge_name}#{k2}"
+        rec = dataclasses.replace(original, name=edge_name, role="grad", producer=node, seq=self._tensor_seq,
+                                  md5=None, fingerprint=None, hash_note=None, stats=None, previous=None)
+        self._tensor_seq += 1
+        tensors[edge_name] = rec
+        self._passed_on[(dest, k)] = (edge_name, id(g), version_of(g))
+        self.hasher.same_as(rec, original)
+        return edge_name
 
     def _made_by(self, tensor: str, calls: list[str]) -> bool:
         rec = self.trace.tensors.get(tensor)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import sys
 import threading
 import types
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -85,7 +86,8 @@ class CompiledFunctionWatch:
     """Turns each call of a compiled function on the traced thread into one opaque call."""
 
     def __init__(self, rec: Recorder) -> None:
-        self._rec = rec
+        # Weak: the recorder owns this watch, and a finished trace is freed by reference counting.
+        self._rec_ref = weakref.ref(rec)
         self._cls: type | None = None
         self._code: types.CodeType | None = None
         self._tool: int | None = None  # the sys.monitoring tool id held (3.12+)
@@ -133,8 +135,8 @@ class CompiledFunctionWatch:
     # ---- the wrapper's hooks --------------------------------------------------------------------
     def enter(self) -> Callable[[], None]:
         """Called by the wrapper before the compiled code runs; returns its cleanup."""
-        rec = self._rec
-        if (rec.closed or rec.paused or rec.stopped or rec.in_backward or self._awaiting is not None
+        rec = self._rec_ref()
+        if (rec is None or rec.closed or rec.paused or rec.stopped or rec.in_backward or self._awaiting is not None
                 or threading.get_ident() != rec.owner):
             return _nothing
         frame: types.FrameType | None = sys._getframe(1)
@@ -157,7 +159,9 @@ class CompiledFunctionWatch:
         return leave
 
     def _leave(self, region: OpaqueRegion, wrapper_frame: types.FrameType, raised_before: BaseException | None) -> None:
-        rec = self._rec
+        rec = self._rec_ref()
+        if rec is None:
+            return
         pending = rec.close_region(region)
         raised = sys.exc_info()[1]
         if raised is not None and raised is not raised_before:  # the compiled code raised
@@ -175,7 +179,9 @@ class CompiledFunctionWatch:
 
     def _on_return(self, code: types.CodeType, offset: int, result: object) -> Any:
         awaiting = self._awaiting
-        if awaiting is not None and threading.get_ident() == self._rec.owner and sys._getframe(1) is awaiting[0]:
+        rec = self._rec_ref()
+        if awaiting is not None and rec is not None and threading.get_ident() == rec.owner \
+                and sys._getframe(1) is awaiting[0]:
             self._finish(result)
         return None
 
@@ -189,8 +195,8 @@ class CompiledFunctionWatch:
         assert self._awaiting is not None
         _frame, pending = self._awaiting
         self._awaiting = None
-        rec = self._rec
-        if rec.closed:
+        rec = self._rec_ref()
+        if rec is None or rec.closed:
             return
         with torch._C.DisableTorchFunction():
             outs = unique(flat_tensors(result))

@@ -102,6 +102,9 @@ class RecorderState:
         # Edges into each (node, input slot) in the graph the running backward walks: a gradient
         # that alone flows into a tensor's slot is that tensor's gradient (see _grad_names).
         self._indegree: dict[tuple[str, int], int] = {}
+        # A gradient passed on unchanged, by the slot it was sent to: (its name on that edge, id of
+        # the tensor, alive in the engine's buffer until that slot's node takes it, its version).
+        self._passed_on: dict[tuple[str, int], tuple[str, int, int]] = {}
         self._versions: dict[str, int] = {}
         self._handles: list[Any] = []
         # Grad nodes that run user Python (custom Function backwards, accumulators with

@@ -109,6 +109,9 @@ class Hasher:
         # The last MD5 copy queued per (device, stream): writers on other streams wait for it.
         self._copy_events: dict[tuple[torch.device, int], Any] = {}
         self.capturing_skipped = 0
+        # Records of a value already submitted under another record: (copy, original), filled in
+        # from the original once it is done (a gradient passed on unchanged: hashed once).
+        self._same: list[tuple[TensorRecord, TensorRecord]] = []
 
     def prepare(self) -> None:
         """When a trace starts on a process that already uses CUDA: compile the batched kernels
@@ -153,6 +156,28 @@ class Hasher:
                 self._submit_wrapped(rec, t)
             else:
                 rec.hash_note = f"not hashed: {_first_line(exc)}"
+
+    def same_as(self, rec: TensorRecord, original: TensorRecord) -> None:
+        """``rec`` holds the very value ``original`` was submitted with: it gets the original's
+        checksum, stats and notes once those are known, with no work of its own."""
+        if self.active:
+            with self._lock:
+                self._same.append((rec, original))
+
+    def _fill_same(self, pending: set[int] | None) -> None:
+        """Copy finished originals into their copies (all of them when ``pending`` is None)."""
+        with self._lock:
+            same, self._same = self._same, []
+        keep = []
+        for rec, original in same:
+            if pending is not None and id(original) in pending:
+                keep.append((rec, original))
+                continue
+            rec.md5, rec.fingerprint, rec.stats = original.md5, original.fingerprint, original.stats
+            rec.hash_note, rec.sharding = original.hash_note, original.sharding
+        if keep:
+            with self._lock:
+                self._same[:0] = keep
 
     def _submit_wrapped(self, rec: TensorRecord, t: torch.Tensor) -> None:
         """A tensor met while a torch.func transform runs (the transforms are off): the plain
@@ -356,6 +381,8 @@ class Hasher:
                 self._drain(wait)
         else:
             self._drain(wait)
+        if self._same:
+            self._fill_same(None if wait else self._pending_originals())
 
     def _drain(self, wait: bool) -> None:
         finish, hex_of = fp.finish, fp.hex_of
@@ -406,6 +433,12 @@ class Hasher:
             rec.md5 = fut.result()
 
     def pending(self) -> set[int]:
+        waiting = self._pending_originals()
+        with self._lock:
+            waiting.update(id(rec) for rec, original in self._same)
+        return waiting
+
+    def _pending_originals(self) -> set[int]:
         with self._lock:
             waiting = {id(r) for r, _, _ in self._jobs} | {id(r) for r, _, _ in self._fingerprints}
             waiting.update(id(r) for r, _ in self._stat_rows)
