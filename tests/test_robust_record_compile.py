@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import tracer
+from tests.conftest import requires_cuda
 from tracer.model import Call, Trace
 
 dynamo = pytest.importorskip("torch._dynamo")
@@ -169,3 +170,20 @@ def test_nothing_stays_installed_after_the_block() -> None:
     with tracer.trace() as plain:
         five_ops(x)
     assert [c.kind for c in plain.calls] == ["op"] * 6 and NOTE not in plain.notes
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_inductor_on_cuda_is_one_call_without_recompiling() -> None:
+    compiled = torch.compile(five_ops)  # the default backend: Inductor, Triton kernels
+    x = torch.randn(1024, device="cuda", requires_grad=True)
+    compiled(x)
+    with tracer.trace(hash="fast") as t:
+        y = compiled(x)
+        y.backward()
+    compiled(x)
+    assert counters["stats"]["unique_graphs"] == 1 and dict(counters["graph_break"]) == {}
+    assert [c.kind for c in t.calls] == ["compiled"]
+    out = t.tensors[t.calls[0].outputs[0]]
+    assert out.fingerprint is not None and out.device.startswith("cuda")
+    assert torch.allclose(y, five_ops(x))

@@ -27,7 +27,7 @@ def _path(out: str | os.PathLike[str] | None) -> str | None:
 
 @overload
 def trace(*, hash: HashKind = ..., stacks: bool = ..., stats: bool | None = ...,
-          out: str | os.PathLike[str] | None = ..., flush_every: int = ..., listeners: Iterable[Listener] = ...,
+          out: str | os.PathLike[str] | None = ..., flush_every: int = ..., listeners: Iterable[Listener] | None = ...,
           memory: bool = ..., max_calls: int | None = ..., max_bytes: int | None = ...,
           check_numerics: bool = ..., raise_on_nonfinite: bool = ..., optimizer_ops: bool = ...,
           steps: None = None, every: None = None) -> TraceSession: ...
@@ -35,7 +35,7 @@ def trace(*, hash: HashKind = ..., stacks: bool = ..., stats: bool | None = ...,
 
 @overload
 def trace(*, hash: HashKind = ..., stacks: bool = ..., stats: bool | None = ...,
-          out: str | os.PathLike[str] | None = ..., flush_every: int = ..., listeners: Iterable[Listener] = ...,
+          out: str | os.PathLike[str] | None = ..., flush_every: int = ..., listeners: Iterable[Listener] | None = ...,
           memory: bool = ..., max_calls: int | None = ..., max_bytes: int | None = ...,
           check_numerics: bool = ..., raise_on_nonfinite: bool = ..., optimizer_ops: bool = ...,
           steps: StepSpec | None = ..., every: int | None = ..., per_step_files: bool = ...,
@@ -44,7 +44,7 @@ def trace(*, hash: HashKind = ..., stacks: bool = ..., stats: bool | None = ...,
 
 def trace(*, hash: HashKind = "md5", stacks: bool = True, stats: bool | None = None,
           out: str | os.PathLike[str] | None = None, flush_every: int = 256,
-          listeners: Iterable[Listener] = (), memory: bool = False, max_calls: int | None = None,
+          listeners: Iterable[Listener] | None = (), memory: bool = False, max_calls: int | None = None,
           max_bytes: int | None = None, check_numerics: bool = False, raise_on_nonfinite: bool = False,
           optimizer_ops: bool = False, steps: StepSpec | None = None, every: int | None = None,
           **step_options: Any) -> TraceSession | StepTrace:
@@ -80,7 +80,7 @@ def trace(*, hash: HashKind = "md5", stacks: bool = True, stats: bool | None = N
     also when it raises; then the trace is marked ``failed`` and the exception propagates.
     """
     options = TraceOptions(hash=hash, stacks=stacks, stats=stats, out=_path(out), flush_every=flush_every,
-                           listeners=tuple(listeners), memory=memory, max_calls=max_calls, max_bytes=max_bytes,
+                           listeners=tuple(listeners or ()), memory=memory, max_calls=max_calls, max_bytes=max_bytes,
                            check_numerics=check_numerics, raise_on_nonfinite=raise_on_nonfinite,
                            optimizer_ops=optimizer_ops)
     if steps is not None or every is not None:

@@ -95,11 +95,15 @@ def _traced_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
 # Function's backward makes, a mode of the same recorder is pushed around that code alone: they
 # become calls nested under the running grad node, with their stacks inside backward().
 _ORIGINAL_BACKWARD_APPLY = BackwardCFunction.__dict__["apply"]
+# The backward of a torch.compile region (AOTAutograd's Function) is as opaque as its forward:
+# one grad node, the ops of its compiled backward graph not recorded.
+_COMPILED_BACKWARDS = frozenset({"CompiledFunctionBackward", "CompiledFunctionBackwardBackward"})
 
 
 def _traced_backward_apply(self: Any, *args: Any) -> Any:
     rec = _ACTIVE
-    if rec is None or rec.closed or rec.paused or rec.stopped or not rec.in_backward:
+    if rec is None or rec.closed or rec.paused or rec.stopped or not rec.in_backward \
+            or type(self).__name__ in _COMPILED_BACKWARDS:
         return _ORIGINAL_BACKWARD_APPLY(self, *args)
     with RecordingMode(rec):
         return _ORIGINAL_BACKWARD_APPLY(self, *args)
