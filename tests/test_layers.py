@@ -40,7 +40,7 @@ TORCH_PRIVATES = frozenset({"_C", "_version", "_base", "_cdata", "_schema", "_se
 # Optional or slow-to-import dependencies, imported where they are used (each with a reason on the
 # line or the line above).
 LAZY_OK = ("matplotlib", "triton", "graphviz", "transformers", "lightning", "pytorch_lightning", "torch.distributed",
-           "tracer.record.checksums.triton_kernels", "torch.utils._debug_mode")
+           "tracer.record.checksums.triton_kernels", "torch.utils._debug_mode", "rich.progress")
 
 
 @dataclass(frozen=True)

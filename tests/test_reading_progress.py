@@ -3,6 +3,7 @@ stage when it is (a terminal-like stream) or when ``GRADTRACE_PROGRESS=1`` force
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import sys
@@ -105,3 +106,44 @@ def test_stages_on_a_forced_console_count_to_the_end() -> None:
         stages.next("loading a.gtrace")
     assert "gradtrace: loading" not in plain.getvalue()
     assert describe_load("/no/such/file.gtrace") == "loading file.gtrace"
+
+
+# ---- the end of a traced block: the last checksums -----------------------------------------------
+def _big_step() -> tuple[tracer.Trace, torch.Tensor]:
+    torch.manual_seed(0)
+    x = torch.randn(512, 1024)  # 2 MiB: hashed on the worker threads, collected at the block's end
+    with tracer.trace(hash="md5") as t:
+        y = (x * 2).exp()
+    return t, y
+
+
+@pytest.mark.parametrize(("stream", "setting", "shown"), [
+    (Terminal, None, True), (io.StringIO, None, False), (io.StringIO, "1", True), (Terminal, "0", False)])
+def test_end_of_block_checksums_show_a_bar_only_where_someone_watches(
+        monkeypatch: pytest.MonkeyPatch, stream: type[io.StringIO], setting: str | None, shown: bool) -> None:
+    from tracer.record import end_progress
+
+    monkeypatch.setattr(end_progress, "SHOW_FROM_BYTES", 1 << 20)
+    if setting is None:
+        monkeypatch.delenv(PROGRESS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(PROGRESS_ENV, setting)
+    err = stream()
+    monkeypatch.setattr(sys, "stderr", err)
+    t, y = _big_step()
+    text = err.getvalue()
+    assert ("gradtrace: checksums of the block's last 6.3 MB" in text) is shown, text
+    if shown:
+        assert ANSI_CLEAR_LINE in text  # transient: the bar is gone when the checksums are done
+    else:
+        assert text == ""
+    # the checksums are those of the bytes, bar or not
+    assert t.tensors["exp0:out"].md5 == hashlib.md5(y.numpy().tobytes()).hexdigest()
+
+
+def test_small_blocks_show_no_bar(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(PROGRESS_ENV, "1")
+    err = Terminal()
+    monkeypatch.setattr(sys, "stderr", err)
+    _big_step()  # 6 MiB of checksums: below the default threshold
+    assert err.getvalue() == ""

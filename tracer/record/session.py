@@ -23,6 +23,7 @@ from tracer.options import TraceError, TraceOptions
 from tracer.record import recorder as _recorder
 from tracer.record import warning_sites
 from tracer.record.checksums.fingerprint import ALGORITHM as FINGERPRINT_ALGORITHM
+from tracer.record.end_progress import checksum_progress
 from tracer.record.mode import COMPILED
 from tracer.version import __version__
 
@@ -202,7 +203,8 @@ class TraceSession:
             rec.on_records = None
 
     def _finalize(self, rec: _recorder.Recorder, t: Trace, exc: BaseException | None) -> None:
-        rec.hasher.close()
+        with checksum_progress(rec.hasher.queued_bytes()) as on_bytes:
+            rec.hasher.close(on_bytes)
         for li in rec.listeners:
             finish = getattr(li, "finish", None)  # listeners that write into the trace at the end
             if finish is not None:

@@ -30,6 +30,7 @@ import math
 import os
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -373,18 +374,19 @@ class Hasher:
             rec.md5 = fut.result()
 
     # ---- completion ---------------------------------------------------------------------------
-    def drain(self, wait: bool = False) -> None:
+    def drain(self, wait: bool = False, on_bytes: Callable[[int], None] | None = None) -> None:
         """Fill in finished checksums and stats: all of them if ``wait`` (one fetch per device,
-        the only synchronisation), else those whose kernels or copies have already finished."""
+        the only synchronisation), else those whose kernels or copies have already finished.
+        ``on_bytes`` hears the size of each MD5 job collected (a progress bar)."""
         if transforms_active():  # a streamed file's flush inside torch.func.grad/vmap...
             with transforms_off():
-                self._drain(wait)
+                self._drain(wait, on_bytes)
         else:
-            self._drain(wait)
+            self._drain(wait, on_bytes)
         if self._same:
             self._fill_same(None if wait else self._pending_originals())
 
-    def _drain(self, wait: bool) -> None:
+    def _drain(self, wait: bool, on_bytes: Callable[[int], None] | None = None) -> None:
         finish, hex_of = fp.finish, fp.hex_of
         if wait and self._host_fp is not None:
             self._host_fp.flush()
@@ -431,6 +433,13 @@ class Hasher:
                 self._jobs.popleft()
                 self._inflight -= size
             rec.md5 = fut.result()
+            if on_bytes is not None:
+                on_bytes(size)
+
+    def queued_bytes(self) -> int:
+        """Bytes of MD5 work queued and not yet collected: what ``close`` may wait for."""
+        with self._lock:
+            return self._inflight
 
     def pending(self) -> set[int]:
         waiting = self._pending_originals()
@@ -450,8 +459,8 @@ class Hasher:
             waiting.update(self._fused.pending())
         return waiting
 
-    def close(self) -> None:
-        self.drain(wait=True)
+    def close(self, on_bytes: Callable[[int], None] | None = None) -> None:
+        self.drain(wait=True, on_bytes=on_bytes)
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
