@@ -61,3 +61,14 @@ def test_filters_and_registry_see_the_users_module(tmp_path: object) -> None:
     lines = [line for line in proc.stderr.splitlines() if "UserWarning" in line]
     assert len(lines) == 1  # once for the location, not three times
     assert lines[0].startswith("<string>:6: UserWarning: An output with one or more elements was resized")
+
+
+def test_the_numerics_warning_points_at_the_users_with_line() -> None:
+    x = torch.tensor([-1.0, 4.0])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = sys._getframe().f_lineno + 1
+        with tracer.check_numerics():
+            torch.sqrt(x)
+    found = [w for w in caught if w.category is tracer.NumericsWarning]
+    assert [(w.filename, w.lineno) for w in found] == [(__file__, line)]

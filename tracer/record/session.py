@@ -22,6 +22,7 @@ from tracer.model import StreamWriter, Trace
 from tracer.options import TraceError, TraceOptions
 from tracer.record import recorder as _recorder
 from tracer.record import warning_sites
+from tracer.record.stacks import user_stacklevel
 from tracer.record.checksums.fingerprint import ALGORITHM as FINGERPRINT_ALGORITHM
 from tracer.record.end_progress import checksum_progress
 from tracer.record.mode import COMPILED
@@ -227,7 +228,8 @@ class TraceSession:
         if self.options.numerics and exc is None:
             report = t.anomalies
             if not report.clean:
-                warnings.warn(f"gradtrace: non-finite values found\n{report}", NumericsWarning, stacklevel=3)
+                warnings.warn(f"gradtrace: non-finite values found\n{report}", NumericsWarning,
+                              stacklevel=user_stacklevel())
         if self._writer is not None:
             self._flush(final=True)
             self._writer.write([{"t": "meta", "seconds": t.meta["seconds"]}, t.end_record()])
