@@ -22,10 +22,10 @@ from tracer.model import StreamWriter, Trace
 from tracer.options import TraceError, TraceOptions
 from tracer.record import recorder as _recorder
 from tracer.record import warning_sites
-from tracer.record.stacks import user_stacklevel
 from tracer.record.checksums.fingerprint import ALGORITHM as FINGERPRINT_ALGORITHM
 from tracer.record.end_progress import checksum_progress
 from tracer.record.mode import COMPILED
+from tracer.record.stacks import user_stacklevel
 from tracer.version import __version__
 
 # One trace at a time per process (the apply wrapper, the module hooks and the gc thresholds are
