@@ -50,7 +50,8 @@ class Compared:
 
     def to_json(self) -> dict[str, Any]:
         return {"status": self.status, "max_abs": json_number(self.abs), "max_rel": json_number(self.rel),
-                "basis": self.basis or None, "elements": None if self.elements is None else self.elements.to_json()}
+                "basis": self.basis or None, "difference": self.describe() or None,
+                "elements": None if self.elements is None else self.elements.to_json()}
 
     def describe(self) -> str:
         """The difference in words that say where it came from (``difference_text``)."""
@@ -387,7 +388,8 @@ def frame_json(f: Frame) -> dict[str, Any]:
 
 
 def module_table(result: DiffResult) -> list[dict[str, Any]]:
-    """Per module: differing records forward/backward, after-backward calls, largest differences.
+    """Per module: differing records forward/backward, after-backward calls, largest differences
+    (``basis``: of what, ``stats``, ``values`` element-wise, or ``mixed``).
 
     Only modules where something differs, or, with a tolerance, where any difference was measured;
     sorted by largest relative difference with a tolerance, by module path otherwise.
@@ -401,9 +403,11 @@ def module_table(result: DiffResult) -> list[dict[str, Any]]:
         after = result.forward.from_backward.get(m, 0)
         rel = max((x.max_rel for x in stats), default=0.0)
         ab = max((x.max_abs for x in stats), default=0.0)
+        bases = {x.basis for x in stats if x.basis}
+        basis = "" if not bases else bases.pop() if len(bases) == 1 else "mixed"
         if fwd or bwd or after or (result.tolerance is not None and rel > 0):
             out.append({"module": m, "forward": fwd, "backward": bwd, "after_backward": after,
-                        "max_abs": ab, "max_rel": rel, "origin": m in origins})
+                        "max_abs": ab, "max_rel": rel, "basis": basis or None, "origin": m in origins})
     if result.tolerance is not None:
         out.sort(key=lambda r: -r["max_rel"])
     return out
