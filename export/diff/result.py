@@ -284,6 +284,12 @@ class DiffResult:
                 and not any(p.differs for p in self.params))
 
     @property
+    def values_kept(self) -> bool:
+        """Whether both traces kept some tensors' values (``trace(keep_values=...)``)."""
+        return all(t is not None and any(r.values is not None for r in t.tensors.values())
+                   for t in (self.trace_a, self.trace_b))
+
+    @property
     def exit_code(self) -> int:
         return 0 if self.equal else 1
 
@@ -327,7 +333,7 @@ class DiffResult:
             top = max((d.largest for d in (f, b) if d.largest is not None),
                       key=lambda r: r.max_rel or 0.0, default=None)
             if top is None or not top.max_rel:
-                at = ": no difference in the recorded stats or kept values"
+                at = ": no difference in the recorded stats" + (" or kept values" if self.values_kept else "")
             elif top.basis == "values":
                 at = (f": largest element-wise relative difference {format_number(top.max_rel, 3)} at {top.a} "
                       f"(in {top.module or '<root>'})")
