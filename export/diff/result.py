@@ -316,7 +316,7 @@ class DiffResult:
             first = changed[0].name
             reader = next((c.name for c in self.trace_a.calls if c.phase == "forward" and first in c.inputs), None)
             if reader is not None:
-                head += f" (first read by {reader}, whose outputs matched)"
+                head += f"; first read by {reader}, whose outputs matched"
         return head
 
     def verdict(self) -> str:
