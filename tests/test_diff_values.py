@@ -15,7 +15,7 @@ from rich.console import Console
 
 import tracer
 from export.cli import main
-from export.diff import diff, diff_payload
+from export.diff import diff, diff_html, diff_payload
 from export.diff.elements import ONLY_STATS, element_diff
 from tests.models import SmallCNN, hf_model
 from tracer.model import TraceFormatError
@@ -337,3 +337,29 @@ def test_two_different_models_get_the_hint(tmp_path, capsys) -> None:
     first = capsys.readouterr().out.splitlines()[0]
     assert first.startswith("DIVERGED — these traces share no calls: different models or programs? (A: ")
     assert "inserted" not in first
+
+
+@pytest.mark.browser
+def test_html_page_labels_what_each_difference_is_of(kept, plain, tmp_path) -> None:
+    playwright = pytest.importorskip("playwright.sync_api")
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"])
+        try:
+            for (a, b), words, basis in (((kept[0], kept[1]), "At the origin: element-wise: max abs ", "values"),
+                                         (plain, "At the origin: stats differ: max |Δ| ", "stats")):
+                path = tmp_path / f"{basis}.html"
+                diff_html(diff(a, b), a, b, path)
+                page = browser.new_page()
+                errors: list[str] = []
+                page.on("pageerror", lambda e, errors=errors: errors.append(str(e)))
+                page.goto(path.as_uri())
+                assert errors == []
+                assert page.locator("#section-forward").get_by_text(words).count() == 1
+                origin = page.locator("#section-forward tr.origin td")
+                assert origin.nth(8).inner_text() == basis  # the "of" column
+                params = page.locator("section", has_text="Parameters that differ").locator("tr").nth(1)
+                assert WEIGHT in params.inner_text()  # the changed parameter first
+                if basis == "stats":
+                    assert "only checksums and stats are known" in page.locator("#notes").inner_text()
+        finally:
+            browser.close()
