@@ -363,3 +363,33 @@ def test_html_page_labels_what_each_difference_is_of(kept, plain, tmp_path) -> N
                     assert "only checksums and stats are known" in page.locator("#notes").inner_text()
         finally:
             browser.close()
+
+
+def test_gradtrace_run_keeps_values(tmp_path, monkeypatch, capsys) -> None:
+    (tmp_path / "train_tiny.py").write_text(
+        "import torch\n"
+        "torch.manual_seed(0)\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for i in range(2):\n"
+        "    model(torch.ones(3, 4)).sum().backward()\n"
+        "    opt.step()\n"
+        "    opt.zero_grad()\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "--steps", "1", "--no-progress", "--keep-values", "1.*", "--keep-values", "*@grad",
+                 "-o", "kv.gtrace", "train_tiny.py"]) == 0
+    t = tracer.load("kv.gtrace")
+    kept = {n for n, r in t.tensors.items() if r.values is not None}
+    assert {"1.weight", "1.bias", "1.weight@v1", "linear1:out", "0.weight@grad"} <= kept
+    assert "0.weight" not in kept and t.header["keep_values"]["patterns"] == ["1.*", "*@grad"]
+    assert main(["run", "--steps", "1", "--no-progress", "--keep-values", "params", "--keep-values-bytes", "40",
+                 "-o", "p.gtrace", "train_tiny.py"]) == 0
+    t = tracer.load("p.gtrace")
+    # 0.weight (48 bytes) is past the cap alone; 0.bias (12) and 1.weight (24) fit; then nothing more does
+    assert {n for n, r in t.tensors.items() if r.values is not None} == {"0.bias", "1.weight"}
+    assert t.notes == ["values kept of 2 parameters and buffers (36 bytes of 40 bytes)",
+                       "values of 6 parameters and buffers beyond the 40 bytes cap (raise keep_values_bytes); "
+                       "the first: 0.weight"]
+    capsys.readouterr()
+    assert main(["run", "--keep-values", "params", "--keep-values", "x", "train_tiny.py"]) == 2
+    assert "--keep-values params keeps every parameter" in capsys.readouterr().err
