@@ -393,3 +393,24 @@ def test_gradtrace_run_keeps_values(tmp_path, monkeypatch, capsys) -> None:
     capsys.readouterr()
     assert main(["run", "--keep-values", "params", "--keep-values", "x", "train_tiny.py"]) == 2
     assert "--keep-values params keeps every parameter" in capsys.readouterr().err
+
+
+def test_fp32_against_bf16_autocast_compares_kept_values_element_wise() -> None:
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(8, 16, generator=g), torch.randn(16, 4, generator=g)
+    with tracer.trace(keep_values=["*"]) as a:
+        ya = torch.mm(x, w)
+    with tracer.trace(keep_values=["*"]) as b, torch.autocast("cpu", dtype=torch.bfloat16):
+        yb = torch.mm(x, w)
+    assert (ya.dtype, yb.dtype) == (torch.float32, torch.bfloat16)
+    truth = (ya.double() - yb.double()).abs()
+    for r in (diff(a, b, rtol=0.05), diff(a, b)):
+        row = next(row for row in r.forward.rows if row.a == "mm0")
+        assert row.basis == "values" and row.max_abs == truth.max().item()
+        assert row.elements is not None and row.elements.differing == int((truth != 0).sum())
+    assert diff(a, b, rtol=0.05).equal and not diff(a, b, rtol=1e-5).equal  # bf16 keeps ~3 digits
+    exact = diff(a, b)
+    assert (exact.forward.origin_a, exact.forward.reason) == ("mm0", "inputs match, outputs differ (dtype float32 vs bfloat16)")
+    raw_a, raw_b = (t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for t in (ya, yb))
+    e = element_diff(raw_a, raw_b, "float32", (8, 4), dtype_b="bfloat16")
+    assert e.max_abs == truth.max().item() and e.total == 32

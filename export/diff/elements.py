@@ -17,7 +17,7 @@ from tracer.model.display import format_number, json_number
 from tracer.model.values import DTYPE_SIZES, as_floats
 
 INF = math.inf
-_BLOCK = 4096  # elements compared as bytes first: equal stretches are never decoded
+_BLOCK = 4096  # components per block; of one dtype, equal blocks are compared as bytes, never decoded
 STATS_WORDS = "min/max/mean/absmax, not element-wise"
 ONLY_STATS = ("only checksums and stats are known: no tensor values were kept, so a difference shown is "
               f"of the stats ({STATS_WORDS}); record with tracer.trace(keep_values=[...]) for element-wise "
@@ -55,14 +55,25 @@ def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
+def comparable(dtype_a: str, dtype_b: str) -> bool:
+    """Whether kept values of these dtypes compare element by element: the same dtype, or two
+    dtypes read as numbers with as many components per element (float32 against bfloat16)."""
+    if dtype_a == dtype_b:
+        return dtype_a in DTYPE_SIZES
+    numeric = as_floats(b"", dtype_a) is not None and as_floats(b"", dtype_b) is not None
+    return numeric and dtype_a.startswith("complex") == dtype_b.startswith("complex")
+
+
 def element_diff(a: bytes, b: bytes, dtype: str, shape: tuple[int, ...],
-                 rtol: float = 0.0, atol: float = 0.0) -> ElementDiff:
-    """Compare two kept values of ``dtype`` and ``shape`` (``len(a) == len(b)``, checked on load)."""
-    size = DTYPE_SIZES[dtype]
+                 rtol: float = 0.0, atol: float = 0.0, dtype_b: str | None = None) -> ElementDiff:
+    """Compare two kept values of ``shape``: ``a`` of ``dtype``, ``b`` of ``dtype_b`` (default: the
+    same; else see ``comparable``). Lengths match the dtypes and shape (checked on load)."""
+    dtype_b = dtype_b or dtype
     parts = 2 if dtype.startswith("complex") else 1
-    total = len(a) // size * parts
-    step = size // parts  # bytes per component
-    if a == b:
+    step_a, step_b = DTYPE_SIZES[dtype] // parts, DTYPE_SIZES[dtype_b] // parts  # bytes per component
+    total = len(a) // step_a
+    same = dtype == dtype_b
+    if same and a == b:
         return ElementDiff(total, 0, None, 0.0, 0.0, 0)
     numeric = as_floats(b"", dtype) is not None
     differing = beyond = 0
@@ -70,13 +81,12 @@ def element_diff(a: bytes, b: bytes, dtype: str, shape: tuple[int, ...],
     worst_abs = worst_rel = 0.0
     d: float
     rel: float
-    block = _BLOCK * step
     isnan, isinf = math.isnan, math.isinf
-    for start in range(0, len(a), block):
-        sa, sb = a[start:start + block], b[start:start + block]
-        if sa == sb:
+    for base in range(0, total, _BLOCK):
+        sa = a[base * step_a:(base + _BLOCK) * step_a]
+        sb = b[base * step_b:(base + _BLOCK) * step_b]
+        if same and sa == sb:
             continue
-        base = start // step
         if not numeric:  # float8: which bytes differ, no magnitude
             for i, (x, y) in enumerate(zip(sa, sb)):
                 if x != y:
@@ -84,7 +94,7 @@ def element_diff(a: bytes, b: bytes, dtype: str, shape: tuple[int, ...],
                     beyond += 1
                     first = base + i if first is None else first
             continue
-        xs, ys = as_floats(sa, dtype), as_floats(sb, dtype)
+        xs, ys = as_floats(sa, dtype), as_floats(sb, dtype_b)
         assert xs is not None and ys is not None
         for i, (u, v) in enumerate(zip(xs, ys)):
             if u == v:
@@ -137,4 +147,4 @@ def difference_text(max_abs: float | None, max_rel: float | None, basis: str,
     return f"stats differ: max |Δ| {format_number(max_abs, 3)}{rel} ({what})"
 
 
-__all__ = ["ONLY_STATS", "STATS_WORDS", "ElementDiff", "difference_text", "element_diff", "elements_text"]
+__all__ = ["ONLY_STATS", "STATS_WORDS", "ElementDiff", "comparable", "difference_text", "element_diff", "elements_text"]

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from export.diff.align import Pair, align_calls, align_steps, call_mapping
-from export.diff.elements import ONLY_STATS, STATS_WORDS, element_diff
+from export.diff.elements import ONLY_STATS, STATS_WORDS, comparable, element_diff
 from export.diff.result import Compared, DiffResult, Divergence, ModuleStat, ParamDiff, Row, Tolerance
 from export.errors import DiffError
 from export.load import load_with_notes
@@ -100,7 +100,7 @@ class Comparer:
         if ra.shape != rb.shape:
             return Compared("differ", INF, INF, f"shape {list(ra.shape)} vs {list(rb.shape)}")
         da, db = checksum(ra), checksum(rb)
-        if ra.values is not None and rb.values is not None and ra.dtype == rb.dtype:
+        if ra.values is not None and rb.values is not None and comparable(ra.dtype, rb.dtype):
             return self._compare_values(ra, rb, da, db)
         sd = stat_diff(ra.stats, rb.stats)
         ab, rel = (None, None) if sd is None else (sd[0], sd[1])
@@ -122,13 +122,14 @@ class Comparer:
 
     def _compare_values(self, ra: TensorRecord, rb: TensorRecord, da: str | None, db: str | None) -> Compared:
         """Both traces kept this tensor's values: element-wise, exact or within the tolerance
-        (``|a - b| <= atol + rtol * |b|`` for every element, as ``torch.allclose``)."""
+        (``|a - b| <= atol + rtol * |b|`` for every element, as ``torch.allclose``); also across
+        dtypes read as numbers (float32 against bfloat16 under autocast)."""
         assert ra.values is not None and rb.values is not None
-        if da and db and da == db and ra.values == rb.values:
-            return Compared("equal", 0.0, 0.0, "", "values", element_diff(ra.values, rb.values, ra.dtype, ra.shape))
         tol = self.tol or Tolerance()
-        e = element_diff(ra.values, rb.values, ra.dtype, ra.shape, tol.rtol, tol.atol)
+        e = element_diff(ra.values, rb.values, ra.dtype, ra.shape, tol.rtol, tol.atol, rb.dtype)
         if self.tol is None:
+            if ra.dtype != rb.dtype:  # never bit-identical; the numbers say how far apart
+                return Compared("differ", e.max_abs, e.max_rel, f"dtype {ra.dtype} vs {rb.dtype}", "values", e)
             same = e.differing == 0 and not (da and db and da != db)
             return Compared("equal" if same else "differ", e.max_abs, e.max_rel, "" if same else "values", "values", e)
         within = e.beyond == 0
