@@ -623,7 +623,7 @@ def test_identical_runs_are_equal_and_one_ulp_is_found_at_its_first_reader(name)
     pname = next(n for n, rec in a.tensors.items() if rec.role == "param" and len(rec.shape) >= 2)
     readers = [call.name for call in a.calls if pname in call.inputs]
     if r.forward.origin is None:  # every reader rounded the ulp away: the verdict names the first
-        assert f"(first read by {readers[0]}, whose outputs matched)" in r.verdict()
+        assert f"; first read by {readers[0]}, whose outputs matched" in r.verdict()
     elif r.forward.origin_a == readers[0]:
         assert r.forward.reason.startswith(f"first call to read the changed param {pname}")
     else:  # an earlier reader's outputs matched (an embedding that never looked up that row)
