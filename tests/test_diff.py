@@ -273,7 +273,7 @@ def test_fp32_vs_bf16_autocast_within_tolerance(tmp_path) -> None:
     b = record(autocast=True)
     loose = diff(a, b, rtol=0.05)
     assert loose.exit_code == 0 and loose.equal
-    assert loose.verdict().startswith("EQUAL within rtol=0.05 atol=0: largest relative difference ")
+    assert loose.verdict().startswith("EQUAL within rtol=0.05 atol=0: largest relative stats difference ")
     # autocast's casts only exist in B: listed apart, not a change of structure
     assert loose.backward.casts and all(n.split("/")[-1].startswith("ToCopyBackward0") for n in loose.backward.casts)
     assert not loose.backward.inserted and not loose.backward.removed
@@ -290,7 +290,7 @@ def test_fp32_vs_bf16_autocast_within_tolerance(tmp_path) -> None:
     assert tight.forward.reason.startswith("inputs within tolerance, outputs beyond it (rel ")
     assert tight.forward.before_origin is not None and tight.forward.before_origin <= 1e-3
     assert tight.forward.origin.max_rel > 1e-3
-    assert tight.verdict().startswith("BEYOND TOLERANCE (rtol=0.001 atol=0), within it up to ")
+    assert tight.verdict().startswith("BEYOND TOLERANCE (rtol=0.001 atol=0), within it (by stats) up to ")
 
     exact = diff(a, b)
     assert exact.forward.origin_a == "linear0"
@@ -362,11 +362,13 @@ def test_hash_none_with_stats_compares_by_stats() -> None:
 # ---- outputs -----------------------------------------------------------------------------------------
 def test_render_verdict_first_then_tables(base, ulp) -> None:
     buf = io.StringIO()
-    diff(base, ulp).render(Console(file=buf, width=200, color_system=None))
+    r = diff(base, ulp)
+    r.render(Console(file=buf, width=200, color_system=None))
     lines = buf.getvalue().splitlines()
-    assert lines[0].startswith("DIVERGED — forward: first at linear4 (torch.nn.functional.linear in "
-                               "layers.1.attn.qkv): first call to read the changed param layers.1.attn.qkv.weight: "
-                               "input differs, outputs differ")
+    # the changed parameter first, its difference labelled as one of stats (no values were kept)
+    assert lines[0].startswith("DIVERGED — 1 parameter differs: layers.1.attn.qkv.weight (stats differ: max |Δ| ")
+    assert (" | forward: first at linear4 (torch.nn.functional.linear in layers.1.attn.qkv): first call to read "
+            "the changed param layers.1.attn.qkv.weight: input differs, outputs differ") in r.verdict()
     text = buf.getvalue()
     assert "Summary" in text and "First forward divergence" in text and "First backward divergence" in text
     assert "q, k, v = self.qkv(x).split(D, dim=-1)" in text
@@ -420,8 +422,11 @@ def test_cli_html(tmp_path, base, ulp) -> None:
     out = tmp_path / "d.html"
     assert main(["diff", str(tmp_path / "a.gtrace"), str(tmp_path / "b.gtrace"), "--html", str(out)]) == 1
     data = _embedded(out.read_text(encoding="utf-8"))
-    assert data["sections"][0]["origin"] == {"a": "linear4", "b": "linear4", "module": "layers.1.attn.qkv",
-                                             "what": "torch.nn.functional.linear"}
+    origin = data["sections"][0]["origin"]
+    assert origin["difference"].startswith("stats differ: max |Δ| ")
+    assert origin["difference"].endswith(" (min/max/mean/absmax, not element-wise)")
+    del origin["difference"]
+    assert origin == {"a": "linear4", "b": "linear4", "module": "layers.1.attn.qkv", "what": "torch.nn.functional.linear"}
 
 
 EVIL = "</script><img src=x onerror=alert(1)>"

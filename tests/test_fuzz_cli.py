@@ -56,13 +56,14 @@ class Fn(torch.autograd.Function):
 
 @pytest.fixture(scope="module")
 def seed_lines(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    """The lines of a real trace: a model, a custom Function, backward, an optimizer step and a
-    memory record, so every command has something to show."""
+    """The lines of a real trace: a model, a custom Function, backward, an optimizer step, a
+    memory record and kept values (base64 in the parameters' records), so every command has
+    something to show."""
     path = os.fspath(tmp_path_factory.mktemp("fuzz") / "seed.gtrace")
     torch.manual_seed(0)
     model = MLP()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with tracer.trace(out=path, memory=True):
+    with tracer.trace(out=path, memory=True, keep_values=True):
         Fn.apply(model(torch.randn(3, 8))).pow(2).mean().backward()
         opt.step()
     return Path(path).read_text(encoding="utf-8").splitlines(keepends=True)

@@ -104,9 +104,10 @@ def test_diff_result_repr_and_card(nan_step: tracer.Trace) -> None:
     with tracer.trace(hash="md5") as b:
         torch.sqrt(model(x) - 10).sum().backward()
     result = export.diff(a, b)
-    assert repr(result).startswith("<DiffResult A vs B: DIVERGED — forward: first at linear0 ")
+    assert repr(result).startswith("<DiffResult A vs B: DIVERGED — 1 parameter differs: 0.weight (stats differ: ")
     assert repr(result.forward.origin) == repr(result.forward.rows[0])
-    assert repr(result.forward.rows[0]).startswith("<Row linear0 torch.nn.functional.linear in 0: origin, max abs ")
+    # a difference of stats (no values kept) says so
+    assert repr(result.forward.rows[0]).startswith("<Row linear0 torch.nn.functional.linear in 0: origin, stats max |Δ| ")
     assert repr(result.params[0]) == "<ParamDiff 0.weight value differ, grad equal>"
     card = result._repr_html_()
     assert "<b>diff</b> <code>DIFFERENT</code>" in card and "<code>0.weight</code>" in card

@@ -539,7 +539,7 @@ def test_one_ulp_in_one_weight_is_found_at_its_first_reader_with_what_differed()
     assert r.forward.origin_a == "linear0"
     assert r.forward.reason == "first call to read the changed param layers.0.weight: input differs, outputs differ"
     assert r.differing_params[0].name == "layers.0.weight"
-    assert "value of layers.0.weight differs" in r.verdict()
+    assert "1 parameter differs: layers.0.weight (" in r.verdict()
 
 
 def test_a_change_rounded_away_by_its_first_reader_is_named_with_that_reader():
@@ -558,7 +558,8 @@ def test_a_change_rounded_away_by_its_first_reader_is_named_with_that_reader():
 
     r = export.diff(run(False), run(True))
     assert r.exit_code == 1 and r.forward.origin is None  # no call's outputs changed
-    assert "value of layers.0.weight differs (first read by linear0, whose outputs matched)" in r.verdict()
+    assert r.verdict().startswith("DIVERGED — 1 parameter differs: layers.0.weight (")
+    assert "; first read by linear0, whose outputs matched" in r.verdict()
 
 
 def test_diff_exit_status_does_not_depend_on_a_closed_pipe(tmp_path):
@@ -622,7 +623,7 @@ def test_identical_runs_are_equal_and_one_ulp_is_found_at_its_first_reader(name)
     pname = next(n for n, rec in a.tensors.items() if rec.role == "param" and len(rec.shape) >= 2)
     readers = [call.name for call in a.calls if pname in call.inputs]
     if r.forward.origin is None:  # every reader rounded the ulp away: the verdict names the first
-        assert f"(first read by {readers[0]}, whose outputs matched)" in r.verdict()
+        assert f"; first read by {readers[0]}, whose outputs matched" in r.verdict()
     elif r.forward.origin_a == readers[0]:
         assert r.forward.reason.startswith(f"first call to read the changed param {pname}")
     else:  # an earlier reader's outputs matched (an embedding that never looked up that row)

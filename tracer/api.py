@@ -11,7 +11,7 @@ from tracer.analysis.memory import MemoryRecord
 from tracer.features.plugins import session_plugins
 from tracer.loops.steps import StepObserver, StepTrace, step
 from tracer.model import Trace
-from tracer.options import HashKind, TraceError, TraceOptions
+from tracer.options import DEFAULT_KEEP_VALUES_BYTES, HashKind, TraceError, TraceOptions, value_patterns
 from tracer.record.listeners import Listener
 from tracer.record.session import TraceSession
 
@@ -30,6 +30,7 @@ def trace(*, hash: HashKind = ..., stacks: bool = ..., stats: bool | None = ...,
           out: str | os.PathLike[str] | None = ..., flush_every: int = ..., listeners: Iterable[Listener] | None = ...,
           memory: bool = ..., max_calls: int | None = ..., max_bytes: int | None = ...,
           check_numerics: bool = ..., raise_on_nonfinite: bool = ..., optimizer_ops: bool = ...,
+          keep_values: bool | str | Iterable[str] = ..., keep_values_bytes: int = ...,
           steps: None = None, every: None = None) -> TraceSession: ...
 
 
@@ -38,6 +39,7 @@ def trace(*, hash: HashKind = ..., stacks: bool = ..., stats: bool | None = ...,
           out: str | os.PathLike[str] | None = ..., flush_every: int = ..., listeners: Iterable[Listener] | None = ...,
           memory: bool = ..., max_calls: int | None = ..., max_bytes: int | None = ...,
           check_numerics: bool = ..., raise_on_nonfinite: bool = ..., optimizer_ops: bool = ...,
+          keep_values: bool | str | Iterable[str] = ..., keep_values_bytes: int = ...,
           steps: StepSpec | None = ..., every: int | None = ..., per_step_files: bool = ...,
           optimizer: Any = ..., observer: StepObserver | None = ...) -> StepTrace: ...
 
@@ -46,8 +48,9 @@ def trace(*, hash: HashKind = "md5", stacks: bool = True, stats: bool | None = N
           out: str | os.PathLike[str] | None = None, flush_every: int = 256,
           listeners: Iterable[Listener] | None = (), memory: bool = False, max_calls: int | None = None,
           max_bytes: int | None = None, check_numerics: bool = False, raise_on_nonfinite: bool = False,
-          optimizer_ops: bool = False, steps: StepSpec | None = None, every: int | None = None,
-          **step_options: Any) -> TraceSession | StepTrace:
+          optimizer_ops: bool = False, keep_values: bool | str | Iterable[str] = False,
+          keep_values_bytes: int = DEFAULT_KEEP_VALUES_BYTES, steps: StepSpec | None = None,
+          every: int | None = None, **step_options: Any) -> TraceSession | StepTrace:
     """Record forward API calls, grad nodes, call stacks and tensor checksums of a block.
 
     ``hash``: ``"md5"`` (exact MD5 of every tensor, the default), ``"fast"`` (a 64-bit
@@ -71,6 +74,15 @@ def trace(*, hash: HashKind = "md5", stacks: bool = True, stats: bool | None = N
     ``optimizer_ops``: record every op inside ``optimizer.step()``. By default a step is one call
     (named after the optimizer class, ``AdamW0``) from the parameters, gradients and state to
     the new versions it leaves behind; its intermediate tensors are not recorded.
+    ``keep_values``: also keep the values of chosen tensors, so that ``gradtrace diff`` shows
+    element-wise differences for them (max abs, max rel, how many elements, the first index)
+    instead of differences of their stats. ``True``: every parameter and buffer (each version);
+    a glob pattern or a list of them (``["transformer.h.0.*", "lm_head.weight", "*@grad"]``):
+    every tensor value whose name, or the path of the module whose call made it, matches.
+    Copied when recorded (CUDA: into pinned memory, without waiting), stored in the trace as
+    base64 of the raw bytes.
+    ``keep_values_bytes``: at most this many bytes of values per trace (64 MiB); values past it
+    are not kept, and the trace's notes say how many and which was first.
     ``steps`` / ``every``: trace only chosen optimizer steps of a longer loop; then
     ``per_step_files``, ``optimizer`` and ``observer`` too (``tracer.loops.steps.StepTrace``),
     and what this returns is a ``StepTrace``, else a ``TraceSession`` (``with ... as t`` gives
@@ -82,7 +94,8 @@ def trace(*, hash: HashKind = "md5", stacks: bool = True, stats: bool | None = N
     options = TraceOptions(hash=hash, stacks=stacks, stats=stats, out=_path(out), flush_every=flush_every,
                            listeners=tuple(listeners or ()), memory=memory, max_calls=max_calls, max_bytes=max_bytes,
                            check_numerics=check_numerics, raise_on_nonfinite=raise_on_nonfinite,
-                           optimizer_ops=optimizer_ops)
+                           optimizer_ops=optimizer_ops, keep_values=value_patterns(keep_values),
+                           keep_values_bytes=keep_values_bytes)
     if steps is not None or every is not None:
         unknown = sorted(set(step_options) - {"per_step_files", "optimizer", "observer"})
         if unknown:

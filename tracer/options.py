@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 HashKind = Literal["md5", "fast", "none"]
 HASH_ALGORITHMS: tuple[HashKind, ...] = ("md5", "fast", "none")
+# Bytes of tensor values one trace keeps at most (``keep_values``) unless ``keep_values_bytes``
+# says otherwise: enough for the weights of a few layers of a small model.
+DEFAULT_KEEP_VALUES_BYTES = 64 << 20
 
 
 class TraceError(RuntimeError):
@@ -34,6 +38,24 @@ def _flag(name: str, value: object, *, optional: bool = False) -> None:
     if not isinstance(value, bool):
         allowed = "True, False or None" if optional else "True or False"
         raise TraceError(f"{name} must be {allowed}, got {value!r}")
+
+
+def value_patterns(value: object) -> bool | tuple[str, ...]:
+    """``keep_values`` normalised: False (keep nothing), True (parameters and buffers) or a tuple
+    of non-empty glob patterns (one string is one pattern)."""
+    if value is None or value is False:
+        return False
+    if value is True:
+        return True
+    out: tuple[object, ...] | None = None
+    if isinstance(value, str):
+        out = (value,)
+    elif isinstance(value, Iterable):
+        out = tuple(value)
+    if out is None or not all(isinstance(p, str) and p for p in out):
+        raise TraceError("keep_values must be True (parameters and buffers), a glob pattern or a list of "
+                         f"glob patterns on tensor names and module paths, got {value!r}")
+    return tuple(str(p) for p in out) or False
 
 
 @dataclass(frozen=True)
@@ -56,6 +78,9 @@ class TraceOptions:
     check_numerics: bool = False
     raise_on_nonfinite: bool = False
     optimizer_ops: bool = False
+    # True: every parameter and buffer; patterns: fnmatch globs on tensor names and module paths.
+    keep_values: bool | tuple[str, ...] = False
+    keep_values_bytes: int = DEFAULT_KEEP_VALUES_BYTES
 
     def __post_init__(self) -> None:
         if self.hash not in HASH_ALGORITHMS:
@@ -70,8 +95,15 @@ class TraceOptions:
             if not isinstance(self.out, str | os.PathLike):
                 raise TraceError(f"out must be a path, got {self.out!r}")
             object.__setattr__(self, "out", os.fspath(self.out))
+        object.__setattr__(self, "keep_values", value_patterns(self.keep_values))
+        _positive("keep_values_bytes", self.keep_values_bytes, optional=False)
         if not isinstance(self.listeners, tuple):
             object.__setattr__(self, "listeners", tuple(self.listeners or ()))
+
+    @property
+    def keeps_values(self) -> bool:
+        """Whether some tensors' values are kept (``keep_values``)."""
+        return self.keep_values is not False
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> TraceOptions:

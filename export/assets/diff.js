@@ -9,6 +9,7 @@
   };
   const fmt = x => (x === null || x === undefined) ? "" :
       (typeof x === "number" ? (x === 0 ? "0" : x.toPrecision(3)) : String(x));
+  const BASIS = {stats: "stats", values: "values", mixed: "stats+values"};
   const COLORS = {origin: "#f8b4b4", new: "#fcd0d0", contaminated: "#fed7aa", gradient: "#ddd0ff",
                   inserted: "#fff3a0", removed: "#fff3a0", cast: "#eee", unknown: "#eee",
                   equal: "#c9f0d3", source: "#e6eefc"};
@@ -87,15 +88,16 @@
     }
     tools.appendChild(legend);
     const box = el("div", "scroll"), t = el("table"), head = el("tr");
-    for (const h of ["#", "A", "module", "op", "status", "B", "max abs", "max rel", "note"]) head.appendChild(el("th", null, h));
+    // "of": what max abs / max rel are differences of; "stats" means of min/max/mean/absmax, not of elements
+    for (const h of ["#", "A", "module", "op", "status", "B", "max abs", "max rel", "of", "note"]) head.appendChild(el("th", null, h));
     const thead = el("thead"); thead.appendChild(head); t.appendChild(thead);
     const body = el("tbody");
     s.rows.forEach((r, i) => {
-      const [a, b, module, what, status, ab, rel, note] = r;
+      const [a, b, module, what, status, ab, rel, note, basis] = r;
       const tr = el("tr", status);
       tr.dataset.a = a || ""; tr.dataset.b = b || "";
       for (const [txt, cls] of [[i, "n"], [a || "—", "n"], [module || "<root>"], [what], [status], [b || "—", "n"],
-                                [fmt(ab), "n"], [fmt(rel), "n"], [note]]) tr.appendChild(el("td", cls, txt));
+                                [fmt(ab), "n"], [fmt(rel), "n"], [BASIS[basis] || ""], [note]]) tr.appendChild(el("td", cls, txt));
       body.appendChild(tr);
     });
     t.appendChild(body); box.appendChild(t);
@@ -110,6 +112,7 @@
     const sec = el("section"); sec.id = "section-" + s.name;
     sec.appendChild(el("h2", null, s.name === "forward" ? "Forward API calls" : "Backward grad-node steps"));
     sec.appendChild(el("div", "summary", s.summary));
+    if (s.origin && s.origin.difference) sec.appendChild(el("div", "note", "At the origin: " + s.origin.difference));
     if (s.graph.nodes.length) {
       sec.appendChild(el("div", "note", "Around the first divergence (trace " + s.graph.side +
           "): inputs on the left, what consumed the outputs to the right."));
@@ -124,11 +127,12 @@
   if (data.modules.length) {
     const sec = el("section"); sec.appendChild(el("h2", null, "Per module"));
     const t = el("table"), head = el("tr");
-    for (const h of ["module", "forward differing", "backward differing", "after backward", "max abs", "max rel"]) head.appendChild(el("th", null, h));
+    for (const h of ["module", "forward differing", "backward differing", "after backward", "max abs", "max rel", "of"]) head.appendChild(el("th", null, h));
     t.appendChild(head);
     for (const m of data.modules) {
       const tr = el("tr", m.origin ? "origin-module" : "");
-      for (const x of [m.module || "<root>", m.forward, m.backward, m.after_backward, fmt(m.max_abs), fmt(m.max_rel)]) tr.appendChild(el("td", null, x));
+      for (const x of [m.module || "<root>", m.forward, m.backward, m.after_backward, fmt(m.max_abs), fmt(m.max_rel),
+                       BASIS[m.basis] || ""]) tr.appendChild(el("td", null, x));
       t.appendChild(tr);
     }
     sec.appendChild(t); main.appendChild(sec);
@@ -138,7 +142,7 @@
     const t = el("table"), head = el("tr");
     for (const h of ["parameter", "value", "gradient", "after step"]) head.appendChild(el("th", null, h));
     t.appendChild(head);
-    const cell = c => c === null ? "-" : c.status + (c.max_rel !== null && c.status !== "equal" ? " (rel " + fmt(c.max_rel) + ")" : "");
+    const cell = c => c === null ? "-" : c.status + (c.difference && c.status === "differ" ? " (" + c.difference + ")" : "");
     for (const p of data.params) {
       const tr = el("tr");
       for (const x of [p.name, p.only_in ? "only in " + p.only_in : cell(p.value), cell(p.grad), cell(p.updated)]) tr.appendChild(el("td", null, x));

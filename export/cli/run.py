@@ -34,6 +34,7 @@ from tracer.loops.program import Program, WatchedRun, execute
 from tracer.loops.steps import StepObserver, StepTrace
 from tracer.model import Trace, load_steps
 from tracer.model.display import format_size, with_tag
+from tracer.options import DEFAULT_KEEP_VALUES_BYTES
 
 
 # ---- the program -------------------------------------------------------------------------------
@@ -176,6 +177,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tensor checksums: exact md5 (default), fast on-device fingerprints, or none")
     p.add_argument("--optimizer-ops", action="store_true",
                    help="record every op inside optimizer.step() (default: each step is one call)")
+    p.add_argument("--keep-values", action="append", metavar="PATTERN",
+                   help="also keep the values of the tensors whose name or module path matches this glob "
+                        "(repeatable; 'params' keeps every parameter and buffer), for element-wise diffs")
+    p.add_argument("--keep-values-bytes", type=_size, metavar="SIZE",
+                   help="at most SIZE bytes of kept values per traced step (default 64 MiB; beyond it, a note)")
     p.add_argument("--report", action="store_true", help="also write the HTML report of each traced step")
     p.add_argument("--per-step-files", action="store_true",
                    help="one file per step (run.step10.gtrace) instead of all steps in one file")
@@ -202,8 +208,13 @@ def run_command(args: argparse.Namespace) -> int:
     check_output(out, option="--out")  # before the program runs, not after its work is done
     steps = args.steps if args.steps is not None or args.every is not None else "0"
     progress = progress_for(sys.stderr, enabled=not args.no_progress)
+    patterns = args.keep_values or []
+    if "params" in patterns and len(patterns) > 1:
+        raise UserError("--keep-values params keeps every parameter and buffer: give it alone, or patterns")
+    keep: bool | list[str] = True if patterns == ["params"] else patterns
     st: StepTrace = trace(hash=args.hash, out=out, max_calls=args.max_calls, max_bytes=args.max_bytes,
                           optimizer_ops=args.optimizer_ops, steps=steps, every=args.every,
+                          keep_values=keep, keep_values_bytes=args.keep_values_bytes or DEFAULT_KEEP_VALUES_BYTES,
                           per_step_files=args.per_step_files, observer=progress)
     code = execute(program, st)
     _conclude(st, program, args, progress)

@@ -16,6 +16,7 @@ if TYPE_CHECKING:  # the results call these from their render(): no import back 
     from export.diff.result import Compared, DiffResult, ParamDiff
 
 _MAX_ROWS = 30
+_BASIS = {"stats": "stats", "values": "values", "mixed": "stats+values"}
 
 
 def _tx(s: object, style: str = "") -> Text:  # plain text: names and code may contain [brackets]
@@ -61,8 +62,8 @@ def render_diff(result: DiffResult, console: Console) -> None:
             s.add_row(_tx("record"), _tx(o.a), _tx(o.b), style="red")
             s.add_row(_tx("module"), _tx(mod(o.module)), _tx(mod(o.module)))
             s.add_row(_tx("op"), _tx(o.what), _tx(o.what))
-            if o.max_rel is not None:
-                s.add_row(_tx("largest diff"), _tx(f"abs {format_number(o.max_abs, 3)}  rel {format_number(o.max_rel, 3)}"), _tx(""))
+            if o.max_abs is not None or o.elements is not None:
+                s.add_row(_tx("difference"), _tx(o.describe()), _tx(""))
             s.add_row(_tx("stack"), _tx("\n".join(frame_text(f) for f in d.stack_a[-6:])),
                       _tx("\n".join(frame_text(f) for f in d.stack_b[-6:])))
             console.print(s)
@@ -81,13 +82,15 @@ def render_diff(result: DiffResult, console: Console) -> None:
     mods = result.modules()
     if mods:
         p = Table(title="Per module", title_justify="left")
-        for col in ("module", "forward differing", "backward differing", "after backward", "max abs", "max rel"):
-            p.add_column(col, justify="left" if col == "module" else "right")
+        # "of": what max abs / max rel are differences of (stats: of min/max/mean/absmax only).
+        for col in ("module", "forward differing", "backward differing", "after backward", "max abs", "max rel", "of"):
+            p.add_column(col, justify="left" if col in ("module", "of") else "right")
         for m in mods[:_MAX_ROWS]:
             p.add_row(_tx(mod(m["module"])), _tx(m["forward"]), _tx(m["backward"]), _tx(m["after_backward"]),
-                      _tx(format_number(m["max_abs"], 3)), _tx(format_number(m["max_rel"], 3)), style="red" if m["origin"] else None)
+                      _tx(format_number(m["max_abs"], 3)), _tx(format_number(m["max_rel"], 3)),
+                      _tx(_BASIS.get(m.get("basis") or "", "")), style="red" if m["origin"] else None)
         if len(mods) > _MAX_ROWS:
-            p.add_row(_tx(f"… {len(mods) - _MAX_ROWS} more modules"), *[_tx("")] * 5)
+            p.add_row(_tx(f"… {len(mods) - _MAX_ROWS} more modules"), *[_tx("")] * 6)
         console.print(p)
 
     if bad:
@@ -100,7 +103,8 @@ def render_diff(result: DiffResult, console: Console) -> None:
                     return _tx(f"only in {pd.only_in}")
                 if c is None:
                     return _tx("-")
-                return _tx(c.status if c.rel is None or c.status == "equal" else f"{c.status} (rel {format_number(c.rel, 3)})")
+                how = c.describe() if c.status == "differ" else ""
+                return _tx(f"{c.status} ({how})" if how else c.status)
             q.add_row(_tx(pd.name), cell(pd.value), cell(pd.grad), cell(pd.updated))
         if len(bad) > _MAX_ROWS:
             q.add_row(_tx(f"… {len(bad) - _MAX_ROWS} more"), _tx(""), _tx(""), _tx(""))

@@ -17,8 +17,10 @@ recorded stats (min, max, mean, absmax and NaN/Inf counts): a record is within t
 every stat ``|a - b| <= atol + rtol * scale``, where ``scale`` is the larger absmax of the two
 tensors. The relative error reported is ``max|a - b| / scale``. Measuring every stat against the
 tensor's magnitude, not against the stat itself, keeps a mean near zero from reporting a huge
-relative error for a difference far below the tensor's precision. (Traces keep stats, not
-values, so element-wise comparison is not possible from a trace.)
+relative error for a difference far below the tensor's precision. Every number derived from stats
+says so (``basis`` ``stats``): it is a difference of summaries, not of elements. Where both traces
+kept a tensor's values (``trace(keep_values=...)``), that tensor is compared element by element
+instead (``export.diff.elements``: max abs, max rel, how many elements differ and the first).
 
 Traces made with different hash algorithms or trace-format versions are refused (``DiffError``,
 exit status 2), never called equal.
@@ -33,6 +35,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from export.diff.align import Pair, align_calls, align_steps, call_mapping
+from export.diff.elements import ONLY_STATS, STATS_WORDS, comparable, element_diff
 from export.diff.result import Compared, DiffResult, Divergence, ModuleStat, ParamDiff, Row, Tolerance
 from export.errors import DiffError
 from export.load import load_with_notes
@@ -49,6 +52,10 @@ _STATS = ("min", "max", "mean", "absmax")
 _CAST_APIS = frozenset({"Tensor.to", "Tensor.float", "Tensor.half", "Tensor.bfloat16", "Tensor.double",
                         "Tensor.type", "Tensor.type_as"})
 _CAST_NODES = frozenset({"ToCopyBackward0"})
+# Below this share of aligned forward calls two traces are not two runs of one program: the
+# verdict says so instead of listing every call as inserted or removed. Runs of one program that
+# diverge (an extra op, a changed branch, fp32 against bf16 autocast) align far above it.
+UNRELATED_SHARE = 0.10
 
 
 # ---- comparing two tensors ---------------------------------------------------------------------
@@ -92,23 +99,42 @@ class Comparer:
             return Compared("skipped", why="uninitialised memory")
         if ra.shape != rb.shape:
             return Compared("differ", INF, INF, f"shape {list(ra.shape)} vs {list(rb.shape)}")
+        da, db = checksum(ra), checksum(rb)
+        if ra.values is not None and rb.values is not None and comparable(ra.dtype, rb.dtype):
+            return self._compare_values(ra, rb, da, db)
         sd = stat_diff(ra.stats, rb.stats)
         ab, rel = (None, None) if sd is None else (sd[0], sd[1])
-        da, db = checksum(ra), checksum(rb)
+        basis = "" if sd is None else "stats"
         if self.tol is None:
             if ra.dtype != rb.dtype:
-                return Compared("differ", ab, rel, f"dtype {ra.dtype} vs {rb.dtype}")
+                return Compared("differ", ab, rel, f"dtype {ra.dtype} vs {rb.dtype}", basis)
             if da and db:
-                return Compared("equal" if da == db else "differ", ab, rel, "" if da == db else "checksum")
+                return Compared("equal" if da == db else "differ", ab, rel, "" if da == db else "checksum", basis)
             if sd is not None and sd[0] > 0:  # stats differ: the values differ, hashed or not
-                return Compared("differ", ab, rel, "stats")
-            return Compared("unknown", ab, rel, ra.hash_note or rb.hash_note or "no checksum")
+                return Compared("differ", ab, rel, "stats", basis)
+            return Compared("unknown", ab, rel, ra.hash_note or rb.hash_note or "no checksum", basis)
         if da and db and da == db and ra.dtype == rb.dtype:
             return Compared("equal", 0.0, 0.0)
         if sd is None:
             return Compared("unknown", why="no stats")
         within = sd[0] <= self.tol.atol + self.tol.rtol * sd[2]
-        return Compared("equal" if within else "differ", ab, rel, "" if within else "beyond tolerance")
+        return Compared("equal" if within else "differ", ab, rel, "" if within else "beyond tolerance", basis)
+
+    def _compare_values(self, ra: TensorRecord, rb: TensorRecord, da: str | None, db: str | None) -> Compared:
+        """Both traces kept this tensor's values: element-wise, exact or within the tolerance
+        (``|a - b| <= atol + rtol * |b|`` for every element, as ``torch.allclose``); also across
+        dtypes read as numbers (float32 against bfloat16 under autocast)."""
+        assert ra.values is not None and rb.values is not None
+        tol = self.tol or Tolerance()
+        e = element_diff(ra.values, rb.values, ra.dtype, ra.shape, tol.rtol, tol.atol, rb.dtype)
+        if self.tol is None:
+            if ra.dtype != rb.dtype:  # never bit-identical; the numbers say how far apart
+                return Compared("differ", e.max_abs, e.max_rel, f"dtype {ra.dtype} vs {rb.dtype}", "values", e)
+            same = e.differing == 0 and not (da and db and da != db)
+            return Compared("equal" if same else "differ", e.max_abs, e.max_rel, "" if same else "values", "values", e)
+        within = e.beyond == 0
+        return Compared("equal" if within else "differ", e.max_abs, e.max_rel, "" if within else "beyond tolerance",
+                        "values", e)
 
 
 # ---- helpers -----------------------------------------------------------------------------------
@@ -174,8 +200,7 @@ class _Section:
 
     def finish_row(self, row: Row, outs: list[tuple[str | None, str | None, Compared]]) -> None:
         for _, _, c in outs:
-            row.max_abs = _max_opt(row.max_abs, c.abs)
-            row.max_rel = _max_opt(row.max_rel, c.rel)
+            row.absorb(c)
 
     def close(self) -> Divergence:
         d = self.div
@@ -459,8 +484,7 @@ def _inner_origin(a: Trace, b: Trace, cmp: Comparer, sa: NodeRun, sb: NodeRun, c
         if any(x.status == "differ" for _, _, x in outs) and not any(x.status == "differ" for _, _, x in ins):
             row = Row(ca.name, cb.name, ca.module, ca.api)
             for _, _, x in outs:
-                row.max_abs = _max_opt(row.max_abs, x.abs)
-                row.max_rel = _max_opt(row.max_rel, x.rel)
+                row.absorb(x)
             d.rows.append(row)
             return row, f"{ca.name} in the backward of {sa.node}: {_out_reason(outs, row, cmp.tol)}"
     return None
@@ -577,5 +601,34 @@ def diff(a: Trace | str | os.PathLike[str], b: Trace | str | os.PathLike[str], *
     calls = call_mapping(ta, tb, rows)
     fwd, touched = _forward(ta, tb, cmp, rows)
     bwd = _backward(ta, tb, cmp, calls, touched)
+    fwd.unrelated = unrelated(ta, tb, fwd)
     params = _params(ta, tb, cmp)
-    return DiffResult(la, lb, tol, fwd, bwd, params, notes, ta, tb)
+    result = DiffResult(la, lb, tol, fwd, bwd, params, notes, ta, tb)
+    if not result.equal or tol is not None:
+        kept = [any(r.values is not None for r in t.tensors.values()) for t in (ta, tb)]
+        if not any(kept):
+            notes.insert(0, ONLY_STATS)
+        elif not all(kept):
+            side, other = ("A", "B") if kept[0] else ("B", "A")
+            notes.insert(0, f"tensor values were kept in {side} only: element-wise differences need them in "
+                            f"{other} too (tracer.trace(keep_values=...)); the differences shown are of the stats "
+                            f"({STATS_WORDS})")
+    return result
+
+
+def unrelated(a: Trace, b: Trace, fwd: Divergence) -> str:
+    """The one line for two traces that next to nothing aligns between (fewer than
+    ``UNRELATED_SHARE`` of the larger one's forward calls), else ``""``. Two runs of one program
+    that diverge still align almost everywhere; an alignment this poor means two programs, and
+    a list of insertions and removals would only hide that."""
+    n_a = sum(1 for c in a.calls if c.phase == "forward")
+    n_b = sum(1 for c in b.calls if c.phase == "forward")
+    aligned = sum(1 for r in fwd.rows if r.a is not None and r.b is not None)
+    total = max(n_a, n_b)
+    if total == 0 or aligned >= UNRELATED_SHARE * total:
+        return ""
+    if aligned == 0:
+        return (f"these traces share no calls: different models or programs? (A: {n_a} calls, B: {n_b}; "
+                "none align by module, op and shapes)")
+    return (f"these traces share almost no calls ({aligned} of {total} align by module, op and shapes): "
+            "different models or programs?")

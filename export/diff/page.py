@@ -34,7 +34,9 @@ _DEPTH = 3    # levels drawn downstream of the origin
 
 
 def _row(r: Row) -> list[Any]:
-    return [r.a, r.b, r.module, r.what, r.status, json_number(r.max_abs), json_number(r.max_rel), r.note]
+    # basis: what max abs / max rel are differences of ("stats": min/max/mean/absmax only).
+    return [r.a, r.b, r.module, r.what, r.status, json_number(r.max_abs), json_number(r.max_rel), r.note,
+            r.basis or None]
 
 
 # ---- graph of the records around the divergence ----------------------------------------------------
@@ -170,7 +172,8 @@ def _graph(d: Divergence, a: Trace, b: Trace) -> dict[str, Any]:
 def _section(d: Divergence, a: Trace, b: Trace) -> dict[str, Any]:
     o = d.origin
     return {"name": d.section, "summary": d.summary(), "equal": d.equal, "reason": d.reason,
-            "origin": None if o is None else {"a": o.a, "b": o.b, "module": o.module, "what": o.what},
+            "origin": None if o is None else {"a": o.a, "b": o.b, "module": o.module, "what": o.what,
+                                              "difference": o.describe() or None},
             "stack_a": [frame_json(f) for f in d.stack_a], "stack_b": [frame_json(f) for f in d.stack_b],
             "contaminated": dict(sorted(d.contaminated.items())),
             "rows": [_row(r) for r in d.rows], "graph": _graph(d, a, b)}

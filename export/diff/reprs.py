@@ -18,10 +18,16 @@ TOP_PARAMS = 5  # differing parameters named in a card
 
 
 def row_repr(r: Row) -> str:
-    """``<Row linear1 F.linear in enc.2: origin, max abs 0.5>``."""
+    """``<Row linear1 F.linear in enc.2: origin, stats max |Δ| 0.5>`` (``element-wise max abs``
+    where both traces kept the values)."""
     a, b = clip(r.a or "-", NAME_LIMIT), clip(r.b or "-", NAME_LIMIT)
     name = a if r.a == r.b else f"{a} (B: {b})"
-    size = f", max abs {format_number(r.max_abs, 3)}" if r.max_abs is not None else ""
+    if r.max_abs is None:
+        size = ""
+    elif r.basis == "values":
+        size = f", element-wise max abs {format_number(r.max_abs, 3)}"
+    else:  # a difference of min/max/mean/absmax, not of any element
+        size = f", stats max |Δ| {format_number(r.max_abs, 3)}"
     return f"<Row {name} {clip(r.what, NAME_LIMIT)} in {clip(r.module or '<root>', NAME_LIMIT)}: {r.status}{size}>"
 
 

@@ -12,9 +12,12 @@ from rich.console import Console
 
 from export.diff import reprs
 from export.diff.console import render_diff
+from export.diff.elements import STATS_WORDS, ElementDiff, difference_text
 from tracer.analysis.numerics import NumericsReport, find_anomalies
 from tracer.model import Frame, Trace
 from tracer.model.display import format_number, json_number
+
+TOP_NAMED = 5  # parameters named in a verdict before "… N more"
 
 
 # ---- one tensor compared -----------------------------------------------------------------------
@@ -33,13 +36,26 @@ class Compared:
 
     ``status`` is ``equal``, ``differ``, ``unknown`` (not recorded, or neither hash nor stats to
     judge by) or ``skipped`` (uninitialised memory: nothing to compare). ``abs``/``rel`` are the
-    largest stat differences where both tensors have stats.
+    largest differences, and ``basis`` says of what: ``values`` (element-wise, both traces kept
+    the values: ``elements`` has the details), ``stats`` (of min/max/mean/absmax only), or
+    ``""`` (no number, or a shape or dtype mismatch).
     """
 
     status: str
     abs: float | None = None
     rel: float | None = None
     why: str = ""
+    basis: str = ""
+    elements: ElementDiff | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"status": self.status, "max_abs": json_number(self.abs), "max_rel": json_number(self.rel),
+                "basis": self.basis or None, "difference": self.describe() or None,
+                "elements": None if self.elements is None else self.elements.to_json()}
+
+    def describe(self) -> str:
+        """The difference in words that say where it came from (``difference_text``)."""
+        return difference_text(self.abs, self.rel, self.basis, self.elements)
 
 
 # ---- result records ----------------------------------------------------------------------------
@@ -62,10 +78,28 @@ class Row:
     max_abs: float | None = None
     max_rel: float | None = None
     note: str = ""
+    # What max_abs/max_rel are differences of: "values" (element-wise), "stats", "mixed", "".
+    basis: str = ""
+    elements: ElementDiff | None = None  # of the first output compared element-wise that differs
 
     # One line in a REPL (export/diff/reprs.py).
     def __repr__(self) -> str:
         return reprs.row_repr(self)
+
+    def absorb(self, c: Compared) -> None:
+        """Take in one compared tensor of this record: the largest numbers, and their basis."""
+        if c.abs is None and c.rel is None:
+            return
+        self.max_abs = c.abs if self.max_abs is None else self.max_abs if c.abs is None else max(self.max_abs, c.abs)
+        self.max_rel = c.rel if self.max_rel is None else self.max_rel if c.rel is None else max(self.max_rel, c.rel)
+        if c.basis:
+            self.basis = c.basis if self.basis in ("", c.basis) else "mixed"
+        if self.elements is None and c.elements is not None and c.elements.differing:
+            self.elements = c.elements
+
+    def describe(self) -> str:
+        """The measured difference in words that say where it came from."""
+        return difference_text(self.max_abs, self.max_rel, self.basis, self.elements)
 
     @property
     def differs(self) -> bool:
@@ -73,7 +107,9 @@ class Row:
 
     def to_json(self) -> dict[str, Any]:
         return {"a": self.a, "b": self.b, "module": self.module, "what": self.what, "status": self.status,
-                "max_abs": json_number(self.max_abs), "max_rel": json_number(self.max_rel), "note": self.note}
+                "max_abs": json_number(self.max_abs), "max_rel": json_number(self.max_rel), "note": self.note,
+                "basis": self.basis or None, "difference": self.describe() or None,
+                "elements": None if self.elements is None else self.elements.to_json()}
 
 
 @dataclass
@@ -83,9 +119,12 @@ class ModuleStat:
     max_abs: float = 0.0
     max_rel: float = 0.0
     where: str | None = None
+    basis: str = ""  # of max_abs/max_rel, as Row.basis
 
     def add(self, row: Row) -> None:
         self.compared += 1
+        if row.basis:
+            self.basis = row.basis if self.basis in ("", row.basis) else "mixed"
         if row.differs:
             self.differing += 1
         if row.max_rel is not None and (row.max_rel > self.max_rel or self.where is None):
@@ -122,6 +161,8 @@ class Divergence:
     largest: Row | None = None
     before_origin: float | None = None
     notes: list[str] = field(default_factory=list)
+    # Set when next to nothing aligns (two different programs): the one line that says so.
+    unrelated: str = ""
 
     # One line in a REPL (export/diff/reprs.py).
     def __repr__(self) -> str:
@@ -146,6 +187,8 @@ class Divergence:
 
     def summary(self) -> str:
         """One phrase: where this section first diverges."""
+        if self.unrelated:
+            return self.unrelated
         n = sum(self.contaminated.values())
         if self.origin is not None:
             o = self.origin
@@ -170,6 +213,7 @@ class Divergence:
         o = self.origin
         return {
             "equal": self.equal, "summary": self.summary(), "compared": self.compared, "unknown": self.unknown,
+            "unrelated": self.unrelated or None,
             "origin": None if o is None else {**o.to_json(), "reason": self.reason,
                                               "stack_a": [frame_json(f) for f in self.stack_a],
                                               "stack_b": [frame_json(f) for f in self.stack_b]},
@@ -180,7 +224,7 @@ class Divergence:
             "largest": None if self.largest is None else self.largest.to_json(),
             "within_before_origin": json_number(self.before_origin),
             "per_module": {m: {"compared": s.compared, "differing": s.differing, "max_abs": json_number(s.max_abs),
-                               "max_rel": json_number(s.max_rel), "where": s.where}
+                               "max_rel": json_number(s.max_rel), "basis": s.basis or None, "where": s.where}
                            for m, s in sorted(self.per_module.items())},
             "records": [r.to_json() for r in self.rows if r.status != "equal"],
             "notes": self.notes,
@@ -208,7 +252,7 @@ class ParamDiff:
 
     def to_json(self) -> dict[str, Any]:
         def c(x: Compared | None) -> Any:
-            return None if x is None else {"status": x.status, "max_abs": json_number(x.abs), "max_rel": json_number(x.rel)}
+            return None if x is None else x.to_json()
         return {"name": self.name, "value": c(self.value), "grad": c(self.grad), "updated": c(self.updated),
                 "only_in": self.only_in}
 
@@ -240,6 +284,12 @@ class DiffResult:
                 and not any(p.differs for p in self.params))
 
     @property
+    def values_kept(self) -> bool:
+        """Whether both traces kept some tensors' values (``trace(keep_values=...)``)."""
+        return all(t is not None and any(r.values is not None for r in t.tensors.values())
+                   for t in (self.trace_a, self.trace_b))
+
+    @property
     def exit_code(self) -> int:
         return 0 if self.equal else 1
 
@@ -250,22 +300,30 @@ class DiffResult:
         return [p for p in bad if p.value.status == "differ"] + [p for p in bad if p.value.status != "differ"]
 
     def _changed_values(self) -> str:
-        """The parameters whose value differs before the step, named, each with the first call
-        that read it when forward found no origin (a change rounded away by that call)."""
-        changed = [p.name for p in self.params if p.value.status == "differ" or p.only_in]
+        """The parameters whose value differs before the step, named (a handful, then how many
+        more), the difference of the first when there is one alone, and, when forward found no
+        origin, the first call that read it (a change rounded away by that call)."""
+        changed = [p for p in self.params if p.value.status == "differ" or p.only_in]
         if not changed:
             return ""
-        text = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
-        head = f"value of {text} differs" if len(changed) == 1 else f"values of {text} differ"
+        n = len(changed)
+        text = ", ".join(p.name for p in changed[:TOP_NAMED]) + (f" … {n - TOP_NAMED} more" if n > TOP_NAMED else "")
+        head = f"{n} parameter{'s' if n != 1 else ''} differ{'s' if n == 1 else ''}: {text}"
+        how = changed[0].value.describe() if n == 1 and not changed[0].only_in else ""
+        if how:
+            head += f" ({how})"
         if self.forward.origin is None and self.trace_a is not None:
-            reader = next((c.name for c in self.trace_a.calls if c.phase == "forward" and changed[0] in c.inputs), None)
+            first = changed[0].name
+            reader = next((c.name for c in self.trace_a.calls if c.phase == "forward" and first in c.inputs), None)
             if reader is not None:
-                head += f" (first read by {reader}, whose outputs matched)"
+                head += f"; first read by {reader}, whose outputs matched"
         return head
 
     def verdict(self) -> str:
         """The one-line answer, printed first."""
         f, b = self.forward, self.backward
+        if f.unrelated:
+            return f"DIVERGED — {f.unrelated}"
         if self.equal:
             unknown = f.unknown + b.unknown
             tail = f" ({unknown} records could not be compared: no checksum or stats)" if unknown else ""
@@ -275,9 +333,13 @@ class DiffResult:
             top = max((d.largest for d in (f, b) if d.largest is not None),
                       key=lambda r: r.max_rel or 0.0, default=None)
             if top is None or not top.max_rel:
-                at = ": no difference in the recorded stats"
+                at = ": no difference in the recorded stats" + (" or kept values" if self.values_kept else "")
+            elif top.basis == "values":
+                at = (f": largest element-wise relative difference {format_number(top.max_rel, 3)} at {top.a} "
+                      f"(in {top.module or '<root>'})")
             else:
-                at = f": largest relative difference {format_number(top.max_rel, 3)} at {top.a} (in {top.module or '<root>'})"
+                at = (f": largest relative stats difference {format_number(top.max_rel, 3)} ({STATS_WORDS}) "
+                      f"at {top.a} (in {top.module or '<root>'})")
             casts = len(f.casts) + len(b.casts)
             tail += f"; {casts} dtype cast(s) made by one side only, ignored" if casts else ""
             return f"EQUAL within {self.tolerance}{at}{tail}"
@@ -285,10 +347,16 @@ class DiffResult:
         if self.differing_params:
             changed = self._changed_values()
             n = len(self.differing_params)
-            parts.append(changed + (f"; {n} parameter(s) differ in all" if changed else f"{n} parameter(s) differ"))
+            values = sum(1 for p in self.params if p.value.status == "differ" or p.only_in)
+            if changed:  # the parameters that changed come first: they are what the user changed
+                parts.insert(0, changed + (f"; {n} differ in all (value, gradient or value after the step)"
+                                           if n > values else ""))
+            else:
+                parts.append(f"{n} parameter(s) differ (gradient or value after the step)")
         head = "DIVERGED" if self.tolerance is None else f"BEYOND TOLERANCE ({self.tolerance})"
         if self.tolerance is not None and f.origin is not None:
-            head += f", within it up to rel {format_number(f.before_origin, 3)}"
+            basis = "element-wise" if f.origin.basis == "values" else "by stats"
+            head += f", within it ({basis}) up to rel {format_number(f.before_origin, 3)}"
         return f"{head} — " + " | ".join(parts)
 
     def to_json(self) -> dict[str, Any]:
@@ -297,7 +365,7 @@ class DiffResult:
                 "a": self.a_label, "b": self.b_label, "mode": "exact" if t is None else "tolerance",
                 "rtol": None if t is None else t.rtol, "atol": None if t is None else t.atol,
                 "forward": self.forward.to_json(), "backward": self.backward.to_json(),
-                "params": [p.to_json() for p in self.params if p.differs],
+                "params": [p.to_json() for p in self.differing_params],
                 "params_compared": len(self.params), "notes": self.notes,
                 "numerics": {side: r.to_json() for side, r in self.numerics().items()}}
 
@@ -326,7 +394,8 @@ def frame_json(f: Frame) -> dict[str, Any]:
 
 
 def module_table(result: DiffResult) -> list[dict[str, Any]]:
-    """Per module: differing records forward/backward, after-backward calls, largest differences.
+    """Per module: differing records forward/backward, after-backward calls, largest differences
+    (``basis``: of what, ``stats``, ``values`` element-wise, or ``mixed``).
 
     Only modules where something differs, or, with a tolerance, where any difference was measured;
     sorted by largest relative difference with a tolerance, by module path otherwise.
@@ -340,9 +409,11 @@ def module_table(result: DiffResult) -> list[dict[str, Any]]:
         after = result.forward.from_backward.get(m, 0)
         rel = max((x.max_rel for x in stats), default=0.0)
         ab = max((x.max_abs for x in stats), default=0.0)
+        bases = {x.basis for x in stats if x.basis}
+        basis = "" if not bases else bases.pop() if len(bases) == 1 else "mixed"
         if fwd or bwd or after or (result.tolerance is not None and rel > 0):
             out.append({"module": m, "forward": fwd, "backward": bwd, "after_backward": after,
-                        "max_abs": ab, "max_rel": rel, "origin": m in origins})
+                        "max_abs": ab, "max_rel": rel, "basis": basis or None, "origin": m in origins})
     if result.tolerance is not None:
         out.sort(key=lambda r: -r["max_rel"])
     return out

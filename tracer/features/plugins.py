@@ -11,6 +11,7 @@ from tracer.features.distributed import DistributedPlugin
 from tracer.features.logs import attach_if_enabled
 from tracer.features.memory import MemoryListener
 from tracer.features.numerics import NonFiniteGuard
+from tracer.features.values import KeepValues
 from tracer.model import Trace
 from tracer.options import TraceOptions
 from tracer.record.listeners import Listener
@@ -53,8 +54,8 @@ def _bounds(max_bytes: int) -> Callable[[Recorder], Listener]:
 
 def session_plugins(options: TraceOptions, *, bounds: bool = True) -> list[SessionPlugin]:
     """The features ``options`` ask for, in the order their listeners hear events: the size bound
-    (``bounds``: the steps of a run bound themselves), memory records, the NaN guard, logs, then
-    distributed runs (collectives)."""
+    (``bounds``: the steps of a run bound themselves), memory records, the NaN guard, kept values, logs,
+    then distributed runs (collectives)."""
     plugins: list[SessionPlugin] = []
     if bounds and options.max_bytes is not None:
         plugins.append(ListenerPlugin(_bounds(options.max_bytes)))
@@ -62,5 +63,7 @@ def session_plugins(options: TraceOptions, *, bounds: bool = True) -> list[Sessi
         plugins.append(ListenerPlugin(lambda rec: MemoryListener()))
     if options.raise_on_nonfinite:
         plugins.append(ListenerPlugin(NonFiniteGuard))
+    if options.keeps_values:
+        plugins.append(KeepValues(options))
     plugins += [LogsPlugin(), DistributedPlugin()]
     return plugins

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypedDict, get_args
 
 from tracer.model import reprs
+from tracer.model.values import decode_values, encode_values
 
 FORMAT = "gradtrace"
 SCHEMA_VERSION = 2
@@ -174,6 +175,9 @@ class TensorRecord:
     uninitialized: bool = False
     # A DTensor's layout; its md5/fingerprint/stats are then of this rank's local shard.
     sharding: Sharding | None = None
+    # The value itself, kept only where ``trace(keep_values=...)`` asked for it: raw
+    # little-endian bytes in ``dtype``, row-major (base64 text in the file).
+    values: bytes | None = None
 
     @property
     def numel(self) -> int:
@@ -204,13 +208,15 @@ class TensorRecord:
             out["uninitialized"] = True
         if self.sharding is not None:
             out["sharding"] = self.sharding.to_json()
+        if self.values is not None:
+            out["values"] = encode_values(self.values)
         return out
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> TensorRecord:
         _require(d, "name", "shape", "dtype", "device", "role")
         stats = d.get("stats")
-        return cls(
+        rec = cls(
             name=_str(d, "name"), shape=tuple(_ints(d, "shape")), dtype=_str(d, "dtype"),
             device=_str(d, "device"), role=_choice(d, "role", ROLES), producer=_opt_str(d, "producer"),
             stride=None if d.get("stride") is None else tuple(_ints(d, "stride")),
@@ -221,6 +227,12 @@ class TensorRecord:
             previous=_opt_str(d, "previous"), uninitialized=_bool(d, "uninitialized", False),
             sharding=None if d.get("sharding") is None else Sharding.from_json(d["sharding"]),
         )
+        if d.get("values") is not None:
+            try:
+                rec.values = decode_values(d["values"], rec.dtype, rec.shape)
+            except ValueError as exc:
+                raise TraceFormatError(f"tensor record {rec.name[:80]!r}: {exc}") from None
+        return rec
 
 
 # Field order matters: the recorder builds these positionally on its hot path

@@ -147,6 +147,11 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin):
         return self._in_backward > 0
 
     @property
+    def current_module(self) -> str:
+        """The path of the innermost module running now (``""``: the root module, or none)."""
+        return self._module_stack[-1] if self._module_stack else ""
+
+    @property
     def running_node(self) -> str | None:
         """The grad node running now (innermost), when a backward is in progress."""
         return self._running[-1] if self._running else None
