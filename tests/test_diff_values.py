@@ -414,3 +414,19 @@ def test_fp32_against_bf16_autocast_compares_kept_values_element_wise() -> None:
     raw_a, raw_b = (t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for t in (ya, yb))
     e = element_diff(raw_a, raw_b, "float32", (8, 4), dtype_b="bfloat16")
     assert e.max_abs == truth.max().item() and e.total == 32
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_values_are_the_bytes_at_record_time() -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 32).cuda()
+    x = torch.randn(8, 64, device="cuda")
+    with tracer.trace(keep_values=["linear0:out*", "weight"]) as t:
+        y = lin(x)
+        before = y.detach().cpu().numpy().tobytes()
+        y.add_(1.0)  # queued after the copy on the same stream: the kept value is the first one
+        y.sum()
+    assert t.tensors["linear0:out"].values == before
+    assert t.tensors["weight"].values == lin.weight.detach().cpu().numpy().tobytes()
+    assert t.tensors["linear0:out@v1"].values == y.detach().cpu().numpy().tobytes()
