@@ -18,6 +18,7 @@ import traceback
 from collections.abc import Sequence
 from typing import NoReturn
 
+from export import companion
 from export.cli import demo, diff, dot, memory, report, run, summary
 from export.cli.command import Command
 from export.errors import UserError
@@ -59,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:  # export checked tracer when it was imported; here both, for the command's sake
+        for name in ("tracer", "export"):
+            companion.check(name)
+    except ImportError as exc:
+        print(f"gradtrace: error: {inert(str(exc))}", file=sys.stderr)
+        return 2
     parser = build_parser()
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     func = getattr(args, "func", None)
