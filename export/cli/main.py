@@ -58,8 +58,8 @@ examples:
   gradtrace diff good.gtrace bad.gtrace        the first divergence of two runs
   gradtrace diff --ranks step.rank*.gtrace     the first rank of a data-parallel step to depart
 
-'gradtrace COMMAND --help' shows a command's options. Documentation: README.md (start there) and
-docs/api.md (every command, option and function) in gradtrace's source; in Python, help(tracer)."""
+'gradtrace COMMAND --help' shows a command's options. Documentation: README.md ("Command line")
+and docs/api.md (the Python API, gradtrace run) in gradtrace's source; in Python, help(tracer)."""
 
 
 def _paragraphs(text: str) -> str:
