@@ -185,3 +185,52 @@ def test_the_command_says_so_when_export_is_not_gradtraces(monkeypatch, capsys):
                    f"{os.path.join(companion.ROOT, 'export')}. Rename or move /site-packages/export/__init__.py if it "
                    "is yours (python looks in the script's or the current directory and PYTHONPATH first), or, if it "
                    "is an unrelated installed package, 'pip uninstall export' and then reinstall gradtrace\n")
+
+
+def test_a_data_directory_named_export_does_not_hide_gradtraces(tmp_path, monkeypatch, capsys):
+    """A directory without __init__.py (an `export/` folder of results) is a namespace portion,
+    which a regular package later on the path wins over: the script gets gradtrace's export, as
+    with python, and gradtrace's modules stay where they are (in this process)."""
+    (tmp_path / "export").mkdir()
+    (tmp_path / "export" / "best.onnx").write_bytes(b"\0")
+    (tmp_path / "train.py").write_text(TRAIN.replace("export.run(include=export.FORMATS)", "''"))
+    monkeypatch.chdir(tmp_path)
+    own = sys.modules["export"]
+    assert main(["run", "--no-progress", "train.py"]) == 0
+    assert capsys.readouterr().out == f"export {own.__file__} \n"
+    assert sys.modules["export"] is own and list(load_steps("train.gtrace")) == [0]
+
+
+WATCHED = textwrap.dedent("""\
+    import export
+    import torch, tracer
+    print("export", export.__file__)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    @tracer.watch(model, opt, out="incident.gtrace")
+    def train_step(x):
+        loss = model(x).pow(2).mean() + x.abs().mean().log()  # log(0) at step 3
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    for step in range(6):
+        train_step(torch.zeros(2, 4) if step == 3 else torch.ones(2, 4) + step)
+    """)
+
+
+def test_run_watch_beside_an_export_py_writes_the_incident_report(tmp_path, monkeypatch, capsys):
+    """The incident's report is written while the program runs, with the program's export.py in
+    sys.modules: gradtrace's report writer still is gradtrace's."""
+    (tmp_path / "export.py").write_text(USER_EXPORT)
+    (tmp_path / "train.py").write_text(WATCHED)
+    monkeypatch.chdir(tmp_path)
+    own = sys.modules["export"]
+    assert main(["run", "--watch", "train.py"]) == 1  # the watch raises at the NaN, as the program chose
+    out, err = capsys.readouterr()
+    assert out == f"export {tmp_path / 'export.py'}\n"
+    assert ("gradtrace: step 3 tripped (the loss is -Inf) -> incident.step3.gtrace, report -> incident.step3.html"
+            in err.splitlines())
+    assert (tmp_path / "incident.step3.html").read_text().startswith("<!DOCTYPE html>")
+    assert sys.modules["export"] is own

@@ -107,10 +107,9 @@ class WatchedRun:
 GRADTRACE_PACKAGES = ("tracer", "export")
 
 
-def _resolve(name: str) -> str | None:
-    """The file a fresh ``import name`` would load now (with the program's ``sys.path``), asked
-    of the import system's finders in order, as ``import`` asks them; ``None`` for a namespace
-    package or nothing found."""
+def _first_spec(name: str) -> importlib.machinery.ModuleSpec | None:
+    """What a fresh ``import name`` would load now (with the program's ``sys.path``), asked of
+    the import system's finders in order, as ``import`` asks them."""
     for finder in sys.meta_path:
         find_spec = getattr(finder, "find_spec", None)
         if find_spec is None:
@@ -120,7 +119,7 @@ def _resolve(name: str) -> str | None:
         except (ImportError, ValueError, AttributeError):  # a third-party finder's trouble
             continue
         if spec is not None:
-            return spec.origin if spec.loader is not None and spec.has_location else None
+            return spec
     return None
 
 
@@ -143,7 +142,10 @@ class OwnPackagesSetAside:
     def __enter__(self) -> OwnPackagesSetAside:
         for name in GRADTRACE_PACKAGES:
             own = sys.modules.get(name)
-            if own is None or _same_file(_resolve(name), getattr(own, "__file__", None)):
+            spec = _first_spec(name) if own is not None else None
+            # Nothing found: nothing else could be imported either. A namespace package (no
+            # origin) found first is what python would import, so it counts as another module.
+            if spec is None or _same_file(spec.origin, getattr(own, "__file__", None)):
                 continue
             if name == "tracer":
                 preload()
