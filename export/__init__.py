@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 
+from export import companion  # noqa: F401  first: the `tracer` below must be gradtrace's
 from export.diff import diff, diff_ranks
 from export.dot import dot
 from export.dot.backward_graph import backward_graph
@@ -30,6 +31,9 @@ from export.html import html, html_ranks, inline_report
 from export.summary import md5_lines, render_summary
 from export.text import to_text
 from tracer.model import Trace
+
+# gradtrace's export, not another module of that name: see export.companion.
+__gradtrace__ = "export"
 
 _DOT_SUFFIXES = (".dot", ".gv", ".svg", ".png", ".pdf")
 

@@ -28,7 +28,7 @@ from export.errors import UserError
 from export.text import call_site, compact_stats, format_stack, inert, inert_lines, stats_text
 from export.views import checksum, module_groups, module_with_class, nonfinite, param_totals
 from tracer.model import BackwardRun, Call, Frame, GradNode, TensorRecord, Trace
-from tracer.model.display import format_bytes, format_number, shape_compact, short_api, short_dtype
+from tracer.model.display import format_bytes, format_number, plural, shape_compact, short_api, short_dtype
 from tracer.model.frames import folded
 from tracer.model.gradients import summed_from
 
@@ -65,10 +65,12 @@ def _render_header(trace: Trace, console: Console) -> None:
     _add_row(grid, "torch", str(h.get("torch", "?")))
     _add_row(grid, "gradtrace", str(h.get("gradtrace", "?")))
     _add_row(grid, "hash", trace.hash_algorithm)
-    _add_row(grid, "records", f"{len(trace.calls)} calls, {len(trace.grad_nodes)} grad nodes, "
-                            f"{len(trace.tensors)} tensors, {len(trace.backward_runs)} backward runs")
+    _add_row(grid, "records", f"{plural(len(trace.calls), 'call')}, {plural(len(trace.grad_nodes), 'grad node')}, "
+                            f"{plural(len(trace.tensors), 'tensor')}, "
+                            f"{plural(len(trace.backward_runs), 'backward run')}")
     n_params, numel, nbytes = param_totals(trace)
-    _add_row(grid, "parameters", f"{numel:,} elements in {n_params} tensors ({format_bytes(nbytes)})")
+    _add_row(grid, "parameters", f"{plural(numel, 'element')} in {plural(n_params, 'tensor')} "
+                                 f"({format_bytes(nbytes)})")
     root = trace.modules.get("")
     _add_row(grid, "module", root if root is not None else "-")
     if trace.error:
@@ -94,7 +96,7 @@ def _render_apis(trace: Trace, console: Console) -> None:
         _add_row(table, short_api(api), str(n), str(nodes[api]))
     if len(counts) > TOP_APIS:
         rest = counts.total() - sum(n for _, n in counts.most_common(TOP_APIS))
-        _add_row(table, f"... {len(counts) - TOP_APIS} more APIs", str(rest), "", style="dim")
+        _add_row(table, f"... {plural(len(counts) - TOP_APIS, 'more API', 'more APIs')}", str(rest), "", style="dim")
     console.print(table)
 
 
@@ -143,7 +145,7 @@ def _render_nonfinite(trace: Trace, console: Console, all_anomalies: bool, all_f
     if not bad:
         # A file of several steps: the verdict is this step's (the list of steps says the others').
         of_step = f" of step {trace.header['step']}" if "step" in trace.header else ""
-        console.print(f"No NaN or Inf in the {len(with_stats)} tensors with stats{of_step}.")
+        console.print(f"No NaN or Inf in the {plural(len(with_stats), 'tensor')} with stats{of_step}.")
         return
     # The verdict first: where the first non-finite value was made, forward and backward.
     report = trace.anomalies
@@ -228,7 +230,7 @@ def _module_text(trace: Trace, module: str) -> str:
 def _describe_producer(trace: Trace, producer: str | None, tensor: str = "") -> str:
     summed = summed_from(trace, tensor) if tensor else []
     if summed:  # tied weights, a tensor used twice: the engine's sum of several edges
-        return (f"sum of {len(summed)} gradients: "
+        return (f"sum of {plural(len(summed), 'gradient')}: "
                 + ", ".join(f"{e.name} (from {e.node})" if e.name.split(":")[0] != e.node else e.name
                             for e in summed))
     if producer is None:

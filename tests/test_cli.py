@@ -129,7 +129,7 @@ def test_summary_states_the_facts_of_the_trace(rec, capsys):
     assert re.search(rf"^torch\s+{re.escape(torch.__version__)}\s*$", out, re.M)
     assert re.search(r"^hash\s+md5\s*$", out, re.M)
     assert (f"{len(t.calls)} calls, {len(t.grad_nodes)} grad nodes, {len(t.tensors)} tensors, "
-            f"1 backward runs") in out
+            f"1 backward run") in out
     # 8*16 + 16 + 16*8 + 8 float32 parameters
     assert "280 elements in 4 tensors (1.1 KiB)" in out
     assert re.search(r"^module\s+Sequential\s*$", out, re.M)

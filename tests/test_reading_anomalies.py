@@ -66,12 +66,12 @@ def test_planted_nan_in_a_12_layer_gpt2_is_reported_briefly(planted: tuple[trace
         "first NaN in forward: sqrt0:out (512 NaN, 0 Inf) made by sqrt0 [torch.sqrt] in module "
         "transformer.h.7.mlp.act — origin",
         *_runs(fwd.stack),
-        "  then 171 more record(s) with NaN in 51 modules, transformer.h.7.mlp.c_proj … lm_head",
+        "  then 171 more records with NaN in 51 modules, transformer.h.7.mlp.c_proj … lm_head",
         "first NaN in backward: view134:out@grad (400 NaN, 0 Inf) made by cross_entropy0/LogSoftmaxBackward0 "
         "[LogSoftmaxBackward0] in module <root> — origin (its forward call already saw non-finite values: see the "
         "forward report)",
         *_runs(bwd.stack),
-        "  then 690 more record(s) with NaN in 139 modules, <root> … transformer.wte",
+        "  then 690 more records with NaN in 139 modules, <root> … transformer.wte",
     ])
     assert str(report) == expected
     assert len(str(report).splitlines()) == len(expected.splitlines()) < 20
@@ -91,14 +91,14 @@ def test_full_lists_every_module_one_a_line(planted: tuple[tracer.Trace, str, li
     full = t.anomalies.full().splitlines()
     fwd = t.anomalies.forward_nan
     assert fwd is not None
-    head = full.index("  then 171 more record(s) with NaN in 51 modules:")
+    head = full.index("  then 171 more records with NaN in 51 modules:")
     modules = full[head + 1: head + 52]
     assert modules[:3] == ["    transformer.h.7.mlp.c_proj: 3", "    transformer.h.7.mlp.dropout: 1",
                            "    transformer.h.7: 1"]
     assert modules[-1].startswith("    lm_head: ")
     assert sum(int(m.rsplit(": ", 1)[1]) for m in modules) == 171
     assert full[head + 52].startswith("first NaN in backward: ")
-    assert full.index("  then 690 more record(s) with NaN in 139 modules:") == len(full) - 140
+    assert full.index("  then 690 more records with NaN in 139 modules:") == len(full) - 140
     # every frame of each stack, none folded
     assert "folded" not in t.anomalies.full()
     assert sum(line.startswith('  File "') for line in full) == len(fwd.stack) + len(t.anomalies.backward_nan.stack)
@@ -110,10 +110,10 @@ def test_summary_prints_the_brief_report_and_the_full_list_on_request(
     assert main(["summary", path]) == 0
     out = capsys.readouterr().out
     assert str(t.anomalies) in out
-    assert "then 690 more record(s) with NaN in 139 modules, <root> … transformer.wte" in out
+    assert "then 690 more records with NaN in 139 modules, <root> … transformer.wte" in out
     assert main(["summary", path, "--all-anomalies"]) == 0
     out = capsys.readouterr().out
-    assert "  then 171 more record(s) with NaN in 51 modules:\n    transformer.h.7.mlp.c_proj: 3\n" in out
+    assert "  then 171 more records with NaN in 51 modules:\n    transformer.h.7.mlp.c_proj: 3\n" in out
     assert "folded" in out  # frames stay folded unless --all-frames
     assert main(["summary", path, "--all-anomalies", "--all-frames"]) == 0
     out = capsys.readouterr().out

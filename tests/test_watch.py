@@ -315,9 +315,9 @@ def test_status_line_through_the_gradtrace_logger():
         lg.setLevel(level)
     lines = [r.getMessage() for r in records]
     assert lines[0].startswith("gradtrace watch <lambda>: trigger nonfinite, policy raise, snapshots on the device")
-    assert lines[1].startswith("gradtrace watch <lambda>: 3 step(s) watched, 1 snapshot(s) of 20 bytes (device), "
+    assert lines[1].startswith("gradtrace watch <lambda>: 3 steps watched, 1 snapshot of 20 bytes (device), "
                                "last check: step 2, no incident")
-    assert lines[2].startswith("gradtrace watch <lambda>: 4 step(s) watched") and len(lines) == 3
+    assert lines[2].startswith("gradtrace watch <lambda>: 4 steps watched") and len(lines) == 3
     assert step.watch.closed
 
 

@@ -40,7 +40,7 @@ def test_run_watch_writes_the_incident_report_and_exits_with_the_error(tmp_path,
     err = capsys.readouterr().err
     assert code == 1
     assert "NonFiniteStepError" in err and "gradtrace watch: step 3 tripped: the loss is -Inf" in err
-    assert "gradtrace watch train_step: 4 step(s) watched" in err
+    assert "gradtrace watch train_step: 4 steps watched" in err
     assert "gradtrace: step 3 tripped (the loss is -Inf" in err and "report -> incident.step3.html" in err
     assert (tmp_path / "incident.step3.html").stat().st_size > 10_000
     t = tracer.load(tmp_path / "incident.step3.gtrace")

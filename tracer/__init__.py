@@ -37,6 +37,10 @@ from tracer.model import (
 from tracer.options import TraceError, TraceOptions
 from tracer.version import __version__
 
+# gradtrace's tracer, not another module of that name (a user's tracer.py, a PyPI "tracer"):
+# export checks it when it imports tracer, ``python -m tracer`` and the command line check export's.
+__gradtrace__ = "tracer"
+
 if TYPE_CHECKING:  # the names resolved on first use, below
     from tracer.api import check_numerics, explain_errors, record_memory, step, trace
     from tracer.features.logs import get_log_level, log_scope, set_log_level

@@ -18,3 +18,6 @@ class Command:
     arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
     usage: str | None = None
+    epilog: str | None = None  # examples, shown as written after the options
+    # An old spelling kept working (``diff-ranks`` for ``diff --ranks``): parsed, not listed in --help.
+    hidden: bool = False

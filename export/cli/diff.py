@@ -1,5 +1,6 @@
-"""``gradtrace diff A B`` (the first divergence of two traces) and ``gradtrace diff-ranks`` /
-``gradtrace diff --ranks`` (which rank of a data-parallel step departed first)."""
+"""``gradtrace diff A B`` (the first divergence of two traces) and ``gradtrace diff --ranks``
+(which rank of a data-parallel step departed first; ``diff-ranks``, its older spelling, still
+works but is not listed)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def _diff_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("b", metavar="B", help="second trace (.gtrace)")
     p.add_argument("more", nargs="*", metavar="TRACE", help="with --ranks: the other ranks' traces")
     p.add_argument("--ranks", action="store_true",
-                   help="compare the per-rank traces of one data-parallel step (see gradtrace diff-ranks)")
+                   help="compare the per-rank traces of one data-parallel step, two or more: the first rank whose "
+                        "parameters, reduced gradients or collectives depart from the others")
     p.add_argument("--html", metavar="OUT", help="also write a self-contained HTML view")
     p.add_argument("--rtol", type=float, help="relative tolerance: compare by recorded stats, not checksums")
     p.add_argument("--atol", type=float, help="absolute tolerance: compare by recorded stats, not checksums")
@@ -34,10 +36,14 @@ def _diff_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
+    if args.ranks:
+        two_only = [flag for flag, given in (("--html", args.html), ("--rtol", args.rtol is not None),
+                                             ("--atol", args.atol is not None)) if given]
+        if two_only:
+            raise UserError(f"{', '.join(two_only)} compare two traces, not --ranks: drop {', '.join(two_only)}")
+        return run_paths([args.a, args.b, *args.more], as_json=args.json, args=args)
     if args.html:
         check_output(args.html, [args.a, args.b, *args.more], option="--html")
-    if args.ranks:
-        return run_paths([args.a, args.b, *args.more], as_json=args.json, args=args)
     if args.more:
         raise UserError("diff compares two traces; pass --ranks to compare one trace per rank")
 
@@ -58,14 +64,23 @@ def _cmd_diff(args: argparse.Namespace) -> int:
 
 
 DIFF = Command(
-    "diff", help="first divergence between two traces, forward and backward (exit 1 if any)",
+    "diff", help="first divergence between two traces, forward and backward (exit 1 if any); "
+                 "--ranks: the first departing rank of a data-parallel step",
     description="Align two traces of the same step and report the first record whose inputs match but "
-                "outputs differ, forward and backward, with both call stacks. Exit status: 0 equal (or "
-                "within tolerance), 1 diverged, 2 bad input.",
+                "outputs differ, forward and backward, with both call stacks. With --ranks, compare the "
+                "per-rank traces of one data-parallel step instead (parameters, gradients after the "
+                "all-reduce, rank-invariant collectives) and report the first rank that departs. Exit "
+                "status: 0 equal (or within tolerance), 1 diverged, 2 bad input.",
+    usage="gradtrace diff [options] A B\n       gradtrace diff --ranks [options] RANK0 RANK1 [RANK ...]",
+    epilog="examples:\n"
+           "  gradtrace diff good.gtrace bad.gtrace              first divergence, forward and backward\n"
+           "  gradtrace diff a.gtrace b.gtrace --rtol 1e-3       within a tolerance (by recorded stats)\n"
+           "  gradtrace diff a.gtrace b.gtrace --html diff.html  also a side-by-side page\n"
+           "  gradtrace diff --ranks step.rank*.gtrace           which rank of a DDP/FSDP step departed",
     arguments=_diff_arguments, run=_cmd_diff)
 
 
-# ---- diff-ranks ------------------------------------------------------------------------------------
+# ---- diff --ranks (and diff-ranks, its older spelling) ------------------------------------------------------------------------------------
 def run_paths(paths: Sequence[str], *, as_json: bool = False, args: argparse.Namespace | None = None) -> int:
     """Compare per-rank trace files and print the result; the exit status (for ``diff --ranks``),
     also put in ``args.exit_code`` before anything is printed (see ``export.cli.main``)."""
@@ -96,7 +111,7 @@ def _cmd_diff_ranks(args: argparse.Namespace) -> int:
 
 
 DIFF_RANKS = Command(
-    "diff-ranks", help="compare the per-rank traces of one data-parallel step (exit 1 if a rank departed)",
+    "diff-ranks", hidden=True, help="compare the per-rank traces of one data-parallel step (exit 1 if a rank departed)",
     description="Compare what must be identical across data-parallel replicas (parameters, gradients after "
                 "the all-reduce, outputs of rank-invariant collectives, the order of collectives) in the "
                 "per-rank traces of one step, and report the first record where a rank departs with its "

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
+import textwrap
 import traceback
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
+from export import companion
 from export.cli import demo, diff, dot, memory, report, run, summary
 from export.cli.command import Command
 from export.errors import UserError
@@ -45,20 +48,55 @@ def _error(command: str, message: str) -> int:
     return 2
 
 
+EXAMPLES = """\
+examples:
+  gradtrace demo                               trace one step of a bundled tiny GPT, then summarise it
+  gradtrace run --steps 100 --report train.py  run your script unchanged, trace optimizer step 100
+  gradtrace summary train.gtrace               what a trace holds, and what went wrong in it
+  gradtrace show train.gtrace linear3          one call, tensor or grad node, its links and stack
+  gradtrace report train.gtrace                the interactive HTML report (train.html)
+  gradtrace diff good.gtrace bad.gtrace        the first divergence of two runs
+  gradtrace diff --ranks step.rank*.gtrace     the first rank of a data-parallel step to depart
+
+'gradtrace COMMAND --help' shows a command's options. Documentation: README.md ("Command line")
+and docs/api.md (the Python API, gradtrace run) in gradtrace's source; in Python, help(tracer)."""
+
+
+def _paragraphs(text: str) -> str:
+    """A description wrapped to the terminal as argparse would, kept raw so epilogs keep their
+    columns (argparse's raw formatter applies to both)."""
+    width = max(40, min(shutil.get_terminal_size().columns - 2, 100))
+    return "\n\n".join(textwrap.fill(part, width) for part in text.split("\n\n"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
-        prog="gradtrace",
-        description="Record, render, summarise and diff PyTorch forward/backward traces.")
+        prog="gradtrace", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=_paragraphs("Record, render, summarise and diff PyTorch forward/backward traces. Record "
+                                "with 'gradtrace run' (a script, unchanged) or tracer.trace() in your code; "
+                                "every other command reads a saved .gtrace file."),
+        epilog=EXAMPLES)
     parser.add_argument("--version", action="version", version=f"gradtrace {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for command in COMMANDS:
-        p = sub.add_parser(command.name, help=command.help, description=command.description, usage=command.usage)
+        options: dict[str, Any] = {
+            "description": _paragraphs(command.description), "usage": command.usage, "epilog": command.epilog,
+            "formatter_class": argparse.RawDescriptionHelpFormatter}
+        if not command.hidden:  # without help= argparse does not list a command
+            options["help"] = command.help
+        p = sub.add_parser(command.name, **options)
         command.arguments(p)
         p.set_defaults(func=command.run)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:  # export checked tracer when it was imported; here both, for the command's sake
+        for name in ("tracer", "export"):
+            companion.check(name)
+    except ImportError as exc:
+        print(f"gradtrace: error: {inert(str(exc))}", file=sys.stderr)
+        return 2
     parser = build_parser()
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     func = getattr(args, "func", None)

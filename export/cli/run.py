@@ -33,7 +33,7 @@ from tracer.api import trace
 from tracer.loops.program import Program, WatchedRun, execute
 from tracer.loops.steps import StepObserver, StepTrace
 from tracer.model import Trace, load_steps
-from tracer.model.display import format_size, with_tag
+from tracer.model.display import format_size, plural, with_tag
 from tracer.options import DEFAULT_KEEP_VALUES_BYTES
 
 
@@ -70,8 +70,8 @@ def program_from_args(args: argparse.Namespace) -> Program:
 
 # ---- progress ------------------------------------------------------------------------------------
 def _facts(trace: Trace) -> str:
-    return (f"{len(trace.calls):,} calls, {len(trace.grad_nodes):,} grad nodes, "
-            f"{len(trace.backward_runs)} backward run{'s' if len(trace.backward_runs) != 1 else ''}")
+    return (f"{plural(len(trace.calls), 'call')}, {plural(len(trace.grad_nodes), 'grad node')}, "
+            f"{plural(len(trace.backward_runs), 'backward run')}")
 
 
 class PlainProgress(StepObserver):
@@ -103,7 +103,7 @@ class LiveProgress(PlainProgress):
 
     def _render(self) -> Spinner:
         t = self._trace
-        facts = f"{len(t.calls):,} calls, {len(t.grad_nodes):,} grad nodes" if t is not None else ""
+        facts = f"{plural(len(t.calls), 'call')}, {plural(len(t.grad_nodes), 'grad node')}" if t is not None else ""
         what = " · finishing checksums" if self._finishing else ""
         return Spinner("dots", text=f"gradtrace: tracing step {self._step} · {facts}{what}", style="cyan")
 
@@ -291,4 +291,9 @@ COMMAND = Command(
     description="Run a script (or -m module) as python would, tracing the chosen optimizer steps. "
                 "gradtrace's options go before the program, the program's own arguments after it.",
     usage="gradtrace run [options] script.py [args ...]\n       gradtrace run [options] -m module [args ...]",
+    epilog="examples:\n"
+           "  gradtrace run train.py --lr 3e-4                   optimizer step 0 -> train.gtrace\n"
+           "  gradtrace run --steps 100,200 --report train.py    two steps, and an HTML report of each\n"
+           "  gradtrace run --every 500 -o run.gtrace.gz -m pkg.train --config big.yaml\n"
+           "  gradtrace run --watch train.py                     the program's tracer.watch, with reports",
     arguments=add_arguments, run=run_command)

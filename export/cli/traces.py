@@ -9,6 +9,7 @@ import sys
 from export.load import LoadedTrace, open_trace, print_notes
 from export.text import inert
 from tracer.model import StepInfo
+from tracer.model.display import plural
 from tracer.model.fileformat import ENV_MAX_DECOMPRESSED, parse_size
 
 
@@ -45,9 +46,9 @@ def step_facts(info: StepInfo) -> str:
     status = info.status
     if info.error and info.error.get("type"):
         status += f" ({info.error['type']})"
-    text = f"{name}: {status}, {info.calls:,} calls"
+    text = f"{name}: {status}, {plural(info.calls, 'call')}"
     if info.nonfinite:
-        text += f", NaN/Inf in {info.nonfinite} tensor{'s' if info.nonfinite != 1 else ''}"
+        text += f", NaN/Inf in {plural(info.nonfinite, 'tensor')}"
     return inert(text)
 
 

@@ -17,7 +17,7 @@ from typing import Any
 from tracer.analysis import memory_views as views
 from tracer.analysis import reprs
 from tracer.model import GradNode, MemoryEvent, Trace
-from tracer.model.display import format_bytes, param_module
+from tracer.model.display import format_bytes, param_module, plural
 
 
 # ---- the record as users see it ----------------------------------------------------------------
@@ -207,7 +207,8 @@ class MemoryRecord:
 
     def __repr__(self) -> str:
         peak = self.peak
-        return (f"<MemoryRecord {len(self.allocs)} allocs, {len(self.frees)} frees, net {format_bytes(self.net())}"
+        return (f"<MemoryRecord {plural(len(self.allocs), 'alloc')}, {plural(len(self.frees), 'free')}, "
+                f"net {format_bytes(self.net())}"
                 f"{'' if peak is None else f', peak {format_bytes(peak.allocated)} on {peak.device}'}>")
 
 

@@ -19,6 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from tracer.model.display import format_bytes as _fmt_bytes
+from tracer.model.display import plural
 
 if TYPE_CHECKING:
     from tracer.analysis.memory import MemoryRecord
@@ -85,8 +86,8 @@ def record_tables(rec: MemoryRecord, top: int = 15) -> Printable:
         frees = [e for e in rec.frees if e["device"] == dev]
         src = rec.source(dev) or "?"
         head.append(f"{dev}", style="bold")
-        head.append(f" ({src}): {len(allocs)} allocs {_fmt_bytes(sum(e['bytes'] for e in allocs))}, "
-                    f"{len(frees)} frees {_fmt_bytes(sum(e['bytes'] for e in frees))}, "
+        head.append(f" ({src}): {plural(len(allocs), 'alloc')} {_fmt_bytes(sum(e['bytes'] for e in allocs))}, "
+                    f"{plural(len(frees), 'free')} {_fmt_bytes(sum(e['bytes'] for e in frees))}, "
                     f"net {_fmt_bytes(rec.net(dev))}; attributed {rec.attributed_fraction(dev):.1%} of allocated "
                     f"bytes ({rec.attributed_fraction(dev, inside_only=True):.1%} while the owner ran)\n")
     if not rec.devices():

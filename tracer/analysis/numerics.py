@@ -32,6 +32,7 @@ from typing import Any
 
 from tracer.analysis import reprs
 from tracer.model import Call, Frame, GradNode, NodeRun, TensorRecord, Trace, install_view
+from tracer.model.display import all_finite, plural
 from tracer.model.frames import stack_lines
 
 # An inf among a call's argument text: "-inf", "inf", "fill_value=-inf", "[0.0, inf]".
@@ -101,10 +102,10 @@ class Anomaly:
 
 
 def _contaminated_lines(a: Anomaly, full: bool) -> list[str]:
-    """``then 171 more record(s) with NaN in 51 modules, h.7.mlp.c_proj … lm_head``; with ``full``
+    """``then 171 more records with NaN in 51 modules, h.7.mlp.c_proj … lm_head``; with ``full``
     every module follows, one a line with its count, in the order they were reached."""
     mods = [m or "<root>" for m in a.contaminated_by_module]
-    head = f"  then {a.contaminated} more record(s) with {a.what} in {len(mods)} module{'s' if len(mods) != 1 else ''}"
+    head = f"  then {plural(a.contaminated, 'more record')} with {a.what} in {plural(len(mods), 'module')}"
     if full:
         return [head + ":", *(f"    {m}: {n}" for m, n in zip(mods, a.contaminated_by_module.values()))]
     if len(mods) <= 3:
@@ -148,10 +149,10 @@ class NumericsReport:
         that a phase was clean; ``full``/``all_frames`` as for ``Anomaly.describe``."""
         if self.checked == 0:
             return "numerics: no tensor stats in this trace (record with check_numerics=True)"
-        tail = f" ({self.intended_inf} record(s) with an intended Inf, e.g. -inf attention masks)" \
+        tail = f" ({plural(self.intended_inf, 'record')} with an intended Inf, e.g. -inf attention masks)" \
             if self.intended_inf else ""
         if self.clean:
-            return f"numerics: all {self.checked} checked tensors finite{tail}"
+            return f"numerics: {all_finite(self.checked)}{tail}"
         parts = []
         for phase, found in (("forward", (self.forward_nan, self.forward_inf)),
                              ("backward", (self.backward_nan, self.backward_inf))):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tracer.model.display import clip, format_bytes, plural
+from tracer.model.display import all_finite, clip, format_bytes, plural
 from tracer.model.reprs import NAME_LIMIT, card, esc, names_html, source_link
 
 if TYPE_CHECKING:
@@ -60,18 +60,20 @@ def numerics_html(r: NumericsReport) -> str:
     if r.checked == 0:
         return card("numerics", "no tensor stats", [("how", "record with <code>check_numerics=True</code>")])
     if r.clean:
-        facts = [("verdict", f"all {r.checked} checked tensors finite")]
+        facts = [("verdict", all_finite(r.checked))]
         if r.intended_inf:
             facts.append(("intended Inf", f"{r.intended_inf} (e.g. -inf attention masks)"))
         return card("numerics", "clean", facts)
     parts = [anomaly_html(a) for a in r.anomalies()]
-    head = card("numerics", f"{plural(len(parts), 'anomaly', 'anomalies')} in {r.checked} checked tensors", [])
+    head = card("numerics", f"{plural(len(parts), 'anomaly', 'anomalies')} in {plural(r.checked, 'checked tensor')}",
+                [])
     return head + "".join(parts)
 
 
 # ---- memory ----------------------------------------------------------------------------------------
 def memory_html(rec: MemoryRecord) -> str:
-    facts = [("events", f"{len(rec.allocs)} allocs, {len(rec.frees)} frees, net {esc(format_bytes(rec.net()))}")]
+    facts = [("events", f"{plural(len(rec.allocs), 'alloc')}, {plural(len(rec.frees), 'free')}, "
+                        f"net {esc(format_bytes(rec.net()))}")]
     peak = rec.peak
     if peak is not None:
         live = ", ".join(f"<code>{esc(t.label)}</code> {esc(format_bytes(t.bytes))}" for t in peak.tensors[:3])

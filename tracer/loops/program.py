@@ -5,6 +5,9 @@ behind ``gradtrace run``; its arguments, progress display and closing lines are
 ``sys.argv``, ``__name__ == "__main__"``, ``sys.path[0]``, the exit status and the traceback are
 what ``python script.py`` / ``python -m module`` would give. Steps are counted from
 ``optimizer.step()`` calls (or ``tracer.step()`` marks in the program); see ``tracer.loops.steps``.
+A program whose directory holds its own ``export.py`` or ``tracer.py`` (YOLOv5 ships an
+``export.py``) imports its own module under that name, as with ``python``, while gradtrace keeps
+its own: see ``OwnPackagesSetAside``.
 With ``--watch`` the program runs inside a ``WatchedRun`` instead: nothing is traced, the watches
 the program creates (``tracer.watch``, the ``WatchCallback``s) are collected, given the report
 writer, and closed (their last flags read) when the program ends.
@@ -26,7 +29,13 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+import torch
+
 from tracer.features.watch import Watch, registry
+from tracer.record.checksums import fused
+
+# This file is tracer/loops/program.py.
+_TRACER_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "")
 
 
 # ---- the program -------------------------------------------------------------------------------
@@ -94,10 +103,76 @@ class WatchedRun:
             registry.stop()
 
 
+# ---- gradtrace's packages and the program's own modules of the same names ----------------------
+GRADTRACE_PACKAGES = ("tracer", "export")
+
+
+def _first_spec(name: str) -> importlib.machinery.ModuleSpec | None:
+    """What a fresh ``import name`` would load now (with the program's ``sys.path``), asked of
+    the import system's finders in order, as ``import`` asks them."""
+    for finder in sys.meta_path:
+        find_spec = getattr(finder, "find_spec", None)
+        if find_spec is None:
+            continue
+        try:
+            spec = find_spec(name, None)
+        except (ImportError, ValueError, AttributeError):  # a third-party finder's trouble
+            continue
+        if spec is not None:
+            return spec
+    return None
+
+
+def _same_file(a: str | None, b: str | None) -> bool:
+    return a is not None and b is not None and os.path.realpath(a) == os.path.realpath(b)
+
+
+class OwnPackagesSetAside:
+    """While the program runs, ``import export`` / ``import tracer`` in it gives what python
+    would give it: when its ``sys.path`` finds another module first (the script's directory holds
+    its own ``export.py``, as YOLOv5's does), gradtrace's modules of that name are taken out of
+    ``sys.modules`` for the run and put back after it. gradtrace's own code keeps working: its
+    modules hold their imports already (``preload`` imports the few that are otherwise imported
+    on first use), so nothing of gradtrace is looked up by name while the program runs."""
+
+    def __init__(self) -> None:
+        self.set_aside: dict[str, types.ModuleType] = {}
+        self.shadowed: list[str] = []
+
+    def __enter__(self) -> OwnPackagesSetAside:
+        for name in GRADTRACE_PACKAGES:
+            own = sys.modules.get(name)
+            spec = _first_spec(name) if own is not None else None
+            # Nothing found: nothing else could be imported either. A namespace package (no
+            # origin) found first is what python would import, so it counts as another module.
+            if spec is None or _same_file(spec.origin, getattr(own, "__file__", None)):
+                continue
+            if name == "tracer":
+                preload()
+            self.shadowed.append(name)
+            for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
+                self.set_aside[key] = sys.modules.pop(key)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name in self.shadowed:  # the program's modules of those names go, gradtrace's come back
+            for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
+                del sys.modules[key]
+        sys.modules.update(self.set_aside)
+        self.set_aside.clear()
+
+
+def preload() -> None:
+    """Import now what gradtrace's recording otherwise imports on first use, before gradtrace's
+    ``tracer`` is set aside: the Triton checksum kernels (``--hash fast`` on a GPU)."""
+    if fused.triton_usable() and torch.cuda.is_available():
+        fused.kernels()
+
+
 def execute(program: Program, context: AbstractContextManager[object]) -> int:
     """Run the program inside ``context`` (a ``StepTrace``, a ``WatchedRun``); the exit status
     python would give."""
-    with _ProgramArgv(program):
+    with _ProgramArgv(program), OwnPackagesSetAside():
         try:
             with context:
                 if program.is_module:
@@ -167,7 +242,8 @@ def _print_exception(exc: BaseException) -> None:
     while len(frames) > 1 and (frames[0].tb_frame.f_code.co_filename == __file__
                                or frames[0].tb_frame.f_globals.get("__name__") == "runpy"):
         frames.pop(0)
-    kept = [f for f in frames if not str(f.tb_frame.f_globals.get("__name__", "")).startswith("tracer.")] or frames
+    # By file, not module name: the program may have a `tracer` package of its own.
+    kept = [f for f in frames if not f.tb_frame.f_code.co_filename.startswith(_TRACER_DIR)] or frames
     rebuilt: TracebackType | None = None
     for f in reversed(kept):
         rebuilt = TracebackType(rebuilt, f.tb_frame, f.tb_lasti, f.tb_lineno)

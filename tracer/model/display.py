@@ -119,8 +119,13 @@ def json_number(x: float | None) -> float | str | None:
 
 
 def plural(n: int, noun: str, nouns: str | None = None) -> str:
-    """``1 backward run``, ``2 backward runs``."""
-    return f"{n} {noun}" if n == 1 else f"{n} {nouns or noun + 's'}"
+    """``1 backward run``, ``2 backward runs``, ``1,024 calls``."""
+    return f"{n:,} {noun}" if n == 1 else f"{n:,} {nouns or noun + 's'}"
+
+
+def all_finite(checked: int) -> str:
+    """``all 412 checked tensors finite``; ``the 1 checked tensor finite``."""
+    return f"the {plural(checked, 'checked tensor')} finite" if checked == 1 else f"all {plural(checked, 'checked tensor')} finite"
 
 
 def clip(text: str, limit: int = 40) -> str:

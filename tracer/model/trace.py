@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tracer.model.display import plural
 from tracer.model.records import (
     FORMAT,
     SCHEMA_VERSION,
@@ -189,8 +190,9 @@ class Trace:
 
     # ---- display -------------------------------------------------------------------------
     def __repr__(self) -> str:
-        return (f"<Trace {self.status}: {len(self.calls)} calls, {len(self.grad_nodes)} grad nodes, "
-                f"{len(self.tensors)} tensors, {len(self.backward_runs)} backward runs, hash={self.hash_algorithm}>")
+        return (f"<Trace {self.status}: {plural(len(self.calls), 'call')}, {plural(len(self.grad_nodes), 'grad node')}, "
+                f"{plural(len(self.tensors), 'tensor')}, {plural(len(self.backward_runs), 'backward run')}, "
+                f"hash={self.hash_algorithm}>")
 
     def _repr_html_(self) -> str:
         """The notebook view: the one ``export`` installs (``import export``), else the repr."""

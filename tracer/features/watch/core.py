@@ -48,7 +48,7 @@ from tracer.features.watch.sentinel import Flag, FlagValues, Sentinel
 from tracer.features.watch.snapshot import Layout, Placement, StateSnapshot, real_optimizer, state_bytes
 from tracer.features.watch.triggers import Trigger, make_trigger
 from tracer.model import Trace
-from tracer.model.display import format_size, sibling, with_tag
+from tracer.model.display import format_size, plural, sibling, with_tag
 from tracer.options import TraceError, TraceOptions
 from tracer.record.recorder import active_recorder
 from tracer.record.session import NumericsWarning, TraceSession
@@ -321,9 +321,9 @@ class Watch:
         where = self.placement or "not yet allocated"
         n = len(self._slots)
         last = "no check yet" if self.last_checked is None else f"last check: step {self.last_checked}"
-        found = f"{len(self.incidents)} incident(s) (first at step {self.incidents[0].step})" if self.incidents \
+        found = f"{plural(len(self.incidents), 'incident')} (first at step {self.incidents[0].step})" if self.incidents \
             else "no incident"
-        return (f"gradtrace watch {self.name}: {self.step} step(s) watched, {n} snapshot(s) of "
+        return (f"gradtrace watch {self.name}: {plural(self.step, 'step')} watched, {plural(n, 'snapshot')} of "
                 f"{format_size(self.snapshot_bytes // max(n, 1))} ({where}), {last}, {found}")
 
     # ---- internals --------------------------------------------------------------------------------
@@ -344,7 +344,7 @@ class Watch:
             need = (self.lag + 1) * state_bytes(self.model, self.optimizer)
             self.placement = "device" if need <= DEVICE_SHARE * free else "host"
         LOG.info(f"gradtrace watch {self.name}: trigger {self.trigger.name}, policy {self.policy}, "
-                 f"snapshots on the {self.placement}, flags read {self.lag} step(s) late")
+                 f"snapshots on the {self.placement}, flags read {plural(self.lag, 'step')} late")
 
     def _params(self) -> list[torch.Tensor]:
         from_model = list(self.model.parameters()) if self.model is not None else []
