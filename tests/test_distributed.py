@@ -234,7 +234,7 @@ def test_diff_ranks_reports_a_collective_one_rank_skipped(one_rank: None, tmp_pa
     d = res.departures[0]
     assert (d.what, d.rank, d.reference, d.record) == ("collective sequence", 1, [0], "all_reduce1")
     assert d.reason == ("collective #1 on the default group: rank 1 issued all_reduce1 (all_reduce, group=[0, 1], "
-                        "op='SUM'), rank(s) 0 issued barrier0 (barrier, group=[0, 1])")
+                        "op='SUM'), rank 0 issued barrier0 (barrier, group=[0, 1])")
     assert d.stack[-1].code == "dist.all_reduce(x)"
 
 
@@ -329,7 +329,7 @@ def test_ddp_rank_that_nudges_a_gradient_is_reported(ddp_perturbed_run, capsys) 
     assert (first["rank"], first["record"], first["what"], first["param"], first["call"], first["module"]) == \
         (1, f"{param}@grad@v2", "reduced gradient", param, "add_0", "")
     assert first["stack"][-1]["code"].startswith("param.grad.add_(1e-6)")
-    assert first["reason"] == f"only rank(s) 1 have {param}@grad@v2; rank(s) 0 do not"
+    assert first["reason"] == f"only rank 1 has {param}@grad@v2; rank 0 does not"
     # The parameter then steps differently on rank 1, and only that parameter: the state AdamW's
     # step makes for it and its new value, both outputs of the step (one call).
     later = [(x["rank"], x["record"]) for x in out["departures"][1:]]

@@ -74,7 +74,7 @@ def test_records_repr_in_one_line(nan_step: tracer.Trace) -> None:
 def test_anomalies_repr_names_each_phase(nan_step: tracer.Trace) -> None:
     report = nan_step.anomalies
     assert repr(report) == ("<NumericsReport forward: NaN at sqrt0:out (<root>); "
-                            "backward: NaN at sub0:out@grad (<root>); 22 checked>")
+                            "backward: NaN at sub0:out@grad (<root>); 23 checked>")
     assert repr(report.forward_nan) == \
         "<Anomaly first NaN in forward: sqrt0:out by sqrt0 [torch.sqrt] in <root> (origin), 1 more>"
     html = report._repr_html_()

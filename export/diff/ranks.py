@@ -58,6 +58,7 @@ from export.diff.result import frame_json
 from export.load import load_with_notes
 from export.views import checksum
 from tracer.model import Call, Frame, GradNode, TensorRecord, Trace
+from tracer.model.display import plural
 
 # Collectives whose outputs hold the same value on every rank of their group (by the last part of
 # the call's API name). DDP's all-reduce is recorded as one call named ddp_allreduce<k>.
@@ -163,7 +164,7 @@ class RankDiffResult:
         made = f", made by {d.call}" if d.call else ""
         carried = f"; first carried by {d.carrier} ({d.carrier_args})" if d.carrier else ""
         return (f"RANK {d.rank} DEPARTED first at {d.what} {d.record}{where}{made}: {d.reason}{carried} "
-                f"[{len(self.departures)} departing record(s)]")
+                f"[{plural(len(self.departures), 'departing record')}]")
 
     def to_json(self) -> dict[str, Any]:
         return {"equal": self.equal, "exit_code": self.exit_code, "verdict": self.verdict(),
@@ -181,6 +182,11 @@ class RankDiffResult:
 
 
 # ---- classifying records -------------------------------------------------------------------------------
+
+def _ranks(ranks: list[int]) -> str:
+    """``rank 0``, ``ranks 0, 2``."""
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
 def op_name(api: str) -> str:
     """The operation an API name ends in, the key of ``RANK_INVARIANT``: ``torch.distributed.all_reduce``
     -> ``all_reduce`` (a key, not a display name: see ``tracer.model.display.short_api`` for that)."""
@@ -478,15 +484,14 @@ def _departure(members: list[_Ranked], name: str, what: str, values: dict[int, s
     rank = departing[0]
     x = next(m for m in members if m.rank == rank)
     ref_x = next(m for m in members if m.rank == ref[0])
-    ref_text = ", ".join(str(r) for r in ref)
     if values[rank] == MISSING:
-        reason = f"rank {rank} has no {name}; rank(s) {ref_text} do"
+        reason = f"rank {rank} has no {name}; {_ranks(ref)} {'does' if len(ref) == 1 else 'do'}"
         source = ref_x
     elif values[ref[0]] == MISSING:
-        reason = f"only rank(s) {', '.join(map(str, departing))} have {name}; rank(s) {ref_text} do not"
+        reason = f"only {_ranks(departing)} {'has' if len(departing) == 1 else 'have'} {name}; {_ranks(ref)} {'does' if len(ref) == 1 else 'do'} not"
         source = x
     else:
-        reason = f"differs from rank(s) {ref_text}"
+        reason = f"differs from {_ranks(ref)}"
         source = x
     call, api, module, stack = source.origin(name)
     rec = source.trace.tensors[name]
@@ -527,7 +532,7 @@ def _compare_schedule(ranked: list[_Ranked], result: RankDiffResult) -> None:
         result.departures.append(Departure(
             record=shown.name, what="collective sequence", rank=rank, ranks=departing, reference=ref,
             reason=f"collective #{i} on the default group: rank {rank} issued {what_mine}, "
-                   f"rank(s) {', '.join(map(str, ref))} issued {what_ref}",
+                   f"{_ranks(ref)} issued {what_ref}",
             call=shown.name, api=shown.api, module=shown.module, stack=shown.stack,
             order=_call_order(x, mine) if mine else _call_order(x, None)))
         return  # after the first mismatch the two sequences no longer line up

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tracer.model.display import clip, format_number
+from tracer.model.display import clip, format_number, plural
 from tracer.model.reprs import NAME_LIMIT, card, esc, names, names_html, source_link
 
 if TYPE_CHECKING:
@@ -85,7 +85,7 @@ def ranks_html(r: RankDiffResult) -> str:
                                f"({esc(first.reason, VERDICT_LIMIT)})"))
         if first.stack:
             facts.append(("line", source_link(first.stack[-1])))
-        facts.append(("departing", f"{len(r.departures)} record(s)"))
+        facts.append(("departing", plural(len(r.departures), "record")))
     for problem in r.problems[:3]:
         facts.append(("problem", esc(problem, VERDICT_LIMIT)))
     title = "AGREE" if r.equal else ("CANNOT COMPARE" if r.problems else f"RANK {first.rank if first else '?'} DEPARTED")

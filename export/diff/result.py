@@ -15,7 +15,7 @@ from export.diff.console import render_diff
 from export.diff.elements import STATS_WORDS, ElementDiff, difference_text
 from tracer.analysis.numerics import NumericsReport, find_anomalies
 from tracer.model import Frame, Trace
-from tracer.model.display import format_number, json_number
+from tracer.model.display import format_number, json_number, plural
 
 TOP_NAMED = 5  # parameters named in a verdict before "… N more"
 
@@ -200,10 +200,10 @@ class Divergence:
         if self.inserted or self.removed:
             s = self.first_structural
             first = "" if s is None else f"; first {s.status}: {s.a or s.b} ({s.what} in {s.module or '<root>'})"
-            rest = "all aligned records equal" if not n else f"{n} aligned records differ"
+            rest = "all aligned records equal" if not n else f"{plural(n, 'aligned record')} differ"
             return f"{len(self.inserted)} inserted in B, {len(self.removed)} removed from A{first}; {rest}"
         if n:
-            return f"{n} records differ with no single origin"
+            return f"{plural(n, 'record')} differ with no single origin"
         if self.from_backward:
             k = sum(self.from_backward.values())
             return f"equal up to backward; {k} call{'s' if k != 1 else ''} after it differ only because gradients differ"
@@ -341,7 +341,7 @@ class DiffResult:
                 at = (f": largest relative stats difference {format_number(top.max_rel, 3)} ({STATS_WORDS}) "
                       f"at {top.a} (in {top.module or '<root>'})")
             casts = len(f.casts) + len(b.casts)
-            tail += f"; {casts} dtype cast(s) made by one side only, ignored" if casts else ""
+            tail += f"; {plural(casts, 'dtype cast')} made by one side only, ignored" if casts else ""
             return f"EQUAL within {self.tolerance}{at}{tail}"
         parts = [f"forward: {f.summary()}", f"backward: {b.summary()}"]
         if self.differing_params:
@@ -352,7 +352,7 @@ class DiffResult:
                 parts.insert(0, changed + (f"; {n} differ in all (value, gradient or value after the step)"
                                            if n > values else ""))
             else:
-                parts.append(f"{n} parameter(s) differ (gradient or value after the step)")
+                parts.append(f"{plural(n, 'parameter')} differ (gradient or value after the step)")
         head = "DIVERGED" if self.tolerance is None else f"BEYOND TOLERANCE ({self.tolerance})"
         if self.tolerance is not None and f.origin is not None:
             basis = "element-wise" if f.origin.basis == "values" else "by stats"

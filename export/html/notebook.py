@@ -14,7 +14,7 @@ import html as _html
 from export.html.page import render
 from export.views import first_params, nonfinite
 from tracer.model import Trace
-from tracer.model.display import format_size, shape_times
+from tracer.model.display import format_size, plural, shape_times
 from tracer.model.reprs import esc
 
 # The inline view's budget: what one displayed trace may add to a notebook (rows past it are
@@ -47,15 +47,16 @@ def notebook_html(trace: Trace, *, top: int = 12, max_bytes: int = NOTEBOOK_MAX_
     model = trace.modules.get("", "") or "trace"
     params = first_params(trace)
     nonfinite_names = [t.name for t in nonfinite(trace)]
-    facts = [f"status <b>{esc(trace.status)}</b>", f"{len(trace.calls)} calls", f"{len(trace.grad_nodes)} grad nodes",
-             f"{len(trace.tensors)} tensors", f"{len(trace.backward_runs)} backward runs",
-             f"{len(params)} parameters ({sum(t.numel for t in params):,} values)",
+    facts = [f"status <b>{esc(trace.status)}</b>", plural(len(trace.calls), "call"),
+             plural(len(trace.grad_nodes), "grad node"), plural(len(trace.tensors), "tensor"),
+             plural(len(trace.backward_runs), "backward run"),
+             f"{plural(len(params), 'parameter')} ({plural(sum(t.numel for t in params), 'value')})",
              f"hash {esc(trace.hash_algorithm)}",
              f"device {esc(', '.join(sorted({t.device for t in trace.tensors.values()})) or '–')}"]
     head = ['<div class="gradtrace-summary" style="font-family:sans-serif;font-size:13px">',
             f"<div><b>gradtrace · {esc(model)}</b> — {' · '.join(facts)}</div>"]
     if nonfinite_names:
-        head.append(f'<div style="color:#d1242f">{len(nonfinite_names)} tensor(s) with NaN/Inf, first '
+        head.append(f'<div style="color:#d1242f">{plural(len(nonfinite_names), "tensor")} with NaN/Inf, first '
                     f"<code>{esc(nonfinite_names[0])}</code>: <code>t.anomalies</code> says where</div>")
     if trace.status != "ok" and trace.error:
         head.append(f'<div style="color:#d1242f">{esc(str(trace.error), 300)}</div>')
