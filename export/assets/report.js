@@ -1343,8 +1343,22 @@
       fit();
     }).observe(document.getElementById('gt-graph'));
   }
+  function linkMemoryTables() {
+    // names in the Memory tab's tables (owners, producers, live tensors) lead to the graph
+    document.querySelectorAll('#gt-memory-tables td.name').forEach(function (td) {
+      const name = td.textContent;
+      if (!callByName.has(name) && !nodeByName.has(name) && !tensors.has(name)) return;
+      td.textContent = '';
+      td.append(el('a', { class: 'link mono', 'data-goto': name, text: name, onclick: function (ev) {
+        ev.preventDefault();
+        if (!tensors.has(name) || callByName.has(name) || nodeByName.has(name)) setTab('graph');
+        goTo(name);
+      } }));
+    });
+  }
   header();
   toolbar();
+  linkMemoryTables();
   render();
   fit();
   showDetails();
