@@ -217,11 +217,16 @@ def test_nan_only_in_backward_badges_only_grad_nodes(opened: Any) -> None:
     assert set(drawn_bad(o, "b")) == {"m:act", "pow0/PowBackward0", "sum0/SumBackward1", "sqrt0/SqrtBackward0"}
     # the buttons: nothing to find forward; backward finds the first bad node in the order it ran
     fwd, bwd = page.locator("#gt-nan-fwd"), page.locator("#gt-nan-bwd")
-    assert fwd.is_disabled() and fwd.get_attribute("title") == "No forward call produced NaN or Inf."
+    assert fwd.is_disabled() and fwd.get_attribute("title") == "No NaN or unintended Inf in forward."
     assert bwd.is_enabled()
+    # backward ran sum, sqrt (Inf: 1/sqrt(0)), then pow (Inf × 0 = NaN): the first NaN is pow's
     run = t.backward_runs[0].order
-    first = next(n for n in run if n in bad_nodes)
-    assert first == "sqrt0/SqrtBackward0" and run.index(first) == 1
+    first = next(n for n in run if any(t.tensors[g].stats.nan for g in t[n].grads_out if g in t.tensors))
+    assert first == "pow0/PowBackward0" == t.anomalies.backward.producer
+    assert run.index("sqrt0/SqrtBackward0") < run.index(first)
+    nan_grad = t.anomalies.backward.tensor
+    assert nan_grad == "relu0:out@grad" and t.tensors[nan_grad].stats.nan == 12   # Inf × 0 made it: the origin
+    assert bwd.get_attribute("title") == f"Select {first}: the first NaN in backward, {nan_grad} (12 NaN, 0 Inf), made there."
     bwd.click()
     assert o.details_title() == first
     assert "sel" in page.get_attribute(f'#gt-vp [data-name="{first}"]', "class").split()
@@ -237,8 +242,8 @@ def test_nan_in_forward_badges_only_calls(opened: Any) -> None:
     page = o.page
     assert set(drawn_bad(o, "f")) == {"log0", "sum0"} and drawn_bad(o, "b") == []
     bwd, fwd = page.locator("#gt-nan-bwd"), page.locator("#gt-nan-fwd")
-    assert bwd.is_disabled() and bwd.get_attribute("title") == "No gradient held NaN or Inf."
-    assert fwd.get_attribute("data-target") == "log0"
+    assert bwd.is_disabled() and bwd.get_attribute("title") == "No NaN or unintended Inf in backward."
+    assert fwd.get_attribute("data-target") == "log0" == t.anomalies.forward.producer
     page.click("#gt-foldall")
     fwd.click()                                               # unfolds what hides it and selects it
     assert o.details_title() == "log0"

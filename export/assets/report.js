@@ -57,7 +57,8 @@
     if (g.call === c.idx) c.head = g.idx; else g.calls.push(c.idx);
     anc[c.group].forEach(function (a) {
       if (groups[a].first > c.idx) groups[a].first = c.idx;
-      if (c.bad) groups[a].badF++;
+      // a call made while backward ran (a custom Function's backward) computed a backward value
+      if (c.bad) { if (c.phase === 'forward') groups[a].badF++; else groups[a].badB++; }
     });
   });
   nodes.forEach(function (n) {
@@ -1283,37 +1284,33 @@
     });
     sel.addEventListener('change', function () { setRoot(+sel.value); });
   }
-  // The first non-finite value on each side: the first forward call (execution order) with a
-  // NaN/Inf output, and the first grad node, in the order backward ran them, with a NaN/Inf gradient.
-  function firstBadCall() {
-    const c = calls.find(function (x) { return x.bad && x.phase === 'forward'; });
-    return c ? { type: 'call', idx: c.idx, name: c.name } : null;
+  // The first NaN (else unintended Inf) of forward and of backward, as `gradtrace summary` finds
+  // them (tracer.analysis.numerics, in the payload): forward calls in execution order; grad nodes
+  // in the order backward ran them, the ops of a custom backward() before the gradients it made.
+  // An intended -inf (an attention mask) is not one.
+  function anomalyTarget(a) {
+    if (!a) return null;
+    if (callByName.has(a.producer)) return { type: 'call', idx: callByName.get(a.producer).idx, name: a.producer };
+    if (nodeByName.has(a.producer)) return { type: 'node', idx: nodeByName.get(a.producer).idx, name: a.producer };
+    return null;   // cut from this page by its size budget
   }
-  function firstBadNode() {
-    const seen = new Set();
-    for (let r = 0; r < D.runs.length; r++) {
-      const order = D.runs[r].order;
-      for (let j = 0; j < order.length; j++) {
-        const n = nodeByName.get(order[j]);
-        if (!n || seen.has(n.idx)) continue;
-        seen.add(n.idx);
-        if (n.bad) return { type: 'node', idx: n.idx, name: n.name };
-      }
-    }
-    const rest = nodes.find(function (n) { return n.bad && !seen.has(n.idx); });   // never ran in a recorded backward
-    return rest ? { type: 'node', idx: rest.idx, name: rest.name } : null;
-  }
-  function nanButton(id, target, what, none) {
+  function nanButton(id, phase) {
+    const a = (S.anomalies || {})[phase] || null, target = anomalyTarget(a);
     const b = document.getElementById(id);
     b.disabled = !target;
-    b.title = target ? 'Select ' + target.name + ', ' + what + '.' : none;
-    if (target) {
-      b.setAttribute('data-target', target.name);
-      b.addEventListener('click', function () {
-        if (st.tab !== 'graph') setTab('graph');
-        select({ type: target.type, idx: target.idx }, { reveal: true });
-      });
+    if (!target) {
+      b.title = a ? 'The first ' + (a.kind === 'nan' ? 'NaN' : 'Inf') + ' in ' + phase + ' (' + a.producer + ') is not on this page.'
+        : 'No NaN or unintended Inf in ' + phase + '.';
+      return;
     }
+    b.title = 'Select ' + target.name + ': the first ' + (a.kind === 'nan' ? 'NaN' : 'Inf') + ' in ' + phase + ', ' + a.tensor +
+      ' (' + a.nan + ' NaN, ' + a.inf + ' Inf), ' + (a.origin ? 'made there' : 'carried in from its inputs') +
+      (a.from_forward ? ' (its forward call had already seen NaN/Inf)' : '') + '.';
+    b.setAttribute('data-target', target.name);
+    b.addEventListener('click', function () {
+      if (st.tab !== 'graph') setTab('graph');
+      select({ type: target.type, idx: target.idx }, { reveal: true });
+    });
   }
   function toolbar() {
     const title = document.getElementById('gt-title');
@@ -1327,10 +1324,8 @@
     document.getElementById('gt-foldall').addEventListener('click', function () { resetOpen(openToDepth(1)); render(); fit(); });
     document.getElementById('gt-initial').addEventListener('click', function () { resetOpen(D.open); render(); fit(); });
     document.getElementById('gt-fit').addEventListener('click', function () { fit(); });
-    nanButton('gt-nan-fwd', firstBadCall(), 'the first forward call (in execution order) with an output holding NaN or Inf',
-      'No forward call produced NaN or Inf.');
-    nanButton('gt-nan-bwd', firstBadNode(), 'the first grad node (in backward execution order) whose gradients hold NaN or Inf',
-      'No gradient held NaN or Inf.');
+    nanButton('gt-nan-fwd', 'forward');
+    nanButton('gt-nan-bwd', 'backward');
     document.getElementById('gt-zin').addEventListener('click', function () { const r = svg.getBoundingClientRect(); zoomAt(r.width / 2, r.height / 2, 1.25); });
     document.getElementById('gt-zout').addEventListener('click', function () { const r = svg.getBoundingClientRect(); zoomAt(r.width / 2, r.height / 2, 0.8); });
   }

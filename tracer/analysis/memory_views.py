@@ -117,7 +117,7 @@ def record_tables_data(rec: MemoryRecord, top: int = 15) -> RecordTablesData:
     tables: list[TableData] = []
 
     owners = rec.by_owner()
-    rows = [(owner or UNATTRIBUTED, rec.owner_kind(owner), _module_label(rec, owner), str(d["allocs"]),
+    rows: list[tuple[str, ...]] = [(owner or UNATTRIBUTED, rec.owner_kind(owner), _module_label(rec, owner), str(d["allocs"]),
              _fmt_bytes(d["alloc_bytes"]), str(d["frees"]), _fmt_bytes(d["free_bytes"]), _user_line(rec, owner))
             for owner, d in sorted(owners.items(), key=lambda kv: (-kv[1]["alloc_bytes"], -kv[1]["free_bytes"],
                                                                    kv[0] or "~"))[:top]]
