@@ -18,7 +18,7 @@ from export.cli import main
 from export.diff.ranks import diff_ranks
 from export.html import html_ranks
 from tests import test_html_browser as shared
-from tests.test_html import embedded, record_step
+from tests.test_html import HOSTILE, embedded, hostile_trace, record_step
 from tracer.analysis.memory import MemoryRecord
 from tracer.analysis.memory_views import record_tables_data
 from tracer.model.display import format_bytes
@@ -347,4 +347,46 @@ def test_ranks_page_says_when_replicas_agree(browser: Any, tmp_path: Path) -> No
     assert page.get_attribute("#gt-rank-verdict", "class") == "agree"
     assert page.inner_text("#gt-rank-verdict") == diff_ranks(traces).verdict()
     assert page.inner_text("#gt-rank-verdict").startswith("REPLICAS AGREE: ranks 0, 1")
+    page.close()
+
+
+def test_ranks_page_says_why_ranks_cannot_be_compared(browser: Any, tmp_path: Path) -> None:
+    traces = []
+    for rank in (0, 1):
+        with tracer.trace(hash="none") as t:
+            torch.ones(2).exp()
+        t.header["distributed"] = {"rank": rank, "world_size": 2}
+        traces.append(t)
+    html_ranks(traces, tmp_path / "ranks.html")
+    page = browser.new_page()
+    page.goto((tmp_path / "ranks.html").as_uri())
+    assert page.get_attribute("#gt-rank-verdict", "class") == "unknown"
+    assert page.inner_text("#gt-rank-verdict") == "CANNOT COMPARE: the traces have no checksums (recorded with hash='none')"
+    assert page.locator("#gt-ranks .badge").count() == 0
+    page.close()
+
+
+def test_ranks_page_shows_hostile_names_as_text(browser: Any, tmp_path: Path) -> None:
+    traces = []
+    for rank in (0, 1):
+        (tmp_path / str(rank)).mkdir()
+        t = hostile_trace(tmp_path / str(rank))
+        t.header["distributed"] = {"rank": rank, "world_size": 2}
+        traces.append(t)
+    bias = f"{HOSTILE}.bias"
+    traces[1].tensors[bias].md5 = "0" * 32   # rank 1's copy of the parameter differs
+    first = diff_ranks(traces).first
+    assert first is not None and (first.rank, first.record, first.module) == (1, bias, HOSTILE)
+    html_ranks(traces, tmp_path / "ranks.html")
+    text = (tmp_path / "ranks.html").read_text(encoding="utf-8")
+    assert HOSTILE not in text and "<img" not in text
+    page = browser.new_page()
+    dialogs: list[str] = []
+    page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+    page.goto((tmp_path / "ranks.html").as_uri())
+    verdict = page.inner_text("#gt-rank-verdict")
+    assert verdict.startswith(f"Rank 1 departed first at parameter {bias}: differs from rank(s) 0.")
+    assert f"in module {HOSTILE} at " in verdict and "we'ird \"dir\" <x>" in verdict
+    assert page.get_attribute("#gt-show-departure", "data-goto") == first.call.removesuffix(" (first read)")
+    assert page.locator("img").count() == 0 and dialogs == []
     page.close()

@@ -10,7 +10,9 @@ page puts trace strings into the document only through ``textContent``/``setAttr
 
 What the page shows: forward calls (blue, data flowing down) beside backward grad nodes (orange;
 green for AccumulateGrad) with gradients flowing up, both folded by module invocation into grey
-boxes; a red outline marks a call or grad node whose tensors hold NaN/Inf. Clicking an item
+boxes; a red outline marks a call whose outputs, or a grad node whose gradients, hold NaN/Inf
+(a folded box: on the side holding one), and two buttons jump to the first NaN of forward and of
+backward (``tracer.analysis.numerics``). Clicking an item
 shows its names, API, module, tensors (shape, dtype, device, MD5, stats), call stack and its
 counterpart on the other side (purple, joined by a dashed line).
 

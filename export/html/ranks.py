@@ -64,9 +64,10 @@ def _verdict(result: RankDiffResult, by_rank: dict[int, Trace]) -> str:
     why the ranks could not be compared."""
     esc = _html.escape
     d = result.first
+    notes = "".join(f'<div class="note">note: {esc(n)}</div>' for n in result.notes)
     if result.problems or d is None:
         state = "unknown" if result.problems else "agree"
-        return f'<div id="gt-rank-verdict" class="{state}">{esc(result.verdict())}</div>'
+        return f'<div id="gt-rank-verdict" class="{state}">{esc(result.verdict())}{notes}</div>'
     where = f" (parameter <code>{esc(d.param)}</code>)" if d.param and d.param != d.record else ""
     lines = [f'<b>Rank {d.rank} departed first</b> at {esc(d.what)} <code class="record">{esc(d.record)}</code>'
              f"{where}: {esc(d.reason)}."]
@@ -92,7 +93,8 @@ def _verdict(result: RankDiffResult, by_rank: dict[int, Trace]) -> str:
         rank, name = target
         button = (f' <button id="gt-show-departure" data-goto-rank="{rank}" data-goto="{esc(name, quote=True)}">'
                   f"show {esc(name)} in rank {rank}</button>")
-    return f'<div id="gt-rank-verdict" class="departed" data-rank="{d.rank}">' + "<br>".join(lines) + button + "</div>"
+    return (f'<div id="gt-rank-verdict" class="departed" data-rank="{d.rank}">' + "<br>".join(lines) + button
+            + notes + "</div>")
 
 
 def _show_target(d: Departure, by_rank: dict[int, Trace]) -> tuple[int, str] | None:
