@@ -53,6 +53,7 @@ def graph_box(o: Any) -> dict[str, float]:
 def test_fit_fits_the_width_and_the_wheel_scrolls_the_rest(opened: Any, gpt2: tracer.Trace) -> None:
     o = opened(gpt2, "gpt2.html")
     page = o.page
+    page.set_default_timeout(30_000)   # a 3,000-box graph on a busy 2-core machine
     page.click("#gt-zin")
     page.click("#gt-zin")
     page.click("#gt-fit")
@@ -95,6 +96,7 @@ def test_fit_fits_the_width_and_the_wheel_scrolls_the_rest(opened: Any, gpt2: tr
 def test_plus_level_stops_before_1000_boxes_and_says_why(opened: Any, gpt2: tracer.Trace, tmp_path: Path) -> None:
     o = opened(gpt2, "gpt2.html")
     page = o.page
+    page.set_default_timeout(30_000)   # a 3,000-box graph on a busy 2-core machine
     expand = page.locator("#gt-expand")
     clicks = 0
     while expand.is_enabled():

@@ -566,17 +566,22 @@
   // the thumb shows which part is on screen; dragging it, or the wheel, scrolls.
   const vbar = document.getElementById('gt-vscroll'), vthumb = document.getElementById('gt-vthumb');
   const TOP = 10;   // the margin above the graph at the top of the scroll range
+  const TRACK_INSET = 48;   // #gt-vscroll's top + bottom in report.css
+  // The view's height, measured on fit and on resize only: reading layout while drawing would
+  // force the browser to lay out a thousand fresh boxes twice.
+  let viewH = 0;
+  function measureView() { viewH = svg.getBoundingClientRect().height; }
   function scrollRange() {
     // the view.y values that keep the graph in view: from its top (TOP) to its bottom at the view's bottom
-    const H = svg.getBoundingClientRect().height, h = contentBox().h * st.view.k;
-    return { min: Math.min(TOP, H - h - TOP), max: TOP, H: H, h: h };
+    const h = contentBox().h * st.view.k;
+    return { min: Math.min(TOP, viewH - h - TOP), max: TOP, H: viewH, h: h };
   }
   function updateScrollbar() {
     const r = scrollRange();
     const show = st.tab === 'graph' && r.H > 0 && r.h + 2 * TOP > r.H + 1;
     vbar.classList.toggle('on', show);
     if (!show) return;
-    const track = vbar.getBoundingClientRect().height;
+    const track = r.H - TRACK_INSET;
     const size = Math.max(24, track * r.H / (r.h + 2 * TOP));
     const at = r.max === r.min ? 0 : (r.max - Math.min(r.max, Math.max(r.min, st.view.y))) / (r.max - r.min);
     vthumb.style.height = size.toFixed(0) + 'px';
@@ -596,7 +601,7 @@
     });
     vthumb.addEventListener('pointermove', function (ev) {
       if (!grab) return;
-      const r = scrollRange(), track = vbar.getBoundingClientRect().height;
+      const r = scrollRange(), track = r.H - TRACK_INSET;
       const size = vthumb.getBoundingClientRect().height;
       scrollTo(grab.vy - (ev.clientY - grab.y) * (r.max - r.min) / Math.max(1, track - size));
     });
@@ -621,6 +626,7 @@
     // Fit the width, not the whole graph: a 12-layer model shrunk to the view's height is an
     // unreadable ribbon. The top of the graph shows; the wheel or the scrollbar scrolls down.
     const r = svg.getBoundingClientRect(), c = contentBox();
+    viewH = r.height;
     if (r.width < 50 || r.height < 50) { st.fitLater = true; return; }  // hidden (a closed <details>)
     const k = Math.max(0.05, Math.min(1.1, (r.width - 40) / c.w));
     st.view = { k: k, x: Math.max(20, (r.width - c.w * k) / 2), y: TOP };
@@ -1333,7 +1339,8 @@
   if (window.ResizeObserver) {
     // a page that opened hidden (notebook iframe in a closed <details>) fits once it has a size
     new ResizeObserver(function () {
-      if (!st.fitLater) return;
+      measureView();
+      if (!st.fitLater) { updateScrollbar(); return; }
       st.fitLater = null;
       fit();
     }).observe(document.getElementById('gt-graph'));
