@@ -761,7 +761,6 @@
         MAX_VISIBLE.toLocaleString('en-US') + ' (the page would get slow): click the boxes you want to unfold, or pick a module.';
     }
     btn.disabled = why !== null;
-    btn.setAttribute('data-next-boxes', next ? String(next.boxes) : '');
     btn.title = why || ('unfold the next module level (' + plural(next.groups, 'group') + ', ' +
       next.boxes.toLocaleString('en-US') + ' boxes shown after; stops before ' + MAX_VISIBLE.toLocaleString('en-US') + ')');
   }
@@ -1353,7 +1352,7 @@
       td.textContent = '';
       td.append(el('a', { class: 'link mono', 'data-goto': name, text: name, onclick: function (ev) {
         ev.preventDefault();
-        if (!tensors.has(name) || callByName.has(name) || nodeByName.has(name)) setTab('graph');
+        if (callByName.has(name) || nodeByName.has(name)) setTab('graph');   // a tensor shows in the side panel
         goTo(name);
       } }));
     });
