@@ -40,6 +40,13 @@ def browser() -> Iterator[Any]:
         b.close()
 
 
+# True when the drawn graph lies inside the visible graph area.
+GRAPH_FITS = """(() => {
+  const g = document.getElementById('gt-vp').getBoundingClientRect(), v = document.getElementById('gt-svg').getBoundingClientRect();
+  return g.top >= v.top && g.bottom <= v.bottom && g.left >= v.left && g.right <= v.right;
+})()"""
+
+
 class Opened:
     """A report page plus what it did: console errors, page errors, requests, dialogs."""
 
@@ -55,7 +62,16 @@ class Opened:
         self.page.goto(path.as_uri())
         self.page.wait_for_selector("body[data-ready='1']", timeout=30_000)
         self.page.set_default_timeout(5_000)
-        self.page.click("#gt-fit")   # the whole graph in view, so every box can be clicked
+        self.zoom_out_to_whole()   # the whole graph in view, so every box can be clicked
+
+    def zoom_out_to_whole(self) -> None:
+        """Zoom out (the − button, as a user would) until the graph's height fits the view: "fit"
+        fits the width only."""
+        for _ in range(40):
+            if self.page.evaluate(GRAPH_FITS):
+                return
+            self.page.click("#gt-zout")
+        raise AssertionError("the graph never fit the view")
 
     def external_requests(self) -> list[str]:
         return [u for u in self.requests if not u.startswith(("file:", "data:", "about:"))]

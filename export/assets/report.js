@@ -39,11 +39,13 @@
     const t = name && tensors.get(name);
     return !!(t && t.stats && (t.stats[4] > 0 || t.stats[5] > 0));
   }
+  // A NaN badge goes on the side where the value was non-finite: on a call when one of its
+  // outputs was, on a grad node when a gradient it received or produced was.
   calls.forEach(function (c) { c.bad = c.outputs.some(isBadTensor); });
   nodes.forEach(function (n) { n.bad = n.grads_out.some(isBadTensor) || n.grads_in.some(isBadTensor); });
 
-  // group tree: children, ancestor chains, first item (for ordering), bad counts
-  groups.forEach(function (g, i) { g.idx = i; g.kids = []; g.calls = []; g.nodes = []; g.first = Infinity; g.bad = 0; });
+  // group tree: children, ancestor chains, first item (for ordering), bad counts per side
+  groups.forEach(function (g, i) { g.idx = i; g.kids = []; g.calls = []; g.nodes = []; g.first = Infinity; g.badF = 0; g.badB = 0; });
   groups.forEach(function (g) { if (g.parent !== null) groups[g.parent].kids.push(g.idx); });
   const anc = groups.map(function (g) {
     const chain = [];
@@ -55,14 +57,15 @@
     if (g.call === c.idx) c.head = g.idx; else g.calls.push(c.idx);
     anc[c.group].forEach(function (a) {
       if (groups[a].first > c.idx) groups[a].first = c.idx;
-      if (c.bad) groups[a].bad++;
+      // a call made while backward ran (a custom Function's backward) computed a backward value
+      if (c.bad) { if (c.phase === 'forward') groups[a].badF++; else groups[a].badB++; }
     });
   });
   nodes.forEach(function (n) {
     groups[n.group].nodes.push(n.idx);
     anc[n.group].forEach(function (a) {
       if (groups[a].first === Infinity) groups[a].first = calls.length + n.idx;
-      if (n.bad) groups[a].bad++;
+      if (n.bad) groups[a].badB++;
     });
   });
   groups.forEach(function (g) { g.kids.sort(function (a, b) { return groups[a].first - groups[b].first; }); });
@@ -103,13 +106,14 @@
     const count = side === 'f' ? plural(g.ncalls, 'call') : plural(g.nnodes, 'grad node');
     return ['▸ ' + groupTitle(g), g.kind === 'function' ? count + ' inside' : count];
   }
-  function isBadKey(key) {
+  function groupBad(g, side) { return side === 'f' ? g.badF : g.badB; }
+  function isBadKey(key, side) {
     const i = +key.slice(1);
-    return key[0] === 'c' ? calls[i].bad : key[0] === 'n' ? nodes[i].bad : groups[i].bad > 0;
+    return key[0] === 'c' ? calls[i].bad : key[0] === 'n' ? nodes[i].bad : groupBad(groups[i], side) > 0;
   }
   function itemSize(key, side) {
     const l = itemLabel(key, side);
-    const n = Math.max(clip(l[0], 40).length + (isBadKey(key) ? 5 : 0), clip(l[1], 40).length);
+    const n = Math.max(clip(l[0], 40).length + (isBadKey(key, side) ? 5 : 0), clip(l[1], 40).length);
     return { w: Math.max(64, Math.ceil(n * CH) + 2 * PADX), h: key[0] === 'g' ? NODE_H + 4 : NODE_H };
   }
 
@@ -383,6 +387,7 @@
     st.lastRenderMs = performance.now() - t0;
     st.visibleCount = count;
     document.getElementById('gt-count').textContent = count + ' boxes shown';
+    updateLevelButton();
   }
 
   function keyAttrs(k, s) {
@@ -402,7 +407,7 @@
       if (nodes[i].kind === 'AccumulateGrad') cls += ' acc';
       if (nodes[i].external) cls += ' ext';
     } else {
-      cls += ' fold'; bad = groups[i].bad > 0;
+      cls += ' fold'; bad = groupBad(groups[i], s) > 0;
       if (groups[i].kind === 'function') cls += ' fn';
     }
     if (bad) cls += ' bad';
@@ -430,7 +435,7 @@
 
   function drawBox(parent, b, s, titles) {
     const g = groups[b.g];
-    let cls = 'box' + (g.kind === 'function' ? ' fn' : '') + (g.bad ? ' bad' : '');
+    let cls = 'box' + (g.kind === 'function' ? ' fn' : '') + (groupBad(g, s) ? ' bad' : '');
     if (st.sel && st.sel.type === 'group' && st.sel.idx === b.g) cls += ' sel';
     const a = keyAttrs('g' + b.g, s);
     a.class = cls;
@@ -555,7 +560,58 @@
   // ---- pan and zoom ---------------------------------------------------------------------------
   function applyTransform() {
     vp.setAttribute('transform', 'translate(' + st.view.x.toFixed(1) + ',' + st.view.y.toFixed(1) + ') scale(' + st.view.k.toFixed(4) + ')');
+    updateScrollbar();
   }
+  // A vertical scrollbar for a graph taller than the view (after "fit", which fits the width):
+  // the thumb shows which part is on screen; dragging it, or the wheel, scrolls.
+  const vbar = document.getElementById('gt-vscroll'), vthumb = document.getElementById('gt-vthumb');
+  const TOP = 10;   // the margin above the graph at the top of the scroll range
+  const TRACK_INSET = 48;   // #gt-vscroll's top + bottom in report.css
+  // The view's height, measured on fit and on resize only: reading layout while drawing would
+  // force the browser to lay out a thousand fresh boxes twice.
+  let viewH = 0;
+  function measureView() { viewH = svg.getBoundingClientRect().height; }
+  function scrollRange() {
+    // the view.y values that keep the graph in view: from its top (TOP) to its bottom at the view's bottom
+    const h = contentBox().h * st.view.k;
+    return { min: Math.min(TOP, viewH - h - TOP), max: TOP, H: viewH, h: h };
+  }
+  function updateScrollbar() {
+    const r = scrollRange();
+    const show = st.tab === 'graph' && r.H > 0 && r.h + 2 * TOP > r.H + 1;
+    vbar.classList.toggle('on', show);
+    if (!show) return;
+    const track = r.H - TRACK_INSET;
+    const size = Math.max(24, track * r.H / (r.h + 2 * TOP));
+    const at = r.max === r.min ? 0 : (r.max - Math.min(r.max, Math.max(r.min, st.view.y))) / (r.max - r.min);
+    vthumb.style.height = size.toFixed(0) + 'px';
+    vthumb.style.top = ((track - size) * at).toFixed(0) + 'px';
+  }
+  function scrollTo(y) {
+    const r = scrollRange();
+    st.view.y = Math.min(r.max, Math.max(r.min, y));
+    applyTransform();
+  }
+  (function dragThumb() {
+    let grab = null;
+    vthumb.addEventListener('pointerdown', function (ev) {
+      ev.preventDefault(); ev.stopPropagation();
+      grab = { y: ev.clientY, vy: st.view.y };
+      vthumb.setPointerCapture(ev.pointerId);
+    });
+    vthumb.addEventListener('pointermove', function (ev) {
+      if (!grab) return;
+      const r = scrollRange(), track = r.H - TRACK_INSET;
+      const size = vthumb.getBoundingClientRect().height;
+      scrollTo(grab.vy - (ev.clientY - grab.y) * (r.max - r.min) / Math.max(1, track - size));
+    });
+    vthumb.addEventListener('pointerup', function () { grab = null; });
+    vbar.addEventListener('pointerdown', function (ev) {   // a click on the track pages up or down
+      if (ev.target !== vbar) return;
+      const t = vthumb.getBoundingClientRect();
+      scrollTo(st.view.y + (ev.clientY < t.top ? 1 : -1) * (scrollRange().H - 40));
+    });
+  })();
   function contentBox() {
     let w = 0, h = 0;
     if (!layoutState) return { w: 1, h: 1 };
@@ -566,12 +622,14 @@
     });
     return { w: w, h: h };
   }
-  function fit(widthOnly) {
+  function fit() {
+    // Fit the width, not the whole graph: a 12-layer model shrunk to the view's height is an
+    // unreadable ribbon. The top of the graph shows; the wheel or the scrollbar scrolls down.
     const r = svg.getBoundingClientRect(), c = contentBox();
-    if (r.width < 50 || r.height < 50) { st.fitLater = widthOnly ? 'width' : 'all'; return; }  // hidden (a closed <details>)
-    let k = Math.min((r.width - 40) / c.w, widthOnly ? 1.1 : (r.height - 20) / c.h);
-    k = Math.max(0.05, Math.min(1.1, k));
-    st.view = { k: k, x: Math.max(20, (r.width - c.w * k) / 2), y: 10 };
+    viewH = r.height;
+    if (r.width < 50 || r.height < 50) { st.fitLater = true; return; }  // hidden (a closed <details>)
+    const k = Math.max(0.05, Math.min(1.1, (r.width - 40) / c.w));
+    st.view = { k: k, x: Math.max(20, (r.width - c.w * k) / 2), y: TOP };
     applyTransform();
   }
   function zoomAt(px, py, f) {
@@ -603,10 +661,13 @@
     const host = document.getElementById('gt-graph');
     let drag = null;
     svg.addEventListener('wheel', function (ev) {
+      // the wheel scrolls (shift: sideways); ctrl/cmd + wheel, and a trackpad pinch, zoom
       ev.preventDefault();
       const r = svg.getBoundingClientRect();
-      if (ev.ctrlKey || ev.metaKey || !ev.shiftKey) zoomAt(ev.clientX - r.left, ev.clientY - r.top, Math.exp(-ev.deltaY * 0.0015));
-      else { st.view.x -= ev.deltaY; applyTransform(); }
+      const dy = ev.deltaMode === 1 ? ev.deltaY * 16 : ev.deltaY;
+      if (ev.ctrlKey || ev.metaKey) zoomAt(ev.clientX - r.left, ev.clientY - r.top, Math.exp(-dy * 0.0015));
+      else if (ev.shiftKey || (ev.deltaX && !dy)) { st.view.x -= ev.shiftKey ? dy : ev.deltaX; applyTransform(); }
+      else scrollTo(st.view.y - dy);
     }, { passive: false });
     svg.addEventListener('pointerdown', function (ev) {
       if (ev.button !== 0) return;
@@ -645,17 +706,19 @@
     cache.f.clear(); cache.b.clear();
   }
   function visibleCount(open) {
+    // the boxes render() would draw with these groups open, on the sides shown
+    const f = st.side !== 'bwd', b = st.side !== 'fwd';
     let n = 0;
     (function walk(gi) {
       const g = groups[gi];
-      if (gi !== st.root && !open.has(gi)) { n += (g.ncalls > 0) + (g.nnodes > 0); return; }
-      n += g.calls.length + g.nodes.length;
+      if (gi !== st.root && !open.has(gi)) { n += (f && g.ncalls > 0) + (b && g.nnodes > 0); return; }
+      n += (f ? g.calls.length : 0) + (b ? g.nodes.length : 0);
       g.kids.forEach(walk);
     })(st.root);
     return n;
   }
   const INITIAL_BUDGET = 320;  // as INITIAL_VISIBLE_BUDGET in export/html/data.py: what a fresh view may draw
-  const MAX_VISIBLE = 1500;   // unfolding stops before the page would draw more than this
+  const MAX_VISIBLE = 1000;   // "+ level" stops before the page would draw more than this
   const BY_DEPTH = { root: 1, module: 1, function: 1 };   // line/part/chunk groups open only on click
   function openToDepth(depth) {
     const set = new Set();
@@ -676,15 +739,36 @@
     })(st.root);
     return out;
   }
-  function unfoldLevel() {
+  // The next level "+ level" would unfold: the shallowest folded module/Function groups shown,
+  // and the number of boxes the page would then draw (null: nothing left to unfold).
+  function nextLevel() {
     const folded = shownGroups(function (k) { return !isOpen(k) && BY_DEPTH[groups[k].kind]; });
-    if (!folded.length) { toast('Every module is unfolded.'); return; }
+    if (!folded.length) return null;
     const d = Math.min.apply(null, folded.map(function (k) { return groups[k].depth; }));
-    const cand = new Set(st.open);
-    folded.forEach(function (k) { if (groups[k].depth === d) cand.add(k); });
-    const n = visibleCount(cand);
-    if (n > MAX_VISIBLE) { toast('One more level would draw ' + n + ' boxes (limit ' + MAX_VISIBLE + '): click the boxes you want to unfold.'); return; }
-    resetOpen(cand);
+    const open = new Set(st.open);
+    let added = 0;
+    folded.forEach(function (k) { if (groups[k].depth === d) { open.add(k); added++; } });
+    return { open: open, groups: added, boxes: visibleCount(open) };
+  }
+  function updateLevelButton() {
+    // disabled, saying why, when unfolding one more level would pass MAX_VISIBLE boxes
+    const btn = document.getElementById('gt-expand');
+    const next = nextLevel();
+    let why = null;
+    if (!next) why = 'Every module level is unfolded.';
+    else if (next.boxes > MAX_VISIBLE) {
+      why = 'One more level would draw ' + next.boxes.toLocaleString('en-US') + ' boxes, more than ' +
+        MAX_VISIBLE.toLocaleString('en-US') + ' (the page would get slow): click the boxes you want to unfold, or pick a module.';
+    }
+    btn.disabled = why !== null;
+    btn.title = why || ('unfold the next module level (' + plural(next.groups, 'group') + ', ' +
+      next.boxes.toLocaleString('en-US') + ' boxes shown after; stops before ' + MAX_VISIBLE.toLocaleString('en-US') + ')');
+  }
+  function unfoldLevel() {
+    const next = nextLevel();
+    if (!next) { toast('Every module level is unfolded.'); return; }
+    if (next.boxes > MAX_VISIBLE) { toast('One more level would draw ' + next.boxes + ' boxes (limit ' + MAX_VISIBLE + '): click the boxes you want to unfold.'); return; }
+    resetOpen(next.open);
     render();
   }
   function foldLevel() {
@@ -851,7 +935,9 @@
       P.append(el('h3', { text: c ? 'Forward call stack' : 'Stack' }), stackView(c ? c.stack : n.stack));
     } else if (x.type === 'group') {
       const g = groups[x.idx];
-      P.append(el('div', null, el('span', { class: 'badge grp', text: g.kind === 'module' ? 'module' : g.kind }), g.bad ? el('span', { class: 'badge bad', text: g.bad + ' with NaN/Inf' }) : null));
+      P.append(el('div', null, el('span', { class: 'badge grp', text: g.kind === 'module' ? 'module' : g.kind }),
+        g.badF ? el('span', { class: 'badge bad', text: plural(g.badF, 'call') + ' with NaN/Inf' }) : null,
+        g.badB ? el('span', { class: 'badge bad', text: plural(g.badB, 'grad node') + ' with NaN/Inf' }) : null));
       P.append(el('h2', { text: g.path || g.label }));
       const params = tensorRows.filter(function (t) { return t.role === 'param' && t.previous === null && t.name.indexOf('@') < 0 && (g.path === '' || t.name.indexOf(g.path + '.') === 0); });
       const fold = el('button', { text: isOpen(x.idx) ? 'Fold' : 'Unfold', onclick: function () { toggle(x.idx); } });
@@ -948,12 +1034,12 @@
       st.open = cand;
     }
     cache.f.clear(); cache.b.clear();
-    render(); fit(true);
+    render(); fit();
   }
   function setSide(side) {
     st.side = side;
     document.querySelectorAll('[data-side]').forEach(function (b) { b.classList.toggle('on', b.getAttribute('data-side') === side); });
-    if (st.tab === 'table') renderTable(); else { render(); fit(true); }
+    if (st.tab === 'table') renderTable(); else { render(); fit(); }
   }
 
   svg.addEventListener('click', function (ev) {
@@ -986,7 +1072,9 @@
   });
   tensorRows.forEach(function (t) { index.push({ name: t.name, what: 'tensor', extra: shapeText(t.shape) + ' ' + t.dtype, lc: t.name.toLowerCase(), lx: '' }); });
   function search(q) {
-    // exact name, then prefix, then a match that starts at a name component ("h.3.mlp" in
+    // Calls whose name matches come first, so Enter selects the call and not the module it sits
+    // in (a module named like its op: self.gelu holds gelu0); the rest ranked as: exact name,
+    // then prefix, then a match that starts at a name component ("h.3.mlp" in
     // "transformer.h.3.mlp"), then any substring, then API/module text; shorter names first
     q = q.trim().toLowerCase();
     if (!q) return [];
@@ -999,9 +1087,9 @@
       else if (at > 0) rank = /[.:/_@#]/.test(e.lc[at - 1]) ? 2 : 3;
       else if (e.lx.indexOf(q) >= 0) rank = 4;
       else continue;
-      hits.push({ e: e, rank: rank, i: i });
+      hits.push({ e: e, rank: rank, i: i, call: e.what === 'call' && rank <= 3 ? 0 : 1 });
     }
-    hits.sort(function (a, b) { return a.rank - b.rank || a.e.lc.length - b.e.lc.length || a.i - b.i; });
+    hits.sort(function (a, b) { return a.call - b.call || a.rank - b.rank || a.e.lc.length - b.e.lc.length || a.i - b.i; });
     return hits.map(function (h) { return h.e; });
   }
   const sInput = document.getElementById('gt-search'), sBox = document.getElementById('gt-results');
@@ -1050,7 +1138,7 @@
   document.addEventListener('keydown', function (ev) {
     if (ev.target.tagName === 'INPUT' || ev.target.tagName === 'SELECT') return;
     if (ev.key === '/') { ev.preventDefault(); sInput.focus(); }
-    else if (ev.key === 'f') fit(false);
+    else if (ev.key === 'f') fit();
     else if (ev.key === 'Escape') select(null);
   });
 
@@ -1201,6 +1289,34 @@
     });
     sel.addEventListener('change', function () { setRoot(+sel.value); });
   }
+  // The first NaN (else unintended Inf) of forward and of backward, as `gradtrace summary` finds
+  // them (tracer.analysis.numerics, in the payload): forward calls in execution order; grad nodes
+  // in the order backward ran them, the ops of a custom backward() before the gradients it made.
+  // An intended -inf (an attention mask) is not one.
+  function anomalyTarget(a) {
+    if (!a) return null;
+    if (callByName.has(a.producer)) return { type: 'call', idx: callByName.get(a.producer).idx, name: a.producer };
+    if (nodeByName.has(a.producer)) return { type: 'node', idx: nodeByName.get(a.producer).idx, name: a.producer };
+    return null;   // cut from this page by its size budget
+  }
+  function nanButton(id, phase) {
+    const a = (S.anomalies || {})[phase] || null, target = anomalyTarget(a);
+    const b = document.getElementById(id);
+    b.disabled = !target;
+    if (!target) {
+      b.title = a ? 'The first ' + (a.kind === 'nan' ? 'NaN' : 'Inf') + ' in ' + phase + ' (' + a.producer + ') is not on this page.'
+        : 'No NaN or unintended Inf in ' + phase + '.';
+      return;
+    }
+    b.title = 'Select ' + target.name + ': the first ' + (a.kind === 'nan' ? 'NaN' : 'Inf') + ' in ' + phase + ', ' + a.tensor +
+      ' (' + a.nan + ' NaN, ' + a.inf + ' Inf), ' + (a.origin ? 'made there' : 'carried in from its inputs') +
+      (a.from_forward ? ' (its forward call had already seen NaN/Inf)' : '') + '.';
+    b.setAttribute('data-target', target.name);
+    b.addEventListener('click', function () {
+      if (st.tab !== 'graph') setTab('graph');
+      select({ type: target.type, idx: target.idx }, { reveal: true });
+    });
+  }
   function toolbar() {
     const title = document.getElementById('gt-title');
     title.classList.add('link');
@@ -1210,9 +1326,11 @@
     document.querySelectorAll('[data-tab]').forEach(function (b) { b.addEventListener('click', function () { setTab(b.getAttribute('data-tab')); }); });
     document.getElementById('gt-expand').addEventListener('click', unfoldLevel);
     document.getElementById('gt-collapse').addEventListener('click', foldLevel);
-    document.getElementById('gt-foldall').addEventListener('click', function () { resetOpen(openToDepth(1)); render(); fit(true); });
-    document.getElementById('gt-initial').addEventListener('click', function () { resetOpen(D.open); render(); fit(true); });
-    document.getElementById('gt-fit').addEventListener('click', function () { fit(false); });
+    document.getElementById('gt-foldall').addEventListener('click', function () { resetOpen(openToDepth(1)); render(); fit(); });
+    document.getElementById('gt-initial').addEventListener('click', function () { resetOpen(D.open); render(); fit(); });
+    document.getElementById('gt-fit').addEventListener('click', function () { fit(); });
+    nanButton('gt-nan-fwd', 'forward');
+    nanButton('gt-nan-bwd', 'backward');
     document.getElementById('gt-zin').addEventListener('click', function () { const r = svg.getBoundingClientRect(); zoomAt(r.width / 2, r.height / 2, 1.25); });
     document.getElementById('gt-zout').addEventListener('click', function () { const r = svg.getBoundingClientRect(); zoomAt(r.width / 2, r.height / 2, 0.8); });
   }
@@ -1220,16 +1338,30 @@
   if (window.ResizeObserver) {
     // a page that opened hidden (notebook iframe in a closed <details>) fits once it has a size
     new ResizeObserver(function () {
-      if (!st.fitLater) return;
-      const mode = st.fitLater;
+      measureView();
+      if (!st.fitLater) { updateScrollbar(); return; }
       st.fitLater = null;
-      fit(mode === 'width');
+      fit();
     }).observe(document.getElementById('gt-graph'));
+  }
+  function linkMemoryTables() {
+    // names in the Memory tab's tables (owners, producers, live tensors) lead to the graph
+    document.querySelectorAll('#gt-memory-tables td.name').forEach(function (td) {
+      const name = td.textContent;
+      if (!callByName.has(name) && !nodeByName.has(name) && !tensors.has(name)) return;
+      td.textContent = '';
+      td.append(el('a', { class: 'link mono', 'data-goto': name, text: name, onclick: function (ev) {
+        ev.preventDefault();
+        if (callByName.has(name) || nodeByName.has(name)) setTab('graph');   // a tensor shows in the side panel
+        goTo(name);
+      } }));
+    });
   }
   header();
   toolbar();
+  linkMemoryTables();
   render();
-  fit(true);
+  fit();
   showDetails();
   // what tests and the benchmark read: time to the first interactive frame, and a few handles
   window.gradtrace = {

@@ -4,7 +4,9 @@ Everything the page shows comes from here; the JavaScript only draws it. The dic
 the page as ``<script type="application/json" id="gt-data">`` and tests read it back, so its shape
 is part of the report's contract (``PAYLOAD_VERSION``):
 
-``summary``   model class, devices, counts, parameter count, settings, status, notes
+``summary``   model class, devices, counts, parameter count, settings, status, notes, and
+              ``anomalies``: the first NaN (else unintended Inf) of forward and of backward
+              (``tracer.analysis.numerics``: what ``gradtrace summary`` reports), or null
 ``frames``    ``[file, line, function, code, class]`` rows (class: ``tracer.model.frames.frame_class``); ``stacks`` lists frame indices, outermost first
 ``tensors``/``calls``/``nodes``/``groups``   ``{"fields": [...], "rows": [[...], ...]}`` tables
 ``runs``      backward runs: name, api, roots, stack, order (node names), outputs, status, error
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from export.views import first_params, module_label, nonfinite, parent_path, prefixes
+from tracer.analysis.numerics import Anomaly, find_anomalies
 from tracer.model import Call, GradNode, Stats, TensorRecord, Trace
 from tracer.model.display import clip, json_number, param_module
 from tracer.model.frames import frame_class
@@ -421,6 +424,7 @@ def _summary(trace: Trace) -> dict[str, Any]:
     params = first_params(trace)
     devices = sorted({t.device for t in trace.tensors.values()})
     nonfinite_names = [t.name for t in nonfinite(trace)]
+    report = find_anomalies(trace)
     return {
         "model": trace.modules.get("", ""),
         "devices": devices,
@@ -438,7 +442,16 @@ def _summary(trace: Trace) -> dict[str, Any]:
         "status": trace.status,
         "error": trace.error,
         "notes": list(trace.notes),
+        "anomalies": {phase: _anomaly(a) for phase, a in (("forward", report.forward), ("backward", report.backward))},
     }
+
+
+def _anomaly(a: Anomaly | None) -> dict[str, Any] | None:
+    """What the page's "first forward/backward NaN" buttons select and say."""
+    if a is None:
+        return None
+    return {"kind": a.kind, "tensor": a.tensor, "producer": a.producer, "node": a.node, "origin": a.origin,
+            "nan": a.nan, "inf": a.inf, "from_forward": a.from_forward}
 
 
 def build_payload(trace: Trace) -> dict[str, Any]:

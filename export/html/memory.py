@@ -1,9 +1,13 @@
-"""The memory timeline of a trace as an inline SVG for the HTML report (no script needed).
+"""The Memory tab of the HTML report: the timeline as an inline SVG, then the tables
+``gradtrace memory`` prints (no script needed for either).
 
 Allocated and reserved bytes over the event sequence; backward spans shaded; the peak marked;
 each point carries a ``<title>`` (the browser's own hover tooltip) naming the call or grad node
-that allocated or freed, how much, and the totals after it. Every string from the trace is
-XML-escaped: module and call names are user data. Styled by ``assets/memory.css``.
+that allocated or freed, how much, and the totals after it. The tables come from the same data
+as the command's (``tracer.analysis.memory_views.record_tables_data``): totals per device, top
+allocators, per module, forward vs backward, the tensors live at the peak. Every string from the
+trace is escaped: module and call names are user data. Styled by ``assets/memory.css``; the page's
+script turns the names in the tables into links to the graph.
 """
 
 from __future__ import annotations
@@ -11,11 +15,15 @@ from __future__ import annotations
 from html import escape
 from typing import Any
 
-from tracer.analysis.memory import memory_timeline_data
+from tracer.analysis.memory import MemoryRecord, memory_timeline_data
+from tracer.analysis.memory_views import record_tables_data
 from tracer.model import Trace
 from tracer.model.display import format_bytes
 
 WIDTH, HEIGHT, PAD_L, PAD_B, PAD_T = 1100, 320, 70, 30, 20
+TABLE_ROWS = 15  # rows per table, as ``gradtrace memory``'s default --top
+# Columns whose cells name a call, grad node or tensor (the page links them to the graph).
+NAME_COLUMNS = frozenset({"owner", "producer", "allocated by", "live tensor"})
 
 
 def memory_svg(trace: Trace, max_points: int = 2000) -> str | None:
@@ -71,3 +79,29 @@ def memory_svg(trace: Trace, max_points: int = 2000) -> str | None:
               f'· device {escape(str(data.get("device")))} · source {escape(str(data.get("source")))} '
               '· hover a point for the call or grad node</p>')
     return legend + "".join(parts)
+
+
+def memory_tables(trace: Trace, top: int = TABLE_ROWS) -> str:
+    """The tables of ``gradtrace memory TRACE --top top`` as HTML ('' without a memory record)."""
+    if not trace.memory:
+        return ""
+    data = record_tables_data(MemoryRecord.from_trace(trace), top)
+    parts = ['<section id="gt-memory-tables">']
+    for dev, rest in data.totals:
+        parts.append(f'<p class="gt-mem-total"><b>{escape(dev)}</b> {escape(rest)}</p>')
+    parts.extend(f'<p class="gt-mem-note">{escape(n)}</p>' for n in data.notes)
+    for t in data.tables:
+        parts.append(f'<table class="gt-mem-table"><caption>{escape(t.title)}</caption><thead><tr>')
+        parts.extend(f"<th{_cell_class(c, t.right)}>{escape(c)}</th>" for c in t.columns)
+        parts.append("</tr></thead><tbody>")
+        for row in t.rows:
+            parts.append("<tr>" + "".join(f"<td{_cell_class(c, t.right)}>{escape(v)}</td>"
+                                          for c, v in zip(t.columns, row)) + "</tr>")
+        parts.append("</tbody></table>")
+    parts.append("</section>")
+    return "".join(parts)
+
+
+def _cell_class(column: str, right: frozenset[str]) -> str:
+    classes = (["num"] if column in right else []) + (["name"] if column in NAME_COLUMNS else [])
+    return f' class="{" ".join(classes)}"' if classes else ""

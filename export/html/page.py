@@ -10,7 +10,9 @@ page puts trace strings into the document only through ``textContent``/``setAttr
 
 What the page shows: forward calls (blue, data flowing down) beside backward grad nodes (orange;
 green for AccumulateGrad) with gradients flowing up, both folded by module invocation into grey
-boxes; a red outline marks a call or grad node whose tensors hold NaN/Inf. Clicking an item
+boxes; a red outline marks a call whose outputs, or a grad node whose gradients, hold NaN/Inf
+(a folded box: on the side holding one), and two buttons jump to the first NaN of forward and of
+backward (``tracer.analysis.numerics``). Clicking an item
 shows its names, API, module, tensors (shape, dtype, device, MD5, stats), call stack and its
 counterpart on the other side (purple, joined by a dashed line).
 
@@ -27,7 +29,7 @@ from dataclasses import replace
 from typing import Any
 
 from export.html.data import build_payload
-from export.html.memory import memory_svg
+from export.html.memory import memory_svg, memory_tables
 from export.html.template import fill, json_for_script, script, style
 from tracer.model import Trace
 from tracer.model.display import sibling
@@ -37,8 +39,9 @@ DEFAULT_MAX_BYTES = 20_000_000
 
 def _assemble(payload: dict[str, Any], model: str, memory: str | None = None) -> str:
     title = f"gradtrace · {model}" if model else "gradtrace report"
-    # The memory timeline is rendered here as escaped inline SVG: a tab of its own when the
-    # trace recorded memory (trace(memory=True)), absent otherwise.
+    # The memory timeline (escaped inline SVG) and the tables of `gradtrace memory` (escaped
+    # HTML) are rendered here: a tab of their own when the trace recorded memory
+    # (trace(memory=True)), absent otherwise.
     memory_tab = '<button data-tab="memory">Memory</button>' if memory else ""
     memory_view = f'<div id="gt-memory-wrap">{memory}</div>' if memory else ""
     return fill("report.html", title=_html.escape(title), model=_html.escape(model or "trace"),
@@ -54,7 +57,7 @@ def render(trace: Trace, *, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
 def _render(trace: Trace, max_bytes: int) -> tuple[str, dict[str, Any] | None]:
     """The page and, when the budget cut it, what was left out."""
     model = trace.modules.get("", "")
-    memory = memory_svg(trace)
+    memory = ((memory_svg(trace) or "") + memory_tables(trace)) or None
     page = _assemble(build_payload(trace), model, memory)
     if len(page.encode("utf-8")) <= max_bytes:
         return page, None

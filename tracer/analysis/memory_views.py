@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import io
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rich import box
@@ -77,34 +78,52 @@ def _user_line(rec: MemoryRecord, owner: str | None) -> str:
 
 
 # ---- the record's tables ----------------------------------------------------------------------------
-def record_tables(rec: MemoryRecord, top: int = 15) -> Printable:
+@dataclass(frozen=True)
+class TableData:
+    """One table of a view as plain text cells: printed by ``record_tables``, drawn by the HTML report."""
+
+    title: str
+    columns: tuple[str, ...]
+    rows: list[tuple[str, ...]]
+    right: frozenset[str] = frozenset()  # columns aligned right (numbers)
+
+
+@dataclass(frozen=True)
+class RecordTablesData:
+    """What ``gradtrace memory`` prints: a totals line per device, notes, then the tables."""
+
+    totals: list[tuple[str, str]]  # (device, "(source): N allocs ..., attributed ...")
+    notes: list[str]
+    tables: list[TableData]
+
+
+_COUNTS = frozenset({"allocs", "allocated", "frees", "freed"})
+
+
+def record_tables_data(rec: MemoryRecord, top: int = 15) -> RecordTablesData:
     """Totals per device, top allocators by bytes, per module, forward vs backward, and the peak."""
-    parts: list[Any] = []
-    head = Text()
+    totals: list[tuple[str, str]] = []
     for dev in rec.devices():
         allocs = [e for e in rec.allocs if e["device"] == dev]
         frees = [e for e in rec.frees if e["device"] == dev]
         src = rec.source(dev) or "?"
-        head.append(f"{dev}", style="bold")
-        head.append(f" ({src}): {plural(len(allocs), 'alloc')} {_fmt_bytes(sum(e['bytes'] for e in allocs))}, "
-                    f"{plural(len(frees), 'free')} {_fmt_bytes(sum(e['bytes'] for e in frees))}, "
-                    f"net {_fmt_bytes(rec.net(dev))}; attributed {rec.attributed_fraction(dev):.1%} of allocated "
-                    f"bytes ({rec.attributed_fraction(dev, inside_only=True):.1%} while the owner ran)\n")
-    if not rec.devices():
-        head.append("no allocations or frees recorded\n")
+        totals.append((dev, f"({src}): {plural(len(allocs), 'alloc')} {_fmt_bytes(sum(e['bytes'] for e in allocs))}, "
+                            f"{plural(len(frees), 'free')} {_fmt_bytes(sum(e['bytes'] for e in frees))}, "
+                            f"net {_fmt_bytes(rec.net(dev))}; attributed {rec.attributed_fraction(dev):.1%} of allocated "
+                            f"bytes ({rec.attributed_fraction(dev, inside_only=True):.1%} while the owner ran)"))
+    notes = []
     if any(rec.source(d) == "storages" for d in rec.devices()):
-        head.append("cpu counts tensor storages made by recorded calls and grad nodes; temporaries inside one op "
-                    "are not seen\n", style="dim")
-    parts.append(head)
+        notes.append("cpu counts tensor storages made by recorded calls and grad nodes; temporaries inside one op "
+                     "are not seen")
+    tables: list[TableData] = []
 
     owners = rec.by_owner()
-    t = _table(f"Top allocators by bytes (of {len(owners)})", "owner", "kind", "module", "allocs", "allocated",
-               "frees", "freed", "line", right=("allocs", "allocated", "frees", "freed"))
-    for owner, d in sorted(owners.items(), key=lambda kv: (-kv[1]["alloc_bytes"], -kv[1]["free_bytes"],
-                                                           kv[0] or "~"))[:top]:
-        t.add_row(owner or UNATTRIBUTED, rec.owner_kind(owner), _module_label(rec, owner), str(d["allocs"]),
-                  _fmt_bytes(d["alloc_bytes"]), str(d["frees"]), _fmt_bytes(d["free_bytes"]), _user_line(rec, owner))
-    parts.append(t)
+    rows: list[tuple[str, ...]] = [(owner or UNATTRIBUTED, rec.owner_kind(owner), _module_label(rec, owner), str(d["allocs"]),
+             _fmt_bytes(d["alloc_bytes"]), str(d["frees"]), _fmt_bytes(d["free_bytes"]), _user_line(rec, owner))
+            for owner, d in sorted(owners.items(), key=lambda kv: (-kv[1]["alloc_bytes"], -kv[1]["free_bytes"],
+                                                                   kv[0] or "~"))[:top]]
+    tables.append(TableData(f"Top allocators by bytes (of {len(owners)})",
+                            ("owner", "kind", "module", "allocs", "allocated", "frees", "freed", "line"), rows, _COUNTS))
 
     mods: dict[str, list[int]] = {}
     for owner, d in owners.items():
@@ -113,20 +132,17 @@ def record_tables(rec: MemoryRecord, top: int = 15) -> Printable:
         m[1] += d["alloc_bytes"]
         m[2] += d["frees"]
         m[3] += d["free_bytes"]
-    t = _table("Per module", "module", "allocs", "allocated", "frees", "freed",
-               right=("allocs", "allocated", "frees", "freed"))
-    for mod, (na, ba, nf, bf) in sorted(mods.items(), key=lambda kv: (-kv[1][1], kv[0]))[:top]:
-        t.add_row(mod, str(na), _fmt_bytes(ba), str(nf), _fmt_bytes(bf))
-    parts.append(t)
+    rows = [(mod, str(na), _fmt_bytes(ba), str(nf), _fmt_bytes(bf))
+            for mod, (na, ba, nf, bf) in sorted(mods.items(), key=lambda kv: (-kv[1][1], kv[0]))[:top]]
+    tables.append(TableData("Per module", ("module", "allocs", "allocated", "frees", "freed"), rows, _COUNTS))
 
-    t = _table("Forward vs backward", "phase", "allocs", "allocated", "frees", "freed",
-               right=("allocs", "allocated", "frees", "freed"))
+    rows = []
     for phase in ("forward", "backward"):
         a = [e for e in rec.allocs if e["phase"] == phase]
         f = [e for e in rec.frees if e["phase"] == phase]
-        t.add_row(phase, str(len(a)), _fmt_bytes(sum(e["bytes"] for e in a)), str(len(f)),
-                  _fmt_bytes(sum(e["bytes"] for e in f)))
-    parts.append(t)
+        rows.append((phase, str(len(a)), _fmt_bytes(sum(e["bytes"] for e in a)), str(len(f)),
+                     _fmt_bytes(sum(e["bytes"] for e in f))))
+    tables.append(TableData("Forward vs backward", ("phase", "allocs", "allocated", "frees", "freed"), rows, _COUNTS))
 
     for dev in rec.devices()[:2]:
         peak = rec.peak_of(dev)
@@ -135,14 +151,32 @@ def record_tables(rec: MemoryRecord, top: int = 15) -> Printable:
         title = (f"Peak on {dev}: {_fmt_bytes(peak.allocated)} allocated"
                  f"{'' if peak.reserved is None else f', {_fmt_bytes(peak.reserved)} reserved'} at event "
                  f"#{peak.seq} ({peak.phase}, {peak.owner or UNATTRIBUTED})")
-        t = _table(title, "live tensor", "size", "producer", "allocated by", right=("size",))
-        for pt in peak.tensors[:top]:
-            t.add_row(pt.label, _fmt_bytes(pt.bytes), pt.producer or "-", pt.owner or UNATTRIBUTED)
+        rows = [(pt.label, _fmt_bytes(pt.bytes), pt.producer or "-", pt.owner or UNATTRIBUTED) for pt in peak.tensors[:top]]
         if len(peak.tensors) > top:
             rest = peak.tensors[top:]
-            t.add_row(f"... {len(rest)} more", _fmt_bytes(sum(p.bytes for p in rest)), "", "")
+            rows.append((f"... {len(rest)} more", _fmt_bytes(sum(p.bytes for p in rest)), "", ""))
         if peak.untracked:
-            t.add_row("(allocated before the record / rounding)", _fmt_bytes(peak.untracked), "", "")
+            rows.append(("(allocated before the record / rounding)", _fmt_bytes(peak.untracked), "", ""))
+        tables.append(TableData(title, ("live tensor", "size", "producer", "allocated by"), rows, frozenset({"size"})))
+    return RecordTablesData(totals, notes, tables)
+
+
+def record_tables(rec: MemoryRecord, top: int = 15) -> Printable:
+    """``record_tables_data`` as rich tables (``gradtrace memory``, ``MemoryRecord.tables``)."""
+    data = record_tables_data(rec, top)
+    head = Text()
+    for dev, rest in data.totals:
+        head.append(dev, style="bold")
+        head.append(f" {rest}\n")
+    if not data.totals:
+        head.append("no allocations or frees recorded\n")
+    for note in data.notes:
+        head.append(note + "\n", style="dim")
+    parts: list[Any] = [head]
+    for td in data.tables:
+        t = _table(td.title, *td.columns, right=td.right)
+        for row in td.rows:
+            t.add_row(*row)
         parts.append(t)
     return Printable(parts)
 
