@@ -319,11 +319,12 @@ def test_ranks_page_marks_the_rank_that_departed_first(browser: Any, tmp_path: P
     assert page.locator('#gt-ranks button[data-rank="0"] .badge').count() == 0
     verdict = page.inner_text("#gt-rank-verdict")
     assert verdict.startswith(f"Rank 1 departed first at reduced gradient {param}@grad@v2 (parameter {param}): "
-                              f"only rank(s) 1 have {param}@grad@v2; rank(s) 0 do not.")
+                              f"only rank 1 has {param}@grad@v2; rank 0 does not.")
     assert "made by add_0 (Tensor.add_) in module <root> at " in verdict
     stack = first.stack[-1]
     assert f"{stack.file}:{stack.line} param.grad.add_(1e-6)" in verdict
-    assert f"Reference: rank(s) 0; {len(diff_ranks(traces).departures) - 1} more departing record(s)." in verdict
+    others = len(diff_ranks(traces).departures) - 1
+    assert f"Reference: rank 0; {others} more departing record{'' if others == 1 else 's'}." in verdict
     assert page.locator('iframe[data-rank="0"]').is_visible()
     page.click("#gt-show-departure")                          # the departing rank's report, on the call
     assert page.locator('iframe[data-rank="1"]').is_visible() and not page.locator('iframe[data-rank="0"]').is_visible()
@@ -387,7 +388,7 @@ def test_ranks_page_shows_hostile_names_as_text(browser: Any, tmp_path: Path) ->
     page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
     page.goto((tmp_path / "ranks.html").as_uri())
     verdict = page.inner_text("#gt-rank-verdict")
-    assert verdict.startswith(f"Rank 1 departed first at parameter {bias}: differs from rank(s) 0.")
+    assert verdict.startswith(f"Rank 1 departed first at parameter {bias}: differs from rank 0.")
     assert f"in module {HOSTILE} at " in verdict and "we'ird \"dir\" <x>" in verdict
     assert page.get_attribute("#gt-show-departure", "data-goto") == first.call.removesuffix(" (first read)")
     assert page.locator("img").count() == 0 and dialogs == []

@@ -1274,7 +1274,7 @@
       banners.append(b);
     }
     if (S.nonfinite_count) {
-      const b = el('div', { class: 'banner bad' }, S.nonfinite_count + ' tensor(s) hold NaN or Inf (red in the graph). First: ');
+      const b = el('div', { class: 'banner bad' }, S.nonfinite_count + (S.nonfinite_count === 1 ? ' tensor holds' : ' tensors hold') + ' NaN or Inf (red in the graph). First: ');
       const first = tensors.get(S.nonfinite[0]);
       b.append(first && first.producer ? linkTo(first.producer, S.nonfinite[0] + ' ← ' + first.producer) : linkTo(S.nonfinite[0]));
       banners.append(b);

@@ -19,6 +19,7 @@ from export.diff.ranks import Departure, RankDiffResult, diff_ranks
 from export.html.page import DEFAULT_MAX_BYTES, render
 from export.html.template import fill, script, style
 from tracer.model import Trace
+from tracer.model.display import plural
 
 FIRST_READ = " (first read)"  # how diff_ranks names a record's first reader when no call made it
 
@@ -85,8 +86,9 @@ def _verdict(result: RankDiffResult, by_rank: dict[int, Trace]) -> str:
         lines.append(f'First carried off rank {d.rank} by <code class="carrier">{esc(d.carrier)}</code> '
                      f"({esc(d.carrier_api or '')}, {esc(d.carrier_args or '')}).")
     others = len(result.departures) - 1
-    lines.append(f"Reference: rank(s) {', '.join(map(str, d.reference))}"
-                 + (f"; {others} more departing record(s)." if others else "."))
+    ref = list(d.reference)
+    lines.append(f"Reference: {'rank' if len(ref) == 1 else 'ranks'} {', '.join(map(str, ref))}"
+                 + (f"; {plural(others, 'more departing record')}." if others else "."))
     target = _show_target(d, by_rank)
     button = ""
     if target is not None:
