@@ -16,14 +16,16 @@ writer, and closed (their last flags read) when the program ends.
 from __future__ import annotations
 
 import builtins
+import importlib
 import importlib.machinery
 import importlib.util
+import inspect
 import io
 import os
 import runpy
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from types import TracebackType
@@ -152,14 +154,30 @@ class OwnPackagesSetAside:
             self.shadowed.append(name)
             for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
                 self.set_aside[key] = sys.modules.pop(key)
+        _forget_files(self.set_aside)
         return self
 
     def __exit__(self, *exc: object) -> None:
+        gone = []
         for name in self.shadowed:  # the program's modules of those names go, gradtrace's come back
             for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
                 del sys.modules[key]
+                gone.append(key)
+        _forget_files(gone)
         sys.modules.update(self.set_aside)
         self.set_aside.clear()
+
+
+def _forget_files(names: Iterable[str]) -> None:
+    """Drop ``inspect``'s memory of which file each named module came from. ``inspect.getmodule``
+    (torch calls it while importing, e.g. ``torch._dynamo`` at the first optimizer) compares each
+    module's ``__file__`` with that memory: a program's namespace ``export`` (``__file__`` None)
+    under a name remembered with gradtrace's file would send it into ``getfile``, which raises.
+    Private to inspect: where it is missing, there is nothing to forget."""
+    remembered = getattr(inspect, "_filesbymodname", None)
+    if isinstance(remembered, dict):
+        for name in names:
+            remembered.pop(name, None)
 
 
 def preload() -> None:
