@@ -16,7 +16,8 @@ from rich.console import Console
 
 import tracer
 from export.cli import main as cli_main
-from export.cli.progress import PROGRESS_ENV, Stages, describe_load, progress_console
+from export.cli.progress import Stages, describe_load
+from tracer.analysis.terminal import PROGRESS_ENV, progress_console
 from tracer.model.display import format_size
 
 ANSI_CLEAR_LINE = "\x1b[2K"

@@ -15,7 +15,6 @@ render, write) and is transient: it disappears when the command ends, leaving on
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Sequence
 from types import TracebackType
 
@@ -30,20 +29,8 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
+from tracer.analysis.terminal import progress_console
 from tracer.model.display import format_size
-
-PROGRESS_ENV = "GRADTRACE_PROGRESS"  # "1": always show the bar; "0": never; unset: on a terminal
-
-
-def progress_console() -> Console | None:
-    """The console the bar draws on (stderr), or None where no bar is shown."""
-    setting = os.environ.get(PROGRESS_ENV, "").strip()
-    if setting == "0":
-        return None
-    if setting == "1":
-        return Console(file=sys.stderr, force_terminal=True)
-    console = Console(file=sys.stderr)
-    return console if console.is_terminal else None
 
 
 def describe_load(path: str) -> str:

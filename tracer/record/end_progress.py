@@ -11,32 +11,18 @@ when the checksums are done.
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
 from collections.abc import Callable, Iterator
 
-from rich.console import Console
-
+from tracer.analysis.terminal import progress_console
 from tracer.model.display import format_size
 
-PROGRESS_ENV = "GRADTRACE_PROGRESS"  # the command line reads the same variable
 SHOW_FROM_BYTES = 256 << 20  # less is done within about a second: no bar
-
-
-def _console() -> Console | None:
-    setting = os.environ.get(PROGRESS_ENV, "").strip()
-    if setting == "0":
-        return None
-    if setting == "1":
-        return Console(file=sys.stderr, force_terminal=True)
-    console = Console(file=sys.stderr)
-    return console if console.is_terminal else None
 
 
 @contextlib.contextmanager
 def checksum_progress(queued_bytes: int) -> Iterator[Callable[[int], None] | None]:
     """Yields what to call with each collected job's size, or None where no bar is shown."""
-    console = _console() if queued_bytes >= SHOW_FROM_BYTES else None
+    console = progress_console() if queued_bytes >= SHOW_FROM_BYTES else None
     if console is None:
         yield None
         return
