@@ -19,6 +19,7 @@ import pytest
 
 from export import companion
 from export.cli import main
+from tests.watch_models import WATCHED as WATCHED_LOOP
 from tracer.model import load_steps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -204,23 +205,8 @@ def test_a_data_directory_named_export_does_not_hide_gradtraces(tmp_path, monkey
     assert sys.modules["export"] is own and list(load_steps("train.gtrace")) == [0]
 
 
-WATCHED = textwrap.dedent("""\
-    import export
-    import torch, tracer
-    print("export", export.__file__)
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    @tracer.watch(model, opt, out="incident.gtrace")
-    def train_step(x):
-        loss = model(x).pow(2).mean() + x.abs().mean().log()  # log(0) at step 3
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-    for step in range(6):
-        train_step(torch.zeros(2, 4) if step == 3 else torch.ones(2, 4) + step)
-    """)
+# The watched loop, in a program that imports its own export.py first.
+WATCHED = 'import export\nprint("export", export.__file__)\n' + WATCHED_LOOP
 
 
 def test_run_watch_beside_an_export_py_writes_the_incident_report(tmp_path, monkeypatch, capsys):

@@ -7,30 +7,13 @@ import os
 import socket
 import subprocess
 import sys
-import textwrap
 
 import tracer
 from export.cli import main
+from tests.watch_models import WATCHED
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-WATCHED = textwrap.dedent("""\
-    import torch, tracer
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    @tracer.watch(model, opt, out="incident.gtrace")
-    def train_step(x):
-        loss = model(x).pow(2).mean() + x.abs().mean().log()  # log(0) at step 3
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    for step in range(6):
-        train_step(torch.zeros(2, 4) if step == 3 else torch.ones(2, 4) + step)
-    """)
 
 
 def test_run_watch_writes_the_incident_report_and_exits_with_the_error(tmp_path, monkeypatch, capsys):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import textwrap
 from collections.abc import Callable, Iterator
 
 import torch
@@ -150,3 +151,23 @@ def checksum(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
     for group in optimizer.param_groups:
         h.update(repr(sorted((k, v) for k, v in group.items() if k != "params")).encode())
     return h.hexdigest()
+
+
+# A program for `gradtrace run --watch`: log(0) makes the loss -Inf at step 3.
+WATCHED = textwrap.dedent("""\
+    import torch, tracer
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @tracer.watch(model, opt, out="incident.gtrace")
+    def train_step(x):
+        loss = model(x).pow(2).mean() + x.abs().mean().log()  # log(0) at step 3
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    for step in range(6):
+        train_step(torch.zeros(2, 4) if step == 3 else torch.ones(2, 4) + step)
+    """)
