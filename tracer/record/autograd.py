@@ -315,6 +315,14 @@ class AutogradMixin(RecorderState):
         base = self._slot_tensor.get((node, slot))
         return None if base is None else f"{base}{names.grad_suffix(max(self._run_index, 0))}"
 
+    def _sole_grad(self, dest: str | None, k: int) -> str | None:
+        """The gradient into ``dest``'s slot ``k`` is that tensor's gradient (``<tensor>@grad``)
+        when it alone flows there; None when several edges meet (each is then its edge's partial
+        gradient, ``<node>:grad<i>``) or the slot is no named tensor's."""
+        if dest is None or self._indegree.get((dest, k), 0) != 1:
+            return None
+        return self._slot_grad(dest, k)
+
     def _in_run(self, name: str) -> str:
         """A gradient's own name, with ``#k`` in the k-th backward run (k >= 1)."""
         return name if self._run_index <= 0 else f"{name}#{self._run_index}"
@@ -368,10 +376,7 @@ class AutogradMixin(RecorderState):
                 # A gradient the node's own code made (a custom backward: named by the op that
                 # made it) is also recorded under its gradient name, so <param>@grad exists.
                 dest, k = edges[i] if i < len(edges) else (None, 0)
-                # The gradient of a tensor when it alone flows into that slot; else this edge's
-                # own partial gradient.
-                gname = self._slot_grad(dest, k) if dest is not None and self._indegree.get((dest, k), 0) == 1 \
-                    else None
+                gname = self._sole_grad(dest, k)
                 if hit is not None and gname is None:
                     names.append(hit[0])
                     continue
@@ -388,23 +393,17 @@ class AutogradMixin(RecorderState):
         the checksum and stats of the value it is, computed once."""
         dest, k = edge
         assert dest is not None
-        own = self._slot_grad(dest, k) if self._indegree.get((dest, k), 0) == 1 else None
-        edge_name = own or self._in_run(f"{node}:grad{i}")
+        edge_name = self._sole_grad(dest, k) or self._in_run(f"{node}:grad{i}")
         if edge_name == name:
             return name
         original = self.trace.tensors.get(name)
         if original is None:
             return name
-        tensors = self.trace.tensors
-        if edge_name in tensors:
-            k2 = 1
-            while f"{edge_name}#{k2}" in tensors:
-                k2 += 1
-            edge_name = f"{edge_name}#{k2}"
+        edge_name = self._untaken(edge_name)
         rec = dataclasses.replace(original, name=edge_name, role="grad", producer=node, seq=self._tensor_seq,
                                   md5=None, fingerprint=None, hash_note=None, stats=None, previous=None)
         self._tensor_seq += 1
-        tensors[edge_name] = rec
+        self.trace.tensors[edge_name] = rec
         self._passed_on[(dest, k)] = (edge_name, id(g), version_of(g))
         self.hasher.same_as(rec, original)
         return edge_name

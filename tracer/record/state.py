@@ -133,12 +133,7 @@ class RecorderState:
         ops): its metadata is reused instead of read again (an optimizer step makes ~10 new
         versions of every parameter and state tensor). ``uninitialized``: memory nobody wrote
         (``torch.empty_like``): recorded, never hashed."""
-        tensors = self.trace.tensors
-        if name in tensors:  # never overwrite: disambiguate deterministically
-            k = 1
-            while f"{name}#{k}" in tensors:
-                k += 1
-            name = f"{name}#{k}"
+        name = self._untaken(name)
         if like is not None:
             try:
                 ver = t._version
@@ -194,6 +189,16 @@ class RecorderState:
             self._tensor_names[t] = (rec.name, ver)
             return rec.name
         return self._add_record(rec, t, ver)
+
+    def _untaken(self, name: str) -> str:
+        """``name``, or ``name#k`` with the first k not taken: a record is never overwritten."""
+        tensors = self.trace.tensors
+        if name not in tensors:
+            return name
+        k = 1
+        while f"{name}#{k}" in tensors:
+            k += 1
+        return f"{name}#{k}"
 
     def _add_record(self, rec: TensorRecord, t: torch.Tensor, ver: int) -> str:
         name = rec.name
