@@ -23,6 +23,7 @@ from export.diff import DiffError, diff
 from export.diff.align import Pair, align, align_steps
 from export.diff.page import diff_html, diff_html_text
 from tests.models import hf_model
+from tests.test_cli import assert_one_line_error, run
 
 
 # ---- models --------------------------------------------------------------------------------------
@@ -305,12 +306,7 @@ def test_fp32_vs_bf16_autocast_within_tolerance(tmp_path) -> None:
 # ---- bad input: exit 2, one line ---------------------------------------------------------------------
 def _one_line_error(capsys, argv: list[str]) -> str:
     capsys.readouterr()
-    assert main(argv) == 2
-    out, err = capsys.readouterr()
-    assert out == "" and "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("gradtrace diff: error: ")
-    return lines[0]
+    return assert_one_line_error(*run(capsys, *argv), argv[0])
 
 
 def test_mismatched_and_corrupt_inputs_exit_2(tmp_path, capsys, base) -> None:

@@ -18,6 +18,7 @@ from export.cli import main
 from export.diff import diff, diff_html, diff_payload
 from export.diff.elements import ONLY_STATS, element_diff
 from tests.models import SmallCNN, hf_model
+from tests.test_cli import assert_one_line_error, run
 from tracer.model import TraceFormatError
 from tracer.options import TraceError
 
@@ -216,12 +217,7 @@ def test_byte_cap_is_a_note_never_silent(tmp_path) -> None:
 # ---- hostile files ---------------------------------------------------------------------------------
 def _one_line_error(capsys, argv: list[str]) -> str:
     capsys.readouterr()
-    assert main(argv) == 2
-    out, err = capsys.readouterr()
-    assert out == "" and "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1
-    return lines[0]
+    return assert_one_line_error(*run(capsys, *argv), argv[0])
 
 
 def test_hostile_values_are_refused_with_one_line(tmp_path, capsys) -> None:

@@ -94,10 +94,6 @@ class CompiledFunctionWatch:
         # The call whose result the wrapper is about to return: (the wrapper's frame, its call).
         self._awaiting: tuple[types.FrameType, PendingCall] | None = None
 
-    @property
-    def installed(self) -> bool:
-        return self._cls is not None
-
     def install(self) -> None:
         found = _dynamo_context()
         if found is None:
