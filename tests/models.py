@@ -7,6 +7,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
+def gpt2_12l() -> tuple[nn.Module, torch.Tensor]:
+    """GPT-2's 12 layers at a tiny width (built from a config, no download), seeded, and a batch
+    of token ids: the model the reading tests draw and report."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    model = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=12, n_embd=64, n_head=4, vocab_size=256, n_positions=64))
+    return model, torch.randint(0, 256, (2, 32))
+
+
 def hf_model(kind: str) -> tuple[nn.Module, torch.Tensor]:
     """A tiny Hugging Face causal LM built from a config, and a batch of token ids."""
     import transformers as tf

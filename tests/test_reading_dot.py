@@ -20,6 +20,7 @@ import tracer
 from export.cli import main
 from export.dot import dot
 from export.dot.fold import AUTO_NODES, build
+from tests.models import gpt2_12l as gpt2_12l_model
 from tests.test_dot import check_golden, parse
 from tracer.demo import build_demo, demo_step
 
@@ -48,12 +49,9 @@ def demo_trace() -> tracer.Trace:
 
 @pytest.fixture(scope="module")
 def gpt2_12l() -> tracer.Trace:
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.GPT2Config(n_layer=12, n_embd=64, n_head=4, vocab_size=256, n_positions=64)
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(cfg)
+    pytest.importorskip("transformers")
+    model, ids = gpt2_12l_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ids = torch.randint(0, 256, (2, 32))
     with tracer.trace(hash="none") as t:
         model(ids, labels=ids).loss.backward()
         optimizer.step()

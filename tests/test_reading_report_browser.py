@@ -18,6 +18,7 @@ from export.cli import main
 from export.diff.ranks import diff_ranks
 from export.html import html_ranks
 from tests import test_html_browser as shared
+from tests.models import gpt2_12l
 from tests.test_html import HOSTILE, embedded, hostile_trace, record_step
 from tracer.analysis.memory import MemoryRecord
 from tracer.analysis.memory_views import record_tables_data
@@ -37,11 +38,9 @@ DRAWN = "document.querySelectorAll('#gt-vp .n').length"  # boxes on the page: ca
 @pytest.fixture(scope="module")
 def gpt2() -> tracer.Trace:
     """A 12-layer GPT-2 training step (built from a config, no download): 2,300 calls, 850 grad nodes."""
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.GPT2Config(n_layer=12, n_embd=64, n_head=4, vocab_size=256, n_positions=64)
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(cfg)
-    return record_step(shared._LossOf(model), torch.randint(0, 256, (2, 32)))
+    pytest.importorskip("transformers")
+    model, ids = gpt2_12l()
+    return record_step(shared._LossOf(model), ids)
 
 
 def graph_box(o: Any) -> dict[str, float]:
