@@ -7,8 +7,10 @@ triton is first imported. Prints one JSON object on stdout:
   next to the plain-Python reference of the same bytes, and its stats next to the torch path's;
 - ``trace``: the same seeded training step traced twice with ``hash="fast"``, once through the
   immediate CPU path and once through the batches (``GRADTRACE_FUSED_INTERPRET=1``); every
-  tensor's fingerprint and stats, by name. Equal results mean the recorder flushed the batches
-  before every in-place change, including one made by a custom backward.
+  tensor's fingerprint and stats, by name. Equal results mean the recorder flushed or
+  snapshotted the batches before every in-place change, including one made by a custom
+  backward; and how many launches the batched step made;
+- ``protect``: ``Fused.protect`` before writes that do and do not reach a waiting tensor.
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ def _step(optimizer_ops: bool) -> dict[str, list[object]]:
             h = lin(x)
             h.add_(1.0)  # in place on a recorded output
             h[0] = 3.0  # __setitem__
+            h.view(-1)[:8].mul_(2.0)  # through a view: the write reaches h's bytes
             h = F.relu(h, inplace=True)
             h = norm(Halve.apply(h))  # running stats change in place
             loss = h.pow(2).mean()
@@ -106,22 +109,66 @@ def _step(optimizer_ops: bool) -> dict[str, list[object]]:
 
 
 def trace_results() -> dict[str, object]:
-    """Both optimizer recordings: the step as one call, and every foreach op inside it."""
+    """Both optimizer recordings: the step as one call, and every foreach op inside it; with the
+    batches' launches counted."""
     out: dict[str, object] = {}
+    launch = fused.Fused._launch
+    launches = [0]
+
+    def counted(self: fused.Fused, key: tuple[int, int, torch.dtype]) -> None:
+        launches[0] += bool(self._batches[key].slots)
+        launch(self, key)
+
     for mode, ops in (("step", False), ("ops", True)):
         immediate = _step(ops)
         os.environ["GRADTRACE_FUSED_INTERPRET"] = "1"
+        fused.Fused._launch = counted  # type: ignore[method-assign]
+        launches[0] = 0
         try:
             batched = _step(ops)
         finally:
             del os.environ["GRADTRACE_FUSED_INTERPRET"]
-        out[mode] = {"immediate": immediate, "batched": batched}
+            fused.Fused._launch = launch  # type: ignore[method-assign]
+        out[mode] = {"immediate": immediate, "batched": batched, "launches": launches[0]}
     return out
+
+
+def _record(name: str, t: torch.Tensor) -> TensorRecord:
+    return TensorRecord(name=name, shape=tuple(t.shape), dtype=str(t.dtype), device="cpu", role="output",
+                        producer=None)
+
+
+def protect_results() -> dict[str, object]:
+    """``Fused.protect`` before in-place writes: a write that cannot reach a waiting tensor
+    launches nothing; one that can (through a view) snapshots that tensor, so the batch reads
+    the bytes recorded, not the ones written."""
+    batcher = fused.Fused(stats=True, fingerprint=True, interpret=True)
+    g = torch.Generator().manual_seed(1)
+    a, c, other = torch.randn(100, generator=g), torch.randn(50, generator=g), torch.randn(10, generator=g)
+    recorded = {"a": bytes(host_bytes(as_bytes(a))), "c": bytes(host_bytes(as_bytes(c)))}
+    recs = {"a": _record("a", a), "c": _record("c", c)}
+    batcher.add(recs["a"], a)
+    batcher.add(recs["c"], c)
+    batcher.protect([other])
+    after_unrelated = batcher.launches
+    batcher.protect([a.view(-1)[10:20]])
+    after_view = batcher.launches
+    a.view(-1)[10:20].mul_(2.0)
+    c.add_(1.0)  # c is never protected: the batch reads what it holds now
+    batcher.flush()
+    for slots, _floats, ints in batcher.take(wait=True):
+        for recs_of_row, irow in zip(slots, ints):
+            for rec in recs_of_row:
+                rec.fingerprint = hex_of(irow[2], irow[3])
+    return {"launches": [after_unrelated, after_view, batcher.launches],
+            "a": [recs["a"].fingerprint, fingerprint_reference(recorded["a"]),
+                  fingerprint_reference(bytes(host_bytes(as_bytes(a))))],
+            "c": [recs["c"].fingerprint, fingerprint_reference(bytes(host_bytes(as_bytes(c))))]}
 
 
 def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    json.dump({"kernel": kernel_results(), "trace": trace_results()}, sys.stdout)
+    json.dump({"kernel": kernel_results(), "trace": trace_results(), "protect": protect_results()}, sys.stdout)
 
 
 if __name__ == "__main__":

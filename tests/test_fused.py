@@ -71,6 +71,22 @@ def test_batched_trace_equals_the_immediate_path_despite_in_place_changes(interp
         # each step leaves one new version of a parameter (step) or ~5 (the foreach ops)
         assert "BatchNorm1d.weight@v2" in immediate
         assert ("BatchNorm1d.weight@v3" in immediate) == (mode == "ops"), mode
+    # The batches are launched only where anything may be written: per iteration the backward,
+    # the custom backward and optimizer.step(), each launching the float32 batch and the int64
+    # one (BatchNorm's num_batches_tracked). The in-place ops, whose schemas name what they write,
+    # snapshot the waiting tensors they reach instead; out-of-place ops (whose schemas name an
+    # unused out=) launch nothing. Before, every one of them launched: 28 and 54.
+    assert interpreted["trace"]["step"]["launches"] == interpreted["trace"]["ops"]["launches"] == 12
+
+
+@needs_triton
+def test_a_write_snapshots_only_the_waiting_tensors_it_reaches(interpreted):
+    result = interpreted["protect"]
+    # nothing launched by a write elsewhere, nor by one through a view (a snapshot); the flush: 2
+    assert result["launches"] == [0, 0, 2]
+    recorded, reference, now = result["a"]
+    assert recorded == reference != now  # the bytes recorded, not the ones written afterwards
+    assert result["c"][0] == result["c"][1]  # not reached: read when the batch ran
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64,

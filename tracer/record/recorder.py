@@ -180,9 +180,16 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin):
             self._call_seq += 1
         tokens = [li.before_call() for li in self.listeners] if self.listeners else None
         seq0 = get_seq() if get_seq is not None else None
-        if self.hasher.active and (writes is not None or kind != "op" or "out" in kwargs
-                                   or kwargs.get("inplace") is True):
-            self.hasher.before_write()  # tensors waiting for a checksum are read before a write
+        # What the op's schema says this call writes (most schemas name an ``out=`` that the
+        # call does not pass: then it writes nothing).
+        written = writes.tensors(args, kwargs) if writes is not None else None
+        if self.hasher.active:
+            # Tensors waiting for a checksum are read before a write: only those the write can
+            # reach when the schema names every tensor written, else all of them.
+            if kind != "op" or "out" in kwargs or kwargs.get("inplace") is True:
+                self.hasher.before_write()
+            elif written:
+                self.hasher.before_write(written)
         self.op_depth += 1
         try:
             out = func(*args, **kwargs)
@@ -195,7 +202,6 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin):
         mutated: list[torch.Tensor] = []
         if ins:
             now = versions_of(ins)
-            written = writes.tensors(args, kwargs) if writes is not None else None
             if written:  # what the op's schema says it writes, whatever the version counters say
                 ids = {identity(t) for t in written}
                 mutated = [t for t, v, n in zip(ins, vers, now) if n != v or identity(t) in ids]

@@ -285,26 +285,34 @@ class Hasher:
             with transforms_off():
                 self._fused.flush()
 
-    def before_write(self) -> None:
+    def before_write(self, written: list[torch.Tensor] | None = None) -> None:
         """Called by the recorder before code that may write into tensors it recorded (an op that
         writes an argument, a custom Function, backward, the optimizer step): every tensor still
-        waiting for its checksum or stats is read first, on every stream (no host sync)."""
+        waiting for its checksum or stats is read first, on every stream (no host sync).
+
+        ``written``: the tensors the code is known to write (an op's schema says which), when it
+        writes nothing else. Then only waiting tensors whose bytes they share are read first,
+        and most of those by a snapshot instead of a launch (``Fused.protect``): an in-place op
+        no longer cuts every waiting batch short."""
         fused = self._fused
         if fused is None and not self._copy_events:
             return
         if transforms_active():
             with transforms_off():
-                self._before_write(fused)
+                self._before_write(fused, written)
         else:
-            self._before_write(fused)
+            self._before_write(fused, written)
 
-    def _before_write(self, fused: Any) -> None:
+    def _before_write(self, fused: Any, written: list[torch.Tensor] | None) -> None:
         if torch.cuda.is_initialized() and _capturing():
             # Nothing runs while a CUDA graph is captured (the writes happen at replay), and a
             # launch or a wait on uncaptured work would break the capture: later.
             return
         if fused is not None and fused.has_waiting:
-            fused.flush()
+            if written is None:
+                fused.flush()
+            else:
+                fused.protect(written)
         if self._copy_events or (fused is not None and fused.events):
             self._order_after_reads()
 
