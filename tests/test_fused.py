@@ -6,6 +6,7 @@ Without a GPU the kernels run under Triton's CPU interpreter in a subprocess
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -170,6 +171,35 @@ def test_cuda_trace_uses_batches_without_a_sync_and_matches_after_in_place_chang
     assert all(r.stats is not None for r in t.tensors.values() if r.numel)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_writes_through_a_view_and_on_another_stream_leave_the_recorded_bytes():
+    """A write through a view snapshots the waiting tensor it reaches (same stream); a write on
+    another stream launches the batch first. Neither synchronises, and every checksum is of
+    the bytes each version had."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 64, device="cuda")
+    side = torch.cuda.Stream()
+    with tracer.trace(hash="fast") as t:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            h = x * 2
+            h.view(-1)[:10].mul_(3)
+            g = x + 1
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                g.mul_(2)
+            torch.cuda.current_stream().wait_stream(side)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert t.tensors["mul0:out"].fingerprint == fingerprint(x * 2)
+    assert t.tensors["mul0:out@v1"].fingerprint == fingerprint(h)
+    assert t.tensors["getitem0:out@v1"].fingerprint == fingerprint(h.view(-1)[:10])
+    assert t.tensors["add0:out"].fingerprint == fingerprint(x + 1)
+    assert t.tensors["add0:out@v1"].fingerprint == fingerprint(g) == fingerprint((x + 1) * 2)
+
+
 def _rows(batcher) -> dict[str, tuple[list[float], list[int]]]:
     rows = {}
     for slots, floats, ints in batcher.take(wait=True):
@@ -216,6 +246,39 @@ def test_cuda_cached_launcher_gives_the_same_results_as_the_normal_launch():
         ref = stats_tensor(t).tolist()
         assert irow[:2] == [int(ref[4]), int(ref[5])] == [0, 1]
         assert frow[0] == ref[0] and frow[1] == ref[1]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_metadata_goes_through_reused_pinned_slots_and_a_side_stream_batch_is_ordered():
+    """Batches' metadata is copied out of a ring of pinned slots (reused once a batch's kernels
+    are done, skipped while busy): forty batches, more than the ring holds, each on the stream
+    its tensors were made on (every fourth on a side stream, launched from the main one), all
+    with the fingerprints and stats of their own tensors."""
+    from tracer.model import TensorRecord
+    from tracer.record.checksums.fused import Fused, _PinnedSlots
+
+    batcher = Fused(stats=True, fingerprint=True)
+    side = torch.cuda.Stream()
+    names = []
+    for round_ in range(40):
+        on_side = round_ % 4 == 3
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side) if on_side else contextlib.nullcontext():
+            t = torch.randn(257 + round_, device="cuda") * (round_ + 1)
+            rec = TensorRecord(name=str(round_), shape=(), dtype="", device="cuda:0", role="output",
+                               producer=None)
+            assert batcher.add(rec, t)
+        names.append((str(round_), t))
+        batcher.flush()  # from the main stream
+    torch.cuda.current_stream().wait_stream(side)
+    rows = _rows(batcher)
+    assert len(batcher._pinned._buffers) == _PinnedSlots.SLOTS < 40
+    for name, t in names:
+        frow, irow = rows[name]
+        assert hex_of(irow[2], irow[3]) == fingerprint(t), name
+        ref = stats_tensor(t).tolist()
+        assert frow[0] == ref[0] and frow[1] == ref[1], name
 
 
 @pytest.mark.cuda

@@ -29,7 +29,9 @@ finite counts. The sum is reduced in a fixed order, so the same bytes give the s
 from __future__ import annotations
 
 import array
+import bisect
 import contextlib
+import ctypes
 import functools
 import importlib.util
 import os
@@ -136,7 +138,8 @@ def _int_class(n: int) -> int:
 
 
 class _Batch:
-    __slots__ = ("aligned", "by_addr", "dtype", "held", "meta", "nbytes", "programs", "slots", "spec", "stream")
+    __slots__ = ("aligned", "by_addr", "dtype", "held", "meta", "nbytes", "programs", "slots", "spec", "starts",
+                 "stream")
 
     def __init__(self, dtype: torch.dtype, spec: tuple[str, int, bool], stream: Any) -> None:
         self.dtype = dtype
@@ -148,9 +151,62 @@ class _Batch:
         self.slots: list[list[TensorRecord]] = []  # records sharing each tensor's row
         self.held: list[torch.Tensor] = []  # keeps the bytes alive until the kernel has run
         self.by_addr: dict[tuple[int, int], int] = {}
+        # (first byte, slot) of every waiting tensor, sorted: which ones a write reaches is a
+        # binary search (``Fused.protect`` runs before every in-place op).
+        self.starts: list[tuple[int, int]] = []
         self.programs = 0
         self.nbytes = 0
         self.aligned = True  # every tensor starts on a 16-byte boundary (allows wide loads)
+
+
+class _PinnedSlots:
+    """Pinned host buffers for the batches' metadata, reused once the copy out of them is done.
+
+    ``pin_memory()`` per launch took ~100 µs of host time once batches held hundreds of
+    tensors (the caching host allocator cannot hand back a block whose copy may still be
+    queued). Here a slot is reused when the event recorded after its batch's kernels has
+    completed, which is long before the ring comes round again; a busy slot is skipped."""
+
+    SLOTS = 16
+    SLOT_WORDS = MAX_TENSORS * 4  # a full batch's metadata
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor] = []
+        self._events: list[Any] = []
+        self._next = 0
+        self._last = -1
+        self._refused = False
+
+    def stage(self, meta: array.array[int]) -> torch.Tensor | None:
+        """``meta`` copied into a free pinned slot (a view of its first words), or None."""
+        n = len(meta)
+        if n > self.SLOT_WORDS or self._refused:
+            return None
+        if not self._buffers:
+            try:
+                self._buffers = [torch.empty(self.SLOT_WORDS, dtype=torch.int64, pin_memory=True)
+                                 for _ in range(self.SLOTS)]
+            except RuntimeError:  # pinning refused: the caller's path, from now on
+                self._refused = True
+                return None
+            self._events = [None] * self.SLOTS
+        for _ in range(self.SLOTS):
+            i = self._next
+            self._next = (i + 1) % self.SLOTS
+            event = self._events[i]
+            if event is None or event.query():
+                buf = self._buffers[i]
+                ctypes.memmove(buf.data_ptr(), meta.buffer_info()[0], n * 8)
+                self._events[i] = None
+                self._last = i
+                return buf[:n]
+        return None
+
+    def used_until(self, event: Any) -> None:
+        """The copy out of the slot handed out last is done once ``event`` has completed."""
+        if self._last >= 0:
+            self._events[self._last] = event
+            self._last = -1
 
 
 class Fused:
@@ -173,6 +229,7 @@ class Fused:
         # Per kernel specialisation: its launcher, once a normal launch or the warm-up compiled it
         # (None: compiled, but launched the normal way).
         self._fast: dict[tuple[Any, ...], FastLaunch | None] = {}
+        self._pinned = _PinnedSlots()
 
     def add(self, rec: TensorRecord, t: torch.Tensor) -> bool:
         """Queue ``t`` for ``rec``; False when this path cannot take it (the caller falls back).
@@ -218,7 +275,9 @@ class Fused:
             return True
         programs = nbytes // BYTES_PER_PROGRAM
         programs = 1 if programs < 1 else (MAX_PROGRAMS if programs > MAX_PROGRAMS else programs)
-        by_addr[(addr, nbytes)] = len(batch.slots)
+        slot = len(batch.slots)
+        by_addr[(addr, nbytes)] = slot
+        bisect.insort(batch.starts, (addr, slot))
         batch.meta.extend((addr, numel, programs, batch.programs))
         batch.slots.append([rec])
         batch.held.append(t)
@@ -244,7 +303,12 @@ class Fused:
         """``written`` are about to change in place: every waiting tensor whose bytes lie in their
         storages is read first. On the current stream it is snapshotted (a copy the batch holds
         instead: one copy kernel, and the batch keeps filling); a batch that runs on another
-        stream is launched now (the copy would not be ordered before its kernel)."""
+        stream is launched now (the copy would not be ordered before its kernel).
+
+        A waiting tensor is reached when its first byte lies in a written storage: storages are
+        separate allocations, and a tensor lies inside its own. (The one waiting tensor that
+        starts just below a written storage is checked too, for memory aliased from outside
+        torch's allocator, e.g. through DLPack.)"""
         spans = []
         for w in written:
             try:
@@ -259,8 +323,7 @@ class Fused:
         with torch._C.DisableTorchFunction():
             for key in list(self._batches):
                 batch = self._batches[key]
-                hits = [slot for (addr, nbytes), slot in batch.by_addr.items()
-                        if any(addr < end and start < addr + nbytes for start, end in spans)]
+                hits = _reached(batch, spans)
                 if not hits:
                     continue
                 if _stream_handle(key[0]) != key[1]:
@@ -275,11 +338,15 @@ class Fused:
         old = batch.held[slot]
         copy = old.clone()  # contiguous like the original (add() packed any other layout)
         meta = batch.meta
+        old_addr = meta[4 * slot]
         nbytes = meta[4 * slot + 1] * batch.spec[1]
-        del batch.by_addr[(meta[4 * slot], nbytes)]
+        del batch.by_addr[(old_addr, nbytes)]
+        starts = batch.starts
+        del starts[bisect.bisect_left(starts, (old_addr, slot))]
         addr = copy.data_ptr()
         meta[4 * slot] = addr
         batch.by_addr[(addr, nbytes)] = slot
+        bisect.insort(starts, (addr, slot))
         batch.held[slot] = copy
 
     @property
@@ -302,28 +369,34 @@ class Fused:
         name, esize, wide = batch.spec
         dev = batch.held[0].device
         k = len(batch.slots)
-        meta_host = torch.frombuffer(batch.meta, dtype=torch.int64)
-        # Pinned and non-blocking: a pageable copy would synchronise. (CPU: the interpreter, in tests.)
-        meta = meta_host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else meta_host
-        # One buffer per result type: the partials, then the k final rows (two allocations, not four).
-        buf_f = torch.empty((batch.programs + k) * 4, dtype=torch.float64, device=dev)
-        buf_i = torch.empty((batch.programs + k) * 4, dtype=torch.int64, device=dev)
-        at = batch.programs * 4
-        res_f = buf_f[at:].view(k, 4)
-        res_i = buf_i[at:].view(k, 4)
         # The kernels must run after the tensors' producers: on the stream they were made on
         # (usually the current one: then no stream switch, which costs ~40 µs of host time).
+        # Their buffers and the metadata's copy are queued on that stream too, before them.
         index, handle, dtype = key
         warm_key = (index, dtype, self.stats, self.fingerprint)
         ctx = contextlib.nullcontext() if batch.stream is None or _stream_handle(index) == handle \
             else torch.cuda.stream(batch.stream)
-        # Every parameter in order, constexprs included (the fast launcher's argument list).
-        p_args = (meta, buf_f, buf_i, k, getattr(tl, name), esize, tl.float64 if wide else tl.float32,
-                  self.stats, self.fingerprint, CHUNK_BYTES, _LOG2_MAX_TENSORS, batch.aligned)
-        f_args = (meta, buf_f, buf_i, res_f, res_i, esize, _PBLOCK)
-        p_key = ("partials", index, name, esize, wide, self.stats, self.fingerprint, batch.aligned)
-        f_key = ("finalize", index, esize)
         with ctx:
+            # Pinned and non-blocking: a pageable copy would synchronise. (CPU: the interpreter, in tests.)
+            staged = self._pinned.stage(batch.meta) if dev.type == "cuda" else None
+            if staged is None:
+                meta_host = torch.frombuffer(batch.meta, dtype=torch.int64)
+                meta = meta_host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else meta_host
+            else:
+                meta = torch.empty(len(batch.meta), dtype=torch.int64, device=dev)
+                meta.copy_(staged, non_blocking=True)
+            # One buffer per result type: the partials, then the k final rows (two allocations, not four).
+            buf_f = torch.empty((batch.programs + k) * 4, dtype=torch.float64, device=dev)
+            buf_i = torch.empty((batch.programs + k) * 4, dtype=torch.int64, device=dev)
+            at = batch.programs * 4
+            res_f = buf_f[at:].view(k, 4)
+            res_i = buf_i[at:].view(k, 4)
+            # Every parameter in order, constexprs included (the fast launcher's argument list).
+            p_args = (meta, buf_f, buf_i, k, getattr(tl, name), esize, tl.float64 if wide else tl.float32,
+                      self.stats, self.fingerprint, CHUNK_BYTES, _LOG2_MAX_TENSORS, batch.aligned)
+            f_args = (meta, buf_f, buf_i, res_f, res_i, esize, _PBLOCK)
+            p_key = ("partials", index, name, esize, wide, self.stats, self.fingerprint, batch.aligned)
+            f_key = ("finalize", index, esize)
             stream = _stream_handle(index)
             self._run(p_key, partials, batch.programs, stream, p_args,
                       ("EDT", "ESIZE", "ACC", "STATS", "FP", "CHUNK", "LOG2B", "ALIGNED"), warm_key)
@@ -333,6 +406,8 @@ class Fused:
                 event = torch.cuda.Event()
                 event.record()
                 self.events[(dev, handle)] = event
+                if staged is not None:
+                    self._pinned.used_until(event)
         self.launches += 2
         self.done.append((batch.slots, res_f, res_i, event))
 
@@ -395,6 +470,22 @@ class Fused:
         waiting = {id(r) for b in self._batches.values() for recs in b.slots for r in recs}
         waiting.update(id(r) for d in self.done for recs in d[0] for r in recs)
         return waiting
+
+
+def _reached(batch: _Batch, spans: list[tuple[int, int]]) -> list[int]:
+    """Slots of ``batch`` whose waiting tensor a write into the byte ``spans`` reaches."""
+    starts, meta, esize = batch.starts, batch.meta, batch.spec[1]
+    hits: list[int] = []
+    for start, end in spans:
+        i = bisect.bisect_left(starts, (start, -1))
+        if i:  # the one just below: does it reach into the span?
+            addr, slot = starts[i - 1]
+            if addr + meta[4 * slot + 1] * esize > start:
+                hits.append(slot)
+        while i < len(starts) and starts[i][0] < end:
+            hits.append(starts[i][1])
+            i += 1
+    return sorted(set(hits)) if len(spans) > 1 else hits
 
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
