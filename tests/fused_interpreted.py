@@ -10,6 +10,8 @@ triton is first imported. Prints one JSON object on stdout:
   tensor's fingerprint and stats, by name. Equal results mean the recorder flushed or
   snapshotted the batches before every in-place change, including one made by a custom
   backward; and how many launches the batched step made;
+  ``trace.recipe``: the same for a mixed-precision recipe over two blocks (gradient
+  accumulation into an existing .grad, GradScaler, clipping, fused AdamW with existing state);
 - ``protect``: ``Fused.protect`` before writes that do and do not reach a waiting tensor.
 """
 
@@ -108,6 +110,38 @@ def _step(optimizer_ops: bool) -> dict[str, list[object]]:
             for name, r in t.tensors.items()}
 
 
+def _recipe() -> dict[str, list[object]]:
+    """A mixed-precision recipe over two traced blocks of one step each: two micro-batches
+    accumulated into gradients that exist before the block (``zero_grad(set_to_none=False)``),
+    GradScaler's unscale, clipping, and a fused AdamW whose state exists before the second block.
+    The engine adds into an existing .grad and the fused step writes its state with no op the
+    recorder sees: their values from before must be read first."""
+    import tracer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    xs, ys = torch.randn(4, 6, 8), torch.randint(0, 3, (4, 6))
+    out: dict[str, list[object]] = {}
+    for block in range(2):
+        with tracer.trace(hash="fast") as t:
+            for k in range(2):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = F.cross_entropy(model(xs[2 * block + k]), ys[2 * block + k]) / 2
+                scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=False)
+        out.update({f"{block}/{name}": [r.fingerprint, None if r.stats is None else
+                                        [r.stats.min, r.stats.max, r.stats.nan, r.stats.inf]]
+                    for name, r in t.tensors.items()})
+    return out
+
+
 def trace_results() -> dict[str, object]:
     """Both optimizer recordings: the step as one call, and every foreach op inside it; with the
     batches' launches counted."""
@@ -130,6 +164,13 @@ def trace_results() -> dict[str, object]:
             del os.environ["GRADTRACE_FUSED_INTERPRET"]
             fused.Fused._launch = launch  # type: ignore[method-assign]
         out[mode] = {"immediate": immediate, "batched": batched, "launches": launches[0]}
+    immediate = _recipe()
+    os.environ["GRADTRACE_FUSED_INTERPRET"] = "1"
+    try:
+        batched = _recipe()
+    finally:
+        del os.environ["GRADTRACE_FUSED_INTERPRET"]
+    out["recipe"] = {"immediate": immediate, "batched": batched}
     return out
 
 

@@ -81,6 +81,21 @@ def test_batched_trace_equals_the_immediate_path_despite_in_place_changes(interp
 
 
 @needs_triton
+def test_batched_recipe_reads_grads_and_optimizer_state_before_their_unseen_writes(interpreted):
+    """Gradient accumulation into a .grad from before the block (the engine adds in place) and a
+    fused AdamW whose state predates the block (written with no op the recorder sees): through
+    the batches, every value is the one it had when recorded, as on the immediate path. Both
+    were read after the write before (24 records of the second block differed)."""
+    recipe = interpreted["trace"]["recipe"]
+    immediate, batched = recipe["immediate"], recipe["batched"]
+    assert set(immediate) == set(batched) and len(immediate) > 300
+    assert {name: (immediate[name], batched[name]) for name in immediate if immediate[name] != batched[name]} == {}
+    before = [name for name in immediate if name.startswith("1/") and name.endswith(("@grad@v0", ".exp_avg"))]
+    assert len(before) == 12  # six parameters: their .grad and exp_avg from before the block
+    assert all(immediate[name][1][:2] == [0.0, 0.0] for name in before if name.endswith("@grad@v0"))  # zeroed
+
+
+@needs_triton
 def test_a_write_snapshots_only_the_waiting_tensors_it_reaches(interpreted):
     result = interpreted["protect"]
     # nothing launched by a write elsewhere, nor by one through a view (a snapshot); the flush: 2

@@ -487,6 +487,9 @@ class AutogradMixin(RecorderState):
         else:
             base = f"{self._slot_tensor[(acc, 0)]}@grad"
             self._grad_before[acc] = self._new_leaf_grad(g, names.version_name(base, 0), None, None)
+        # The accumulator adds into an existing .grad in place (whoever else holds it), with no
+        # op the recorder sees: a value of it still waiting for its checksum is read first.
+        self.hasher.before_write([g])
 
     def _new_leaf_grad(self, g: torch.Tensor, name: str, producer: str | None, previous: str | None) -> str:
         name = self._new_tensor(g, name, "grad", producer, previous=previous)

@@ -37,7 +37,6 @@ class OptimizerMixin(RecorderState):
     def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if threading.get_ident() != self.owner or self.closed or self.open_step is not None:
             return  # (an open step: an optimizer stepped from inside another's step is part of it)
-        self.hasher.before_write()  # the step writes into parameters and state, in place
         with self.lock, torch._C.DisableTorchFunction():
             for group in optimizer.param_groups:
                 for p in group["params"]:
@@ -62,6 +61,9 @@ class OptimizerMixin(RecorderState):
         if not (self.optimizer_ops or self.paused or self.stopped or closure is not None):
             # A closure (LBFGS) runs a forward and backward inside the step: those stay visible.
             self._open_step(optimizer, sys._getframe(1))
+        # The step writes into parameters, gradients and state in place: every value waiting for
+        # its checksum is read first, those the step's record has just named among them.
+        self.hasher.before_write()
 
     def _open_step(self, optimizer: Any, frame: FrameType) -> None:
         """Record ``optimizer.step()`` as one call: its inputs are the parameters, gradients and
