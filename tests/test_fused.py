@@ -296,6 +296,37 @@ def test_cuda_metadata_goes_through_reused_pinned_slots_and_a_side_stream_batch_
         assert frow[0] == ref[0] and frow[1] == ref[1], name
 
 
+_EXIT_DURING_WARM_UP = """
+import pathlib, sys, time
+import torch
+torch.cuda.set_device = lambda index: None  # no GPU here: the jobs below stand in for compilations
+from tracer.record.checksums.launcher import WARMUP
+out = pathlib.Path(sys.argv[1])
+
+def running():
+    time.sleep(1.0)
+    (out / "running").write_text("finished")
+
+def queued():
+    (out / "queued").write_text("started")
+
+WARMUP.start(0, [("running", running), ("queued", queued)])
+time.sleep(0.2)  # the first job is running; the script ends now
+"""
+
+
+def test_exit_waits_for_the_running_warm_up_job_and_skips_the_rest(tmp_path):
+    """A script that ends while the kernels compile in the background: the interpreter would kill
+    the daemon thread inside Triton's C++ code and the process abort ("FATAL: exception not
+    rethrown", status 134). At exit the warm-up now lets the running compilation finish and
+    starts no other."""
+    proc = subprocess.run([sys.executable, "-c", _EXIT_DURING_WARM_UP, str(tmp_path)], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "running").read_text() == "finished"
+    assert not (tmp_path / "queued").exists()
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_warm_up_compiles_in_the_background_and_the_first_batch_uses_it():

@@ -23,6 +23,7 @@ specialisation is ready, ``Fused`` leaves that tensor to the per-tensor torch pa
 
 from __future__ import annotations
 
+import atexit
 import sys
 import threading
 import time
@@ -91,6 +92,8 @@ class Warmup:
     def __init__(self) -> None:
         self._futures: dict[Any, Future[Any]] = {}
         self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._stopping = False
         self.seconds: dict[Any, float] = {}  # per key: from the start of its batch to its result
         # Compilations not finished yet: the hot path reads this int first (one attribute read
         # per tensor) and looks keys up only while something is compiling.
@@ -106,21 +109,41 @@ class Warmup:
                     todo.append((key, job))
             self.compiling += len(todo)
         if todo:
-            threading.Thread(target=self._run, args=(device, todo), name="gradtrace-triton-warmup",
-                             daemon=True).start()
+            thread = threading.Thread(target=self._run, args=(device, todo), name="gradtrace-triton-warmup",
+                                      daemon=True)
+            with self._lock:
+                if not self._threads:
+                    atexit.register(self.stop)
+                self._threads.append(thread)
+            thread.start()
 
     def _run(self, device: int, todo: list[tuple[Any, Callable[[], Any]]]) -> None:
         torch.cuda.set_device(device)  # the current device is per thread; Triton compiles for it
         start = time.perf_counter()
         for key, job in todo:
             future = self._futures[key]
-            try:
-                future.set_result(job())
-            except BaseException as exc:
-                future.set_exception(exc)
+            if self._stopping:  # the process is exiting: what is left is not needed
+                future.set_exception(RuntimeError("gradtrace: kernel warm-up stopped at exit"))
+            else:
+                try:
+                    future.set_result(job())
+                except BaseException as exc:
+                    future.set_exception(exc)
             self.seconds[key] = time.perf_counter() - start
             with self._lock:
                 self.compiling -= 1
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """At exit: skip the compilations not started and wait for the one running. A daemon
+        thread still inside Triton's or torch's C++ code when the interpreter finalises is
+        killed there, and the process aborts ("FATAL: exception not rethrown", exit status 134)
+        instead of exiting: a script that traced one step and ended while the kernels compiled."""
+        self._stopping = True
+        with self._lock:
+            threads, self._threads = self._threads, []
+        deadline = time.monotonic() + timeout
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def wanted(self, key: Any) -> bool:
         return key in self._futures
