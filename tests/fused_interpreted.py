@@ -12,7 +12,8 @@ triton is first imported. Prints one JSON object on stdout:
   backward; and how many launches the batched step made;
   ``trace.recipe``: the same for a mixed-precision recipe over two blocks (gradient
   accumulation into an existing .grad, GradScaler, clipping, fused AdamW with existing state);
-- ``protect``: ``Fused.protect`` before writes that do and do not reach a waiting tensor.
+- ``protect``: ``Fused.protect`` before writes that do and do not reach a waiting tensor;
+- ``ddp``: a two-rank DDP step (gloo) through the immediate path and through the batches.
 """
 
 from __future__ import annotations
@@ -142,6 +143,60 @@ def _recipe() -> dict[str, list[object]]:
     return out
 
 
+def _ddp_rank(rank: int, world: int, port: int, out: str) -> None:
+    """One rank of a two-process DDP step (gloo), a .grad existing before the block; rank 0
+    writes its records to ``out``."""
+    import torch.distributed as dist
+
+    import tracer
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank + 1))
+        ddp(x).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        with tracer.trace(hash="fast") as t:
+            ddp(x).sum().backward()  # DDP copies the averaged gradients back into each .grad
+            opt.step()
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump({name: [r.fingerprint, None if r.stats is None else [r.stats.min, r.stats.max]]
+                           for name, r in t.tensors.items()}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def ddp_results() -> dict[str, object]:
+    """The DDP step through the immediate path and through the batches."""
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    out: dict[str, object] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in ("immediate", "batched"):
+            if mode == "batched":
+                os.environ["GRADTRACE_FUSED_INTERPRET"] = "1"
+            with socket.socket() as sock:  # a free port
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            path = os.path.join(tmp, f"{mode}.json")
+            try:
+                mp.spawn(_ddp_rank, args=(2, port, path), nprocs=2)
+            finally:
+                os.environ.pop("GRADTRACE_FUSED_INTERPRET", None)
+            with open(path) as f:
+                out[mode] = json.load(f)
+    return out
+
+
 def trace_results() -> dict[str, object]:
     """Both optimizer recordings: the step as one call, and every foreach op inside it; with the
     batches' launches counted."""
@@ -209,7 +264,8 @@ def protect_results() -> dict[str, object]:
 
 def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    json.dump({"kernel": kernel_results(), "trace": trace_results(), "protect": protect_results()}, sys.stdout)
+    json.dump({"kernel": kernel_results(), "trace": trace_results(), "protect": protect_results(),
+               "ddp": ddp_results()}, sys.stdout)
 
 
 if __name__ == "__main__":

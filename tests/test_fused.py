@@ -96,6 +96,17 @@ def test_batched_recipe_reads_grads_and_optimizer_state_before_their_unseen_writ
 
 
 @needs_triton
+def test_batched_ddp_step_reads_each_grad_before_ddp_writes_the_average_into_it(interpreted):
+    """DDP copies the averaged gradients back into each .grad in a final callback of the
+    backward, with no op the recorder sees: the batches are read in a final callback queued
+    ahead of it, so each rank's gradient records hold its own gradients, as on the immediate
+    path (before, three of them held the average)."""
+    immediate, batched = interpreted["ddp"]["immediate"], interpreted["ddp"]["batched"]
+    assert set(immediate) == set(batched) and "module.0.weight@grad@v1" in immediate
+    assert {name: (immediate[name], batched[name]) for name in immediate if immediate[name] != batched[name]} == {}
+
+
+@needs_triton
 def test_a_write_snapshots_only_the_waiting_tensors_it_reaches(interpreted):
     result = interpreted["protect"]
     # nothing launched by a write elsewhere, nor by one through a view (a snapshot); the flush: 2

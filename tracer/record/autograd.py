@@ -346,6 +346,18 @@ class AutogradMixin(RecorderState):
             self.trace.backward_runs.append(self._run)
         return self._run
 
+    def _read_waiting_at_end(self, run: BackwardRun) -> None:
+        """At the first node of a backward run: queue, ahead of any other final callback of the
+        run, the reading of every value still waiting for its checksum. Other final callbacks
+        write into gradients the trace has recorded, with no op it sees (DDP copies the averaged
+        buckets back into each .grad): they must find those values read."""
+        self._reads_queued = run
+        if self.hasher.active and _queue_callback is not None:
+            try:
+                _queue_callback(functools.partial(_read_waiting, self._self_ref))
+            except RuntimeError:  # not inside the engine's run (a hook called by hand)
+                pass
+
     def _grad_names(self, node: str, grads: tuple[Any, ...], produced: bool,
                     own_calls: list[str] | None = None) -> list[str | None]:
         """Names of the gradients a node received (``grad_outputs``) or, with ``produced``, made
@@ -419,6 +431,8 @@ class AutogradMixin(RecorderState):
             self.hasher.before_write()
         with self.lock, torch._C.DisableTorchFunction():
             run = self._current_run()
+            if self._reads_queued is not run:
+                self._read_waiting_at_end(run)
             step = NodeRun(node, self._grad_names(node, grad_outputs, False), [])
             run.steps.append(step)
             self._open_steps[node] = step
@@ -537,6 +551,8 @@ class AutogradMixin(RecorderState):
             return
         with self.lock, torch._C.DisableTorchFunction():
             run = self._current_run()
+            if self._reads_queued is not run:
+                self._read_waiting_at_end(run)
             step = NodeRun(node, self._grad_names(node, grad_outputs, False), [])
             run.steps.append(step)
             step.grads_out = self._grad_names(node, grad_inputs, True)
@@ -598,6 +614,17 @@ class AutogradMixin(RecorderState):
                 preds[dest].add(name)
         ready = [n for n, ps in preds.items() if n not in done and ps <= done]
         return max(ready, key=lambda n: seq_of.get(n, _UINT64_MAX)) if ready else None
+
+
+# The engine's final callbacks (run when a backward's nodes are done, in the order queued): the
+# public entry DDP and FSDP use, on the private engine object; without it nothing is queued.
+_queue_callback = getattr(getattr(torch.autograd.Variable, "_execution_engine", None), "queue_callback", None)
+
+
+def _read_waiting(ref: weakref.ref[Any]) -> None:
+    rec = ref()
+    if rec is not None and not rec.closed:
+        rec.hasher.before_write()
 
 
 _PRE_HOOK: Any = object()  # a unique marker: only a pre-hook call leaves the argument at it

@@ -96,6 +96,7 @@ class RecorderState:
         # adopted by the node that made them (see _adopt_nodes).
         self._create_graph = False
         self._bwd_seq0: tuple[int, int] | None = None  # (thread, sequence number) at its start
+        self._reads_queued: object = None  # the backward run whose final reading is queued
         self._edges: dict[str, tuple[tuple[str | None, int], ...]] = {}  # node -> (dest node, slot) per output
         self._node_recs: dict[str, GradNode] = {}
         self._slot_tensor: dict[tuple[str, int], str] = {}
