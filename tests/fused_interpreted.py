@@ -144,8 +144,8 @@ def _recipe() -> dict[str, list[object]]:
 
 
 def _ddp_rank(rank: int, world: int, port: int, out: str) -> None:
-    """One rank of a two-process DDP step (gloo), a .grad existing before the block; rank 0
-    writes its records to ``out``."""
+    """One rank of a two-process DDP step (gloo), a .grad existing before the block, then an
+    all_reduce in place; rank 0 writes its records to ``out``."""
     import torch.distributed as dist
 
     import tracer
@@ -164,6 +164,8 @@ def _ddp_rank(rank: int, world: int, port: int, out: str) -> None:
         with tracer.trace(hash="fast") as t:
             ddp(x).sum().backward()  # DDP copies the averaged gradients back into each .grad
             opt.step()
+            total = x * (rank + 1)
+            dist.all_reduce(total)  # a collective writes a recorded value in place
         if rank == 0:
             with open(out, "w") as f:
                 json.dump({name: [r.fingerprint, None if r.stats is None else [r.stats.min, r.stats.max]]

@@ -100,9 +100,12 @@ def test_batched_ddp_step_reads_each_grad_before_ddp_writes_the_average_into_it(
     """DDP copies the averaged gradients back into each .grad in a final callback of the
     backward, with no op the recorder sees: the batches are read in a final callback queued
     ahead of it, so each rank's gradient records hold its own gradients, as on the immediate
-    path (before, three of them held the average)."""
+    path (before, three of them held the average). Likewise a value an in-place collective
+    writes into."""
     immediate, batched = interpreted["ddp"]["immediate"], interpreted["ddp"]["batched"]
     assert set(immediate) == set(batched) and "module.0.weight@grad@v1" in immediate
+    # all_reduce wrote mul0:out in place: its first value is rank 0's own (x * 1), not the sum
+    assert immediate["mul0:out"] == immediate["input0"] and immediate["mul0:out@v1"] != immediate["mul0:out"]
     assert {name: (immediate[name], batched[name]) for name in immediate if immediate[name] != batched[name]} == {}
 
 
