@@ -337,6 +337,8 @@ class AutogradMixin(RecorderState):
         return any(getattr(type(li), event) is not base for li in self.listeners)
 
     def _current_run(self) -> BackwardRun:
+        """The backward run a node event belongs to. At its first node event, the reading of
+        what still waits for a checksum is queued for the run's end (``_read_waiting_at_end``)."""
         if self._run is None:  # backward started where the trace could not see it
             self._indegree = self._indegree_all()
             self._passed_on.clear()
@@ -344,6 +346,8 @@ class AutogradMixin(RecorderState):
             self._run = BackwardRun(name=self.counters.next("backward"), api="(engine)", roots=[],
                                     seq=len(self.trace.backward_runs))
             self.trace.backward_runs.append(self._run)
+        if self._reads_queued is not self._run:
+            self._read_waiting_at_end(self._run)
         return self._run
 
     def _read_waiting_at_end(self, run: BackwardRun) -> None:
@@ -431,8 +435,6 @@ class AutogradMixin(RecorderState):
             self.hasher.before_write()
         with self.lock, torch._C.DisableTorchFunction():
             run = self._current_run()
-            if self._reads_queued is not run:
-                self._read_waiting_at_end(run)
             step = NodeRun(node, self._grad_names(node, grad_outputs, False), [])
             run.steps.append(step)
             self._open_steps[node] = step
@@ -551,8 +553,6 @@ class AutogradMixin(RecorderState):
             return
         with self.lock, torch._C.DisableTorchFunction():
             run = self._current_run()
-            if self._reads_queued is not run:
-                self._read_waiting_at_end(run)
             step = NodeRun(node, self._grad_names(node, grad_outputs, False), [])
             run.steps.append(step)
             step.grads_out = self._grad_names(node, grad_inputs, True)

@@ -174,11 +174,11 @@ class _PinnedSlots:
         self._buffers: list[torch.Tensor] = []
         self._events: list[Any] = []
         self._next = 0
-        self._last = -1
         self._refused = False
 
-    def stage(self, meta: array.array[int]) -> torch.Tensor | None:
-        """``meta`` copied into a free pinned slot (a view of its first words), or None."""
+    def stage(self, meta: array.array[int]) -> tuple[torch.Tensor, int] | None:
+        """``meta`` copied into a free pinned slot: a view of its first words and the slot's
+        index (for ``used_until``), or None."""
         n = len(meta)
         if n > self.SLOT_WORDS or self._refused:
             return None
@@ -198,15 +198,12 @@ class _PinnedSlots:
                 buf = self._buffers[i]
                 ctypes.memmove(buf.data_ptr(), meta.buffer_info()[0], n * 8)
                 self._events[i] = None
-                self._last = i
-                return buf[:n]
+                return buf[:n], i
         return None
 
-    def used_until(self, event: Any) -> None:
-        """The copy out of the slot handed out last is done once ``event`` has completed."""
-        if self._last >= 0:
-            self._events[self._last] = event
-            self._last = -1
+    def used_until(self, slot: int, event: Any) -> None:
+        """The copy out of ``slot`` is done once ``event`` has completed."""
+        self._events[slot] = event
 
 
 class Fused:
@@ -384,7 +381,7 @@ class Fused:
                 meta = meta_host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else meta_host
             else:
                 meta = torch.empty(len(batch.meta), dtype=torch.int64, device=dev)
-                meta.copy_(staged, non_blocking=True)
+                meta.copy_(staged[0], non_blocking=True)
             # One buffer per result type: the partials, then the k final rows (two allocations, not four).
             buf_f = torch.empty((batch.programs + k) * 4, dtype=torch.float64, device=dev)
             buf_i = torch.empty((batch.programs + k) * 4, dtype=torch.int64, device=dev)
@@ -407,7 +404,7 @@ class Fused:
                 event.record()
                 self.events[(dev, handle)] = event
                 if staged is not None:
-                    self._pinned.used_until(event)
+                    self._pinned.used_until(staged[1], event)
         self.launches += 2
         self.done.append((batch.slots, res_f, res_i, event))
 
