@@ -12,6 +12,7 @@ triton is first imported. Prints one JSON object on stdout:
   backward; and how many launches the batched step made;
   ``trace.recipe``: the same for a mixed-precision recipe over two blocks (gradient
   accumulation into an existing .grad, GradScaler, clipping, fused AdamW with existing state);
+  ``trace.unseen_write``: a custom Function's forward writing a recorded value with no op seen;
 - ``protect``: ``Fused.protect`` before writes that do and do not reach a waiting tensor;
 - ``ddp``: a two-rank DDP step (gloo) through the immediate path and through the batches.
 """
@@ -108,6 +109,34 @@ def _step(optimizer_ops: bool) -> dict[str, list[object]]:
             opt.step()
             opt.zero_grad()
     return {name: [r.fingerprint, None if r.stats is None else [r.stats.min, r.stats.max, r.stats.nan, r.stats.inf]]
+            for name, r in t.tensors.items()}
+
+
+class ScaleInPlace(torch.autograd.Function):
+    """Scales its input in place the way an extension kernel would: no torch call the recorder
+    sees (the mode is off inside), the write declared with ``mark_dirty``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        with torch._C.DisableTorchFunction():
+            x.mul_(3.0)
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad * 3.0
+
+
+def _unseen_write() -> dict[str, list[object]]:
+    """A value recorded, then written by a custom Function's forward with no op seen."""
+    import tracer
+
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(2))
+    with tracer.trace(hash="fast") as t:
+        h = x * 2
+        ScaleInPlace.apply(h)
+    return {name: [r.fingerprint, None if r.stats is None else [r.stats.min, r.stats.max]]
             for name, r in t.tensors.items()}
 
 
@@ -221,13 +250,14 @@ def trace_results() -> dict[str, object]:
             del os.environ["GRADTRACE_FUSED_INTERPRET"]
             fused.Fused._launch = launch  # type: ignore[method-assign]
         out[mode] = {"immediate": immediate, "batched": batched, "launches": launches[0]}
-    immediate = _recipe()
-    os.environ["GRADTRACE_FUSED_INTERPRET"] = "1"
-    try:
-        batched = _recipe()
-    finally:
-        del os.environ["GRADTRACE_FUSED_INTERPRET"]
-    out["recipe"] = {"immediate": immediate, "batched": batched}
+    for label, run in (("recipe", _recipe), ("unseen_write", _unseen_write)):
+        immediate = run()
+        os.environ["GRADTRACE_FUSED_INTERPRET"] = "1"
+        try:
+            batched = run()
+        finally:
+            del os.environ["GRADTRACE_FUSED_INTERPRET"]
+        out[label] = {"immediate": immediate, "batched": batched}
     return out
 
 

@@ -74,10 +74,11 @@ def test_batched_trace_equals_the_immediate_path_despite_in_place_changes(interp
         assert ("BatchNorm1d.weight@v3" in immediate) == (mode == "ops"), mode
     # The batches are launched only where anything may be written: per iteration the backward,
     # the custom backward and optimizer.step(), each launching the float32 batch and the int64
-    # one (BatchNorm's num_batches_tracked). The in-place ops, whose schemas name what they write,
-    # snapshot the waiting tensors they reach instead; out-of-place ops (whose schemas name an
-    # unused out=) launch nothing. Before, every one of them launched: 28 and 54.
-    assert interpreted["trace"]["step"]["launches"] == interpreted["trace"]["ops"]["launches"] == 12
+    # one (BatchNorm's num_batches_tracked), and the custom Function's forward (the float32
+    # batch). The in-place ops, whose schemas name what they write, snapshot the waiting tensors
+    # they reach instead; out-of-place ops (whose schemas name an unused out=) launch nothing.
+    # Before, every one of them launched: 28 and 54.
+    assert interpreted["trace"]["step"]["launches"] == interpreted["trace"]["ops"]["launches"] == 14
 
 
 @needs_triton
@@ -93,6 +94,17 @@ def test_batched_recipe_reads_grads_and_optimizer_state_before_their_unseen_writ
     before = [name for name in immediate if name.startswith("1/") and name.endswith(("@grad@v0", ".exp_avg"))]
     assert len(before) == 12  # six parameters: their .grad and exp_avg from before the block
     assert all(immediate[name][1][:2] == [0.0, 0.0] for name in before if name.endswith("@grad@v0"))  # zeroed
+
+
+@needs_triton
+def test_batched_custom_function_writing_with_no_op_seen_leaves_the_recorded_value(interpreted):
+    """A custom Function (as an extension kernel would) scales a recorded value in place with no
+    torch call the recorder sees: every waiting value is read before the Function runs, so the
+    record before it holds x * 2, as on the immediate path (before, it held x * 6)."""
+    unseen = interpreted["trace"]["unseen_write"]
+    immediate, batched = unseen["immediate"], unseen["batched"]
+    assert "mul0:out" in immediate and set(immediate) == set(batched)
+    assert {name: (immediate[name], batched[name]) for name in immediate if immediate[name] != batched[name]} == {}
 
 
 @needs_triton

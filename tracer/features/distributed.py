@@ -430,9 +430,8 @@ class _Attachment:
         results are their outputs), and record the call."""
         functional = waiter is not None
         try:
-            pending = rec.begin_call(ins, api=api, short=short, kind="collective")
-            if writes:  # values of its outputs still waiting for a checksum are read first
-                rec.hasher.before_write(writes)
+            # What it writes (its outputs, for c10d's in-place collectives) is read first.
+            pending = rec.begin_call(ins, api=api, short=short, kind="collective", may_write=writes)
         except Exception:  # never let the trace break the collective
             return original(*args, **kwargs)
         # The mode is off while the collective runs: it would see the same function (c10d

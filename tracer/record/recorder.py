@@ -329,12 +329,22 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin):
 
     # ---- the public recording API (features record their own calls through it) ---------------
     def begin_call(self, ins: list[torch.Tensor], *, api: str, short: str, kind: str,
-                   name: str | None = None) -> PendingCall:
-        """Name a call's inputs and take its place in the trace, before it runs."""
+                   name: str | None = None, may_write: bool | Sequence[torch.Tensor] = True) -> PendingCall:
+        """Name a call's inputs and take its place in the trace, before it runs.
+
+        ``may_write``: what the call may write with no op the recorder sees (a custom Function's
+        extension kernel, a compiled region, a collective). True: anything, so every value still
+        waiting for its checksum is read first; the tensors it writes, when those are known: only
+        the waiting values they reach; False or none: nothing is read first."""
         with self.lock, torch._C.DisableTorchFunction():
             in_names = [self.name_of(t) for t in ins]
             seq = self._call_seq
             self._call_seq += 1
+        # After the naming: an input first seen here is among what is read.
+        if may_write is True:
+            self.hasher.before_write()
+        elif may_write:
+            self.hasher.before_write(list(may_write))
         tokens = [li.before_call() for li in self.listeners] if self.listeners else None
         return PendingCall(api, short, kind, ins, in_names, seq, get_seq() if get_seq is not None else None,
                            tokens, name)
