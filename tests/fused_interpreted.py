@@ -13,8 +13,6 @@ triton is first imported. Prints one JSON object on stdout:
   ``trace.recipe``: the same for a mixed-precision recipe over two blocks (gradient
   accumulation into an existing .grad, GradScaler, clipping, fused AdamW with existing state);
   ``trace.unseen_write``: a custom Function's forward writing a recorded value with no op seen;
-  ``trace.compiling``: the step and the recipe again while the kernels are "still compiling",
-  every batch computed with torch ops (``torch_rows``), against the same immediate results;
 - ``protect``: ``Fused.protect`` before writes that do and do not reach a waiting tensor;
 - ``ddp``: a two-rank DDP step (gloo) through the immediate path and through the batches.
 """
@@ -260,46 +258,6 @@ def trace_results() -> dict[str, object]:
         finally:
             del os.environ["GRADTRACE_FUSED_INTERPRET"]
         out[label] = {"immediate": immediate, "batched": batched}
-    out["compiling"] = _while_compiling(out)
-    return out
-
-
-class _StillCompiling:
-    """Stands in for ``launcher.WARMUP`` while every kernel is still being compiled."""
-
-    compiling = 1
-
-    def wanted(self, key: object) -> bool:
-        return True
-
-    def ready(self, key: object) -> bool:
-        return False
-
-
-def _while_compiling(done: dict[str, object]) -> dict[str, object]:
-    """The step and the recipe through the batches while their kernels are "compiling": each
-    batch computed by ``torch_rows`` instead of the kernels, launched where the kernels would
-    have been. Compared with the immediate path of the same runs."""
-    rows = fused.batch_rows
-    calls = [0]
-
-    def counted(*args: object, **kwargs: object) -> object:
-        calls[0] += 1
-        return rows(*args, **kwargs)  # type: ignore[arg-type]
-
-    warmup = fused.WARMUP
-    out: dict[str, object] = {}
-    os.environ["GRADTRACE_FUSED_INTERPRET"] = "1"
-    fused.WARMUP, fused.batch_rows = _StillCompiling(), counted  # type: ignore[assignment]
-    try:
-        for label, run in (("step", lambda: _step(False)), ("recipe", _recipe)):
-            calls[0] = 0
-            batched = run()
-            immediate = done[label]["immediate"]  # type: ignore[index]
-            out[label] = {"immediate": immediate, "batched": batched, "torch_batches": calls[0]}
-    finally:
-        del os.environ["GRADTRACE_FUSED_INTERPRET"]
-        fused.WARMUP, fused.batch_rows = warmup, rows  # type: ignore[assignment]
     return out
 
 

@@ -46,7 +46,7 @@ LENGTH_SALT = (0x5851F42D, 0x4C957F2D)
 _CHUNK_WORDS = 1 << 24  # 16M words (64 MiB of input) per pass: bounds the int64 temporaries
 
 
-def fmix_int(h: int, c: tuple[int, int, int, int, int]) -> int:
+def _fmix_int(h: int, c: tuple[int, int, int, int, int]) -> int:
     h ^= h >> c[0]
     h = (h * c[1]) & MASK32
     h ^= h >> c[2]
@@ -54,7 +54,7 @@ def fmix_int(h: int, c: tuple[int, int, int, int, int]) -> int:
     return h ^ (h >> c[4])
 
 
-def key_int(i: int, k: tuple[int, int, int]) -> int:
+def _key_int(i: int, k: tuple[int, int, int]) -> int:
     return ((i & MASK32) * k[0] + (i >> 32) * k[1] + k[2]) & MASK32
 
 
@@ -62,8 +62,8 @@ def finish(acc_a: int, acc_b: int, nbytes: int) -> str:
     """The fingerprint from the two lane sums and the byte length (mixed in so that ``[x]``
     and ``[x, 0-padding]`` differ)."""
     lo, hi = nbytes & MASK32, nbytes >> 32
-    a = fmix_int((acc_a + fmix_int(lo ^ LENGTH_SALT[0] ^ fmix_int(hi, FMIX_A), FMIX_A)) & MASK32, FMIX_A)
-    b = fmix_int((acc_b + fmix_int(lo ^ LENGTH_SALT[1] ^ fmix_int(hi, FMIX_B), FMIX_B)) & MASK32, FMIX_B)
+    a = _fmix_int((acc_a + _fmix_int(lo ^ LENGTH_SALT[0] ^ _fmix_int(hi, FMIX_A), FMIX_A)) & MASK32, FMIX_A)
+    b = _fmix_int((acc_b + _fmix_int(lo ^ LENGTH_SALT[1] ^ _fmix_int(hi, FMIX_B), FMIX_B)) & MASK32, FMIX_B)
     return hex_of(a, b)
 
 
@@ -78,12 +78,12 @@ def fingerprint_reference(data: bytes) -> str:
     acc_a = acc_b = 0
     for i in range(len(padded) // 4):
         w = int.from_bytes(padded[4 * i:4 * i + 4], "little")
-        acc_a += fmix_int(w ^ key_int(i, KEY_A), FMIX_A)
-        acc_b += fmix_int(w ^ key_int(i, KEY_B), FMIX_B)
+        acc_a += _fmix_int(w ^ _key_int(i, KEY_A), FMIX_A)
+        acc_b += _fmix_int(w ^ _key_int(i, KEY_B), FMIX_B)
     return finish(acc_a & MASK32, acc_b & MASK32, len(data))
 
 
-def fmix(x: torch.Tensor, c: tuple[int, int, int, int, int]) -> torch.Tensor:
+def _fmix(x: torch.Tensor, c: tuple[int, int, int, int, int]) -> torch.Tensor:
     # x holds 32-bit values in int64: shifts are then logical, and products are reduced mod 2^32
     # (an int64 product of two 32-bit values may wrap mod 2^64, which keeps the low 32 bits).
     x = x ^ (x >> c[0])
@@ -108,8 +108,8 @@ def lane_sums(t: torch.Tensor) -> torch.Tensor:
         lo, hi = idx & MASK32, idx >> 32
         key_a = (lo * KEY_A[0] + hi * KEY_A[1] + KEY_A[2]) & MASK32
         key_b = (lo * KEY_B[0] + hi * KEY_B[1] + KEY_B[2]) & MASK32
-        sums[0] += fmix(w ^ key_a, FMIX_A).sum()
-        sums[1] += fmix(w ^ key_b, FMIX_B).sum()
+        sums[0] += _fmix(w ^ key_a, FMIX_A).sum()
+        sums[1] += _fmix(w ^ key_b, FMIX_B).sum()
     return sums & MASK32
 
 
@@ -187,8 +187,8 @@ def lane_sums_host(t: torch.Tensor) -> tuple[int, int]:
             w = words[start:start + HOST_CHUNK]
             m = w.numel()
             hh, tt = (h, tmp) if m == size else (h[:, :m], tmp[:, :m])
-            base[0, 0] = s32(key_int(start, KEY_A))
-            base[1, 0] = s32(key_int(start, KEY_B))
+            base[0, 0] = s32(_key_int(start, KEY_A))
+            base[1, 0] = s32(_key_int(start, KEY_B))
             torch.add(offsets[:, :m], base, out=hh)  # index keys of both lanes
             hh.bitwise_xor_(w)  # the word, broadcast over the two lanes
             fmix_lanes_(hh, tt)
@@ -197,8 +197,8 @@ def lane_sums_host(t: torch.Tensor) -> tuple[int, int]:
     if n % 4:  # the last word, zero-padded
         tail = bytes(b[nwords * 4:].tolist())
         w_last = int.from_bytes(tail + b"\0" * (4 - len(tail)), "little")
-        acc_a += fmix_int(w_last ^ key_int(nwords, KEY_A), FMIX_A)
-        acc_b += fmix_int(w_last ^ key_int(nwords, KEY_B), FMIX_B)
+        acc_a += _fmix_int(w_last ^ _key_int(nwords, KEY_A), FMIX_A)
+        acc_b += _fmix_int(w_last ^ _key_int(nwords, KEY_B), FMIX_B)
     return acc_a & MASK32, acc_b & MASK32
 
 

@@ -35,14 +35,12 @@ import ctypes
 import functools
 import importlib.util
 import os
-import sys
 from typing import Any
 
 import torch
 
 from tracer.model import TensorRecord
 from tracer.record.checksums.launcher import WARMUP, FastLaunch, fast_launcher
-from tracer.record.checksums.torch_rows import batch_rows
 
 # Tuned on an H200 with benchmarks/fused_kernel.py: 8 KiB steps and 256 KiB per program read
 # 1.23 TB/s with stats and fingerprints together, against 0.95 TB/s for 4 KiB and 64 KiB (8 warps
@@ -67,12 +65,14 @@ _COMPLEX = {torch.complex64: torch.float32, torch.complex128: torch.float64}
 
 
 def triton_usable() -> bool:
-    """Triton installed and not switched off (``GRADTRACE_TRITON=0``). Found, not imported: the
-    warm-up thread may be importing it (~0.5 s), and an import here would wait for it. (An
-    installed Triton that fails to import: ``Fused`` computes its batches with torch ops.)"""
+    """Triton importable and not switched off (``GRADTRACE_TRITON=0``)."""
     if os.environ.get("GRADTRACE_TRITON", "1") == "0":
         return False
-    return "triton" in sys.modules or importlib.util.find_spec("triton") is not None
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @functools.cache
@@ -105,8 +105,7 @@ WARM_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64)
 
 def warm_up(index: int, stats: bool, fingerprint: bool) -> None:
     """Compile the kernels of the common dtypes for CUDA device ``index`` on a background thread
-    (``launcher.Warmup``); until they are ready, their batches are computed with torch ops
-    (``torch_rows``)."""
+    (``launcher.Warmup``); their tensors take the torch path until they are ready."""
     if not triton_usable():
         return
     # Keyed by what the kernels are compiled for: a later trace with other options warms its own.
@@ -222,8 +221,6 @@ class Fused:
         self.done: list[tuple[list[list[TensorRecord]], torch.Tensor, torch.Tensor, Any]] = []
         self.launches = 0
         self.fast_launches = 0  # of those, through a cached launcher (launcher.FastLaunch)
-        self.torch_batches = 0  # batches computed with torch ops while their kernels compiled
-        self.kernels_broken = False  # Triton failed to import: every batch through torch ops
         # The last launch's end per (device, stream): a writer on another stream waits for it.
         self.events: dict[tuple[torch.device, int], Any] = {}
         # Per kernel specialisation: its launcher, once a normal launch or the warm-up compiled it
@@ -249,6 +246,12 @@ class Fused:
         if not numel or t.is_neg():
             return False
         index = t.get_device()
+        if WARMUP.compiling and WARMUP.wanted(warm_key := (index, dtype, self.stats, self.fingerprint)) \
+                and not WARMUP.ready(warm_key):
+            # Its kernels are still compiling in the background: the torch path. (Waiting for them
+            # at the first launch instead was no faster with a warm Triton cache, on GPT-2 small
+            # and ResNet-50 on the H200, and 1.6x slower with a cold one.)
+            return False
         addr = t.data_ptr()
         if not t.is_contiguous() or (self.fingerprint and addr & 3):
             # A packed copy of the logical contents; the batch holds it, not the original.
@@ -357,6 +360,9 @@ class Fused:
         batch = self._batches.pop(key)
         if not batch.slots:
             return
+        import triton.language as tl  # an optional dependency, loaded with the kernels
+
+        partials, finalize = kernels(self.interpret)
         name, esize, wide = batch.spec
         dev = batch.held[0].device
         k = len(batch.slots)
@@ -367,25 +373,6 @@ class Fused:
         warm_key = (index, dtype, self.stats, self.fingerprint)
         ctx = contextlib.nullcontext() if batch.stream is None or _stream_handle(index) == handle \
             else torch.cuda.stream(batch.stream)
-        if self.kernels_broken or (WARMUP.compiling and WARMUP.wanted(warm_key) and not WARMUP.ready(warm_key)):
-            # Its kernels are still compiling in the background (the first traced step of a
-            # process): the same rows from torch ops over the whole batch, no waiting. (The
-            # per-tensor torch path cost ~1.5 ms per tensor; waiting for the compiler ~0.5 s
-            # with a warm Triton cache, seconds with a cold one.)
-            with ctx:
-                res_f, res_i = batch_rows(batch.held, self.stats, self.fingerprint)
-                self._finished(batch, res_f, res_i, dev, handle)
-            self.torch_batches += 1
-            return
-        try:
-            import triton.language as tl  # an optional dependency, loaded with the kernels
-
-            partials, finalize = kernels(self.interpret)
-        except ImportError:  # installed but broken: torch ops from now on
-            self.kernels_broken = True
-            self._batches[key] = batch
-            self._launch(key)
-            return
         with ctx:
             # Pinned and non-blocking: a pageable copy would synchronise. (CPU: the interpreter, in tests.)
             staged = self._pinned.stage(batch.meta) if dev.type == "cuda" else None
@@ -411,22 +398,15 @@ class Fused:
             self._run(p_key, partials, batch.programs, stream, p_args,
                       ("EDT", "ESIZE", "ACC", "STATS", "FP", "CHUNK", "LOG2B", "ALIGNED"), warm_key)
             self._run(f_key, finalize, k, stream, f_args, ("ESIZE", "PBLOCK"), warm_key)
-            event = self._finished(batch, res_f, res_i, dev, handle)
-            if staged is not None and event is not None:
-                self._pinned.used_until(staged[1], event)
+            event = None
+            if dev.type == "cuda":
+                event = torch.cuda.Event()
+                event.record()
+                self.events[(dev, handle)] = event
+                if staged is not None:
+                    self._pinned.used_until(staged[1], event)
         self.launches += 2
-
-    def _finished(self, batch: _Batch, res_f: torch.Tensor, res_i: torch.Tensor, dev: torch.device,
-                  handle: int) -> Any:
-        """The batch's rows are queued (on the current stream): mark their end with an event (a
-        writer on another stream waits for it; ``take`` polls it) and keep them for ``take``."""
-        event = None
-        if dev.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-            self.events[(dev, handle)] = event
         self.done.append((batch.slots, res_f, res_i, event))
-        return event
 
     def _run(self, key: tuple[Any, ...], kernel: Any, grid: int, stream: int, args: tuple[Any, ...],
              constexprs: tuple[str, ...], warm_key: tuple[int, torch.dtype, bool, bool]) -> None:

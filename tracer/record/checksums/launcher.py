@@ -17,8 +17,8 @@ buffers are fresh allocations), and integers of the same width.
 
 ``Warmup`` compiles the likely specialisations on a daemon thread when a trace starts on a CUDA
 machine, so the first traced step does not wait for Triton's compiler (about a second per
-specialisation with a cold cache; ~0.5 s per process with a warm one). Until a batch's
-specialisation is ready, ``Fused`` computes that batch with torch ops (``torch_rows``).
+specialisation with a cold cache; ~0.5 s per process with a warm one). Until a tensor's
+specialisation is ready, ``Fused`` leaves that tensor to the per-tensor torch path.
 """
 
 from __future__ import annotations
