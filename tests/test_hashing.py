@@ -171,51 +171,8 @@ def test_one_element_cpu_tensors_equal_the_general_path(algorithm):
     assert (nan.stats.nan, nan.stats.min) == (1, None)
 
 
-def test_staged_cpu_stats_equal_the_direct_path():
-    """Small floating CPU tensors get their stats in batches (host_stats.HostStats): the same
-    min, max, absmax and NaN/Inf counts as ``cpu_stats`` of the tensor itself, the mean to float
-    precision, for every staged dtype, strided views, values written after staging, non-finite
-    values, and batches that overflow the staging buffer."""
-    from tracer.model import TensorRecord
-    from tracer.record.checksums.host_stats import MAX_ELEMS, STAGE_ELEMS, HostStats, stageable
-    from tracer.record.checksums.stats import cpu_stats
-
-    g = torch.Generator().manual_seed(3)
-    xs = []
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        xs += [torch.randn(n, generator=g).to(dtype) for n in (1, 7, 64, MAX_ELEMS)]
-        xs.append(torch.randn(40, 30, generator=g).to(dtype).t()[::2])  # strided view
-        bad = torch.randn(100, generator=g).to(dtype)
-        bad[[3, 50]] = float("nan")
-        bad[7] = float("-inf")
-        xs.append(bad)
-        xs.append(torch.full((5,), float("inf"), dtype=dtype))  # nothing finite
-    xs.append(torch.tensor(-0.0))
-    assert all(stageable(x) for x in xs) and not stageable(torch.randn(MAX_ELEMS + 1))
-    assert not stageable(torch.ones(3, dtype=torch.float64)) and not stageable(torch.ones(0))
-    # enough tensors to fill the staging buffer several times over
-    xs = xs * (3 * STAGE_ELEMS // sum(x.numel() for x in xs) + 1)
-    expected = [cpu_stats(x) for x in xs]
-    staged = HostStats()
-    recs = [TensorRecord(name=str(i), shape=(), dtype="", device="cpu", role="output", producer=None)
-            for i in range(len(xs))]
-    for rec, x in zip(recs, xs):
-        staged.add(rec, x)
-    for x in xs:
-        x.zero_()  # a snapshot was taken: later writes do not change the stats
-    staged.flush()
-    assert not staged.pending()
-    for rec, want in zip(recs, expected):
-        got = rec.stats
-        assert got is not None and (got.min, got.max, got.absmax, got.nan, got.inf) == \
-            (want.min, want.max, want.absmax, want.nan, want.inf), rec.name
-        assert (got.mean is None) == (want.mean is None)
-        if want.mean is not None:
-            assert got.mean == pytest.approx(want.mean, rel=1e-5, abs=1e-7), rec.name
-
-
-def test_check_numerics_on_the_cpu_names_the_nan_with_staged_stats():
-    """A NaN made in a small tensor (staged stats) is still found, at its op."""
+def test_check_numerics_on_the_cpu_names_the_nan_of_a_small_tensor():
+    """A NaN made in a small tensor is found at its op."""
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     x = torch.randn(4, 8)
     with tracer.check_numerics(raise_on_nonfinite=False) as t:

@@ -42,7 +42,6 @@ from tracer.record.checksums import fingerprint as fp
 from tracer.record.checksums.bytes import ALLOWED_TYPES, as_bytes, host_bytes, unhashable_reason
 from tracer.record.checksums.fused import Fused, triton_usable, warm_up
 from tracer.record.checksums.host_batch import HostFingerprints
-from tracer.record.checksums.host_stats import HostStats, stageable
 from tracer.record.checksums.stats import (
     SCALAR_DTYPES,
     cpu_stats,
@@ -101,7 +100,6 @@ class Hasher:
         self._fused: Any = None  # tracer.record.checksums.fused.Fused, made on the first CUDA tensor
         self._fused_tried = False
         self._host_fp: HostFingerprints | None = None  # CPU hash="fast", made on first use
-        self._host_stats: HostStats | None = None  # CPU stats of small tensors, made on first use
         # Tests only: CPU tensors through the batched kernels under Triton's CPU interpreter
         # (TRITON_INTERPRET=1 must be set before triton is first imported), so a machine
         # without a GPU exercises the batching and its flush rules end to end.
@@ -210,12 +208,7 @@ class Hasher:
                 # On the CPU reading a result costs no sync: stats now, from the tensor itself
                 # (no snapshot), with the cheap all-finite path.
                 if self.want_stats:
-                    if stageable(t):
-                        if self._host_stats is None:
-                            self._host_stats = HostStats()
-                        self._host_stats.add(rec, t)
-                    else:
-                        rec.stats = cpu_stats(t)
+                    rec.stats = cpu_stats(t)
                 if self.algorithm == "md5":
                     self._submit_md5(rec, t)
                 elif self.algorithm == "fast":
@@ -398,8 +391,6 @@ class Hasher:
         finish, hex_of = fp.finish, fp.hex_of
         if wait and self._host_fp is not None:
             self._host_fp.flush()
-        if wait and self._host_stats is not None:
-            self._host_stats.flush()
         fused = self._fused
         if fused is not None:
             fused.flush()
@@ -461,8 +452,6 @@ class Hasher:
             waiting.update(id(r) for r, _ in self._stat_rows)
         if self._host_fp is not None:
             waiting.update(id(r) for r in self._host_fp.pending())
-        if self._host_stats is not None:
-            waiting.update(id(r) for r in self._host_stats.pending())
         if self._fused is not None:
             waiting.update(self._fused.pending())
         return waiting
