@@ -27,13 +27,17 @@ def cpu_stats(t: torch.Tensor) -> Stats | None:
     x = t.detach()
     if x.numel() == 0:
         return None
-    if x.is_complex():
-        x = torch.view_as_real(x.resolve_conj())
-    if x.dtype == torch.bool:
-        x = x.view(torch.uint8)
-    x = x.reshape(-1)
-    if (x.is_floating_point() and x.element_size() < 4) or not (x.is_floating_point() or x.dtype in _AMINMAX_INT):
-        x = x.float()
+    if not x.is_contiguous():
+        x = x.reshape(-1)  # summed in logical order: the same values give the same mean
+    # float32, the common case, goes straight to the reductions (each check below is a C call,
+    # a few per cent of a small tensor's cost).
+    if x.dtype is not torch.float32:
+        if x.is_complex():
+            x = torch.view_as_real(x.resolve_conj())
+        if x.dtype == torch.bool:
+            x = x.view(torch.uint8)
+        if (x.is_floating_point() and x.element_size() < 4) or not (x.is_floating_point() or x.dtype in _AMINMAX_INT):
+            x = x.float()
     lo, hi = torch.aminmax(x)
     lo_f, hi_f = float(lo), float(hi)
     if math.isfinite(lo_f) and math.isfinite(hi_f):
