@@ -41,10 +41,11 @@ def cpu_stats(t: torch.Tensor) -> Stats | None:
     lo, hi = torch.aminmax(x)
     lo_f, hi_f = float(lo), float(hi)
     if math.isfinite(lo_f) and math.isfinite(hi_f):
-        # float32 values are summed in float32 (torch's cascade sum: ~40x faster on the CPU than
-        # converting to float64 as it sums, and as precise as the CUDA kernel, which accumulates
-        # float32 too); float64 if that overflows.
-        total = float(x.sum()) if x.dtype == torch.float32 else math.inf
+        # Large float32 tensors are summed in float32 (torch's cascade sum: ~40x faster on the
+        # CPU than converting to float64 as it sums, and as precise as the CUDA kernel, which
+        # accumulates float32 too); small ones, and any overflow, in float64, where a one-ulp
+        # change of one value still moves the mean (what a diff by stats finds).
+        total = float(x.sum()) if x.dtype == torch.float32 and x.numel() > PRECISE_SUM_ELEMS else math.inf
         if not math.isfinite(total):
             total = float(x.sum(dtype=torch.float64))
         mean = total / x.numel()
@@ -53,6 +54,7 @@ def cpu_stats(t: torch.Tensor) -> Stats | None:
     return stats_from_row(reduce_one(x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)).tolist())
 
 
+PRECISE_SUM_ELEMS = 1 << 13  # up to this many values, the sum is in float64 (cost: a few µs)
 _AMINMAX_INT = frozenset({torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64})
 
 
