@@ -171,6 +171,36 @@ def test_one_element_cpu_tensors_equal_the_general_path(algorithm):
     assert (nan.stats.nan, nan.stats.min) == (1, None)
 
 
+def test_cpu_stats_equal_the_torch_reduction():
+    """``cpu_stats`` (min/max/mean/absmax and NaN/Inf counts now, from the tensor itself) against
+    the reference reduction ``stats_tensor``: every dtype it takes, strided and transposed views,
+    non-finite values and a tensor with nothing finite. A small float32 tensor is summed in
+    float64: a one-ulp change of one value moves its mean (a diff by stats relies on it)."""
+    from tracer.record.checksums.stats import PRECISE_SUM_ELEMS, cpu_stats, stats_from_row, stats_tensor
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(40, 30, generator=g)
+    cases = [x, x.t(), x[::3, 1::2], x.bfloat16(), x.half().t(), x.double(), torch.tensor(-0.0),
+             torch.arange(-5, 9), torch.arange(7, dtype=torch.int8), x[0] > 0, torch.randn(6, dtype=torch.complex64),
+             torch.tensor([1.0, float("nan"), float("-inf"), 4.0]), torch.full((5,), float("inf")),
+             torch.randn(PRECISE_SUM_ELEMS + 1, generator=g)]
+    for t in cases:
+        got, row = cpu_stats(t), stats_tensor(t.to(torch.uint8) if t.dtype == torch.bool else t)
+        assert got is not None and row is not None
+        want = stats_from_row(row.tolist())
+        assert (got.min, got.max, got.absmax, got.nan, got.inf) == (want.min, want.max, want.absmax, want.nan,
+                                                                    want.inf), (t.dtype, t.shape)
+        assert (got.mean is None) == (want.mean is None)
+        if want.mean is not None:
+            assert got.mean == pytest.approx(want.mean, rel=1e-6, abs=1e-7), (t.dtype, t.shape)
+    assert cpu_stats(torch.ones(0)) is None
+    small = torch.full((1000,), 1.0)
+    nudged = small.clone()
+    nudged[500] = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))
+    assert float(small.sum()) == float(nudged.sum())  # in float32 the change is lost
+    assert cpu_stats(small).mean != cpu_stats(nudged).mean  # in float64 it is not
+
+
 def test_check_numerics_on_the_cpu_names_the_nan_of_a_small_tensor():
     """A NaN made in a small tensor is found at its op."""
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
