@@ -138,15 +138,19 @@ class Hasher:
             fused = self._fused if self._fused_tried else self._make_fused()
             if fused is not None and fused.add(rec, t):
                 return
-        reason = unhashable_reason(t)
-        if reason is not None:
-            shard = local_shard(t)  # a DTensor: this rank's local shard is hashed, its layout recorded
-            if shard is None:
-                rec.hash_note = f"not hashed: {reason}"
+        # A plain CPU tensor passes every check of unhashable_reason (and is not a meta tensor):
+        # the CPU's common case reads those attributes once, here.
+        if not (t.is_cpu and type(t) in ALLOWED_TYPES and t.layout is _STRIDED and not t.is_quantized
+                and not t.is_nested):
+            reason = unhashable_reason(t)
+            if reason is not None:
+                shard = local_shard(t)  # a DTensor: this rank's local shard is hashed, its layout recorded
+                if shard is None:
+                    rec.hash_note = f"not hashed: {reason}"
+                    return
+                t, rec.sharding = shard
+                self.submit(rec, t)
                 return
-            t, rec.sharding = shard
-            self.submit(rec, t)
-            return
         try:
             self._submit_slow(rec, t)
         except RuntimeError as exc:  # e.g. a storage freed and not yet reallocated (FSDP): never
@@ -201,7 +205,7 @@ class Hasher:
     def _submit_slow(self, rec: TensorRecord, t: torch.Tensor) -> None:
         """Every tensor the batched CUDA path did not take."""
         with torch._C.DisableTorchFunction():
-            on_cpu = t.device.type == "cpu"
+            on_cpu = t.is_cpu
             if on_cpu and not self._interpret:
                 if t.numel() == 1 and self._submit_scalar(rec, t):
                     return
