@@ -127,10 +127,11 @@ class Hasher:
             with transforms_off():
                 self._submit_wrapped(rec, t)
             return
-        # The common case first, with as few tensor attribute reads as possible: this runs for
+        # The common cases first, with as few tensor attribute reads as possible: this runs for
         # every tensor a step makes (thousands), and each read costs a fraction of a microsecond.
-        if t.is_cuda and not self._interpret and type(t) in ALLOWED_TYPES and t.layout is _STRIDED \
-                and not t.is_quantized and not t.is_nested and self.algorithm != "md5":
+        # A plain tensor passes every check of unhashable_reason but the device's.
+        plain = type(t) in ALLOWED_TYPES and t.layout is _STRIDED and not t.is_quantized and not t.is_nested
+        if plain and t.is_cuda and not self._interpret and self.algorithm != "md5":
             if _capturing():
                 rec.hash_note = "not hashed: CUDA graph capture in progress"
                 self.capturing_skipped += 1
@@ -138,10 +139,7 @@ class Hasher:
             fused = self._fused if self._fused_tried else self._make_fused()
             if fused is not None and fused.add(rec, t):
                 return
-        # A plain CPU tensor passes every check of unhashable_reason (and is not a meta tensor):
-        # the CPU's common case reads those attributes once, here.
-        if not (t.is_cpu and type(t) in ALLOWED_TYPES and t.layout is _STRIDED and not t.is_quantized
-                and not t.is_nested):
+        if not (plain and t.is_cpu):  # (a CPU tensor is not a meta tensor)
             reason = unhashable_reason(t)
             if reason is not None:
                 shard = local_shard(t)  # a DTensor: this rank's local shard is hashed, its layout recorded

@@ -21,6 +21,9 @@ def stats_tensor(t: torch.Tensor) -> torch.Tensor | None:
     return reduce_one(flat)
 
 
+PRECISE_SUM_ELEMS = 1 << 13  # up to this many values, the sum is in float64 (cost: a few µs)
+
+
 def cpu_stats(t: torch.Tensor) -> Stats | None:
     """Stats of a CPU tensor now: one fused min/max pass and one sum when all values are finite
     (min and max reveal any NaN or Inf), the masked reduction only when they are not."""
@@ -54,7 +57,6 @@ def cpu_stats(t: torch.Tensor) -> Stats | None:
     return stats_from_row(reduce_one(x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)).tolist())
 
 
-PRECISE_SUM_ELEMS = 1 << 13  # up to this many values, the sum is in float64 (cost: a few µs)
 _AMINMAX_INT = frozenset({torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64})
 
 
