@@ -144,7 +144,8 @@ class OptimizerMixin(RecorderState):
         with self.lock, torch._C.DisableTorchFunction():
             # A step that raised wrote what its version counters say, no more can be known.
             written = st.written if error is None else set()
-            mutated = [t for t, v in zip(st.call.ins, st.versions) if identity(t) in written or version_of(t) != v]
+            now = versions_of(st.call.ins)
+            mutated = [t for t, v, n in zip(st.call.ins, st.versions, now) if n != v or identity(t) in written]
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     named = self._named.get(p)

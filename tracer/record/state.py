@@ -287,8 +287,12 @@ class RecorderState:
             others: list[torch.Tensor] = []
             key = storage_key(t) if self._aliases else 0
             if key:  # (an entry whose storage has changed since, by set_ or resize, is not an alias)
-                others += [o for o in (r() for r in self._aliases.get(key, ()))
-                           if o is not None and storage_key(o) == key]
+                for ref in self._aliases.get(key, ()):
+                    o = ref()
+                    # The tensor itself first, without reading its storage again: an optimizer
+                    # step writes hundreds of indexed tensors, each usually its storage's only one.
+                    if o is not None and o is not t and identity(o) not in done and storage_key(o) == key:
+                        others.append(o)
             base = t._base
             if base is not None:
                 others.append(base)
