@@ -15,6 +15,7 @@ rest) import torch on first use.
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import TYPE_CHECKING, Any
 
 from tracer.analysis.memory import MemoryRecord
@@ -116,3 +117,11 @@ __all__ = [
     "trace",
     "watch",
 ]
+
+# torch imported already (a training script imports it first): Triton's own start-up begins now
+# on a daemon thread, while the script builds its model, so the first trace does not wait for it
+# (tracer.record.checksums.prewarm: nothing happens without a CUDA or ROCm build and Triton).
+if "torch" in sys.modules:
+    from tracer.record.checksums.prewarm import PREWARM
+
+    PREWARM.start()

@@ -12,10 +12,14 @@ from tracer.features.plugins import session_plugins
 from tracer.loops.steps import StepObserver, StepTrace, step
 from tracer.model import Trace
 from tracer.options import DEFAULT_KEEP_VALUES_BYTES, HashKind, TraceError, TraceOptions, value_patterns
+from tracer.record.checksums.prewarm import PREWARM
 from tracer.record.listeners import Listener
 from tracer.record.session import TraceSession
 
 __all__ = ["check_numerics", "explain_errors", "record_memory", "step", "trace"]
+
+# The recording side is loaded (torch with it): Triton's start-up, if not begun at ``import tracer``.
+PREWARM.start()
 
 
 StepSpec = str | int | Iterable[int]

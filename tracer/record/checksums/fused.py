@@ -128,6 +128,12 @@ def _compile(index: int, dtype: torch.dtype, stats: bool, fingerprint: bool) -> 
                                  STATS=stats, FP=fingerprint, CHUNK=CHUNK_BYTES, LOG2B=_LOG2_MAX_TENSORS, ALIGNED=True,
                                  num_warps=NUM_WARPS, grid=(1,))
     compiled_f = finalize.warmup(*ptrs, torch.float64, torch.int64, ESIZE=esize, PBLOCK=_PBLOCK, grid=(1,))
+    for compiled in (compiled_p, compiled_f):
+        # Load each onto the device here too (Triton otherwise does it at the first launch, on
+        # the training thread; FastLaunch calls the same idempotent method where it exists).
+        load = getattr(compiled, "_init_handles", None)
+        if callable(load):
+            load()
     return {("partials", index, name, esize, wide, stats, fingerprint, True): compiled_p,
             ("finalize", index, esize): compiled_f}
 
@@ -250,7 +256,8 @@ class Fused:
                 and not WARMUP.ready(warm_key):
             # Its kernels are still compiling in the background: the torch path. (Waiting for them
             # at the first launch instead was no faster with a warm Triton cache, on GPT-2 small
-            # and ResNet-50 on the H200, and 1.6x slower with a cold one.)
+            # and ResNet-50 on the H200, and 1.6x slower with a cold one. Once Triton's own
+            # start-up is done, the trace's start waits for them instead: Hasher.prepare.)
             return False
         addr = t.data_ptr()
         if not t.is_contiguous() or (self.fingerprint and addr & 3):

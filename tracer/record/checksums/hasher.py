@@ -42,6 +42,8 @@ from tracer.record.checksums import fingerprint as fp
 from tracer.record.checksums.bytes import ALLOWED_TYPES, as_bytes, host_bytes, unhashable_reason
 from tracer.record.checksums.fused import Fused, triton_usable, warm_up
 from tracer.record.checksums.host_batch import HostFingerprints
+from tracer.record.checksums.launcher import WARMUP
+from tracer.record.checksums.prewarm import PREWARM
 from tracer.record.checksums.stats import (
     SCALAR_DTYPES,
     cpu_stats,
@@ -54,6 +56,8 @@ from tracer.record.sharding import local_shard
 from tracer.record.transforms import is_wrapped, transforms_active, transforms_off, unwrap
 
 INLINE_BYTES = 256 * 1024
+# How long a trace's start waits for the batched kernels once Triton's start-up is done (Hasher.prepare).
+PREPARE_WAIT_S = 0.5
 
 
 def _default_inflight() -> int:
@@ -118,6 +122,13 @@ class Hasher:
         (A process that has not touched CUDA yet is left alone: this must not initialise it.)"""
         if (self.want_stats or self.algorithm == "fast") and not self._interpret and torch.cuda.is_initialized():
             warm_up(torch.cuda.current_device(), self.want_stats, self.algorithm == "fast")
+            if PREWARM.done.is_set():
+                # Triton's start-up is behind us (prewarm): with its on-disk cache warm, the
+                # kernels load in ~45 ms, less than one tensor's first torch-path check costs
+                # (its own kernels load too), and a step running meanwhile slowed the loading
+                # 10-30x (ResNet-50). So wait here, up to a bound: a cold cache (about a second
+                # per kernel) leaves the rest to the background and the torch path, as before.
+                WARMUP.wait_all(timeout=PREPARE_WAIT_S)
 
     # ---- submission (training thread or autograd threads) ---------------------------------------
     def submit(self, rec: TensorRecord, t: torch.Tensor) -> None:

@@ -1,0 +1,100 @@
+"""Triton's start-up done early (tracer.record.checksums.prewarm): when it runs, what it does,
+and that it never touches a device, never slows a process that cannot use it, and never keeps a
+process from exiting."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tracer.record.checksums import prewarm
+from tracer.record.checksums.prewarm import Prewarm, wanted
+
+ROOT = Path(__file__).resolve().parent.parent
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+
+
+@pytest.fixture
+def cuda_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process looks like one with a CUDA build of torch (CI has a CPU build)."""
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    for var in ("GRADTRACE_PREWARM", "GRADTRACE_TRITON", "TRITON_INTERPRET"):
+        monkeypatch.delenv(var, raising=False)
+
+
+@needs_triton
+def test_wanted_only_with_a_gpu_build_of_torch_and_not_switched_off(cuda_build: None,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    assert wanted()
+    for var, value in (("GRADTRACE_PREWARM", "0"), ("GRADTRACE_TRITON", "0"), ("TRITON_INTERPRET", "1")):
+        monkeypatch.setenv(var, value)
+        assert not wanted(), var
+        monkeypatch.delenv(var)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert not wanted()  # a CPU-only build: nothing to warm
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    assert wanted()  # ROCm builds run the Triton kernels too
+
+
+def test_nothing_starts_on_a_cpu_only_build() -> None:
+    """On a CPU build (CI) importing gradtrace after torch starts no thread and imports no
+    Triton."""
+    if torch.version.cuda or getattr(torch.version, "hip", None):
+        pytest.skip("a GPU build of torch")
+    code = ("import sys, threading, torch, tracer; from tracer.record.checksums.prewarm import PREWARM; "
+            "print(PREWARM.started, 'triton' in sys.modules, "
+            "[t.name for t in threading.enumerate() if t.name.startswith('gradtrace')])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.split() == ["False", "False", "[]"]
+
+
+@needs_triton
+def test_prewarm_loads_triton_and_the_kernels_and_fills_tritons_key_cache(cuda_build: None) -> None:
+    import triton.runtime.cache as triton_cache  # an optional dependency (skipped above where missing)
+
+    p = Prewarm()
+    assert p.start()
+    assert not p.start()  # once per process
+    p.join(120)
+    assert p.done.is_set()
+    assert prewarm.KERNEL_MODULE in sys.modules
+    # The steps ran in order, each timed from the thread's start.
+    assert list(p.seconds)[:2] == ["kernels", "triton_key"]
+    assert p.seconds["kernels"] <= p.seconds["triton_key"]
+    key = getattr(triton_cache, "triton_key", None)
+    if key is not None and hasattr(key, "cache_info"):
+        assert key.cache_info().currsize == 1  # the ~0.4 s hash is done: Triton reuses it
+    assert not torch.cuda.is_initialized()  # no device touched
+
+
+@needs_triton
+def test_a_failing_step_is_skipped_and_done_is_still_set(cuda_build: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken() -> None:
+        raise RuntimeError("a Triton without this step")
+
+    monkeypatch.setattr(prewarm, "_triton_key", broken)
+    p = Prewarm()
+    assert p.start()
+    p.join(120)
+    assert p.done.is_set()
+    assert "triton_key" not in p.seconds and "kernels" in p.seconds
+
+
+@needs_triton
+def test_a_script_that_ends_at_once_exits_cleanly() -> None:
+    """A script that imports gradtrace and ends while the thread still loads Triton exits with
+    status 0, and in little more than the thread's remaining time."""
+    code = ("import torch; torch.version.cuda = '12.8'; import tracer; "
+            "from tracer.record.checksums.prewarm import PREWARM; assert PREWARM.started; print('ok')")
+    env = {k: v for k, v in os.environ.items() if k not in ("GRADTRACE_PREWARM", "GRADTRACE_TRITON", "TRITON_INTERPRET")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                         env={**env, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
