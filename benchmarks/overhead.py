@@ -74,6 +74,7 @@ __all__ = ["Workload", "build", "configurations", "default_workload", "main", "t
 PLAIN, GRADTRACE, FLOOR, PEER = "plain", "gradtrace", "floor", "peer"
 # The floor row a gradtrace row's "recorder share" is measured against.
 SHARE_FLOOR = "floor-hooks"
+FLOOR_KEYS = ("floor-mode", "floor-modules", "floor-walk", SHARE_FLOOR)
 
 
 def _floor_rows() -> dict[str, Factory]:
@@ -442,7 +443,17 @@ def per_object_lines(tm: Timings, available: dict[str, tuple[str, Factory]], key
         added = tm.median(k) - base
         lines.append(f"| {available[k][0]} | {added:.2f} | {len(t.calls)} + {len(t.grad_nodes)} + "
                      f"{len(t.tensors)} = {recorded_objects(t)} | {added * 1000.0 / recorded_objects(t):.1f} |")
-    return lines if len(lines) > 4 else []
+    if len(lines) == 4:
+        return []
+    # The floor rows record nothing: their time per object of the first traced row above is what
+    # the hook points alone cost, below which no recorder through them can go.
+    reference = next(tm.traces[k] for k in keys if k in tm.traces)
+    for k in FLOOR_KEYS:
+        if tm.times.get(k):
+            added = tm.median(k) - base
+            lines.append(f"| {available[k][0]} (records nothing) | {added:.2f} | {recorded_objects(reference)} "
+                         f"(as above) | {added * 1000.0 / recorded_objects(reference):.1f} |")
+    return lines
 
 
 def header_lines(args: argparse.Namespace, device: torch.device) -> list[str]:
