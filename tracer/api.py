@@ -18,8 +18,9 @@ from tracer.record.session import TraceSession
 
 __all__ = ["check_numerics", "explain_errors", "record_memory", "step", "trace"]
 
-# The recording side is loaded (torch with it): Triton's start-up, if not begun at ``import tracer``.
-PREWARM.start()
+# The recording side is loaded (torch with it): Triton's own start-up now, not in the first
+# traced step (tracer.record.checksums.prewarm; nothing without a GPU build of torch and Triton).
+PREWARM.run()
 
 
 StepSpec = str | int | Iterable[int]

@@ -2,33 +2,37 @@
 
 The first compilation of a process costs ~0.55 s on an H200 host even when Triton's on-disk
 cache already holds the kernels, and the batched kernels are compiled when a trace starts: the
-tensors of the first traced step take the per-tensor torch path meanwhile (~1.6 ms each). Most
+tensors of the first traced step took the per-tensor torch path meanwhile (~1.6 ms each). Most
 of that time touches no GPU (H200 host, Triton 3.6, warm cache, a fresh process):
 
 - ``import triton``: ~230 ms; the kernel module (``triton_kernels``): ~100 ms;
 - ``triton.runtime.cache.triton_key()``: ~370 ms, hashing Triton's own sources and shared
-  library (cached per process; hashlib releases the GIL while it hashes);
+  library (cached by Triton for the process);
 - the lazy import of ``triton.experimental.gluon`` by the first specialisation: ~130 ms.
 
-After that a specialisation compiles (loads from the cache) in 2-3 ms. So when gradtrace is
-imported into a process that has already imported a CUDA (or ROCm) build of torch, or when the
-recording side is first loaded, a daemon thread does those steps at once, while the script
-builds its model and loads its data. It touches no device (no CUDA context, nothing a fork
-would inherit), imports only Triton and the kernel module (which imports only Triton), and
-swallows every error: the warm-up at trace start redoes whatever did not happen here.
+After that a specialisation compiles (loads from the cache) in 2-3 ms. So when the recording
+side of gradtrace is loaded in a process with a CUDA (or ROCm) build of torch, these steps run
+at once, on the importing thread: ``import tracer`` after ``import torch`` costs that much more
+(~0.9 s) and the first traced step no more than a later one. Every error is swallowed: the
+warm-up at trace start redoes whatever did not happen here. No device is touched (no CUDA
+context, nothing a fork would inherit).
+
+Not on a background thread: its imports (``triton_key`` imports Triton's packages as it walks
+them) ran concurrently with the script's own, and an ``import triton.runtime.cache`` on the main
+thread failed with ``KeyError: 'triton.runtime'`` inside importlib (H200, Python 3.12).
 
 ``GRADTRACE_PREWARM=0`` (or ``GRADTRACE_TRITON=0``) turns it off.
 """
 
 from __future__ import annotations
 
-import atexit
 import importlib
 import importlib.util
 import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 # The kernel module: it imports Triton and nothing of torch or of gradtrace.
 KERNEL_MODULE = "tracer.record.checksums.triton_kernels"
@@ -36,8 +40,7 @@ KERNEL_MODULE = "tracer.record.checksums.triton_kernels"
 
 def wanted() -> bool:
     """Whether this process can use the batched kernels and has not switched the pre-warm off.
-    Reads only what is already imported: importing torch here would cost the data-model side
-    of ``import tracer`` (which runs without torch) its lightness."""
+    Reads only what is already imported."""
     if os.environ.get("GRADTRACE_PREWARM", "1") == "0" or os.environ.get("GRADTRACE_TRITON", "1") == "0":
         return False
     if os.environ.get("TRITON_INTERPRET", "0") == "1":  # the CPU interpreter has no start-up to hide
@@ -52,56 +55,46 @@ def wanted() -> bool:
         return False
 
 
-class Prewarm:
-    """The one pre-warm of this process: ``start()`` at most once, ``done`` when it is over."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self.done = threading.Event()
-        self.seconds: dict[str, float] = {}  # per step, from the thread's start (benchmarks read it)
-
-    @property
-    def started(self) -> bool:
-        return self._thread is not None
-
-    def start(self) -> bool:
-        """Start the pre-warm thread if this process wants one and has none yet."""
-        with self._lock:
-            if self._thread is not None or not wanted():
-                return False
-            self._thread = threading.Thread(target=self._run, name="gradtrace-triton-prewarm", daemon=True)
-        # At exit, wait a little for a thread still running: a script that imports gradtrace
-        # and ends at once does not end while the thread loads Triton's native library.
-        atexit.register(self.join, 2.0)
-        self._thread.start()
-        return True
-
-    def _run(self) -> None:
-        start = time.perf_counter()
-        try:
-            for step, action in (("kernels", lambda: importlib.import_module(KERNEL_MODULE)),
-                                 ("triton_key", _triton_key),
-                                 ("gluon", lambda: importlib.import_module("triton.experimental.gluon"))):
-                try:
-                    action()
-                except Exception:  # an older or newer Triton without this step: the next one
-                    continue
-                self.seconds[step] = time.perf_counter() - start
-        finally:
-            self.done.set()
-
-    def join(self, timeout: float | None = None) -> None:
-        thread = self._thread
-        if thread is not None and thread.is_alive():
-            thread.join(timeout)
-
-
 def _triton_key() -> None:
     cache = importlib.import_module("triton.runtime.cache")
     key = getattr(cache, "triton_key", None)  # (cached by Triton for the process)
     if callable(key):
         key()
+
+
+STEPS: tuple[tuple[str, Callable[[], object]], ...] = (
+    ("kernels", lambda: importlib.import_module(KERNEL_MODULE)),
+    ("triton_key", lambda: _triton_key()),
+    ("gluon", lambda: importlib.import_module("triton.experimental.gluon")),
+)
+
+
+class Prewarm:
+    """The one pre-warm of this process: ``run()`` does it at most once; ``done`` once it ran."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ran = False
+        self.done = threading.Event()
+        self.seconds: dict[str, float] = {}  # per step, from the start (benchmarks read it)
+
+    def run(self) -> bool:
+        """Do the steps now if this process wants them and they have not run; whether they ran."""
+        with self._lock:
+            if self._ran or not wanted():
+                return False
+            self._ran = True
+            start = time.perf_counter()
+            try:
+                for step, action in STEPS:
+                    try:
+                        action()
+                    except Exception:  # an older or newer Triton without this step: the next one
+                        continue
+                    self.seconds[step] = time.perf_counter() - start
+            finally:
+                self.done.set()
+        return True
 
 
 PREWARM = Prewarm()
