@@ -101,6 +101,23 @@ def test_forward_nan_from_log_in_layer_3_is_the_origin():
     assert bwd.producer == "tanh4/TanhBackward0" and bwd.from_forward  # a consequence, not a new fault
 
 
+def test_a_clean_step_reports_clean_with_every_tensor_counted():
+    """No NaN or Inf anywhere: the report is clean (found without walking the calls), and it
+    counts the tensors with and without stats exactly."""
+    model = nn.Sequential(*[Block(i, poison=False) for i in range(3)])
+    with warnings.catch_warnings(record=True) as caught, tracer.check_numerics() as t:
+        model(torch.randn(4, 8)).sum().backward()
+        empty = torch.empty(3)  # recorded, never hashed: no stats
+    report = t.anomalies
+    assert report.clean and report.anomalies() == [] and report.intended_inf == 0
+    with_stats = sum(1 for r in t.tensors.values() if r.stats is not None)
+    assert (report.checked, report.unchecked) == (with_stats, len(t.tensors) - with_stats)
+    uninitialised = [r for r in t.tensors.values() if r.uninitialized]
+    assert [r.shape for r in uninitialised] == [tuple(empty.shape)] and uninitialised[0].stats is None
+    assert report.unchecked >= 1
+    assert not [w for w in caught if issubclass(w.category, tracer.NumericsWarning)]
+
+
 class InfGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):

