@@ -232,13 +232,10 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin):
             produced = outs
         # Read grad_fn inside the bracket: an in-place change through a view regenerates the
         # base's grad_fn lazily (CopySlices), and it must land on this call.
-        if kind == "optimizer":  # a step runs under no_grad and writes leaves: no grad_fn to read
-            grad_fns: list[Any] = [None] * len(produced)
-        else:
-            try:
-                grad_fns = [t.grad_fn for t in produced]
-            except RuntimeError:  # a view made under no_grad whose base changed in place refuses it
-                grad_fns = [grad_fn_of(t) for t in produced]
+        try:
+            grad_fns = [t.grad_fn for t in produced]
+        except RuntimeError:  # a view made under no_grad whose base changed in place refuses it
+            grad_fns = [grad_fn_of(t) for t in produced]
         seq1 = get_seq() if get_seq is not None else None
         with self.lock, torch._C.DisableTorchFunction():
             if stack_id == CAPTURE_NOW:
