@@ -49,7 +49,7 @@ def test_nothing_runs_on_a_cpu_only_build() -> None:
     if torch.version.cuda or getattr(torch.version, "hip", None):
         pytest.skip("a GPU build of torch")
     code = ("import sys, torch, tracer; from tracer.record.checksums.prewarm import PREWARM; "
-            "print(PREWARM.done.is_set(), 'triton' in sys.modules)")
+            "print(PREWARM.done, 'triton' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.split() == ["False", "False"]
 
@@ -62,7 +62,7 @@ def test_prewarm_loads_triton_and_the_kernels_and_fills_tritons_key_cache(cuda_b
     p = Prewarm()
     assert p.run()
     assert not p.run()  # once per process
-    assert p.done.is_set()
+    assert p.done
     assert threading.active_count() == threads  # on this thread
     assert prewarm.KERNEL_MODULE in sys.modules
     # The steps ran in order, each timed from the start.
@@ -82,7 +82,7 @@ def test_a_failing_step_is_skipped_and_done_is_still_set(cuda_build: None, monke
     monkeypatch.setattr(prewarm, "_triton_key", broken)
     p = Prewarm()
     assert p.run()
-    assert p.done.is_set()
+    assert p.done
     assert "triton_key" not in p.seconds and "kernels" in p.seconds
 
 
@@ -92,7 +92,7 @@ def test_import_after_a_gpu_build_of_torch_prewarms_and_exits_cleanly() -> None:
     does the pre-warm before it returns; the process exits with status 0."""
     code = ("import sys, torch; torch.version.cuda = '12.8'; import tracer; "
             "from tracer.record.checksums.prewarm import PREWARM; "
-            "print(PREWARM.done.is_set(), 'tracer.api' in sys.modules, 'triton' in sys.modules, "
+            "print(PREWARM.done, 'tracer.api' in sys.modules, 'triton' in sys.modules, "
             "torch.cuda.is_initialized())")
     env = {k: v for k, v in os.environ.items() if k not in ("GRADTRACE_PREWARM", "GRADTRACE_TRITON", "TRITON_INTERPRET")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,

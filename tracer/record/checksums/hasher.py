@@ -122,7 +122,7 @@ class Hasher:
         (A process that has not touched CUDA yet is left alone: this must not initialise it.)"""
         if (self.want_stats or self.algorithm == "fast") and not self._interpret and torch.cuda.is_initialized():
             warm_up(torch.cuda.current_device(), self.want_stats, self.algorithm == "fast")
-            if PREWARM.done.is_set():
+            if PREWARM.done:
                 # Triton's start-up is behind us (prewarm.py): with its on-disk cache warm, the
                 # kernels load in ~45 ms, less than one tensor's first torch-path check costs
                 # (its own kernels load too), and a step running meanwhile slowed the loading

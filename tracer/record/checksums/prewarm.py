@@ -70,20 +70,18 @@ STEPS: tuple[tuple[str, Callable[[], object]], ...] = (
 
 
 class Prewarm:
-    """The one pre-warm of this process: ``run()`` does it at most once; ``done`` once it ran."""
+    """The one pre-warm of this process: ``run()`` does it at most once; ``done`` once it has."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._ran = False
-        self.done = threading.Event()
+        self._lock = threading.Lock()  # two threads loading the recording side at once: one runs it
+        self.done = False
         self.seconds: dict[str, float] = {}  # per step, from the start (benchmarks read it)
 
     def run(self) -> bool:
         """Do the steps now if this process wants them and they have not run; whether they ran."""
         with self._lock:
-            if self._ran or not wanted():
+            if self.done or not wanted():
                 return False
-            self._ran = True
             start = time.perf_counter()
             try:
                 for step, action in STEPS:
@@ -93,7 +91,7 @@ class Prewarm:
                         continue
                     self.seconds[step] = time.perf_counter() - start
             finally:
-                self.done.set()
+                self.done = True
         return True
 
 
