@@ -22,9 +22,12 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, re
 
 
 @pytest.fixture
-def cuda_build(monkeypatch: pytest.MonkeyPatch) -> None:
-    """This process looks like one with a CUDA build of torch (CI has a CPU build)."""
+def cuda_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """This process looks like one with a CUDA build of torch on a GPU machine (CI has a CPU
+    build and no GPU)."""
     monkeypatch.setattr(torch.version, "cuda", "12.8")
+    (tmp_path / "nvidiactl").touch()
+    monkeypatch.setattr(prewarm, "GPU_DEVICE_FILES", (str(tmp_path / "nvidiactl"),))
     for var in ("GRADTRACE_PREWARM", "GRADTRACE_TRITON", "TRITON_INTERPRET"):
         monkeypatch.delenv(var, raising=False)
 
@@ -42,6 +45,9 @@ def test_wanted_only_with_a_gpu_build_of_torch_and_not_switched_off(cuda_build: 
     assert not wanted()  # a CPU-only build: nothing to warm
     monkeypatch.setattr(torch.version, "hip", "6.2")
     assert wanted()  # ROCm builds run the Triton kernels too
+    monkeypatch.setattr(prewarm, "GPU_DEVICE_FILES", ("/nonexistent/nvidiactl",))
+    if sys.platform.startswith("linux"):
+        assert not wanted()  # a GPU build on a machine without a GPU driver
 
 
 def test_nothing_runs_on_a_cpu_only_build() -> None:
@@ -90,7 +96,9 @@ def test_a_failing_step_is_skipped_and_done_is_still_set(cuda_build: None, monke
 def test_import_after_a_gpu_build_of_torch_prewarms_and_exits_cleanly() -> None:
     """``import tracer`` after a (here pretended) GPU build of torch loads the recording side and
     does the pre-warm before it returns; the process exits with status 0."""
-    code = ("import sys, torch; torch.version.cuda = '12.8'; import tracer; "
+    # (The GPU's device file is pretended too, before gradtrace is imported.)
+    code = ("import os, sys, torch; torch.version.cuda = '12.8'; exists = os.path.exists; "
+            "os.path.exists = lambda p: p == '/dev/nvidiactl' or exists(p); import tracer; "
             "from tracer.record.checksums.prewarm import PREWARM; "
             "print(PREWARM.done, 'tracer.api' in sys.modules, 'triton' in sys.modules, "
             "torch.cuda.is_initialized())")

@@ -37,6 +37,18 @@ from collections.abc import Callable
 # The kernel module: it imports Triton and nothing of torch or of gradtrace.
 KERNEL_MODULE = "tracer.record.checksums.triton_kernels"
 
+# Device files of a GPU driver on Linux (NVIDIA, ROCm, WSL): a CUDA build of torch on a machine
+# without a GPU (CI runners, laptops) skips the ~0.9 s. Asking torch instead would initialise
+# CUDA (torch.cuda.is_available), which a later fork could not undo.
+GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
+
+
+def gpu_present() -> bool:
+    """Whether this machine shows a GPU driver's device files (elsewhere than Linux: assumed)."""
+    if not sys.platform.startswith("linux"):
+        return True
+    return any(os.path.exists(path) for path in GPU_DEVICE_FILES)
+
 
 def wanted() -> bool:
     """Whether this process can use the batched kernels and has not switched the pre-warm off.
@@ -49,6 +61,8 @@ def wanted() -> bool:
     version = getattr(torch, "version", None)
     if version is None or not (getattr(version, "cuda", None) or getattr(version, "hip", None)):
         return False  # torch not imported yet, or a CPU-only build
+    if not gpu_present():
+        return False
     try:
         return importlib.util.find_spec("triton") is not None
     except (ImportError, ValueError):
