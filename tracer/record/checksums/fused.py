@@ -41,6 +41,7 @@ import torch
 
 from tracer.model import TensorRecord
 from tracer.record.checksums.launcher import WARMUP, FastLaunch, fast_launcher
+from tracer.record.checksums.prewarm import triton_switched_off
 
 # Tuned on an H200 with benchmarks/fused_kernel.py: 8 KiB steps and 256 KiB per program read
 # 1.23 TB/s with stats and fingerprints together, against 0.95 TB/s for 4 KiB and 64 KiB (8 warps
@@ -66,7 +67,7 @@ _COMPLEX = {torch.complex64: torch.float32, torch.complex128: torch.float64}
 
 def triton_usable() -> bool:
     """Triton importable and not switched off (``GRADTRACE_TRITON=0``)."""
-    if os.environ.get("GRADTRACE_TRITON", "1") == "0":
+    if triton_switched_off():
         return False
     try:
         import triton  # noqa: F401

@@ -50,10 +50,15 @@ def gpu_present() -> bool:
     return any(os.path.exists(path) for path in GPU_DEVICE_FILES)
 
 
+def triton_switched_off() -> bool:
+    """``GRADTRACE_TRITON=0``: the batched kernels are not used (read here and by ``fused``)."""
+    return os.environ.get("GRADTRACE_TRITON", "1") == "0"
+
+
 def wanted() -> bool:
     """Whether this process can use the batched kernels and has not switched the pre-warm off.
     Reads only what is already imported."""
-    if os.environ.get("GRADTRACE_PREWARM", "1") == "0" or os.environ.get("GRADTRACE_TRITON", "1") == "0":
+    if os.environ.get("GRADTRACE_PREWARM", "1") == "0" or triton_switched_off():
         return False
     if os.environ.get("TRITON_INTERPRET", "0") == "1":  # the CPU interpreter has no start-up to hide
         return False
