@@ -110,3 +110,34 @@ def test_import_after_a_gpu_build_of_torch_prewarms_and_exits_cleanly() -> None:
     off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
                          env={**env, "PYTHONPATH": str(ROOT), "GRADTRACE_PREWARM": "0"})
     assert off.stdout.split() == ["False", "True", "False", "False"]
+
+
+def test_trace_starts_wait_for_the_kernels_at_most_the_budget_in_all(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cold Triton cache compiles for seconds: the first trace start waits out the budget, the
+    ones that follow while it compiles start at once; another set of kernels has its own budget;
+    finished kernels cost no wait."""
+    import time
+
+    from tracer.record.checksums.launcher import Warmup
+
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)  # no GPU: the jobs stand in
+    release = threading.Event()
+    warmup = Warmup()
+    warmup.start(0, [("slow", lambda: release.wait(30)), ("other", lambda: release.wait(30))])
+
+    def timed(keys: list[str], budget: float) -> float:
+        start = time.perf_counter()
+        warmup.wait_for(keys, budget)
+        return time.perf_counter() - start
+
+    try:
+        assert 0.2 <= timed(["slow"], 0.25) < 2.0  # the budget, waited out
+        assert timed(["slow"], 0.25) < 0.05  # spent: the next start goes on while it compiles
+        assert timed(["slow", "other"], 0.25) < 0.05  # a set that includes a spent key: spent
+        assert 0.2 <= timed(["other"], 0.25) < 2.0  # its own budget
+        assert timed(["unknown"], 0.25) < 0.05  # nothing compiling under that key
+    finally:
+        release.set()
+        warmup.stop()
+    assert warmup.ready("slow") and warmup.ready("other")
+    assert timed(["slow", "other"], 10.0) < 0.05

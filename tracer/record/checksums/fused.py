@@ -104,15 +104,16 @@ def kernels(interpret: bool = False) -> tuple[Any, Any]:
 WARM_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64)
 
 
-def warm_up(index: int, stats: bool, fingerprint: bool) -> None:
+def warm_up(index: int, stats: bool, fingerprint: bool) -> list[tuple[int, torch.dtype, bool, bool]]:
     """Compile the kernels of the common dtypes for CUDA device ``index`` on a background thread
-    (``launcher.Warmup``); their tensors take the torch path until they are ready."""
+    (``launcher.Warmup``); their tensors take the torch path until they are ready. Returns the
+    warm-up's keys (none where Triton is not usable)."""
     if not triton_usable():
-        return
+        return []
     # Keyed by what the kernels are compiled for: a later trace with other options warms its own.
-    jobs = [((index, dtype, stats, fingerprint), functools.partial(_compile, index, dtype, stats, fingerprint))
-            for dtype in WARM_DTYPES]
-    WARMUP.start(index, jobs)
+    keys = [(index, dtype, stats, fingerprint) for dtype in WARM_DTYPES]
+    WARMUP.start(index, [(key, functools.partial(_compile, *key)) for key in keys])
+    return keys
 
 
 def _compile(index: int, dtype: torch.dtype, stats: bool, fingerprint: bool) -> dict[tuple[Any, ...], Any]:

@@ -56,7 +56,8 @@ from tracer.record.sharding import local_shard
 from tracer.record.transforms import is_wrapped, transforms_active, transforms_off, unwrap
 
 INLINE_BYTES = 256 * 1024
-# How long a trace's start waits for the batched kernels once Triton's start-up is done (Hasher.prepare).
+# How long trace starts wait for the batched kernels once Triton's start-up is done (Hasher.prepare),
+# in all, per set of kernels and process.
 PREPARE_WAIT_S = 0.5
 
 
@@ -121,14 +122,15 @@ class Hasher:
         in the background, so the first traced step does not wait for Triton's compiler.
         (A process that has not touched CUDA yet is left alone: this must not initialise it.)"""
         if (self.want_stats or self.algorithm == "fast") and not self._interpret and torch.cuda.is_initialized():
-            warm_up(torch.cuda.current_device(), self.want_stats, self.algorithm == "fast")
+            keys = warm_up(torch.cuda.current_device(), self.want_stats, self.algorithm == "fast")
             if PREWARM.done:
                 # Triton's start-up is behind us (prewarm.py): with its on-disk cache warm, the
                 # kernels load in ~45 ms, less than one tensor's first torch-path check costs
                 # (its own kernels load too), and a step running meanwhile slowed the loading
-                # 10-30x (ResNet-50). So wait here, up to a bound: a cold cache (about a second
-                # per kernel) leaves the rest to the background and the torch path, as before.
-                WARMUP.wait_all(timeout=PREPARE_WAIT_S)
+                # 10-30x (ResNet-50). So wait here, up to a bound per process: a cold cache
+                # (about a second per kernel) leaves the rest to the background and the torch
+                # path, as before, and the traces that start while it compiles do not wait.
+                WARMUP.wait_for(keys, PREPARE_WAIT_S)
 
     # ---- submission (training thread or autograd threads) ---------------------------------------
     def submit(self, rec: TensorRecord, t: torch.Tensor) -> None:

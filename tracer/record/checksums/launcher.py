@@ -98,6 +98,7 @@ class Warmup:
         # Compilations not finished yet: the hot path reads this int first (one attribute read
         # per tensor) and looks keys up only while something is compiling.
         self.compiling = 0
+        self._waited: dict[Any, float] = {}  # per key: seconds trace starts have waited for it
 
     def start(self, device: int, jobs: Sequence[tuple[Any, Callable[[], Any]]]) -> None:
         """Compile ``jobs`` (key, compile function) for CUDA device ``device`` in the background."""
@@ -155,6 +156,24 @@ class Warmup:
     def wait_all(self, timeout: float | None = None) -> None:
         """Block until every compilation started so far is over (benchmarks: time steady state)."""
         futures_wait(list(self._futures.values()), timeout=timeout)
+
+    def wait_for(self, keys: Sequence[Any], budget: float) -> None:
+        """Block until the compilations of ``keys`` are over, for at most ``budget`` seconds over
+        the whole process: a cold cache (about a second per kernel) makes the first trace wait
+        out the budget, and the traces that follow while it compiles start at once."""
+        pending = [(k, f) for k in keys if (f := self._futures.get(k)) is not None and not f.done()]
+        if not pending:
+            return
+        with self._lock:
+            left = budget - max(self._waited.get(k, 0.0) for k, _ in pending)
+        if left <= 0:
+            return
+        start = time.perf_counter()
+        futures_wait([f for _, f in pending], timeout=left)
+        spent = time.perf_counter() - start
+        with self._lock:
+            for k, _ in pending:
+                self._waited[k] = self._waited.get(k, 0.0) + spent
 
     def result(self, key: Any) -> Any:
         """The compiled kernel (None if the warm-up failed: the normal launch compiles it)."""
