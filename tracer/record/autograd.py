@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tracer.analysis.explain import add_note, explain_backward_error
-from tracer.model import BackwardRun, GradNode, NodeRun, names
+from tracer.model import BackwardRun, GradNode, NodeRun, TensorRecord, names
 from tracer.record.listeners import Listener
 from tracer.record.state import RecorderState
 
@@ -28,6 +28,7 @@ from tracer.record.tensors import (
     get_seq,
     grad_fn_of,
     runs_user_code,
+    same_values,
     unique,
     version_of,
 )
@@ -363,10 +364,13 @@ class AutogradMixin(RecorderState):
                 pass
 
     def _grad_names(self, node: str, grads: tuple[Any, ...], produced: bool,
-                    own_calls: list[str] | None = None) -> list[str | None]:
+                    own_calls: list[str] | None = None, received: tuple[Any, ...] = (),
+                    received_names: list[str | None] | None = None) -> list[str | None]:
         """Names of the gradients a node received (``grad_outputs``) or, with ``produced``, made
         (``grad_inputs``), recording the new ones. A gradient already named (passed through
-        unchanged) keeps its name; a new name is only formatted for a new tensor."""
+        unchanged) keeps its name; a new name is only formatted for a new tensor. ``received``
+        (with their names): what the node received, when known; a gradient made as a view that
+        reads exactly as one of them (``ViewBackward``'s reshape) copies its checksum and stats."""
         edges = self._edges.get(node, ()) if produced else ()
         names: list[str | None] = []
         tensor_names = self._tensor_names
@@ -396,11 +400,25 @@ class AutogradMixin(RecorderState):
                 if hit is not None and gname is None:
                     names.append(hit[0])
                     continue
-                names.append(self._new_tensor(g, gname or self._in_run(f"{node}:grad{i}"), "grad", node))
+                same = self._received_as(g, received, received_names) if received_names else None
+                names.append(self._new_tensor(g, gname or self._in_run(f"{node}:grad{i}"), "grad", node,
+                                              same_as=same))
             else:
                 gname = self._slot_grad(node, i) or self._in_run(f"{node}:gin{i}")
                 names.append(self._new_tensor(g, gname, "grad", None))
         return names
+
+    def _received_as(self, g: torch.Tensor, received: tuple[Any, ...],
+                     received_names: list[str | None]) -> TensorRecord | None:
+        """The record of a received gradient that the view ``g`` reads exactly as, if any."""
+        base = g._base
+        if base is None:
+            return None
+        for r, rname in zip(received, received_names):
+            if rname is not None and isinstance(r, torch.Tensor) and (r is base or r._base is base) \
+                    and same_values(r, g):
+                return self.trace.tensors.get(rname)
+        return None
 
     def _pass_on(self, node: str, i: int, g: torch.Tensor, name: str, edge: tuple[str | None, int]) -> str:
         """A gradient ``node`` received and passes on unchanged (``AddBackward0`` hands its
@@ -555,7 +573,7 @@ class AutogradMixin(RecorderState):
             run = self._current_run()
             step = NodeRun(node, self._grad_names(node, grad_outputs, False), [])
             run.steps.append(step)
-            step.grads_out = self._grad_names(node, grad_inputs, True)
+            step.grads_out = self._grad_names(node, grad_inputs, True, None, grad_outputs, step.grads_in)
             if self._create_graph:
                 self._adopt_nodes(node, grad_inputs)
             if self.listeners:  # attached after this node was made: both events, back to back

@@ -285,7 +285,9 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin):
                         known = hit[0]
                 if known is None:
                     known = self._new_tensor(t, names.output_name(name, i, n_outs), "output", name,
-                                             uninitialized=uninit)
+                                             uninitialized=uninit,
+                                             same_as=self._same_values_input(t, short, ins, in_names, names_of)
+                                             if ins and not uninit else None)
                 names_of[key] = known
                 out_names[i] = known
             if len(produced) > n_outs:

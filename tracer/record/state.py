@@ -29,6 +29,7 @@ from tracer.record.tensors import (
     dtype_name,
     get_seq,
     plain_sizes,
+    same_values,
     same_view,
     storage_key,
     version_of,
@@ -128,12 +129,14 @@ class RecorderState:
     # ---- tensors ------------------------------------------------------------------------------
     def _new_tensor(self, t: torch.Tensor, name: str, role: Role, producer: str | None,
                     previous: str | None = None, like: TensorRecord | None = None,
-                    uninitialized: bool = False) -> str:
+                    uninitialized: bool = False, same_as: TensorRecord | None = None) -> str:
         """Record a new tensor value. ``like``: the record of the version this one replaced,
         when the call cannot have changed shape, strides, dtype or device (foreach in-place
         ops): its metadata is reused instead of read again (an optimizer step makes ~10 new
         versions of every parameter and state tensor). ``uninitialized``: memory nobody wrote
-        (``torch.empty_like``): recorded, never hashed."""
+        (``torch.empty_like``): recorded, never hashed. ``same_as``: the record of a value
+        this one reads exactly as (``tensors.same_values``): its checksum and stats are copied
+        from that record, not computed again."""
         name = self._untaken(name)
         if like is not None:
             try:
@@ -143,7 +146,7 @@ class RecorderState:
             rec = TensorRecord(name, like.shape, like.dtype, like.device, role, producer, like.stride,
                                like.contiguous, like.requires_grad, ver, self._tensor_seq, None, None, None,
                                None, previous)
-            return self._add_record(rec, t, ver)
+            return self._add_record(rec, t, ver, same_as)
         try:
             stride: tuple[int, ...] | None = t.stride()
             contiguous = t.is_contiguous()
@@ -189,7 +192,7 @@ class RecorderState:
             self.trace.tensors[rec.name] = rec
             self._tensor_names[t] = (rec.name, ver)
             return rec.name
-        return self._add_record(rec, t, ver)
+        return self._add_record(rec, t, ver, same_as)
 
     def _untaken(self, name: str) -> str:
         """``name``, or ``name#k`` with the first k not taken: a record is never overwritten."""
@@ -201,7 +204,8 @@ class RecorderState:
             k += 1
         return f"{name}#{k}"
 
-    def _add_record(self, rec: TensorRecord, t: torch.Tensor, ver: int) -> str:
+    def _add_record(self, rec: TensorRecord, t: torch.Tensor, ver: int,
+                    same_as: TensorRecord | None = None) -> str:
         name = rec.name
         self._tensor_seq += 1
         self.trace.tensors[name] = rec
@@ -209,11 +213,31 @@ class RecorderState:
         if rec.uninitialized:
             return name
         hasher = self.hasher
-        # With nothing to hash or summarise, skip the call; a stand-in hasher (an async
-        # collective's outputs get a note instead of a checksum) is always called.
-        if hasher is not self._own_hasher or getattr(hasher, "active", True):
+        if hasher is self._own_hasher:
+            # With nothing to hash or summarise, skip the call.
+            if hasher.active:
+                if same_as is not None:
+                    hasher.same_as(rec, same_as)
+                else:
+                    hasher.submit(rec, t)
+        else:
+            # A stand-in (an async collective's outputs get a note instead of a checksum; kept
+            # values see every tensor) is always handed the tensor itself.
             hasher.submit(rec, t)
         return name
+
+    def _same_values_input(self, t: torch.Tensor, short: str, ins: list[torch.Tensor], in_names: list[str],
+                           changed: dict[int, str]) -> TensorRecord | None:
+        """The record of an input of the call that made ``t`` and reads exactly as ``t`` does (a
+        reshaping view of a contiguous input, or its detached alias): ``t`` gets that record's
+        checksum and stats. ``changed``: inputs the call wrote (their old record is stale)."""
+        base = t._base
+        if base is None and short != "detach":  # (one attribute read for every other output)
+            return None
+        for x, xname in zip(ins, in_names):
+            if (base is None or x is base or x._base is base) and identity(x) not in changed and same_values(x, t):
+                return self.trace.tensors.get(xname)
+        return None
 
     def name_of(self, t: torch.Tensor) -> str:
         """The current name of a tensor, registering it (and hashing it) on first sight."""

@@ -174,6 +174,18 @@ def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
 
 
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors read as the same values in the same order: one contiguous run of the
+    same bytes, of the same dtype, with the same lazy negation and conjugation (``x.view(-1)``,
+    ``x.reshape(...)``, ``x.unsqueeze(0)`` of a contiguous ``x``). Their checksums and stats are
+    then equal. Tensors with no readable address (wrappers, sparse layouts) are never the same."""
+    try:
+        return a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.numel() == b.numel() \
+            and a.is_contiguous() and b.is_contiguous() and a.is_neg() == b.is_neg() and a.is_conj() == b.is_conj()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
 def unique(ts: list[torch.Tensor]) -> list[torch.Tensor]:
     """The tensors of ``ts`` without repeats (by identity), in first-seen order."""
     n = len(ts)

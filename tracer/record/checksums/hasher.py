@@ -183,9 +183,11 @@ class Hasher:
         with self._lock:
             same, self._same = self._same, []
         keep = []
+        kept: set[int] = set()  # copies still waiting: a copy of one of them waits too (a view of a view)
         for rec, original in same:
-            if pending is not None and id(original) in pending:
+            if pending is not None and (id(original) in pending or id(original) in kept):
                 keep.append((rec, original))
+                kept.add(id(rec))
                 continue
             rec.md5, rec.fingerprint, rec.stats = original.md5, original.fingerprint, original.stats
             rec.hash_note, rec.sharding = original.hash_note, original.sharding

@@ -1,0 +1,135 @@
+"""Outputs that read exactly as one of their call's inputs (a reshaping view of a contiguous
+tensor, a detached alias) copy that input's checksum and stats instead of computing them again;
+every other output, and every input the call wrote, is computed from its own bytes."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+import tracer
+from tracer.model import TensorRecord
+from tracer.record.checksums import fingerprint as fp
+from tracer.record.checksums.bytes import as_bytes, host_bytes
+from tracer.record.checksums.hasher import Hasher
+from tracer.record.checksums.stats import cpu_stats
+from tracer.record.tensors import same_values
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    b = as_bytes(t)
+    return bytes(host_bytes(b))
+
+
+def test_same_values_only_for_the_same_bytes_read_the_same_way():
+    x = torch.randn(4, 6)
+    assert same_values(x, x.view(-1)) and same_values(x, x.reshape(2, 12)) and same_values(x, x.unsqueeze(0))
+    assert same_values(x, x.detach()) and same_values(x, x[:])
+    assert not same_values(x, x.t())  # the same bytes, another order
+    assert not same_values(x, x[:2])  # part of them
+    assert not same_values(x, x.view(torch.int32))  # another dtype
+    assert not same_values(x, x.clone())  # other bytes
+    z = torch.randn(5, dtype=torch.complex64)
+    assert not same_values(z, z.conj())  # the same bytes, conjugated when read
+    assert not same_values(torch.randn(3).to_sparse(), torch.randn(3).to_sparse())
+
+
+@pytest.mark.parametrize("algorithm", ["md5", "fast", "none"])
+def test_views_of_a_contiguous_input_get_its_checksum_and_stats(algorithm):
+    g = torch.Generator().manual_seed(0)
+    with tracer.trace(hash=algorithm, stats=True) as t:
+        x = torch.randn(64, 96, generator=g) * 3  # 24 KiB: the MD5 of a large one goes to the pool
+        big = torch.randn(512, 256, generator=g) + 1  # 512 KiB
+        a = x.view(-1)
+        b = a.view(96, 64)  # a view of a view
+        c = big.reshape(256, 512).unsqueeze(0)
+        d = x.detach()
+        e = x.t()  # another order: its own checksum
+        f = x[1:]  # part of the bytes
+    recs = {n: t.tensors[n] for n in ("mul0:out", "add0:out", "view0:out", "view1:out", "reshape0:out",
+                                      "unsqueeze0:out", "detach0:out", "t0:out", "getitem0:out")}
+    for name, value in (("mul0:out", x), ("view0:out", a), ("view1:out", b), ("detach0:out", d),
+                        ("add0:out", big), ("reshape0:out", big), ("unsqueeze0:out", c),
+                        ("t0:out", e), ("getitem0:out", f)):
+        rec = recs[name]
+        data = _bytes(value)
+        if algorithm == "md5":
+            assert rec.md5 == hashlib.md5(data).hexdigest(), name
+        elif algorithm == "fast":
+            assert rec.fingerprint == fp.fingerprint_reference(data), name
+        else:
+            assert rec.md5 is None and rec.fingerprint is None
+        assert rec.stats is not None
+        want = cpu_stats(value)
+        assert (rec.stats.min, rec.stats.max, rec.stats.absmax, rec.stats.nan, rec.stats.inf) == \
+            (want.min, want.max, want.absmax, want.nan, want.inf), name
+        assert rec.stats.mean == pytest.approx(want.mean, rel=1e-12), name
+    # The copies are the very same objects as their inputs' (one Stats per value).
+    assert recs["view0:out"].stats is recs["mul0:out"].stats and recs["view1:out"].stats is recs["mul0:out"].stats
+    assert recs["unsqueeze0:out"].stats is recs["add0:out"].stats
+    assert recs["detach0:out"].stats is recs["mul0:out"].stats
+    assert recs["t0:out"].stats is not recs["mul0:out"].stats and recs["getitem0:out"].stats is not recs["mul0:out"].stats
+
+
+def test_a_view_made_after_an_in_place_write_reads_the_new_version():
+    with tracer.trace(hash="md5") as t:
+        x = torch.zeros(8, 8)
+        before = x.view(-1)
+        x.add_(1)
+        after = x.view(64)
+    assert t.tensors["view0:out"].md5 == hashlib.md5(bytes(32 * 8)).hexdigest()  # zeros: before the write
+    assert t.tensors["view1:out"].md5 == hashlib.md5(_bytes(torch.ones(64))).hexdigest()
+    assert t.tensors["view1:out"].stats.min == 1.0 and t.tensors["view0:out"].stats.max == 0.0
+    assert before is not after
+
+
+def test_a_copy_of_a_waiting_copy_waits_with_it(monkeypatch):
+    """A view of a view, drained while the first value's checksum is still being computed: both
+    copies wait for it, neither is filled with the nothing its middle link holds yet."""
+    h = Hasher("md5", stats=False)
+    x = torch.randn(100_000)  # 400 KB: hashed on the worker pool
+    originals = [TensorRecord(name=n, shape=(), dtype="", device="cpu", role="output", producer=None)
+                 for n in ("x", "v1", "v2")]
+    rx, r1, r2 = originals
+    h.submit(rx, x)
+    h.same_as(r1, rx)
+    h.same_as(r2, r1)
+    monkeypatch.setattr(h, "_pending_originals", lambda: {id(rx)})  # as if the job were still running
+    h.drain(wait=False)
+    assert r1.md5 is None and r2.md5 is None
+    assert h.pending() >= {id(r1), id(r2)}
+    monkeypatch.undo()
+    h.close()
+    want = hashlib.md5(_bytes(x)).hexdigest()
+    assert rx.md5 == r1.md5 == r2.md5 == want
+
+
+def test_kept_values_still_see_every_view(tmp_path):
+    """With keep_values a stand-in hasher sees each tensor: views are handed to it as before."""
+    with tracer.trace(hash="md5", keep_values="view*") as t:
+        x = torch.arange(12, dtype=torch.float32)
+        x.view(3, 4)
+    rec = t.tensors["view0:out"]
+    assert rec.md5 == hashlib.md5(_bytes(torch.arange(12, dtype=torch.float32))).hexdigest()
+    assert rec.values == _bytes(torch.arange(12, dtype=torch.float32))
+
+
+def test_a_gradient_reshaped_by_a_view_node_copies_the_gradient_it_received():
+    """``ViewBackward0`` hands back its incoming gradient reshaped: the same bytes, the same
+    values. Its checksum and stats are the received gradient's; a transposing node's are its own."""
+    x = torch.randn(6, 4, requires_grad=True)
+    y = torch.randn(4, 6, requires_grad=True)
+    w = torch.randn(24)
+    with tracer.trace(hash="md5") as t:
+        ((x.view(-1) * w).sum() + (y.t() * w.view(6, 4)).sum()).backward()
+    steps = {s.node: s for run in t.backward_runs for s in run.steps}
+    view_step = steps["view0/ViewBackward0"]
+    received, made = t.tensors[view_step.grads_in[0]], t.tensors[view_step.grads_out[0]]
+    assert made.md5 == received.md5 == hashlib.md5(_bytes(x.grad)).hexdigest()
+    assert made.stats is received.stats
+    t_step = steps["t0/TBackward0"]
+    received, made = t.tensors[t_step.grads_in[0]], t.tensors[t_step.grads_out[0]]
+    assert made.md5 == hashlib.md5(_bytes(y.grad)).hexdigest() != received.md5
+    assert made.stats is not received.stats
