@@ -15,7 +15,7 @@ from tracer.record.checksums import fingerprint as fp
 from tracer.record.checksums.bytes import as_bytes, host_bytes
 from tracer.record.checksums.hasher import Hasher
 from tracer.record.checksums.stats import cpu_stats
-from tracer.record.tensors import same_values
+from tracer.record.tensors import same_multiset, same_values
 
 
 def _bytes(t: torch.Tensor) -> bytes:
@@ -70,7 +70,9 @@ def test_views_of_a_contiguous_input_get_its_checksum_and_stats(algorithm):
     assert recs["view0:out"].stats is recs["mul0:out"].stats and recs["view1:out"].stats is recs["mul0:out"].stats
     assert recs["unsqueeze0:out"].stats is recs["add0:out"].stats
     assert recs["detach0:out"].stats is recs["mul0:out"].stats
-    assert recs["t0:out"].stats is not recs["mul0:out"].stats and recs["getitem0:out"].stats is not recs["mul0:out"].stats
+    assert recs["getitem0:out"].stats is not recs["mul0:out"].stats
+    # A transpose holds the same values in another order: with stats alone it shares them too.
+    assert (recs["t0:out"].stats is recs["mul0:out"].stats) == (algorithm == "none")
 
 
 def test_a_view_made_after_an_in_place_write_reads_the_new_version():
@@ -133,3 +135,35 @@ def test_a_gradient_reshaped_by_a_view_node_copies_the_gradient_it_received():
     received, made = t.tensors[t_step.grads_in[0]], t.tensors[t_step.grads_out[0]]
     assert made.md5 == hashlib.md5(_bytes(y.grad)).hexdigest() != received.md5
     assert made.stats is not received.stats
+
+
+def test_same_multiset_only_for_a_reordering_of_the_same_bytes():
+    x = torch.randn(4, 6)
+    cube = torch.randn(2, 3, 5)
+    assert same_multiset(x, x.t()) and same_multiset(x, x.view(-1)) and same_multiset(cube, cube.permute(2, 0, 1))
+    assert same_multiset(x.view(1, 4, 6), x.view(1, 4, 6).transpose(1, 2))  # a size-1 dim, any stride
+    assert not same_multiset(x, x[:, ::2])  # every other value
+    assert not same_multiset(x[:1], x[:1].expand(4, 6))  # each value four times
+    assert not same_multiset(x.t(), x)  # the first must be contiguous
+    assert not same_multiset(x, x.t().view(torch.int32))
+    assert not same_multiset(torch.randn(3).to_sparse(), torch.randn(3).to_sparse())
+
+
+def test_check_numerics_gives_a_transpose_the_stats_of_what_it_transposes():
+    """With stats alone (no checksum reads the order), a transposed view and a gradient a
+    transposing node made share the stats of the values they reorder; equal to computing them."""
+    x = torch.randn(6, 4, requires_grad=True)
+    w = torch.randn(4, 6)
+    with tracer.check_numerics() as t:
+        xt = x.t()
+        (xt * w).sum().backward()
+    made, original = t.tensors["t0:out"], t.tensors["input0"]
+    assert made.stats is original.stats
+    want = cpu_stats(xt.detach())
+    assert (made.stats.min, made.stats.max, made.stats.absmax, made.stats.nan, made.stats.inf) == \
+        (want.min, want.max, want.absmax, want.nan, want.inf)
+    assert made.stats.mean == pytest.approx(want.mean, rel=1e-12)
+    step = next(s for run in t.backward_runs for s in run.steps if s.node == "t0/TBackward0")
+    received, grad = t.tensors[step.grads_in[0]], t.tensors[step.grads_out[0]]
+    assert grad.stats is received.stats
+    assert grad.stats.min == x.grad.min().item() and grad.stats.max == x.grad.max().item()

@@ -28,6 +28,7 @@ from tracer.record.tensors import (
     get_seq,
     grad_fn_of,
     runs_user_code,
+    same_multiset,
     same_values,
     unique,
     version_of,
@@ -410,13 +411,14 @@ class AutogradMixin(RecorderState):
 
     def _received_as(self, g: torch.Tensor, received: tuple[Any, ...],
                      received_names: list[str | None]) -> TensorRecord | None:
-        """The record of a received gradient that the view ``g`` reads exactly as, if any."""
+        """The record of a received gradient that the view ``g`` reads exactly as (or, when only
+        stats are taken, holds the values of in another order: ``TBackward0``), if any."""
         base = g._base
         if base is None:
             return None
         for r, rname in zip(received, received_names):
             if rname is not None and isinstance(r, torch.Tensor) and (r is base or r._base is base) \
-                    and same_values(r, g):
+                    and (same_values(r, g) or (self._stats_only and same_multiset(r, g))):
                 return self.trace.tensors.get(rname)
         return None
 

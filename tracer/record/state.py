@@ -29,6 +29,7 @@ from tracer.record.tensors import (
     dtype_name,
     get_seq,
     plain_sizes,
+    same_multiset,
     same_values,
     same_view,
     storage_key,
@@ -63,6 +64,9 @@ class RecorderState:
         self.stack_table: StackTable | None = StackTable() if options.stacks else None
         self.hasher = Hasher(options.hash, stats=options.effective_stats)
         self._own_hasher = self.hasher
+        # Stats and no checksums: a transposed view of a contiguous value has that value's stats
+        # (same_multiset), so it copies them too.
+        self._stats_only = options.hash == "none" and options.effective_stats
         self.on_records = on_records
         self.listeners: list[Listener] = []
         self.paused = False
@@ -229,13 +233,15 @@ class RecorderState:
     def _same_values_input(self, t: torch.Tensor, short: str, ins: list[torch.Tensor], in_names: list[str],
                            changed: dict[int, str]) -> TensorRecord | None:
         """The record of an input of the call that made ``t`` and reads exactly as ``t`` does (a
-        reshaping view of a contiguous input, or its detached alias): ``t`` gets that record's
+        reshaping view of a contiguous input, or its detached alias), or, when only stats are
+        taken, holds the same values in another order (a transpose): ``t`` gets that record's
         checksum and stats. ``changed``: inputs the call wrote (their old record is stale)."""
         base = t._base
         if base is None and short != "detach":  # (one attribute read for every other output)
             return None
         for x, xname in zip(ins, in_names):
-            if (base is None or x is base or x._base is base) and identity(x) not in changed and same_values(x, t):
+            if (base is None or x is base or x._base is base) and identity(x) not in changed \
+                    and (same_values(x, t) or (self._stats_only and same_multiset(x, t))):
                 return self.trace.tensors.get(xname)
         return None
 

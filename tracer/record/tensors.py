@@ -186,6 +186,27 @@ def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
 
 
+def same_multiset(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``b`` holds exactly the values of the contiguous ``a``, maybe in another order: the
+    same bytes, with ``b``'s strides a permutation of a contiguous layout (``a.t()``,
+    ``a.permute(...)``). Their stats are then equal (the mean up to the order of its sum); their
+    checksums, which read the values in order, are not."""
+    try:
+        if not (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.numel() == b.numel()
+                and a.is_contiguous() and a.is_neg() == b.is_neg() and a.is_conj() == b.is_conj()):
+            return False
+        expected = 1
+        for stride, size in sorted(zip(b.stride(), b.shape)):
+            if size == 1:  # (any stride)
+                continue
+            if stride != expected:
+                return False
+            expected *= size
+        return True
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
 def unique(ts: list[torch.Tensor]) -> list[torch.Tensor]:
     """The tensors of ``ts`` without repeats (by identity), in first-seen order."""
     n = len(ts)
