@@ -401,7 +401,8 @@ class AutogradMixin(RecorderState):
                 if hit is not None and gname is None:
                     names.append(hit[0])
                     continue
-                same = self._received_as(g, received, received_names) if received_names else None
+                same = self._received_as(g, received, received_names) \
+                    if received_names and self._reads_values else None
                 names.append(self._new_tensor(g, gname or self._in_run(f"{node}:grad{i}"), "grad", node,
                                               same_as=same))
             else:

@@ -64,6 +64,9 @@ class RecorderState:
         self.stack_table: StackTable | None = StackTable() if options.stacks else None
         self.hasher = Hasher(options.hash, stats=options.effective_stats)
         self._own_hasher = self.hasher
+        # Whether values are read at all (checksums or stats): only then is a view worth telling
+        # apart from a new value (see _same_values_input; the names+links+stacks trace skips it).
+        self._reads_values = self.hasher.active
         # Stats and no checksums: a transposed view of a contiguous value has that value's stats
         # (same_multiset), so it copies them too.
         self._stats_only = options.hash == "none" and options.effective_stats
