@@ -167,3 +167,43 @@ def test_check_numerics_gives_a_transpose_the_stats_of_what_it_transposes():
     received, grad = t.tensors[step.grads_in[0]], t.tensors[step.grads_out[0]]
     assert grad.stats is received.stats
     assert grad.stats.min == x.grad.min().item() and grad.stats.max == x.grad.max().item()
+
+
+@pytest.mark.parametrize("algorithm", ["md5", "none"])
+def test_views_of_non_contiguous_values_follow_what_their_op_does(algorithm):
+    """A reshaping view keeps its input's order even when neither is contiguous (a view of one
+    chunk of ``split``, as attention splits q, k and v): the same checksum and stats. A
+    transpose of it reorders: with stats alone the same stats, with a checksum its own."""
+    g = torch.Generator().manual_seed(1)
+    with tracer.trace(hash=algorithm, stats=True) as t:
+        qkv = torch.randn(2, 5, 12, generator=g) * 2
+        q, _k, _v = qkv.split(4, dim=2)
+        heads = q.view(2, 5, 2, 2)  # non-contiguous, the order of q
+        swapped = heads.transpose(1, 2)  # non-contiguous, another order
+        part = swapped.reshape(4, 10)  # not viewable: a copy, its own value
+    recs = {n: t.tensors[n] for n in ("split0:out0", "view0:out", "transpose0:out", "reshape0:out")}
+    assert not heads.is_contiguous() and not swapped.is_contiguous()
+    assert recs["view0:out"].stats is recs["split0:out0"].stats
+    assert (recs["transpose0:out"].stats is recs["view0:out"].stats) == (algorithm == "none")
+    assert part.data_ptr() != swapped.data_ptr() and recs["reshape0:out"].stats is not recs["transpose0:out"].stats
+    for name, value in (("split0:out0", q), ("view0:out", heads), ("transpose0:out", swapped), ("reshape0:out", part)):
+        rec = recs[name]
+        if algorithm == "md5":
+            assert rec.md5 == hashlib.md5(_bytes(value)).hexdigest(), name
+        want = cpu_stats(value)
+        assert (rec.stats.min, rec.stats.max, rec.stats.absmax) == (want.min, want.max, want.absmax), name
+        assert rec.stats.mean == pytest.approx(want.mean, rel=1e-12), name
+
+
+def test_a_view_node_reshaping_a_non_contiguous_gradient_copies_it():
+    """``ViewBackward0`` receives a transposed (non-contiguous) gradient and reshapes it without a
+    copy: the gradient it makes reads as the one it received."""
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    w = torch.randn(4, 6)
+    with tracer.trace(hash="md5") as t:
+        (x.view(6, 4).t() * w).sum().backward()
+    steps = {s.node: s for run in t.backward_runs for s in run.steps}
+    view_step = steps["view0/ViewBackward0"]
+    received, made = t.tensors[view_step.grads_in[0]], t.tensors[view_step.grads_out[0]]
+    assert made.md5 == received.md5 == hashlib.md5(_bytes(x.grad)).hexdigest()
+    assert made.stats is received.stats

@@ -9,7 +9,7 @@ import dataclasses
 import functools
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -17,19 +17,15 @@ from tracer.analysis.explain import add_note, explain_backward_error
 from tracer.model import BackwardRun, GradNode, NodeRun, TensorRecord, names
 from tracer.record.listeners import Listener
 from tracer.record.state import RecorderState
-
-if TYPE_CHECKING:
-    pass
 from tracer.record.tensors import (
     ACCUMULATE,
+    VIEW_NODES,
     creates_graph,
     first,
     flat_tensors,
     get_seq,
     grad_fn_of,
     runs_user_code,
-    same_multiset,
-    same_values,
     unique,
     version_of,
 )
@@ -401,7 +397,7 @@ class AutogradMixin(RecorderState):
                 if hit is not None and gname is None:
                     names.append(hit[0])
                     continue
-                same = self._received_as(g, received, received_names) \
+                same = self._received_as(node, g, received, received_names) \
                     if received_names and self._reads_values else None
                 names.append(self._new_tensor(g, gname or self._in_run(f"{node}:grad{i}"), "grad", node,
                                               same_as=same))
@@ -410,16 +406,18 @@ class AutogradMixin(RecorderState):
                 names.append(self._new_tensor(g, gname, "grad", None))
         return names
 
-    def _received_as(self, g: torch.Tensor, received: tuple[Any, ...],
+    def _received_as(self, node: str, g: torch.Tensor, received: tuple[Any, ...],
                      received_names: list[str | None]) -> TensorRecord | None:
-        """The record of a received gradient that the view ``g`` reads exactly as (or, when only
-        stats are taken, holds the values of in another order: ``TBackward0``), if any."""
+        """The record of a gradient ``node`` received that the view ``g`` it made reads as (see
+        ``_reads_as``; ``ViewBackward0`` reshapes, ``TBackward0`` reorders), if any."""
         base = g._base
         if base is None:
             return None
+        rec = self._node_recs.get(node)
+        order = VIEW_NODES.get(rec.kind.rstrip("0123456789")) if rec is not None else None
         for r, rname in zip(received, received_names):
             if rname is not None and isinstance(r, torch.Tensor) and (r is base or r._base is base) \
-                    and (same_values(r, g) or (self._stats_only and same_multiset(r, g))):
+                    and self._reads_as(r, g, order):
                 return self.trace.tensors.get(rname)
         return None
 

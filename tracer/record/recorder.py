@@ -286,7 +286,8 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin):
                 if known is None:
                     known = self._new_tensor(t, names.output_name(name, i, n_outs), "output", name,
                                              uninitialized=uninit,
-                                             same_as=self._same_values_input(t, short, ins, in_names, names_of)
+                                             same_as=self._same_values_input(t, short if kind == "op" else "", ins,
+                                                                             in_names, names_of)
                                              if ins and not uninit and self._reads_values else None)
                 names_of[key] = known
                 out_names[i] = known

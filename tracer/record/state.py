@@ -25,10 +25,14 @@ from tracer.record.tensors import (
     DEVICE_NAMES,
     DTYPE_NAMES,
     RAGGED_NOTE,
+    REORDERED,
+    SAME_ORDER,
+    VIEW_OPS,
     device_name,
     dtype_name,
     get_seq,
     plain_sizes,
+    same_elements,
     same_multiset,
     same_values,
     same_view,
@@ -235,18 +239,30 @@ class RecorderState:
 
     def _same_values_input(self, t: torch.Tensor, short: str, ins: list[torch.Tensor], in_names: list[str],
                            changed: dict[int, str]) -> TensorRecord | None:
-        """The record of an input of the call that made ``t`` and reads exactly as ``t`` does (a
-        reshaping view of a contiguous input, or its detached alias), or, when only stats are
-        taken, holds the same values in another order (a transpose): ``t`` gets that record's
-        checksum and stats. ``changed``: inputs the call wrote (their old record is stale)."""
+        """The record of an input of the call that made ``t`` and that ``t`` reads as (see
+        ``_reads_as``): ``t`` gets that record's checksum and stats. ``short``: the op's short
+        name (empty for anything but a torch op); ``changed``: inputs the call wrote (their old
+        record is stale)."""
         base = t._base
         if base is None and short != "detach":  # (one attribute read for every other output)
             return None
+        order = VIEW_OPS.get(short)
         for x, xname in zip(ins, in_names):
             if (base is None or x is base or x._base is base) and identity(x) not in changed \
-                    and (same_values(x, t) or (self._stats_only and same_multiset(x, t))):
+                    and self._reads_as(x, t, order):
                 return self.trace.tensors.get(xname)
         return None
+
+    def _reads_as(self, x: torch.Tensor, t: torch.Tensor, order: str | None) -> bool:
+        """Whether ``t``, a view of ``x``'s bytes, has ``x``'s checksum and stats: it reads the same
+        values in the same order, or, when only stats are taken, the same values in any order.
+        ``order``: what the view's op (or grad node) does to the order of the elements
+        (``tensors.VIEW_OPS``), None when not known: then only the layouts can tell."""
+        if order is SAME_ORDER:
+            return same_elements(x, t)
+        if order is REORDERED:
+            return same_elements(x, t) and (self._stats_only or (x.is_contiguous() and t.is_contiguous()))
+        return same_values(x, t) or (self._stats_only and same_multiset(x, t))
 
     def name_of(self, t: torch.Tensor) -> str:
         """The current name of a tensor, registering it (and hashing it) on first sight."""

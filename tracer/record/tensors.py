@@ -174,26 +174,36 @@ def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
 
 
-def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors read as the same values in the same order: one contiguous run of the
-    same bytes, of the same dtype, with the same lazy negation and conjugation (``x.view(-1)``,
-    ``x.reshape(...)``, ``x.unsqueeze(0)`` of a contiguous ``x``). Their checksums and stats are
-    then equal. Tensors with no readable address (wrappers, sparse layouts) are never the same."""
+def same_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``b`` starts at ``a``'s first byte with as many elements of the same dtype, read
+    with the same lazy negation and conjugation. For a view that reshapes ``a`` (``view``,
+    ``reshape``, ``unsqueeze``...) ``b`` then reads as ``a`` does, in the same order; for one
+    that permutes its dimensions (``transpose``...) it holds the same values in another order.
+    Tensors with no readable address (wrappers, sparse layouts) never match."""
     try:
         return a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.numel() == b.numel() \
-            and a.is_contiguous() and b.is_contiguous() and a.is_neg() == b.is_neg() and a.is_conj() == b.is_conj()
+            and a.is_neg() == b.is_neg() and a.is_conj() == b.is_conj()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors read as the same values in the same order, whatever made them: one
+    contiguous run of the same bytes (``same_elements``, both contiguous). Their checksums and
+    stats are then equal."""
+    try:
+        return same_elements(a, b) and a.is_contiguous() and b.is_contiguous()
     except (RuntimeError, NotImplementedError, TypeError):
         return False
 
 
 def same_multiset(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``b`` holds exactly the values of the contiguous ``a``, maybe in another order: the
-    same bytes, with ``b``'s strides a permutation of a contiguous layout (``a.t()``,
-    ``a.permute(...)``). Their stats are then equal (the mean up to the order of its sum); their
-    checksums, which read the values in order, are not."""
+    """Whether ``b`` holds exactly the values of the contiguous ``a``, maybe in another order,
+    whatever made them: the same bytes, with ``b``'s strides a permutation of a contiguous
+    layout (``a.t()``, ``a.permute(...)``). Their stats are then equal (the mean up to the order
+    of its sum); their checksums, which read the values in order, are not."""
     try:
-        if not (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.numel() == b.numel()
-                and a.is_contiguous() and a.is_neg() == b.is_neg() and a.is_conj() == b.is_conj()):
+        if not (same_elements(a, b) and a.is_contiguous()):
             return False
         expected = 1
         for stride, size in sorted(zip(b.stride(), b.shape)):
@@ -205,6 +215,25 @@ def same_multiset(a: torch.Tensor, b: torch.Tensor) -> bool:
         return True
     except (RuntimeError, NotImplementedError, TypeError):
         return False
+
+
+# Views that keep their input's elements in order (a reshape), or reorder them (a permutation of
+# the dimensions): torch ops by short name, and the grad nodes that apply them to a gradient
+# (class names without their version digits). Their output, where it starts at the input's first
+# byte with as many elements, reads as the input (``same_elements``), contiguous or not.
+SAME_ORDER = "same order"
+REORDERED = "reordered"
+VIEW_OPS: dict[str, str] = {
+    **dict.fromkeys(("view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "squeeze", "unsqueeze",
+                     "detach", "alias"), SAME_ORDER),
+    **dict.fromkeys(("t", "T", "mT", "transpose", "permute", "swapaxes", "swapdims", "movedim", "moveaxis"),
+                    REORDERED),
+}
+VIEW_NODES: dict[str, str] = {
+    **dict.fromkeys(("ViewBackward", "UnsafeViewBackward", "ReshapeAliasBackward", "SqueezeBackward",
+                     "UnsqueezeBackward", "AliasBackward"), SAME_ORDER),
+    **dict.fromkeys(("TBackward", "TransposeBackward", "PermuteBackward"), REORDERED),
+}
 
 
 def unique(ts: list[torch.Tensor]) -> list[torch.Tensor]:
