@@ -104,6 +104,10 @@ def _step(optimizer_ops: bool) -> dict[str, list[object]]:
             h.view(-1)[:8].mul_(2.0)  # through a view: the write reaches h's bytes
             h = F.relu(h, inplace=True)
             h = norm(Halve.apply(h))  # running stats change in place
+            # Views that copy the value they read (a view of a view; a view of a split chunk), and
+            # a transpose, which is read on its own under a checksum.
+            chunk = h.split(8, dim=1)[0].view(8, 2, 4).view(8, 8)
+            (chunk.t() * 2.0).sum()
             loss = h.pow(2).mean()
             loss.backward()
             opt.step()
