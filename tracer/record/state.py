@@ -146,8 +146,8 @@ class RecorderState:
         ops): its metadata is reused instead of read again (an optimizer step makes ~10 new
         versions of every parameter and state tensor). ``uninitialized``: memory nobody wrote
         (``torch.empty_like``): recorded, never hashed. ``same_as``: the record of a value
-        this one reads exactly as (``tensors.same_values``): its checksum and stats are copied
-        from that record, not computed again."""
+        this one reads as (``_reads_as``: a view of it): its checksum and stats are copied from
+        that record, not computed again."""
         name = self._untaken(name)
         if like is not None:
             try:
