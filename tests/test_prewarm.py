@@ -77,6 +77,17 @@ def test_prewarm_loads_triton_and_the_kernels_and_fills_tritons_key_cache(cuda_b
     key = getattr(triton_cache, "triton_key", None)
     if key is not None and hasattr(key, "cache_info"):
         assert key.cache_info().currsize == 1  # the ~0.4 s hash is done: Triton reuses it
+    # What the first compilation would otherwise do inside the first trace's start, done too:
+    # the platform key (a ``file`` subprocess) and the kernels' source keys (an ``ast`` walk).
+    assert p.seconds["triton_key"] <= p.seconds["platform_key"] <= p.seconds["kernel_keys"]
+    import triton.runtime.build as triton_build
+
+    if hasattr(triton_build.platform_key, "cache_info"):
+        assert triton_build.platform_key.cache_info().currsize == 1
+    kernels = sys.modules[prewarm.KERNEL_MODULE]
+    for name in prewarm.KERNEL_NAMES:
+        kernel = getattr(kernels, name)
+        assert kernel.hash is not None and not kernel.hash.startswith("recursion:")
     assert not torch.cuda.is_initialized()  # no device touched
 
 

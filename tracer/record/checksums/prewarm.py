@@ -8,12 +8,19 @@ of that time touches no GPU (H200 host, Triton 3.6, warm cache, a fresh process)
 - ``import triton``: ~230 ms; the kernel module (``triton_kernels``): ~100 ms;
 - ``triton.runtime.cache.triton_key()``: ~370 ms, hashing Triton's own sources and shared
   library (cached by Triton for the process);
-- the lazy import of ``triton.experimental.gluon`` by the first specialisation: ~130 ms.
+- the lazy import of ``triton.experimental.gluon`` by the first specialisation: ~130 ms;
+- ``triton.runtime.build.platform_key()``: ~15 ms (``platform.architecture()`` runs ``file`` on
+  the interpreter), cached by Triton for the process;
+- each kernel's ``cache_key`` (its source and that of the functions it calls, walked with
+  ``ast``): ~20 ms for the two, cached on the kernel object.
 
-After that a specialisation compiles (loads from the cache) in 2-3 ms. So when the recording
+Those last two were measured inside the first trace start's wait for the kernels (35-60 ms for
+the first dtype, 3-5 ms for each further one). After them a specialisation compiles (loads from
+the cache) in a few ms; what stays in the first is ``ptxas --version`` (~6 ms; its key is the
+GPU's architecture, which only CUDA can tell) and loading Triton's driver module. So when the recording
 side of gradtrace is loaded in a process with a CUDA (or ROCm) build of torch, these steps run
 at once, on the importing thread: ``import tracer`` after ``import torch`` costs that much more
-(~0.9 s) and the first traced step no more than a later one. Every error is swallowed: the
+(~0.9 s) and the first traced step little more than a later one. Every error is swallowed: the
 warm-up at trace start redoes whatever did not happen here. No device is touched (no CUDA
 context, nothing a fork would inherit).
 
@@ -81,10 +88,28 @@ def _triton_key() -> None:
         key()
 
 
+def _platform_key() -> None:
+    build = importlib.import_module("triton.runtime.build")
+    key = getattr(build, "platform_key", None)  # (cached by Triton for the process)
+    if callable(key):
+        key()
+
+
+def _kernel_source_keys() -> list[str]:
+    kernels = sys.modules[KERNEL_MODULE]
+    # (A property: computed on first use, then cached on the kernel object.)
+    return [getattr(kernels, name).cache_key for name in KERNEL_NAMES]
+
+
+# The batched kernels (``triton_kernels``), whose source keys the pre-warm computes.
+KERNEL_NAMES = ("partials", "finalize")
+
 STEPS: tuple[tuple[str, Callable[[], object]], ...] = (
     ("kernels", lambda: importlib.import_module(KERNEL_MODULE)),
     ("triton_key", lambda: _triton_key()),
     ("gluon", lambda: importlib.import_module("triton.experimental.gluon")),
+    ("platform_key", lambda: _platform_key()),
+    ("kernel_keys", lambda: _kernel_source_keys()),
 )
 
 
