@@ -415,11 +415,7 @@ class AutogradMixin(RecorderState):
             return None
         rec = self._node_recs.get(node)
         order = VIEW_NODES.get(rec.kind.rstrip("0123456789")) if rec is not None else None
-        for r, rname in zip(received, received_names):
-            if rname is not None and isinstance(r, torch.Tensor) and (r is base or r._base is base) \
-                    and self._reads_as(r, g, order):
-                return self.trace.tensors.get(rname)
-        return None
+        return self._view_source(g, base, order, zip(received, received_names))
 
     def _pass_on(self, node: str, i: int, g: torch.Tensor, name: str, edge: tuple[str | None, int]) -> str:
         """A gradient ``node`` received and passes on unchanged (``AddBackward0`` hands its

@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -246,9 +246,16 @@ class RecorderState:
         base = t._base
         if base is None and short != "detach":  # (one attribute read for every other output)
             return None
-        order = VIEW_OPS.get(short)
-        for x, xname in zip(ins, in_names):
-            if (base is None or x is base or x._base is base) and identity(x) not in changed \
+        unwritten = ((x, xname) for x, xname in zip(ins, in_names) if identity(x) not in changed)
+        return self._view_source(t, base, VIEW_OPS.get(short), unwritten)
+
+    def _view_source(self, t: torch.Tensor, base: torch.Tensor | None, order: str | None,
+                     candidates: Iterable[tuple[Any, str | None]]) -> TensorRecord | None:
+        """The record of the first named candidate tensor that the view ``t`` (of ``base``; None:
+        an alias without one, ``detach``) reads as (``_reads_as``): a call's inputs for its
+        outputs, a grad node's received gradients for the ones it made."""
+        for x, xname in candidates:
+            if xname is not None and isinstance(x, torch.Tensor) and (base is None or x is base or x._base is base) \
                     and self._reads_as(x, t, order):
                 return self.trace.tensors.get(xname)
         return None

@@ -43,6 +43,8 @@ from collections.abc import Callable
 
 # The kernel module: it imports Triton and nothing of torch or of gradtrace.
 KERNEL_MODULE = "tracer.record.checksums.triton_kernels"
+# Its kernels, whose source keys the pre-warm computes.
+KERNEL_NAMES = ("partials", "finalize")
 
 # Device files of a GPU driver on Linux (NVIDIA, ROCm, WSL): a CUDA build of torch on a machine
 # without a GPU (CI runners, laptops) skips the ~0.9 s. Asking torch instead would initialise
@@ -99,10 +101,6 @@ def _kernel_source_keys() -> list[str]:
     kernels = sys.modules[KERNEL_MODULE]
     # (A property: computed on first use, then cached on the kernel object.)
     return [getattr(kernels, name).cache_key for name in KERNEL_NAMES]
-
-
-# The batched kernels (``triton_kernels``), whose source keys the pre-warm computes.
-KERNEL_NAMES = ("partials", "finalize")
 
 STEPS: tuple[tuple[str, Callable[[], object]], ...] = (
     ("kernels", lambda: importlib.import_module(KERNEL_MODULE)),
