@@ -84,6 +84,10 @@ def test_prewarm_loads_triton_and_the_kernels_and_fills_tritons_key_cache(cuda_b
 
     if hasattr(triton_build.platform_key, "cache_info"):
         assert triton_build.platform_key.cache_info().currsize == 1
+    knobs = getattr(sys.modules["triton"], "knobs", None)
+    if knobs is not None and hasattr(knobs, "NvidiaTool"):  # ptxas found, its version read (Triton >= 3.4)
+        assert p.seconds["kernel_keys"] <= p.seconds["ptxas"]
+        assert knobs.NvidiaTool.from_path.cache_info().currsize >= 1
     kernels = sys.modules[prewarm.KERNEL_MODULE]
     for name in prewarm.KERNEL_NAMES:
         kernel = getattr(kernels, name)
@@ -152,3 +156,32 @@ def test_trace_starts_wait_for_the_kernels_at_most_the_budget_in_all(monkeypatch
         warmup.stop()
     assert warmup.ready("slow") and warmup.ready("other")
     assert timed(["slow", "other"], 10.0) < 0.05
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@needs_triton
+def test_a_trace_start_does_the_fetchs_first_time_work_while_it_waits_and_never_syncs() -> None:
+    """While the first trace start of a process waits for the kernels, it pins the metadata's
+    buffers and loads the CUDA kernels of the end's fetch (no sync: the sync debug mode would
+    raise); a trace that starts while a CUDA graph is captured launches nothing."""
+    code = (
+        "import torch, tracer\n"
+        "from tracer.record.checksums import fused\n"
+        "from tracer.record.checksums.hasher import Hasher\n"
+        "torch.zeros(1, device='cuda'); torch.cuda.synchronize()\n"
+        "graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()\n"
+        "x = torch.ones(4, device='cuda')\n"
+        "with torch.cuda.stream(side):\n"
+        "    with torch.cuda.graph(graph):\n"
+        "        Hasher('none', stats=True).prepare(); y = x * 2\n"
+        "print(sorted(fused._FETCH_LOADED))\n"
+        "torch.cuda.set_sync_debug_mode('error')\n"
+        "h = Hasher('fast', stats=True); h.prepare()\n"
+        "torch.cuda.set_sync_debug_mode('default')\n"
+        "print(sorted(fused._FETCH_LOADED), bool(h._fused._pinned._buffers))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["[]", f"[{torch.cuda.current_device()}] True"]

@@ -129,7 +129,7 @@ def _compile(index: int, dtype: torch.dtype, stats: bool, fingerprint: bool) -> 
     compiled_p = partials.warmup(*ptrs, 3, EDT=getattr(tl, name), ESIZE=esize, ACC=tl.float64 if wide else tl.float32,
                                  STATS=stats, FP=fingerprint, CHUNK=CHUNK_BYTES, LOG2B=_LOG2_MAX_TENSORS, ALIGNED=True,
                                  num_warps=NUM_WARPS, grid=(1,))
-    compiled_f = finalize.warmup(*ptrs, torch.float64, torch.int64, ESIZE=esize, PBLOCK=_PBLOCK, grid=(1,))
+    compiled_f = finalize.warmup(*ptrs, torch.float64, torch.int64, esize, PBLOCK=_PBLOCK, grid=(1,))
     for compiled in (compiled_p, compiled_f):
         # Load each onto the device here too (Triton otherwise does it at the first launch, on
         # the training thread; FastLaunch calls the same idempotent method where it exists).
@@ -137,7 +137,11 @@ def _compile(index: int, dtype: torch.dtype, stats: bool, fingerprint: bool) -> 
         if callable(load):
             load()
     return {("partials", index, name, esize, wide, stats, fingerprint, True): compiled_p,
-            ("finalize", index, esize): compiled_f}
+            ("finalize", index): compiled_f}
+
+
+# CUDA devices whose fetch kernels ``Fused.prepare`` has loaded in this process.
+_FETCH_LOADED: set[int] = set()
 
 
 def _int_class(n: int) -> int:
@@ -184,20 +188,25 @@ class _PinnedSlots:
         self._next = 0
         self._refused = False
 
+    def allocate(self) -> bool:
+        """Pin the buffers if not done yet; False where pinning is refused."""
+        if self._buffers or self._refused:
+            return not self._refused
+        try:
+            self._buffers = [torch.empty(self.SLOT_WORDS, dtype=torch.int64, pin_memory=True)
+                             for _ in range(self.SLOTS)]
+        except RuntimeError:  # pinning refused: the caller's path, from now on
+            self._refused = True
+            return False
+        self._events = [None] * self.SLOTS
+        return True
+
     def stage(self, meta: array.array[int]) -> tuple[torch.Tensor, int] | None:
         """``meta`` copied into a free pinned slot: a view of its first words and the slot's
         index (for ``used_until``), or None."""
         n = len(meta)
-        if n > self.SLOT_WORDS or self._refused:
+        if n > self.SLOT_WORDS or not self.allocate():
             return None
-        if not self._buffers:
-            try:
-                self._buffers = [torch.empty(self.SLOT_WORDS, dtype=torch.int64, pin_memory=True)
-                                 for _ in range(self.SLOTS)]
-            except RuntimeError:  # pinning refused: the caller's path, from now on
-                self._refused = True
-                return None
-            self._events = [None] * self.SLOTS
         for _ in range(self.SLOTS):
             i = self._next
             self._next = (i + 1) % self.SLOTS
@@ -295,6 +304,18 @@ class Fused:
             with torch._C.DisableTorchFunction():
                 self._launch(key)
         return True
+
+    def prepare(self, index: int) -> None:
+        """First-time work of CUDA device ``index``, done before a step needs it: the metadata's
+        pinned buffers, and the CUDA kernels of ``take``'s concatenations, which the first launch
+        of each loads (a process's first float64 ``torch.cat`` took 9 ms on an H200). Tiny
+        tensors on the current stream, nothing waited for."""
+        self._pinned.allocate()
+        if index not in _FETCH_LOADED:
+            _FETCH_LOADED.add(index)
+            for dtype in (torch.float64, torch.int64):
+                part = torch.zeros((1, 4), dtype=dtype, device=torch.device("cuda", index))
+                torch.cat([part, part])
 
     def flush(self) -> None:
         """Launch every waiting batch (no sync): afterwards the waiting tensors may change."""
@@ -402,11 +423,11 @@ class Fused:
                       self.stats, self.fingerprint, CHUNK_BYTES, _LOG2_MAX_TENSORS, batch.aligned)
             f_args = (meta, buf_f, buf_i, res_f, res_i, esize, _PBLOCK)
             p_key = ("partials", index, name, esize, wide, self.stats, self.fingerprint, batch.aligned)
-            f_key = ("finalize", index, esize)
+            f_key = ("finalize", index)
             stream = _stream_handle(index)
             self._run(p_key, partials, batch.programs, stream, p_args,
                       ("EDT", "ESIZE", "ACC", "STATS", "FP", "CHUNK", "LOG2B", "ALIGNED"), warm_key)
-            self._run(f_key, finalize, k, stream, f_args, ("ESIZE", "PBLOCK"), warm_key)
+            self._run(f_key, finalize, k, stream, f_args, ("PBLOCK",), warm_key)
             event = None
             if dev.type == "cuda":
                 event = torch.cuda.Event()

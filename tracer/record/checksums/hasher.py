@@ -130,7 +130,19 @@ class Hasher:
                 # 10-30x (ResNet-50). So wait here, up to a bound per process: a cold cache
                 # (about a second per kernel) leaves the rest to the background and the torch
                 # path, as before, and the traces that start while it compiles do not wait.
+                self._meanwhile()
                 WARMUP.wait_for(keys, PREPARE_WAIT_S)
+
+    def _meanwhile(self) -> None:
+        """While the warm-up thread loads the kernels, this thread does the batched path's other
+        first-time work, which the first traced step paid otherwise (ResNet-50 on the H200: the
+        first ``torch.cat`` of the end's fetch loaded its CUDA kernel in 9 ms)."""
+        if _capturing():  # nothing may be launched into a graph being captured
+            return
+        fused = self._fused if self._fused_tried else self._make_fused()
+        if fused is not None:
+            with torch._C.DisableTorchFunction():
+                fused.prepare(torch.cuda.current_device())
 
     # ---- submission (training thread or autograd threads) ---------------------------------------
     def submit(self, rec: TensorRecord, t: torch.Tensor) -> None:

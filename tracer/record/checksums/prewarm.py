@@ -15,9 +15,11 @@ of that time touches no GPU (H200 host, Triton 3.6, warm cache, a fresh process)
   ``ast``): ~20 ms for the two, cached on the kernel object.
 
 Those last two were measured inside the first trace start's wait for the kernels (35-60 ms for
-the first dtype, 3-5 ms for each further one). After them a specialisation compiles (loads from
-the cache) in a few ms; what stays in the first is ``ptxas --version`` (~6 ms; its key is the
-GPU's architecture, which only CUDA can tell) and loading Triton's driver module. So when the recording
+the first dtype, 3-5 ms for each further one), and so was finding ptxas (``knobs.nvidia.ptxas``
+runs ``ptxas --version``, ~3 ms, cached by Triton per path). After them a specialisation compiles
+(loads from the cache) in a few ms; what stays in the first is a second ``ptxas --version``
+(~3 ms; Triton caches it per GPU architecture, which only CUDA can tell) and loading Triton's
+driver module. So when the recording
 side of gradtrace is loaded in a process with a CUDA (or ROCm) build of torch, these steps run
 at once, on the importing thread: ``import tracer`` after ``import torch`` costs that much more
 (~0.9 s) and the first traced step little more than a later one. Every error is swallowed: the
@@ -97,6 +99,14 @@ def _platform_key() -> None:
         key()
 
 
+def _ptxas() -> None:
+    knobs = getattr(importlib.import_module("triton"), "knobs", None)  # (Triton >= 3.4)
+    nvidia = getattr(knobs, "nvidia", None)
+    if nvidia is not None:
+        # Finds ptxas and runs ``ptxas --version`` (cached by Triton per path, for the process).
+        getattr(nvidia, "ptxas", None)
+
+
 def _kernel_source_keys() -> list[str]:
     kernels = sys.modules[KERNEL_MODULE]
     # (A property: computed on first use, then cached on the kernel object.)
@@ -108,6 +118,7 @@ STEPS: tuple[tuple[str, Callable[[], object]], ...] = (
     ("gluon", lambda: importlib.import_module("triton.experimental.gluon")),
     ("platform_key", lambda: _platform_key()),
     ("kernel_keys", lambda: _kernel_source_keys()),
+    ("ptxas", lambda: _ptxas()),
 )
 
 

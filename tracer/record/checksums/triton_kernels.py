@@ -178,8 +178,10 @@ def partials(meta_ptr, out_f_ptr, out_i_ptr, n_tensors,
     tl.store(out_i_ptr + pid * 4 + 3, sum_b.to(tl.int64))
 
 
-@triton.jit
-def finalize(meta_ptr, out_f_ptr, out_i_ptr, res_f_ptr, res_i_ptr, ESIZE: tl.constexpr,
+# The element size is a plain argument, not specialised on: one compilation serves every dtype
+# (a process's first trace start waits for each compilation of its common dtypes).
+@triton.jit(do_not_specialize=["esize"])
+def finalize(meta_ptr, out_f_ptr, out_i_ptr, res_f_ptr, res_i_ptr, esize,
              PBLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64)
     numel = tl.load(meta_ptr + i * 4 + 1)
@@ -208,7 +210,7 @@ def finalize(meta_ptr, out_f_ptr, out_i_ptr, res_f_ptr, res_i_ptr, ESIZE: tl.con
         lane_a += tl.sum(tl.load(out_i_ptr + rows * 4 + 2, mask=m, other=0).to(tl.uint32), axis=0).to(tl.uint32)
         lane_b += tl.sum(tl.load(out_i_ptr + rows * 4 + 3, mask=m, other=0).to(tl.uint32), axis=0).to(tl.uint32)
         j += PBLOCK
-    nbytes = numel * ESIZE
+    nbytes = numel * esize
     nlo = (nbytes & 0xFFFFFFFF).to(tl.uint32)
     nhi = (nbytes >> 32).to(tl.uint32)
     fa = fmix_a(lane_a + fmix_a(nlo ^ 0x5851F42D ^ fmix_a(nhi)))
