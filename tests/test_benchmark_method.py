@@ -1,0 +1,59 @@
+"""The overhead benchmark's method: configurations take turns in an order rotated every round,
+and garbage is collected before each step, outside the timed region (benchmarks/README.md)."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+sys.path.append(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import overhead  # (a script directory, not a package)
+
+
+class _Steps:
+    """A workload whose step notes which configuration it ran under."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+        self.current = ""
+
+    def step(self) -> None:
+        self.log.append(f"step:{self.current}")
+
+
+def test_configurations_rotate_every_round_and_garbage_is_collected_before_each_step(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    log: list[str] = []
+    w = _Steps(log)
+    real_collect = gc.collect
+
+    def collect(*args: Any) -> int:
+        log.append("collect")
+        return real_collect(*args)
+
+    monkeypatch.setattr(gc, "collect", collect)
+
+    def config(name: str) -> Any:
+        @contextlib.contextmanager
+        def make() -> Iterator[None]:
+            w.current = name
+            yield None
+
+        return (name, make)
+
+    available = {k: config(k) for k in ("a", "b", "c")}
+    tm = overhead.measure(w, ["a", "b", "c"], available, warmup=1, repeats=3)  # type: ignore[arg-type]
+    steps = [e for e in log if e != "collect"]
+    assert steps == [f"step:{k}" for k in "abc" + "bca" + "cab" + "abc"]
+    # One collection right before every step (none inside it), warm-up round included.
+    assert log == [e for s in steps for e in ("collect", s)]
+    assert {k: len(v) for k, v in tm.times.items()} == {"a": 3, "b": 3, "c": 3}  # the warm-up round is not timed
