@@ -98,7 +98,10 @@ class OptimizerMixin(RecorderState):
                                 written.add(identity(v))
             ins = unique(tensors)
             vers = versions_of(ins)
-            in_names = [self._name_at(t, v) for t, v in zip(ins, vers)]
+            # A fresh trace meets the optimizer's state here first: hundreds of values, whose
+            # stats are computed together (Hasher.submit_many).
+            with self.submits_batched():
+                in_names = [self._name_at(t, v) for t, v in zip(ins, vers)]
             seq = self._call_seq
             self._call_seq += 1
             name = self.counters.next(cls.__name__)

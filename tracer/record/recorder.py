@@ -38,7 +38,7 @@ from tracer.options import TraceOptions
 from tracer.record import naming
 from tracer.record.autograd import AutogradMixin
 from tracer.record.calls import CAPTURE_NOW, PendingCall
-from tracer.record.checksums.hasher import Hasher
+from tracer.record.checksums.hasher import BATCH_MIN, Hasher
 from tracer.record.compiled_functions import CompiledFunctionWatch
 from tracer.record.effects import UNINITIALISED, Writes
 from tracer.record.functions import (
@@ -245,52 +245,63 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin):
             # (Built by C calls: a comprehension is a Python frame of its own, ~1 µs per call.)
             in_pos = dict(zip(map(identity, ins), range(len(ins)))) if ins else None
             names_of: dict[int, str] = {}
-            # Lists of exactly the right length, filled in place (they are kept in the Call).
-            mutated_names = [""] * len(mutated)
-            if mutated:
-                assert in_pos is not None
-                tensors = self.trace.tensors
-                versions = self._versions
-                # Foreach ops and optimizer steps never resize, restride or retype a tensor.
-                same_meta = kind == "optimizer" or api.startswith("torch._foreach_")
-                for j, t in enumerate(mutated):  # an optimizer's foreach op changes ~150 at once
-                    old = in_names[in_pos[identity(t)]]
-                    old_rec = tensors.get(old)
-                    role = old_rec.role if old_rec is not None and old_rec.role in ("param", "buffer", "state") \
-                        else "output"
-                    head, sep, tail = old.rpartition("@v")  # names.base_name(old), inlined
-                    base = head if sep and tail.isdigit() else old
-                    n = versions.get(base, 0) + 1
-                    versions[base] = n
-                    new = self._new_tensor(t, names.version_name(base, n), role, name, previous=old,
-                                           like=old_rec if same_meta else None)
-                    names_of[identity(t)] = new
-                    mutated_names[j] = new
-                self._write_through_aliases(mutated, names_of, name, ins)
-            uninit = short in UNINITIALISED
-            n_outs = len(outs)
-            out_names = [""] * n_outs
-            tensor_names = self._tensor_names
-            for i, t in enumerate(outs):
-                key = identity(t)
-                known = names_of.get(key)
-                if known is None and in_pos is not None and key in in_pos:
-                    known = in_names[in_pos[key]]  # returned an input unchanged (x.to(x.dtype))
-                if known is None and kind != "function":
-                    # A custom Function's outputs are the very tensors its forward's inner ops
-                    # made, but as the Function's outputs they carry its grad node: they are
-                    # named by the Function (MyFn0:out), not by the op inside it.
-                    hit = tensor_names.get(t)
-                    if hit is not None and hit[1] == version_of(t):
-                        known = hit[0]
-                if known is None:
-                    known = self._new_tensor(t, names.output_name(name, i, n_outs), "output", name,
-                                             uninitialized=uninit,
-                                             same_as=self._same_values_input(t, short if kind == "op" else "", ins,
-                                                                             in_names, names_of)
-                                             if ins and not uninit and self._reads_values else None)
-                names_of[key] = known
-                out_names[i] = known
+            # A call with many new values (an optimizer step, a foreach op) hands them to the
+            # hasher together: it reduces the small ones of one size in one go.
+            deferred = self._reads_values and len(mutated) + len(outs) >= BATCH_MIN
+            if deferred:
+                self._deferred = []
+            try:
+                # Lists of exactly the right length, filled in place (they are kept in the Call).
+                mutated_names = [""] * len(mutated)
+                if mutated:
+                    assert in_pos is not None
+                    tensors = self.trace.tensors
+                    versions = self._versions
+                    # Foreach ops and optimizer steps never resize, restride or retype a tensor.
+                    same_meta = kind == "optimizer" or api.startswith("torch._foreach_")
+                    for j, t in enumerate(mutated):  # an optimizer's foreach op changes ~150 at once
+                        old = in_names[in_pos[identity(t)]]
+                        old_rec = tensors.get(old)
+                        role = old_rec.role if old_rec is not None and old_rec.role in ("param", "buffer", "state") \
+                            else "output"
+                        head, sep, tail = old.rpartition("@v")  # names.base_name(old), inlined
+                        base = head if sep and tail.isdigit() else old
+                        n = versions.get(base, 0) + 1
+                        versions[base] = n
+                        new = self._new_tensor(t, names.version_name(base, n), role, name, previous=old,
+                                               like=old_rec if same_meta else None)
+                        names_of[identity(t)] = new
+                        mutated_names[j] = new
+                    self._write_through_aliases(mutated, names_of, name, ins)
+                uninit = short in UNINITIALISED
+                n_outs = len(outs)
+                out_names = [""] * n_outs
+                tensor_names = self._tensor_names
+                for i, t in enumerate(outs):
+                    key = identity(t)
+                    known = names_of.get(key)
+                    if known is None and in_pos is not None and key in in_pos:
+                        known = in_names[in_pos[key]]  # returned an input unchanged (x.to(x.dtype))
+                    if known is None and kind != "function":
+                        # A custom Function's outputs are the very tensors its forward's inner ops
+                        # made, but as the Function's outputs they carry its grad node: they are
+                        # named by the Function (MyFn0:out), not by the op inside it.
+                        hit = tensor_names.get(t)
+                        if hit is not None and hit[1] == version_of(t):
+                            known = hit[0]
+                    if known is None:
+                        known = self._new_tensor(t, names.output_name(name, i, n_outs), "output", name,
+                                                 uninitialized=uninit,
+                                                 same_as=self._same_values_input(t, short if kind == "op" else "", ins,
+                                                                                 in_names, names_of)
+                                                 if ins and not uninit and self._reads_values else None)
+                    names_of[key] = known
+                    out_names[i] = known
+            finally:
+                if deferred:
+                    batch, self._deferred = self._deferred, None
+            if deferred and batch:
+                self.hasher.submit_many(batch)
             if len(produced) > n_outs:
                 # What it wrote without returning it (foreach in-place ops, GradScaler's unscale
                 # return nothing) is among its outputs too.

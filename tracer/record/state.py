@@ -4,10 +4,11 @@ optimizer, functions) build on it; ``tracer.record.recorder.Recorder`` joins the
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -71,6 +72,9 @@ class RecorderState:
         # Whether values are read at all (checksums or stats): only then is a view worth telling
         # apart from a new value (see _same_values_input; the names+links+stacks trace skips it).
         self._reads_values = self.hasher.active
+        # Set while a call with many new values is being recorded: their (record, tensor) pairs,
+        # handed to Hasher.submit_many when the call's records are all made.
+        self._deferred: list[tuple[TensorRecord, torch.Tensor]] | None = None
         # Stats and no checksums: a transposed view of a contiguous value has that value's stats
         # (same_multiset), so it copies them too.
         self._stats_only = options.hash == "none" and options.effective_stats
@@ -205,6 +209,20 @@ class RecorderState:
             return rec.name
         return self._add_record(rec, t, ver, same_as)
 
+    @contextlib.contextmanager
+    def submits_batched(self) -> Iterator[None]:
+        """Within: the new values' tensors go to the hasher together at the end (see _deferred)."""
+        if not self._reads_values or self._deferred is not None:
+            yield
+            return
+        self._deferred = []
+        try:
+            yield
+        finally:
+            batch, self._deferred = self._deferred, None
+            if batch:
+                self.hasher.submit_many(batch)
+
     def _untaken(self, name: str) -> str:
         """``name``, or ``name#k`` with the first k not taken: a record is never overwritten."""
         tensors = self.trace.tensors
@@ -229,6 +247,8 @@ class RecorderState:
             if hasher.active:
                 if same_as is not None:
                     hasher.same_as(rec, same_as)
+                elif self._deferred is not None:  # submitted with the call's other values
+                    self._deferred.append((rec, t))
                 else:
                     hasher.submit(rec, t)
         else:
