@@ -106,6 +106,45 @@ def test_a_step_that_raises_is_recorded_with_its_error_and_recording_goes_on() -
     assert after is not None and t.calls[-1].name == "mul0" and t.calls[-1].inputs == ["ones0:out"]
 
 
+class _DeepExploding(torch.optim.SGD):
+    """Changes parameters from helpers at two depths (ops from many frames), then fails."""
+
+    def _inner(self, p: torch.Tensor) -> None:
+        p.add_(1.0)
+
+    def _outer(self, p: torch.Tensor) -> None:
+        p.mul_(0.5)
+        self._inner(p)
+
+    def step(self, closure=None):  # type: ignore[override]
+        with torch.no_grad():
+            for p in self.param_groups[0]["params"]:
+                self._outer(p)
+                self._inner(p)
+        raise RuntimeError("boom after many ops")
+
+
+def _deep(n: int) -> torch.Tensor:
+    """An op called from n frames below the caller (as deep as the failed step's were)."""
+    return torch.ones(2) * 3 if n == 0 else _deep(n - 1)
+
+
+def test_the_ops_after_a_step_that_raised_are_recorded_from_any_depth() -> None:
+    """Once the step's frame is gone, an op is recorded whatever its depth: the cheap look at the
+    depth where the step's ops were found never takes another frame for the step's."""
+    model = _model()
+    opt = _DeepExploding(model.parameters(), lr=0.1)
+    with tracer.trace() as t:
+        model(torch.randn(3, 4)).pow(2).mean().backward()
+        with pytest.raises(RuntimeError, match="boom"):
+            opt.step()
+        outs = [_deep(n) for n in range(6)]
+    call = t["_DeepExploding0"]
+    assert "raised" in (call.error or "")
+    assert sorted(call.outputs) == ["0.bias@v1", "0.weight@v1", "2.bias@v1", "2.weight@v1"]
+    assert len(outs) == 6 and [c.name for c in t.calls[-12:]] == [n for k in range(6) for n in (f"ones{k}", f"mul{k}")]
+
+
 def test_a_step_that_raises_out_of_the_block_is_still_recorded() -> None:
     model = _model()
     opt = _Exploding(model.parameters(), lr=0.1)

@@ -111,6 +111,7 @@ class OptimizerMixin(RecorderState):
         call = PendingCall(f"{cls.__module__}.{cls.__qualname__}.step", cls.__name__, "optimizer", ins, in_names,
                            seq, None, tokens, name, stack_id)
         self.open_step = OpenStep(optimizer, frame, call, vers, written)
+        self._step_depth = 0
         self.paused = True
         if optimizer not in self._step_hooked:
             # Per optimizer, so it runs before the global post-hooks (a step trace's boundary).
@@ -128,11 +129,25 @@ class OptimizerMixin(RecorderState):
         st = self.open_step
         if st is None:
             return False
+        # Every op inside the step asks (a per-parameter step: thousands of times). They mostly
+        # come from one loop at one depth below the step's frame: a look at that depth first,
+        # one C call, and the walk only when it misses (the frame found there is the step's own,
+        # so a hit is never wrong).
+        depth = self._step_depth
+        if depth:
+            try:
+                if sys._getframe(depth) is st.frame:
+                    return True
+            except ValueError:  # the stack is not that deep now
+                pass
         f: FrameType | None = sys._getframe(1)
+        depth = 1
         while f is not None:
             if f is st.frame:
+                self._step_depth = depth
                 return True
             f = f.f_back
+            depth += 1
         return False
 
     def close_step(self, error: str | None = None) -> None:

@@ -61,6 +61,7 @@ class RecorderState:
         # False: each optimizer.step() is one call (see _open_step); True: every op inside it.
         self.optimizer_ops = options.optimizer_ops
         self.open_step: OpenStep | None = None  # the optimizer step running now, recorded as one call
+        self._step_depth = 0  # where step_running last found the open step's frame (0: not yet)
         self._step_hooked: weakref.WeakSet[Any] = weakref.WeakSet()
         self.owner = threading.get_ident()
         self.lock = threading.RLock()
