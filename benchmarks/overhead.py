@@ -72,9 +72,18 @@ __all__ = ["Workload", "build", "configurations", "default_workload", "main", "t
 
 # Row kinds: the plain step, gradtrace, floor.py's hook points doing nothing, PyTorch's own tools.
 PLAIN, GRADTRACE, FLOOR, PEER = "plain", "gradtrace", "floor", "peer"
-# The floor row a gradtrace row's "recorder share" is measured against.
+# The floor row a gradtrace row's "recorder share" is measured against: the hook points that
+# row uses. A trace without checksums or stats hooks no built-in grad node (node_runs), so its
+# floor is the walk to each call's new nodes; the others hook every node.
 SHARE_FLOOR = "floor-hooks"
-FLOOR_KEYS = ("floor-mode", "floor-modules", "floor-walk", SHARE_FLOOR)
+LEAN_FLOOR = "floor-walk"
+LEAN_ROWS = frozenset({"nostacks", "stacks", "stacks-ops"})
+FLOOR_KEYS = ("floor-mode", "floor-modules", LEAN_FLOOR, SHARE_FLOOR)
+
+
+def share_floor(key: str) -> str:
+    """The floor row matching the gradtrace row ``key`` (see LEAN_FLOOR)."""
+    return LEAN_FLOOR if key in LEAN_ROWS else SHARE_FLOOR
 
 
 def _floor_rows() -> dict[str, Factory]:
@@ -396,17 +405,19 @@ def main_table(keys: list[str], available: dict[str, tuple[str, Factory]], tm: T
                calls: int) -> list[str]:
     """The table of every row; the ``recorder share`` column when the floor row it needs ran."""
     base = tm.median("plain")
-    share_base = tm.median(SHARE_FLOOR) / base if SHARE_FLOOR in keys else None
+    shares = any(kind(k) == GRADTRACE and share_floor(k) in keys for k in keys)
     width = max(len(available[k][0]) for k in keys)
-    share_head, share_rule = (" recorder share |", "---------------:|") if share_base is not None else ("", "")
+    share_head, share_rule = (" recorder share |", "---------------:|") if shares else ("", "")
     lines = [f"| {'configuration':<{width}} | median ms | ratio |{share_head} µs/call | body ms |",
              f"|{'-' * (width + 2)}|----------:|------:|{share_rule}--------:|--------:|"]
     for k in keys:
         med = tm.median(k)
         per_call = "" if k == "plain" or not calls else f"{(med - base) * 1000.0 / calls:.1f}"
         share = ""
-        if share_base is not None:
-            share = f" {med / base - share_base:+14.2f} |" if kind(k) == GRADTRACE else f" {'':>14} |"
+        if shares:
+            floor = share_floor(k)
+            share = f" {(med - tm.median(floor)) / base:+14.2f} |" if kind(k) == GRADTRACE and floor in keys \
+                else f" {'':>14} |"
         body = statistics.median(tm.body[k])
         lines.append(f"| {available[k][0]:<{width}} | {med:9.2f} | {med / base:5.2f} |{share} "
                      f"{per_call:>7} | {body:7.2f} |")
@@ -500,9 +511,11 @@ def workload_report(args: argparse.Namespace, model: str, keys: list[str], notes
              f"{warmup} warm-up rounds, median of {repeats} timed rounds", ""]
     lines += main_table(keys, available, tm, len(t.calls))
     extra: list[list[str]] = []
-    if SHARE_FLOOR in keys:
-        extra.append(["recorder share: a gradtrace row's ratio minus the ratio of "
-                      f"\"{available[SHARE_FLOOR][0]}\" (for rows with checksums or stats it includes them)."])
+    if LEAN_FLOOR in keys or SHARE_FLOOR in keys:
+        extra.append(["recorder share: a gradtrace row's ratio minus the ratio of the floor row of the hook "
+                      f"points it uses: \"{available[LEAN_FLOOR][0]}\" for the rows without checksums or stats "
+                      f"(no built-in grad node is hooked: node_runs), \"{available[SHARE_FLOOR][0]}\" for the "
+                      "others (the share then includes their checksums or stats)."])
     md5_bytes = recorded_bytes(tm.traces["md5"]) if "md5" in tm.traces else 0
     if md5_bytes:
         extra.append(md5_lines(tm, copy_md5_limit(md5_bytes, device)))

@@ -338,7 +338,9 @@ def _show_node(trace: Trace, node: GradNode, console: Console, all_frames: bool)
     ]
     runs = [f"{run.name} step {i}" for run in trace.backward_runs for i, s in enumerate(run.steps)
             if s.node == node.name]
-    rows.append(("ran in", ", ".join(runs) or "- (not run)"))
+    lean = trace.header.get("node_runs") is False and node.kind != "AccumulateGrad"
+    rows.append(("ran in", ", ".join(runs) or ("- (runs of built-in nodes not recorded: node_runs)" if lean
+                                               else "- (not run)")))
     feeders = [n.name for n in trace.grad_nodes if node.name in n.next]
     rows.append(("fed by", ", ".join(feeders) or "-"))
     _fields(console, f"grad node {node.name}", rows)

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn as nn
 
 import tracer
 from export.html import html as write_html
@@ -129,6 +130,26 @@ def test_click_a_call_shows_its_stack_and_links_to_its_grad_node_and_back(opened
     assert f"step {run.order.index('linear3/AddmmBackward0') + 1} of {len(run.order)} in backward0" in page.inner_text("#gt-details")
     page.click('#gt-details [data-goto="linear3"]')
     assert o.details_title() == "linear3"
+    assert o.errors == []
+
+
+def test_a_lean_trace_says_a_built_in_nodes_run_was_not_recorded(opened: Any) -> None:
+    """hash="none" (node_runs unset): a built-in node has no recorded run, and the page says
+    so instead of "did not run"; an accumulator's run is there."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    with tracer.trace(hash="none") as t:
+        model(torch.randn(2, 3)).sum().backward()
+    o = opened(t)
+    page = o.page
+    page.click('#gt-vp [data-name="linear1/AddmmBackward0"]')
+    assert o.details_title() == "linear1/AddmmBackward0"
+    assert "no recorded run (this trace records built-in nodes’ runs only with checksums or stats" \
+        in page.inner_text("#gt-details")
+    page.click('#gt-vp [data-name="2.weight/AccumulateGrad"]')
+    run = t.backward_runs[0]
+    assert f"step {run.order.index('2.weight/AccumulateGrad') + 1} of {len(run.order)} in backward0" \
+        in page.inner_text("#gt-details")
     assert o.errors == []
 
 

@@ -9,6 +9,7 @@ GPT-2's is checked by node counts and size bounds, since its calls follow the in
 
 from __future__ import annotations
 
+import re
 import shutil
 import struct
 import subprocess
@@ -42,7 +43,8 @@ def png_size(dot_text: str) -> tuple[int, int]:
 @pytest.fixture(scope="module")
 def demo_trace() -> tracer.Trace:
     model, optimizer, batch = build_demo(seed=0)
-    with tracer.trace(hash="none") as t:
+    # Every node's run: the drawing labels the backward edges with the gradients they carried.
+    with tracer.trace(hash="none", node_runs=True) as t:
         demo_step(model, optimizer, batch)
     return t
 
@@ -52,7 +54,7 @@ def gpt2_12l() -> tracer.Trace:
     pytest.importorskip("transformers")
     model, ids = gpt2_12l_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with tracer.trace(hash="none") as t:
+    with tracer.trace(hash="none", node_runs=True) as t:
         model(ids, labels=ids).loss.backward()
         optimizer.step()
     return t
@@ -90,6 +92,20 @@ def test_demo_default_drawing_golden(demo_trace: tracer.Trace, update_golden: bo
 
 
 @needs_dot_program
+def test_a_lean_trace_draws_the_same_backward_edges_unlabelled(demo_trace: tracer.Trace) -> None:
+    """Without node runs (hash="none", node_runs unset) the backward graph is drawn alike, from
+    the forward walk; only the gradients' names on its edges are missing."""
+    model, optimizer, batch = build_demo(seed=0)
+    with tracer.trace(hash="none") as lean:
+        demo_step(model, optimizer, batch)
+    edge = re.compile(r"^\s*(g\d+|mb\d+) -> (g\d+|mb\d+) \[(.*)\];$", re.M)
+    full_edges = edge.findall(dot(demo_trace, checksums=False))
+    lean_edges = edge.findall(dot(lean, checksums=False))
+    assert [(a, b) for a, b, _ in lean_edges] == [(a, b) for a, b, _ in full_edges]
+    assert any("label=" in attrs for _, _, attrs in full_edges)
+    assert not any("@grad" in attrs or ":grad" in attrs for _, _, attrs in lean_edges)
+
+
 def test_demo_default_png_is_readable(demo_trace: tracer.Trace) -> None:
     width, height = png_size(dot(demo_trace))
     assert width <= MAX_WIDTH and height <= MAX_HEIGHT, (width, height)

@@ -299,7 +299,7 @@ def test_one_callable_tells_the_pre_hook_from_the_hook() -> None:
 
 def test_backward_steps_pair_each_nodes_gradients() -> None:
     x = torch.randn(3, requires_grad=True)
-    with tracer.trace(hash="none", stacks=False) as t:
+    with tracer.trace(hash="none", stacks=False, node_runs=True) as t:
         y = (x * 2).sum()
         y.backward()
     (run,) = t.backward_runs

@@ -108,10 +108,18 @@ StraightClamp0  {FN}  -  (linear0:out) -> StraightClamp0:out f32[2,3]
     relu0  F.relu  inner.0  (StraightClamp0:out) -> relu0:out f32[2,3]
 sum0  Tensor.sum  -  (relu0:out) -> sum0:out f32[]
 """
-    # Without hashes the text comes from shapes alone: it is the same for a hash='none' trace.
-    t_none, _, _ = record_net(hash="none")
+    # Without hashes the text comes from shapes alone: it is the same for a hash='none' trace
+    # that records every node's run.
+    t_none, _, _ = record_net(hash="none", node_runs=True)
     assert to_text(t_none, hashes=False) == to_text(t, hashes=False)
     assert " -\n" in to_text(t_none, backward=False)  # unhashed outputs show '-'
+    # By default such a trace records the runs of the accumulators and the custom Function only.
+    lean, _, _ = record_net(hash="none")
+    assert to_text(lean, hashes=False, backward=False) == to_text(t, hashes=False, backward=False)
+    assert [line.split()[1] for line in to_text(lean, hashes=False).splitlines()[6:]] == \
+        [n for n in t.backward_runs[0].order if "AccumulateGrad" in n or "StraightClamp" in n]
+    assert "backward0  StraightClamp0/StraightClampBackward  <- StraightClamp0:out@grad -> linear0:out@grad f32[2,3]" \
+        in to_text(lean, hashes=False)
 
 
 def test_short_hashes_are_md5_prefixes_of_the_real_tensors():

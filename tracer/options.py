@@ -78,6 +78,9 @@ class TraceOptions:
     check_numerics: bool = False
     raise_on_nonfinite: bool = False
     optimizer_ops: bool = False
+    # Hooks on built-in grad nodes: None, when checksums or stats are taken (or a listener needs
+    # them); True: always; False: only on accumulators and nodes that run Python.
+    node_runs: bool | None = None
     # True: every parameter and buffer; patterns: fnmatch globs on tensor names and module paths.
     keep_values: bool | tuple[str, ...] = False
     keep_values_bytes: int = DEFAULT_KEEP_VALUES_BYTES
@@ -88,6 +91,7 @@ class TraceOptions:
         for name in ("stacks", "memory", "check_numerics", "raise_on_nonfinite", "optimizer_ops"):
             _flag(name, getattr(self, name))
         _flag("stats", self.stats, optional=True)
+        _flag("node_runs", self.node_runs, optional=True)
         _positive("flush_every", self.flush_every, optional=False)
         _positive("max_calls", self.max_calls)
         _positive("max_bytes", self.max_bytes)
@@ -120,6 +124,14 @@ class TraceOptions:
     def numerics(self) -> bool:
         """Whether NaN/Inf are looked for (``check_numerics`` or ``raise_on_nonfinite``)."""
         return self.check_numerics or self.raise_on_nonfinite
+
+    @property
+    def every_node_run(self) -> bool:
+        """Whether every grad node's run is recorded from the start (``node_runs``): else only
+        accumulators' and custom Functions', and others' when a backward starts that needs them."""
+        if self.node_runs is not None:
+            return self.node_runs
+        return self.hash != "none" or self.effective_stats
 
     @property
     def effective_stats(self) -> bool:

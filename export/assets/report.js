@@ -883,7 +883,12 @@
     return el('a', { class: 'link mono', text: label, onclick: function () { selectGroup(gi, true); } });
   }
   function runPosition(n) {
-    if (n.run === null || n.run === undefined) return el('span', { text: 'did not run in a recorded backward' });
+    if (n.run === null || n.run === undefined) {
+      // header node_runs false: built-in nodes' runs were recorded only where a backward needed them
+      const lean = (S.header || {}).node_runs === false && n.kind !== 'AccumulateGrad';
+      return el('span', { text: lean ? 'no recorded run (this trace records built-in nodes\u2019 runs only with checksums or stats: node_runs)'
+        : 'did not run in a recorded backward' });
+    }
     const run = D.runs[n.run];
     const box = el('span');
     box.append('step ' + (n.step + 1) + ' of ' + run.order.length + ' in ' + run.name + ' (' + run.api + ')');

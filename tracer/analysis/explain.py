@@ -43,14 +43,22 @@ def _where(stack: tuple[Frame, ...], indent: str) -> list[str]:
 
 
 def explain_backward_error(trace: Trace, run: BackwardRun, running: list[str], exc: BaseException,
-                           stack_of: Callable[[int | None], tuple[Frame, ...]]) -> str:
-    """The note for ``exc``: ``running`` lists the grad nodes that were running, outermost first."""
+                           stack_of: Callable[[int | None], tuple[Frame, ...]], unknown_node: bool = False) -> str:
+    """The note for ``exc``: ``running`` lists the grad nodes that were running, outermost first.
+    ``unknown_node``: none is known because built-in nodes' runs were not recorded (a trace
+    without checksums or stats, ``node_runs=None``)."""
     nodes = {n.name: n for n in trace.grad_nodes}
     calls = {c.name: c for c in trace.calls}
     site = stack_of(run.stack_id)
     where = f' (called at File "{site[-1].file}", line {site[-1].line}: {site[-1].code})' if site else ""
     levels = [nodes[n] for n in running if n in nodes]
     lines: list[str] = []
+    if not levels and unknown_node:
+        lines.append(f"gradtrace: {run.name}{where} failed in a built-in grad node; which one is not known: "
+                     "this trace records built-in nodes' runs only with checksums or stats. "
+                     "tracer.explain_errors() or trace(node_runs=True) names it.")
+        lines.append(f"{INDENT}{type(exc).__name__}: {_first_line(exc)}")
+        return "\n".join(lines)
     if not levels:
         lines.append(f"gradtrace: {run.name}{where} failed before any recorded grad node ran.")
         return "\n".join(lines)

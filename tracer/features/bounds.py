@@ -23,6 +23,7 @@ class Bounds(Listener):
     TENSOR_BYTES = 400
     NODE_BYTES = 210
     NODE_RUN_BYTES = 120
+    needs_node_runs = False  # it counts the runs recorded, and asks for none
 
     def __init__(self, max_calls: int | None = None, max_bytes: int | None = None, *,
                  calls_before: int = 0, bytes_before: int = 0) -> None:

@@ -15,7 +15,7 @@ import torch
 
 from tracer.analysis.explain import add_note, explain_backward_error
 from tracer.model import BackwardRun, GradNode, NodeRun, TensorRecord, names
-from tracer.record.listeners import Listener
+from tracer.record.listeners import Listener, needs_node_runs
 from tracer.record.state import RecorderState
 from tracer.record.tensors import (
     ACCUMULATE,
@@ -162,10 +162,61 @@ class AutogradMixin(RecorderState):
             node.register_hook(hook)
             if user_code and self.hasher.active:
                 self._flush_before.add(name)
-        else:
+        elif self._every_node_run or (self.listeners and self._listeners_need_runs()):
             # A built-in node runs no Python: its hook alone sees what it received and made
             # (one hook per node instead of two: half the registrations and engine callbacks).
             node.register_hook(functools.partial(node_done_hook, self._self_ref, name))
+        else:
+            # Nothing needs its run yet (no checksums or stats): the graph, names, links and
+            # stacks are recorded already. A backward that needs it hooks it then.
+            self._unhooked.add(name)
+
+    def _listeners_need_runs(self) -> bool:
+        return any(needs_node_runs(li) for li in self.listeners)
+
+    def _node_runs_wanted(self, create_graph: bool) -> bool:
+        """Whether the backward run starting now needs every node's run: a listener attached since
+        (a log scope around the backward), or a ``create_graph`` run (the nodes it makes belong
+        to the node whose backward made them: see _adopt_nodes)."""
+        return create_graph or bool(self.listeners and self._listeners_need_runs())
+
+    def _reaches_unhooked(self, roots: list[torch.Tensor]) -> bool:
+        """Whether a backward from ``roots`` reaches a recorded node that has no hook."""
+        if not self._unhooked:
+            return False
+        todo = [n for n in (self._node_name(gf) for gf in map(grad_fn_of, roots) if gf is not None) if n is not None]
+        seen = set(todo)
+        while todo:
+            name = todo.pop()
+            if name in self._unhooked:
+                return True
+            for dest, _slot in self._edges.get(name, ()):
+                if dest is not None and dest not in seen:
+                    seen.add(dest)
+                    todo.append(dest)
+        return False
+
+    def _hook_waiting_nodes(self, roots: list[torch.Tensor]) -> None:
+        """Hook the recorded nodes still without one that a backward from ``roots`` can reach."""
+        node_by_seq, unhooked, ref = self._node_by_seq, self._unhooked, self._self_ref
+        todo = [gf for gf in map(grad_fn_of, roots) if gf is not None]
+        seen: set[tuple[int, str]] = set()
+        while todo:
+            node = todo.pop()
+            kind = type(node).__name__
+            if kind == ACCUMULATE:
+                continue  # (hooked when named)
+            key = (node._sequence_nr(), kind)
+            if key in seen:
+                continue
+            seen.add(key)
+            name = node_by_seq.get(key)
+            if name is None:
+                continue  # made before the block, or by code the trace did not see
+            if name in unhooked:
+                unhooked.discard(name)
+                node.register_hook(functools.partial(node_done_hook, ref, name))
+            todo.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
 
     def _link_edges(self, node: Any, name: str | None = None, nexts: Any = None) -> None:
         if name is None:
@@ -227,6 +278,8 @@ class AutogradMixin(RecorderState):
             self._create_graph = creates_graph(api, args, kwargs)
             if self._create_graph and get_seq is not None:
                 self._bwd_seq0 = (threading.get_ident(), get_seq())
+            if self._unhooked and self._node_runs_wanted(self._create_graph):
+                self._hook_waiting_nodes(unique(flat_tensors(first)))
         for li in self.listeners:
             li.on_backward_begin(self.trace, run)
         # Waiting checksums are read before the backward: gradient accumulation and custom
@@ -244,14 +297,20 @@ class AutogradMixin(RecorderState):
             # nested run leaves its running nodes in place for it).
             if isinstance(exc, Exception) and outer[0] is None:
                 running = list(self._running)
+                unknown = False
                 try:  # a node with no pre-hook does not show in _running: find it from the graph
                     with torch._C.DisableTorchFunction():
-                        failing = self._infer_failing_node(unique(flat_tensors(first)))
+                        from_tensors = unique(flat_tensors(first))
+                        # ... from the runs that finished, unless some it could reach had no
+                        # hook: then only a node that runs Python (hooked) can be named.
+                        partial = self._reaches_unhooked(from_tensors)
+                        unknown = partial and not running
+                        failing = None if partial else self._infer_failing_node(from_tensors)
                 except Exception:  # never let the explanation hide the user's error
                     failing = None
                 if failing is not None and failing not in running:
                     running.append(failing)
-                self._explain(exc, run, running)
+                self._explain(exc, run, running, unknown)
             raise
         finally:
             for li in self.listeners:
@@ -296,12 +355,13 @@ class AutogradMixin(RecorderState):
                     todo.append(dest)
         return indegree
 
-    def _explain(self, exc: Exception, run: BackwardRun, running: list[str]) -> None:
+    def _explain(self, exc: Exception, run: BackwardRun, running: list[str], unknown: bool = False) -> None:
         try:
             with self.lock, torch._C.DisableTorchFunction():
                 table = self.stack_table
                 note = explain_backward_error(self.trace, run, running, exc,
-                                              table.frames_of if table is not None else lambda _sid: ())
+                                              table.frames_of if table is not None else lambda _sid: (),
+                                              unknown_node=unknown)
         except Exception as inner:  # never let the explanation hide the user's error
             note = f"gradtrace: could not explain this error ({type(inner).__name__}: {inner})"
         add_note(exc, note)

@@ -18,6 +18,11 @@ from tracer.model import BackwardRun, Call, NodeRun, Trace
 class Listener:
     """Base class with no-op events; override what you need."""
 
+    # Whether the listener needs every grad node's run, built-in nodes' too (their hooks are
+    # otherwise left out of a trace without checksums or stats: ``trace(node_runs=...)``).
+    # None: when the class overrides ``on_node_begin`` or ``on_node_end``.
+    needs_node_runs: bool | None = None
+
     def before_call(self) -> Any:
         """Right before a recorded call runs; the return value comes back in ``on_call``."""
         return None
@@ -40,3 +45,12 @@ class Listener:
     def on_grad_node(self, trace: Trace, name: str, node: Any) -> None:
         """A grad node was named ``name`` (``node``: PyTorch's live node object: do not keep it
         past the call that made it, or its graph stays alive)."""
+
+
+def needs_node_runs(listener: Listener) -> bool:
+    """Whether ``listener`` needs every grad node's run (see ``Listener.needs_node_runs``)."""
+    want = listener.needs_node_runs
+    if want is not None:
+        return want
+    cls = type(listener)
+    return cls.on_node_begin is not Listener.on_node_begin or cls.on_node_end is not Listener.on_node_end

@@ -76,6 +76,14 @@ class RecorderState:
         # Set while a call with many new values is being recorded: their (record, tensor) pairs,
         # handed to Hasher.submit_many when the call's records are all made.
         self._deferred: list[tuple[TensorRecord, torch.Tensor]] | None = None
+        # Built-in grad nodes get their hook (their runs recorded) at once when this is set,
+        # else only when a backward run starts that needs them (see _hook_waiting_nodes):
+        # names of the nodes waiting for it.
+        self._every_node_run = options.every_node_run
+        self._unhooked: set[str] = set()
+        # The running backward run left some built-in nodes unhooked: a node that fails there
+        # cannot be told from the runs that finished.
+        self._partial_runs = False
         # Stats and no checksums: a transposed view of a contiguous value has that value's stats
         # (same_multiset), so it copies them too.
         self._stats_only = options.hash == "none" and options.effective_stats
