@@ -218,3 +218,19 @@ def test_a_saved_lean_trace_keeps_its_header_and_show_says_the_run_was_not_recor
 
     assert "- (runs of built-in nodes not recorded: node_runs)" in shown("linear0/AddmmBackward0")
     assert "backward0 step" in shown("4.weight/AccumulateGrad")
+
+
+def test_what_needs_every_run_turns_it_on() -> None:
+    """Kept values (a gradient's among them), memory records and log levels need every node's
+    run; the step bounds count runs and ask for none."""
+    from tracer.features.bounds import Bounds
+
+    x = torch.randn(2, 3, 6, 6)
+    assert _step(_cnn(), x, hash="none", keep_values=["*@grad"]).header["node_runs"] is True
+    with tracer.trace(hash="none", memory=True) as t:
+        _cnn()(x).sum().backward()
+    assert any(t[n].kind == "ConvolutionBackward0" for n in t.backward_runs[0].order)  # type: ignore[union-attr]
+    with tracer.trace(hash="none", listeners=[Bounds(max_bytes=10**9)]) as t:
+        _cnn()(x).sum().backward()
+    assert all(t[n].kind == "AccumulateGrad" for n in t.backward_runs[0].order)  # type: ignore[union-attr]
+    assert _step(_cnn(), x, hash="md5", node_runs=False).header["node_runs"] is False

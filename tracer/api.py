@@ -84,8 +84,8 @@ def trace(*, hash: HashKind = "md5", stacks: bool = True, stats: bool | None = N
     the new versions it leaves behind; its intermediate tensors are not recorded.
     ``node_runs``: record every grad node's run in backward (the order the engine ran them, the
     gradients each received and produced, named and with their checksums). ``None`` (the
-    default): when checksums or stats are taken or an attached listener needs them (logs,
-    memory); else only the runs of accumulators (each parameter's ``@grad``) and of nodes that
+    default): when checksums or stats are taken, values kept, or an attached listener needs
+    them (logs, memory); else only the runs of accumulators (each parameter's ``@grad``) and of nodes that
     run Python (custom Functions), and the graph, names, links and stacks come from the forward
     walk alone: a ``hash="none"`` trace costs less. ``True``: always; ``False``: only those.
     ``keep_values``: also keep the values of chosen tensors, so that ``gradtrace diff`` shows

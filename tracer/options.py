@@ -131,7 +131,8 @@ class TraceOptions:
         accumulators' and custom Functions', and others' when a backward starts that needs them."""
         if self.node_runs is not None:
             return self.node_runs
-        return self.hash != "none" or self.effective_stats
+        # (Kept values may be gradients': every gradient is then named.)
+        return self.hash != "none" or self.effective_stats or self.keeps_values
 
     @property
     def effective_stats(self) -> bool:
