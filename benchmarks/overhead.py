@@ -107,6 +107,8 @@ def configurations(device: torch.device) -> dict[str, tuple[str, Factory]]:
         "plain": ("plain", contextlib.nullcontext),
         "nostacks": ('trace(hash="none", stacks=False)', lambda: tracer.trace(hash="none", stacks=False)),
         "stacks": ('trace(hash="none", stacks=True)', lambda: tracer.trace(hash="none", stacks=True)),
+        # The same with every grad node's run recorded (what hash="none" did before node_runs).
+        "stacks-runs": ('trace(hash="none", node_runs=True)', lambda: tracer.trace(hash="none", node_runs=True)),
         "md5": ('trace(hash="md5")', lambda: tracer.trace(hash="md5")),
         "fast": ('trace(hash="fast")', lambda: tracer.trace(hash="fast")),
         "anomaly": ("detect_anomaly(check_nan=True)", lambda: torch.autograd.detect_anomaly(check_nan=True)),
