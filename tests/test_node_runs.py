@@ -234,3 +234,34 @@ def test_what_needs_every_run_turns_it_on() -> None:
         _cnn()(x).sum().backward()
     assert all(t[n].kind == "AccumulateGrad" for n in t.backward_runs[0].order)  # type: ignore[union-attr]
     assert _step(_cnn(), x, hash="md5", node_runs=False).header["node_runs"] is False
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_a_transformer_step_records_the_same_graph_lean_or_not(kind: str) -> None:
+    """A Hugging Face model from a config, AdamW with its default (foreach) step: every call,
+    grad node, edge, stack and parameter gradient alike; only built-in nodes' runs and the
+    intermediate gradients they pass are left out."""
+    pytest.importorskip("transformers")
+    from tests.models import hf_loss, hf_model
+
+    def run(**options: Any) -> Trace:
+        torch.manual_seed(0)
+        model, x = hf_model(kind)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        with tracer.trace(**options) as t:
+            hf_loss(model, x).backward()
+            opt.step()
+        return t
+
+    lean, full = (run(**options) for options in ({"hash": "none"}, {"hash": "none", "node_runs": True}))
+    assert _graph(lean) == _graph(full)
+    assert [(c.name, c.inputs, c.outputs, c.grad_nodes, c.stack) for c in lean.calls] == \
+        [(c.name, c.inputs, c.outputs, c.grad_nodes, c.stack) for c in full.calls]
+    lean_grads = {n for n, r in lean.tensors.items() if r.role == "grad"}
+    full_grads = {n for n, r in full.tensors.items() if r.role == "grad"}
+    params = {f"{p}@grad" for p, r in full.tensors.items() if r.role == "param" and r.previous is None}
+    assert params and params <= lean_grads <= full_grads
+    assert lean_grads == params  # nothing else: the intermediate gradients are left out
+    kinds = {n.name: n.kind for n in lean.grad_nodes}
+    assert {kinds[n] for n in lean.backward_runs[0].order} == {"AccumulateGrad"}
+    assert lean.backward_runs[0].order == [n for n in full.backward_runs[0].order if kinds[n] == "AccumulateGrad"]
