@@ -145,7 +145,7 @@ def kind(key: str) -> str:
 
 DEFAULT_CONFIGS = "plain,nostacks,stacks,md5,fast,numerics,anomaly,profiler,debugmode"
 # gradtrace's rows, the floor rows, then PyTorch's own tools.
-SUITE_CONFIGS = ("plain,nostacks,stacks,fast,check_numerics,md5,floor-modules,floor-walk,floor-hooks,"
+SUITE_CONFIGS = ("plain,nostacks,stacks,stacks-runs,fast,check_numerics,md5,floor-modules,floor-walk,floor-hooks,"
                  "anomaly,profiler,debugmode,debugmode-stacks")
 SUITE_MODELS = {"cuda": "gpt2-small,llama,resnet50", "cpu": "tiny12,llama-tiny,resnet50-tiny"}
 # The rows of the "first traced step" table (each in a fresh process).
