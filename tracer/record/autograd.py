@@ -263,7 +263,7 @@ class AutogradMixin(RecorderState):
         """One backward run, from ``Tensor.backward``, ``autograd.backward`` or ``autograd.grad``.
         A run started inside another one (``autograd.grad`` in a custom Function's backward) is
         recorded as a run of its own; the outer run's state is put back when it ends."""
-        outer = (self._run, self._run_index, self._indegree, self._create_graph, self._bwd_seq0)
+        outer = (self._run, self._run_index, self._indegree, self._indegree_roots, self._create_graph, self._bwd_seq0)
         with self.lock, torch._C.DisableTorchFunction():
             first = args[0] if args else kwargs.get("tensors", kwargs.get("outputs"))
             roots = [self.name_of(t) for t in unique(flat_tensors(first))]
@@ -273,7 +273,9 @@ class AutogradMixin(RecorderState):
             self._run_index = run.seq  # gradients of the k-th run are named ...#k
             self._run = run
             self.trace.backward_runs.append(run)
-            self._indegree = self._indegree_from(unique(flat_tensors(first)))
+            # Counted when a gradient's name first needs it (_sole_grad): a run that hooks only
+            # accumulators and custom Functions (node_runs) may never need it.
+            self._indegree, self._indegree_roots = None, self._root_names(unique(flat_tensors(first)))
             self._passed_on.clear()
             self._create_graph = creates_graph(api, args, kwargs)
             if self._create_graph and get_seq is not None:
@@ -316,7 +318,7 @@ class AutogradMixin(RecorderState):
             for li in self.listeners:
                 li.on_backward_end(self.trace, run, error)
             self._in_backward -= 1
-            self._run, self._run_index, self._indegree, self._create_graph, self._bwd_seq0 = outer
+            self._run, self._run_index, self._indegree, self._indegree_roots, self._create_graph, self._bwd_seq0 = outer
             if self._run is None:
                 self._running.clear()
                 self._open_steps.clear()
@@ -337,11 +339,24 @@ class AutogradMixin(RecorderState):
                     indegree[(dest, k)] = indegree.get((dest, k), 0) + 1
         return indegree
 
-    def _indegree_from(self, roots: list[torch.Tensor]) -> dict[tuple[str, int], int]:
-        """Edges into each (node, slot) of the recorded graph reachable from ``roots``. Counted per
-        backward run: with gradient accumulation each micro-batch's graph has its own edges into
-        the same accumulators, and each run's gradient of a parameter is that parameter's."""
-        todo = [n for n in (self._node_name(gf) for gf in map(grad_fn_of, roots) if gf is not None) if n is not None]
+    def _root_names(self, roots: list[torch.Tensor]) -> list[str]:
+        return [n for n in (self._node_name(gf) for gf in map(grad_fn_of, roots) if gf is not None) if n is not None]
+
+    def _run_indegree(self) -> dict[tuple[str, int], int]:
+        """The running backward's edge counts (``_indegree_from`` its roots, or of the whole
+        graph for a run the trace did not see start), counted at the first need."""
+        if self._indegree is None:
+            roots = self._indegree_roots
+            self._indegree = self._indegree_all() if roots is None else self._indegree_from(roots)
+        return self._indegree
+
+    def _indegree_from(self, roots: list[str]) -> dict[tuple[str, int], int]:
+        """Edges into each (node, slot) of the recorded graph reachable from the nodes ``roots``.
+        Counted per backward run: with gradient accumulation each micro-batch's graph has its own
+        edges into the same accumulators, and each run's gradient of a parameter is that
+        parameter's. (The edges of nodes recorded meanwhile, a create_graph run's, start at
+        nodes no root reaches: counting later gives the same.)"""
+        todo = list(roots)
         seen = set(todo)
         indegree: dict[tuple[str, int], int] = {}
         edges = self._edges
@@ -377,7 +392,7 @@ class AutogradMixin(RecorderState):
         """The gradient into ``dest``'s slot ``k`` is that tensor's gradient (``<tensor>@grad``)
         when it alone flows there; None when several edges meet (each is then its edge's partial
         gradient, ``<node>:grad<i>``) or the slot is no named tensor's."""
-        if dest is None or self._indegree.get((dest, k), 0) != 1:
+        if dest is None or self._run_indegree().get((dest, k), 0) != 1:
             return None
         return self._slot_grad(dest, k)
 
@@ -398,7 +413,7 @@ class AutogradMixin(RecorderState):
         """The backward run a node event belongs to. At its first node event, the reading of
         what still waits for a checksum is queued for the run's end (``_read_waiting_at_end``)."""
         if self._run is None:  # backward started where the trace could not see it
-            self._indegree = self._indegree_all()
+            self._indegree, self._indegree_roots = None, None  # every recorded edge, when needed
             self._passed_on.clear()
             self._run_index = len(self.trace.backward_runs)
             self._run = BackwardRun(name=self.counters.next("backward"), api="(engine)", roots=[],

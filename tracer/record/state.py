@@ -127,7 +127,10 @@ class RecorderState:
         self._slot_tensor: dict[tuple[str, int], str] = {}
         # Edges into each (node, input slot) in the graph the running backward walks: a gradient
         # that alone flows into a tensor's slot is that tensor's gradient (see _grad_names).
-        self._indegree: dict[tuple[str, int], int] = {}
+        self._indegree: dict[tuple[str, int], int] | None = {}
+        # The node names the running backward started from (None: every recorded node), for
+        # counting _indegree when it is first needed.
+        self._indegree_roots: list[str] | None = []
         # A gradient passed on unchanged, by the slot it was sent to: (its name on that edge, id of
         # the tensor, alive in the engine's buffer until that slot's node takes it, its version).
         self._passed_on: dict[tuple[str, int], tuple[str, int, int]] = {}
