@@ -143,9 +143,14 @@ class AutogradMixin(RecorderState):
         self._node_recs[name] = rec
 
     def _hook_node(self, node: Any, name: str, kind: str, external: bool) -> None:
-        # Hook handles are not kept: the hooks go with their node (the backward frees it), and
-        # one that outlives the trace (a graph kept alive past the block) finds the recorder
-        # closed and returns at once. Keeping and removing them cost a Python call per hook.
+        # Hook handles are not kept for the nodes a call made: the hooks go with their node (the
+        # backward frees it), and one that outlives the trace (a graph kept alive past the block)
+        # finds the recorder closed and returns at once. Keeping and removing them cost a Python
+        # call per hook. Accumulators and nodes made before the block are another matter: they
+        # outlive the trace and serve the next one (a training loop that keeps the last loss
+        # until the next forward keeps every parameter's accumulator alive for good), so each
+        # trace removes its hooks from them when it ends; else every traced step added a pair
+        # that every later backward called.
         user_code = runs_user_code(node, kind)
         if user_code and self._module_stack:
             self._node_modules[name] = self._module_stack[-1]
@@ -158,8 +163,9 @@ class AutogradMixin(RecorderState):
             # running node, and listeners such as the memory one attribute work to it. One
             # callable serves as pre-hook and hook (told apart by their arguments).
             hook = functools.partial(node_hook, self._self_ref, name)
-            node.register_prehook(hook)
-            node.register_hook(hook)
+            pre, post = node.register_prehook(hook), node.register_hook(hook)
+            if external or kind == ACCUMULATE:
+                self._handles += (pre, post)  # removed by Recorder.uninstall
             if user_code and self.hasher.active:
                 self._flush_before.add(name)
         elif self._every_node_run or (self.listeners and self._listeners_need_runs()):
