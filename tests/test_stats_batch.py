@@ -86,16 +86,22 @@ def test_submit_many_equals_submit_for_every_record(algorithm: str) -> None:
     assert alone[-1].stats.nan == 1
 
 
-def test_submit_many_computes_groups_together(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The groups really take the batched path (one stack per size), the rest the usual one."""
-    batched: list[int] = []
+def _spy_groups(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes of the groups whose stats are computed together, from now on."""
+    groups: list[int] = []
     real = hasher_module.cpu_stats_same_size
 
     def spy(ts: list[torch.Tensor]) -> list[Stats | None]:
-        batched.append(len(ts))
+        groups.append(len(ts))
         return real(ts)
 
     monkeypatch.setattr(hasher_module, "cpu_stats_same_size", spy)
+    return groups
+
+
+def test_submit_many_computes_groups_together(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The groups really take the batched path (one stack per size), the rest the usual one."""
+    batched = _spy_groups(monkeypatch)
     ts = [torch.randn(32) for _ in range(BATCH_MIN_GROUP)] + [torch.randn(7) for _ in range(BATCH_MIN_GROUP - 1)]
     ts += [torch.randn(5) for _ in range(BATCH_MIN - len(ts))]
     Hasher("none", stats=True).submit_many([(_record(f"t{i}", t), t) for i, t in enumerate(ts)])
@@ -128,14 +134,7 @@ def test_an_optimizer_step_records_the_same_stats_batched_or_not(monkeypatch: py
     """A CNN with BatchNorm (many parameters and states of one size) under AdamW, three
     check_numerics steps from the same seed: every record of every trace alike."""
     x, y = torch.randn(4, 3, 8, 8), torch.tensor([1, 2, 3, 4])
-    groups: list[int] = []
-    real = hasher_module.cpu_stats_same_size
-
-    def spy(ts: list[torch.Tensor]) -> list[Stats | None]:
-        groups.append(len(ts))
-        return real(ts)
-
-    monkeypatch.setattr(hasher_module, "cpu_stats_same_size", spy)
+    groups = _spy_groups(monkeypatch)
     batched = _adam_steps(_cnn(), x, y, 3)
     assert sum(groups) >= 3 * 2 * 9  # each step: 9 parameters of 8 values and their state, at least
     monkeypatch.setattr(hasher_module, "BATCH_MIN", 10**9)  # every value through submit
