@@ -299,3 +299,32 @@ def test_traced_steps_leave_no_hook_on_accumulators(monkeypatch: pytest.MonkeyPa
     calls.clear()
     model(torch.randn(4, 8)).sum().backward()  # untraced: none of gradtrace's hooks is left
     assert calls == [] and loss is not None
+
+
+def test_a_recipe_records_the_same_calls_and_gradients_lean_or_not() -> None:
+    """Two accumulated micro-batches, GradScaler, clipping and a fused AdamW: every call (the
+    scaler's unscale and the clipping included), grad node and stack alike, and every gradient a
+    call reads (each parameter's, accumulated) named alike."""
+    def recipe(**options: Any) -> Trace:
+        model = _cnn()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+        torch.manual_seed(1)
+        batches = [torch.randn(2, 3, 6, 6) for _ in range(2)]
+        with tracer.trace(**options) as t:
+            opt.zero_grad(set_to_none=True)
+            for x in batches:
+                scaler.scale(model(x).square().mean() / 2).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+        return t
+
+    lean, full = (recipe(**options) for options in ({"hash": "none"}, {"hash": "none", "node_runs": True}))
+    assert _graph(lean) == _graph(full)
+    assert [(c.name, c.api, c.inputs, c.outputs, c.stack) for c in lean.calls] == \
+        [(c.name, c.api, c.inputs, c.outputs, c.stack) for c in full.calls]
+    read = {i for c in full.calls for i in c.inputs if "@grad" in i}
+    assert "0.weight@grad@v1" in read and read <= set(lean.tensors)
+    assert len(lean.backward_runs) == 2
