@@ -53,6 +53,7 @@ from tracer.record.modules import ModulesMixin
 from tracer.record.optimizer import OptimizerMixin
 from tracer.record.stacks import user_stacklevel
 from tracer.record.tensors import (
+    GRAD_FN,
     call_tensors,
     flat_tensors,
     get_seq,
@@ -233,7 +234,7 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin):
         # Read grad_fn inside the bracket: an in-place change through a view regenerates the
         # base's grad_fn lazily (CopySlices), and it must land on this call.
         try:
-            grad_fns = [t.grad_fn for t in produced]
+            grad_fns = list(map(GRAD_FN, produced))
         except RuntimeError:  # a view made under no_grad whose base changed in place refuses it
             grad_fns = [grad_fn_of(t) for t in produced]
         seq1 = get_seq() if get_seq is not None else None
@@ -242,8 +243,9 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin):
                 stack_id = self.stack_table.capture(skip) if self.stack_table is not None else None
             if name is None:
                 name = self.counters.next(short)
-            # (Built by C calls: a comprehension is a Python frame of its own, ~1 µs per call.)
-            in_pos = dict(zip(map(identity, ins), range(len(ins)))) if ins else None
+            # Inputs by identity, for what the call wrote or returned unchanged: built only where a
+            # scan of the inputs could cost more (by C calls: a comprehension is a Python frame).
+            in_pos = dict(zip(map(identity, ins), range(len(ins)))) if mutated or len(ins) > 4 else None
             names_of: dict[int, str] = {}
             # A call with many new values (an optimizer step, a foreach op) hands them to the
             # hasher together: it reduces the small ones of one size in one go.
@@ -280,8 +282,15 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin):
                 for i, t in enumerate(outs):
                     key = identity(t)
                     known = names_of.get(key)
-                    if known is None and in_pos is not None and key in in_pos:
-                        known = in_names[in_pos[key]]  # returned an input unchanged (x.to(x.dtype))
+                    if known is None and ins:  # returned an input unchanged (x.to(x.dtype))
+                        if in_pos is not None:
+                            if key in in_pos:
+                                known = in_names[in_pos[key]]
+                        else:
+                            for x, xname in zip(ins, in_names):
+                                if x is t:
+                                    known = xname
+                                    break
                     if known is None and kind != "function":
                         # A custom Function's outputs are the very tensors its forward's inner ops
                         # made, but as the Function's outputs they carry its grad node: they are

@@ -4,6 +4,7 @@ its fallback), and the distinct tensors among a call's arguments."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -269,8 +270,12 @@ def call_tensors(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> list[t
     return unique(ts)
 
 
+_VERSION = operator.attrgetter("_version")
+GRAD_FN = operator.attrgetter("grad_fn")
+
+
 def versions_of(ts: list[torch.Tensor]) -> list[int]:
     try:
-        return [t._version for t in ts]
+        return list(map(_VERSION, ts))  # (no comprehension frame: twice per recorded call)
     except RuntimeError:  # an inference tensor among them: ask one by one
         return [version_of(t) for t in ts]
