@@ -249,9 +249,7 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin):
             names_of: dict[int, str] = {}
             # A call with many new values (an optimizer step, a foreach op) hands them to the
             # hasher together: it reduces the small ones of one size in one go.
-            deferred = self._reads_values and len(mutated) + len(outs) >= BATCH_MIN
-            if deferred:
-                self._deferred = []
+            deferred = len(mutated) + len(outs) >= BATCH_MIN and self._defer_submits()
             try:
                 # Lists of exactly the right length, filled in place (they are kept in the Call).
                 mutated_names = [""] * len(mutated)
@@ -308,9 +306,7 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin):
                     out_names[i] = known
             finally:
                 if deferred:
-                    batch, self._deferred = self._deferred, None
-            if deferred and batch:
-                self.hasher.submit_many(batch)
+                    self._submit_deferred()
             if len(produced) > n_outs:
                 # What it wrote without returning it (foreach in-place ops, GradScaler's unscale
                 # return nothing) is among its outputs too.

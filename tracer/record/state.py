@@ -81,9 +81,6 @@ class RecorderState:
         # names of the nodes waiting for it.
         self._every_node_run = options.every_node_run
         self._unhooked: set[str] = set()
-        # The running backward run left some built-in nodes unhooked: a node that fails there
-        # cannot be told from the runs that finished.
-        self._partial_runs = False
         # Stats and no checksums: a transposed view of a contiguous value has that value's stats
         # (same_multiset), so it copies them too.
         self._stats_only = options.hash == "none" and options.effective_stats
@@ -224,16 +221,24 @@ class RecorderState:
     @contextlib.contextmanager
     def submits_batched(self) -> Iterator[None]:
         """Within: the new values' tensors go to the hasher together at the end (see _deferred)."""
-        if not self._reads_values or self._deferred is not None:
-            yield
-            return
-        self._deferred = []
+        started = self._defer_submits()
         try:
             yield
         finally:
-            batch, self._deferred = self._deferred, None
-            if batch:
-                self.hasher.submit_many(batch)
+            if started:
+                self._submit_deferred()
+
+    def _defer_submits(self) -> bool:
+        """Start collecting the new values' tensors (False: nothing to hash, or already collecting)."""
+        if not self._reads_values or self._deferred is not None:
+            return False
+        self._deferred = []
+        return True
+
+    def _submit_deferred(self) -> None:
+        batch, self._deferred = self._deferred, None
+        if batch:
+            self.hasher.submit_many(batch)
 
     def _untaken(self, name: str) -> str:
         """``name``, or ``name#k`` with the first k not taken: a record is never overwritten."""
