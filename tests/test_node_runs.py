@@ -5,6 +5,7 @@ node hooked, and a backward that needs the runs (a listener, ``create_graph``) h
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -48,14 +49,20 @@ def _graph(t: Trace) -> list[tuple[Any, ...]]:
             for n in t.grad_nodes]
 
 
+def _lean_and_full(run: Callable[..., Trace]) -> tuple[Trace, Trace]:
+    """``run`` with ``hash="none"`` (lean) and with every node's run, from one line (the stacks
+    end at the caller's line); the same grad nodes, edges, calls, links and stacks in both."""
+    lean, full = (run(**options) for options in ({"hash": "none"}, {"hash": "none", "node_runs": True}))
+    assert _graph(lean) == _graph(full)
+    assert [(c.name, c.api, c.inputs, c.outputs, c.grad_nodes, c.stack) for c in lean.calls] == \
+        [(c.name, c.api, c.inputs, c.outputs, c.grad_nodes, c.stack) for c in full.calls]
+    return lean, full
+
+
 def test_a_trace_without_checksums_hooks_only_the_nodes_it_needs() -> None:
     x = torch.randn(2, 3, 6, 6)
-    # (From one line: the stacks end at the caller's line.)
-    lean, full = (_step(_cnn(), x, **options) for options in ({"hash": "none"}, {"hash": "none", "node_runs": True}))
     # The same graph, calls and links, stacks included.
-    assert _graph(lean) == _graph(full)
-    assert [(c.name, c.inputs, c.outputs, c.grad_nodes) for c in lean.calls] == \
-        [(c.name, c.inputs, c.outputs, c.grad_nodes) for c in full.calls]
+    lean, full = _lean_and_full(lambda **options: _step(_cnn(), x, **options))
     kinds = {n.name: n.kind for n in lean.grad_nodes}
     ran = lean.backward_runs[0].order
     # Runs: the accumulators and the custom Function's node, in the engine's order (as in full).
@@ -253,10 +260,7 @@ def test_a_transformer_step_records_the_same_graph_lean_or_not(kind: str) -> Non
             opt.step()
         return t
 
-    lean, full = (run(**options) for options in ({"hash": "none"}, {"hash": "none", "node_runs": True}))
-    assert _graph(lean) == _graph(full)
-    assert [(c.name, c.inputs, c.outputs, c.grad_nodes, c.stack) for c in lean.calls] == \
-        [(c.name, c.inputs, c.outputs, c.grad_nodes, c.stack) for c in full.calls]
+    lean, full = _lean_and_full(run)
     lean_grads = {n for n, r in lean.tensors.items() if r.role == "grad"}
     full_grads = {n for n, r in full.tensors.items() if r.role == "grad"}
     params = {f"{p}@grad" for p, r in full.tensors.items() if r.role == "param" and r.previous is None}
@@ -321,10 +325,7 @@ def test_a_recipe_records_the_same_calls_and_gradients_lean_or_not() -> None:
             scaler.update()
         return t
 
-    lean, full = (recipe(**options) for options in ({"hash": "none"}, {"hash": "none", "node_runs": True}))
-    assert _graph(lean) == _graph(full)
-    assert [(c.name, c.api, c.inputs, c.outputs, c.stack) for c in lean.calls] == \
-        [(c.name, c.api, c.inputs, c.outputs, c.stack) for c in full.calls]
+    lean, full = _lean_and_full(recipe)
     read = {i for c in full.calls for i in c.inputs if "@grad" in i}
     assert "0.weight@grad@v1" in read and read <= set(lean.tensors)
     assert len(lean.backward_runs) == 2

@@ -190,7 +190,7 @@ class AutogradMixin(RecorderState):
         """Whether a backward from ``roots`` reaches a recorded node that has no hook."""
         if not self._unhooked:
             return False
-        todo = [n for n in (self._node_name(gf) for gf in map(grad_fn_of, roots) if gf is not None) if n is not None]
+        todo = self._root_names(roots)
         seen = set(todo)
         while todo:
             name = todo.pop()
@@ -346,6 +346,7 @@ class AutogradMixin(RecorderState):
         return indegree
 
     def _root_names(self, roots: list[torch.Tensor]) -> list[str]:
+        """The recorded nodes a backward from the tensors ``roots`` starts at."""
         return [n for n in (self._node_name(gf) for gf in map(grad_fn_of, roots) if gf is not None) if n is not None]
 
     def _run_indegree(self) -> dict[tuple[str, int], int]:
@@ -697,7 +698,7 @@ class AutogradMixin(RecorderState):
             return None
         done = {st.node for st in run.steps} - set(self._running)
         seq_of = {name: sn for (sn, _kind), name in self._node_by_seq.items()}
-        todo = [n for n in (self._node_name(gf) for gf in map(grad_fn_of, roots) if gf is not None) if n is not None]
+        todo = self._root_names(roots)
         preds: dict[str, set[str]] = {n: set() for n in todo}
         while todo:
             name = todo.pop()
