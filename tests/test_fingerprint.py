@@ -94,8 +94,9 @@ def _reference(t: torch.Tensor) -> str:
 
 
 def test_cpu_paths_equal_the_definition_on_every_length_and_dtype():
-    """Lengths around the staging block (1024 words) and the direct path's chunk (65536 words),
-    odd byte counts (the zero-padded last word), and a byte view that starts off a word."""
+    """Lengths around the staging block (1024 words) and the direct path's chunk (``HOST_CHUNK``
+    words), odd byte counts (the zero-padded last word), and a byte view that starts off a word;
+    with the work buffers passed in (dirty from an earlier tensor) and without."""
     from tracer.record.checksums.fingerprint import HOST_CHUNK, lane_sums, lane_sums_host
 
     g = torch.Generator().manual_seed(3)
@@ -105,6 +106,8 @@ def test_cpu_paths_equal_the_definition_on_every_length_and_dtype():
             want = finish_of(lane_sums(t).tolist(), t) if n > 2000 else _reference(t)
             got = lane_sums_host(t)
             assert finish_of(list(got), t) == want, (n, dtype)
+            work = (torch.full((2 * HOST_CHUNK,), -1, dtype=torch.int32), torch.full((2 * HOST_CHUNK,), 7, dtype=torch.int32))
+            assert lane_sums_host(t, work) == got, (n, dtype)
     odd = torch.arange(200, dtype=torch.uint8)[3:]
     assert fingerprint(odd) == _reference(odd)
     lone = torch.randn(3, 2, generator=g)[:1, 0]  # one element, stride 2
@@ -139,6 +142,24 @@ def test_staged_fingerprints_equal_one_at_a_time_and_are_snapshots():
     staged.flush()
     assert staged.pending() == []
     assert [r.fingerprint for r in recs] == wanted
+
+
+def test_staged_padding_is_zero_where_an_earlier_pass_left_bytes():
+    """The stage is reused from pass to pass: a short tensor's padding words land on bytes an
+    earlier, longer tensor left there, and must still count as zeros."""
+    from tracer.model import TensorRecord
+    from tracer.record.checksums.host_batch import BLOCK, HostFingerprints
+
+    staged = HostFingerprints()
+    first = torch.full((3 * BLOCK + 1,), -1, dtype=torch.int32)  # every bit set
+    later = [torch.arange(n, dtype=torch.uint8) for n in (1, 5, 4 * BLOCK - 2)]
+    recs = [TensorRecord(f"t{i}", [1], "uint8", "cpu", "output") for i in range(1 + len(later))]
+    staged.add(recs[0], first)
+    staged.flush()
+    for rec, t in zip(recs[1:], later):
+        staged.add(rec, t)
+        staged.flush()  # each at the start of the stage, on first's bytes
+    assert [r.fingerprint for r in recs] == [_reference(t) for t in (first, *later)]
 
 
 def test_a_traced_cpu_step_fingerprints_like_the_reference():
