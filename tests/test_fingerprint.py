@@ -162,6 +162,37 @@ def test_staged_padding_is_zero_where_an_earlier_pass_left_bytes():
     assert [r.fingerprint for r in recs] == [_reference(t) for t in (first, *later)]
 
 
+def test_staged_copies_take_the_bytes_md5_takes_from_any_layout_and_dtype():
+    """The stage copies a tensor in its own dtype and shape (``copy_`` reads the strides and
+    applies conjugate and negative bits): the bytes are those ``as_bytes`` gives, for views,
+    expanded and zero-dim tensors, conjugate and negative views, and odd-sized narrow dtypes."""
+    from tracer.model import TensorRecord
+    from tracer.record.checksums.host_batch import HostFingerprints
+
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(6, 7, generator=g)
+    cases = {
+        "transposed": base.t(), "sliced": base[:, 1:5], "every other row": base[::2],
+        "zero-dim": torch.tensor(3.5), "expanded": torch.randn(1, 7, generator=g).expand(5, 7),
+        "conjugate": torch.randn(4, 3, dtype=torch.cfloat, generator=g).conj(),
+        "conjugate transposed": torch.randn(4, 3, dtype=torch.cfloat, generator=g).conj().t(),
+        "negative view": torch._neg_view(torch.randn(4, 5, generator=g)),
+        "bool": torch.rand(37, generator=g) > 0.5, "float16, odd": torch.randn(13, generator=g).half(),
+        "uint8, odd": torch.arange(23, dtype=torch.uint8), "int64": torch.arange(30),
+        "complex128": torch.randn(5, dtype=torch.cdouble, generator=g),
+        "bfloat16 transposed": torch.randn(8, 9, generator=g).bfloat16().t(),
+    }
+    if hasattr(torch, "float8_e4m3fn"):
+        cases["float8"] = torch.randn(11, generator=g).to(torch.float8_e4m3fn)
+    assert cases["negative view"].is_neg() and cases["conjugate"].is_conj()
+    staged = HostFingerprints()
+    recs = {k: TensorRecord(k, [1], "float32", "cpu", "output") for k in cases}
+    for k, t in cases.items():
+        staged.add(recs[k], t)
+    staged.flush()
+    assert {k: r.fingerprint for k, r in recs.items()} == {k: _reference(t) for k, t in cases.items()}
+
+
 def test_a_traced_cpu_step_fingerprints_like_the_reference():
     """Through the recorder: outputs, a leaf's gradient and an in-place change after the call
     (the record keeps the value the call made)."""

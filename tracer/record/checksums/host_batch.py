@@ -83,19 +83,24 @@ class HostFingerprints:
         self._waiting: Staged = []
 
     def add(self, rec: TensorRecord, t: torch.Tensor) -> None:
-        b = as_bytes(t)
-        n = b.numel()
+        n = t.numel() * t.element_size()
         words = (n + 3) // 4
         blocks = -(-words // BLOCK)
         if blocks * 2 > BATCH_BLOCKS:  # large: on its own, now
-            a, bb = fp.lane_sums_host(b, (self._lanes, self._scratch))
+            a, bb = fp.lane_sums_host(t, (self._lanes, self._scratch))
             rec.fingerprint = fp.finish(a, bb, n)
             return
         if self._used + blocks > BATCH_BLOCKS:
             self.flush()
         start = self._used
         at = start * BLOCK * 4
-        self._stage_bytes.narrow(0, at, n).copy_(b)
+        dst = self._stage_bytes.narrow(0, at, n)
+        try:
+            # The values in row-major order in their own dtype: the bytes as_bytes gives (copy_
+            # reads any strides and applies a conjugate or negative bit), without its calls.
+            dst.view(t.dtype).view(t.shape).copy_(t.detach())
+        except RuntimeError:  # a dtype whose bytes cannot be viewed so
+            dst.copy_(as_bytes(t))
         pad = blocks * BLOCK * 4 - n
         if pad:  # the words after its end, to its last block's end, must read as zero
             self._stage_bytes.narrow(0, at + n, pad).zero_()
