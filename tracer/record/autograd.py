@@ -15,6 +15,7 @@ import torch
 
 from tracer.analysis.explain import add_note, explain_backward_error
 from tracer.model import BackwardRun, GradNode, NodeRun, TensorRecord, names
+from tracer.record.engine import expect_backward
 from tracer.record.listeners import Listener, needs_node_runs
 from tracer.record.state import RecorderState
 from tracer.record.tensors import (
@@ -296,7 +297,13 @@ class AutogradMixin(RecorderState):
         self._in_backward += 1
         error: BaseException | None = None
         try:
-            out = func(*args, **kwargs)
+            # The engine starts under a mode of this recorder (tracer.record.engine): the Python
+            # code the backward runs (hooks, recomputation, custom backward) is recorded.
+            expect_backward(self)  # type: ignore[arg-type]
+            try:
+                out = func(*args, **kwargs)
+            finally:
+                expect_backward(None)
         except BaseException as exc:
             run.status = "failed"
             run.error = f"{type(exc).__name__}: {exc}"
@@ -718,10 +725,13 @@ class AutogradMixin(RecorderState):
 _queue_callback = getattr(getattr(torch.autograd.Variable, "_execution_engine", None), "queue_callback", None)
 
 
+# gradtrace's own hooks run with torch functions off: the backward's mode (tracer.record.engine)
+# is on around them, and what they do is not the user's code (nor worth a handler call per attribute).
 def _read_waiting(ref: weakref.ref[Any]) -> None:
     rec = ref()
     if rec is not None and not rec.closed:
-        rec.hasher.before_write()
+        with torch._C.DisableTorchFunction():
+            rec.hasher.before_write()
 
 
 _PRE_HOOK: Any = object()  # a unique marker: only a pre-hook call leaves the argument at it
@@ -731,10 +741,11 @@ def node_hook(ref: weakref.ref[Any], name: str, grads: tuple[Any, ...], grad_out
     """A node's pre-hook ``(grad_outputs)`` and hook ``(grad_inputs, grad_outputs)`` in one."""
     rec = ref()
     if rec is not None and not rec.closed:
-        if grad_outputs is _PRE_HOOK:
-            rec.node_begin(name, grads)
-        else:
-            rec.node_end(name, grads)
+        with torch._C.DisableTorchFunction():
+            if grad_outputs is _PRE_HOOK:
+                rec.node_begin(name, grads)
+            else:
+                rec.node_end(name, grads)
 
 
 def node_done_hook(ref: weakref.ref[Any], name: str, grad_inputs: tuple[Any, ...],
@@ -742,4 +753,5 @@ def node_done_hook(ref: weakref.ref[Any], name: str, grad_inputs: tuple[Any, ...
     """The only hook of a node that needs no pre-hook (see ``Recorder._register_node``)."""
     rec = ref()
     if rec is not None and not rec.closed:
-        rec.node_done(name, grad_inputs, grad_outputs)
+        with torch._C.DisableTorchFunction():
+            rec.node_done(name, grad_inputs, grad_outputs)

@@ -12,7 +12,13 @@ import torch
 
 from tracer.model import Call
 from tracer.record import naming
-from tracer.record.mode import RecordingMode
+from tracer.record.mode import (
+    COMPILED_BACKWARDS,
+    BackwardRecordingMode,
+    current_autograd_node,
+    top_recording_mode,
+)
+from tracer.record.opaque import ModeOff
 from tracer.record.state import RecorderState
 
 if TYPE_CHECKING:
@@ -69,43 +75,44 @@ _ORIGINAL_APPLY = _FunctionBase.__dict__["apply"]
 _ACTIVE: Recorder | None = None
 
 
-# Private (the node the autograd engine runs on this thread); without it, Functions applied on an
-# engine thread (CUDA backward) are not recorded.
-_current_autograd_node: Callable[[], Any] | None = getattr(torch._C, "_current_autograd_node", None)
-
-
-def _on_traced_thread(rec: Recorder) -> bool:
+def on_traced_thread(rec: Recorder) -> bool:
     """The trace's own thread, or an autograd engine thread running one of its backward passes."""
     if threading.get_ident() == rec.owner:
         return True
-    return bool(rec.in_backward) and _current_autograd_node is not None and _current_autograd_node() is not None
+    return bool(rec.in_backward) and current_autograd_node is not None and current_autograd_node() is not None
 
 
 def _traced_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
     rec = _ACTIVE
     original = _ORIGINAL_APPLY.__func__
-    if rec is None or rec.closed or rec.paused or rec.stopped or rec.op_depth or not _on_traced_thread(rec):
+    if rec is None or rec.closed or rec.paused or rec.stopped or rec.op_depth or not on_traced_thread(rec):
         return original(cls, *args, **kwargs)
     return rec.record_function(cls, original, args, kwargs)
 
 
 # ---- custom backward code: BackwardCFunction.apply runs a Function's backward (or vjp) -------------
-# The whole backward pass runs inside the mode's handler for Tensor.backward, where the mode is
-# off (and on CUDA it runs on engine threads, where it never was on). To see the ops a custom
-# Function's backward makes, a mode of the same recorder is pushed around that code alone: they
-# become calls nested under the running grad node, with their stacks inside backward().
+# A backward the recorder started runs under a mode of the recorder (tracer.record.engine), on every
+# engine thread: a custom Function's backward ops are recorded through it, as calls nested under
+# the running grad node, with their stacks inside backward(). A backward it did not start (one
+# the engine runs without going through torch functions) has no mode: one is put on around the
+# custom code alone.
 _ORIGINAL_BACKWARD_APPLY = BackwardCFunction.__dict__["apply"]
-# The backward of a torch.compile region (AOTAutograd's Function) is as opaque as its forward:
-# one grad node, the ops of its compiled backward graph not recorded.
-_COMPILED_BACKWARDS = frozenset({"CompiledFunctionBackward", "CompiledFunctionBackwardBackward"})
 
 
 def _traced_backward_apply(self: Any, *args: Any) -> Any:
     rec = _ACTIVE
-    if rec is None or rec.closed or rec.paused or rec.stopped or not rec.in_backward \
-            or type(self).__name__ in _COMPILED_BACKWARDS:
+    top = top_recording_mode()
+    if type(self).__name__ in COMPILED_BACKWARDS:
+        if top is None:
+            return _ORIGINAL_BACKWARD_APPLY(self, *args)
+        off = ModeOff(top)
+        try:
+            return _ORIGINAL_BACKWARD_APPLY(self, *args)
+        finally:
+            off.restore()
+    if rec is None or rec.closed or rec.paused or rec.stopped or not rec.in_backward or top is not None:
         return _ORIGINAL_BACKWARD_APPLY(self, *args)
-    with RecordingMode(rec):
+    with BackwardRecordingMode(rec):
         return _ORIGINAL_BACKWARD_APPLY(self, *args)
 
 

@@ -65,3 +65,44 @@ class RecordingMode(TorchFunctionMode):
                 return wrapped(*args, **kwargs)
             kind = "op"
         return rec.record_call(func, api, short, kind, args, kwargs, writes)
+
+
+# The grad node the autograd engine runs on this thread (private; without it a compiled region's
+# backward is recorded op by op instead of staying opaque).
+current_autograd_node: Callable[[], Any] | None = getattr(torch._C, "_current_autograd_node", None)
+# The backward of a torch.compile region (AOTAutograd's Function) is as opaque as its forward:
+# one grad node, the ops of its compiled backward graph not recorded.
+COMPILED_BACKWARDS = frozenset({"CompiledFunctionBackward", "CompiledFunctionBackwardBackward"})
+
+
+class BackwardRecordingMode(RecordingMode):
+    """The mode a recorded backward runs under (tracer.record.engine): what the recording mode
+    does, except inside a compiled region's backward, whose ops run unrecorded."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        node = current_autograd_node() if current_autograd_node is not None else None
+        if node is not None and type(node).__name__ in COMPILED_BACKWARDS:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+# The torch-function mode stack (private functions every torch >= 2.0 has; without them no mode
+# is known to be on top: the engine's entry always adds the backward's mode, and compiled regions
+# fall back to DisableTorchFunction, see tracer.record.opaque).
+_stack_len: Callable[[], int] | None = getattr(torch._C, "_len_torch_function_stack", None)
+_stack_at: Callable[[int], Any] | None = getattr(torch._C, "_get_function_stack_at", None)
+
+
+def top_mode() -> Any:
+    """The mode on top of this thread's torch-function stack (None: none, or not readable)."""
+    if _stack_len is None or _stack_at is None:
+        return None
+    n = _stack_len()
+    return _stack_at(n - 1) if n else None
+
+
+def top_recording_mode() -> RecordingMode | None:
+    """The recording mode on top of this thread's torch-function stack, if that is one."""
+    top = top_mode()
+    return top if isinstance(top, RecordingMode) else None

@@ -10,10 +10,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from tracer.record.calls import PendingCall
+from tracer.record.mode import top_mode
 
-# The torch-function mode stack, where torch has these (every torch >= 2.0 does today).
-_stack_len = getattr(torch._C, "_len_torch_function_stack", None)
-_stack_at = getattr(torch._C, "_get_function_stack_at", None)
+# Taking the mode off the torch-function stack and putting it back, where torch has these (every
+# torch >= 2.0 does today).
 _stack_pop = getattr(torch._C, "_pop_torch_function_stack", None)
 _stack_push = getattr(torch._C, "_push_on_torch_function_stack", None)
 
@@ -33,8 +33,7 @@ class ModeOff:
     def __init__(self, mode: TorchFunctionMode) -> None:
         self._mode: TorchFunctionMode | None = None
         self._disabled: Any = None
-        on_top = (_stack_len is not None and _stack_at is not None and _stack_pop is not None
-                  and _stack_push is not None and _stack_len() > 0 and _stack_at(_stack_len() - 1) is mode)
+        on_top = _stack_pop is not None and _stack_push is not None and top_mode() is mode
         if on_top:
             self._mode = _stack_pop()  # type: ignore[misc]
         else:

@@ -41,6 +41,7 @@ from tracer.record.calls import CAPTURE_NOW, PendingCall
 from tracer.record.checksums.hasher import BATCH_MIN, Hasher
 from tracer.record.compiled_functions import CompiledFunctionWatch
 from tracer.record.effects import UNINITIALISED, Writes
+from tracer.record.engine import install_engine_wrapper, uninstall_engine_wrapper
 from tracer.record.functions import (
     FunctionsMixin,
     active_recorder,
@@ -95,6 +96,7 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin):
         self._install_module_hooks()
         self._handles.append(register_optimizer_step_pre_hook(self._optimizer_pre))
         install_apply_wrapper(self)
+        install_engine_wrapper()
         self._mode.__enter__()
         self._compiled_functions.install()
 
@@ -121,6 +123,7 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin):
             self._mode.recorder = None
         finally:
             uninstall_apply_wrapper(self)
+            uninstall_engine_wrapper()
             for h in self._handles:
                 try:
                     h.remove()

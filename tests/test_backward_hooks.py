@@ -1,0 +1,207 @@
+"""The Python code a backward runs is recorded: tensor hooks, hooks on leaves, module backward
+hooks, post-accumulate-grad hooks, the forward that non-reentrant checkpointing recomputes, and
+custom backward code (once each); gradtrace's own hooks record nothing."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint as checkpoint
+
+import tracer
+from tracer.model import Call, Trace
+
+LEAN = {"hash": "none"}
+FULL = {"hash": "none", "node_runs": True}
+
+
+def _line(marker: str) -> int:
+    """The line of this file that ends with ``# <marker>``."""
+    with open(__file__) as f:
+        return next(i for i, text in enumerate(f, 1) if text.rstrip().endswith(f"# {marker}"))
+
+
+def _backward_calls(t: Trace) -> list[Call]:
+    return [c for c in t.calls if c.phase == "backward"]
+
+
+def _last_line(t: Trace, call: Call) -> int:
+    return call.stack[-1].line
+
+
+def _md5(t: torch.Tensor) -> str:
+    return hashlib.md5(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _hooked_step(**options: Any) -> tuple[Trace, torch.Tensor, torch.Tensor]:
+    x = torch.randn(3, requires_grad=True)
+    w = torch.randn(3, requires_grad=True)
+    with tracer.trace(**options) as t:
+        h = (x * w).sin()
+        h.register_hook(lambda g: g * 0.5)  # tensor hook
+        w.register_hook(lambda g: g.clamp(-0.1, 0.1))  # leaf hook
+        h.sum().backward()  # backward call
+    return t, x, w
+
+
+@pytest.mark.parametrize("options", [LEAN, FULL], ids=["lean", "node_runs"])
+def test_tensor_and_leaf_hook_ops_are_backward_calls_at_the_hooks_lines(options: dict[str, Any]) -> None:
+    t, _, w = _hooked_step(**options)
+    calls = _backward_calls(t)
+    assert [(c.name, c.api) for c in calls] == [("mul1", "Tensor.mul"), ("clamp0", "Tensor.clamp")]
+    assert _last_line(t, calls[0]) == _line("tensor hook")
+    assert _last_line(t, calls[1]) == _line("leaf hook")
+    # Inside backward(): the stack runs through the line that called it.
+    assert _line("backward call") in [f.line for f in calls[0].stack]
+    # What the leaf's accumulator received is the clamped gradient, w.grad itself.
+    acc = next(s for s in t.backward_runs[0].steps if s.node == "input1/AccumulateGrad")
+    assert acc.grads_in and t.tensors[acc.grads_in[0]].shape == (3,)
+    assert float(w.grad.abs().max()) == pytest.approx(0.1)  # type: ignore[union-attr]
+
+
+def test_with_every_run_the_hooks_inputs_and_outputs_link_into_the_nodes() -> None:
+    t, _, _ = _hooked_step(**FULL)
+    mul, clamp = _backward_calls(t)
+    steps = {s.node: s for s in t.backward_runs[0].steps}
+    # The tensor hook gets the gradient SumBackward passed on, and SinBackward gets its result.
+    assert mul.inputs == steps["sum0/SumBackward0"].grads_out == ["sin0:out@grad"]
+    assert steps["sin0/SinBackward0"].grads_in == mul.outputs == ["mul1:out"]
+    # The leaf hook gets MulBackward's gradient for w, and the accumulator its result.
+    assert clamp.inputs == [steps["mul0/MulBackward0"].grads_out[1]]
+    assert steps["input1/AccumulateGrad"].grads_in == clamp.outputs == ["clamp0:out"]
+
+
+def test_hook_values_are_hashed_like_any_call() -> None:
+    seen: dict[str, torch.Tensor] = {}
+    x = torch.randn(4, requires_grad=True)
+    with tracer.trace(hash="md5") as t:
+        y = x.exp()
+        y.register_hook(lambda g: seen.setdefault("out", g * 3))
+        y.sum().backward()
+    (mul,) = _backward_calls(t)
+    assert t.tensors[mul.outputs[0]].md5 == _md5(seen["out"])
+
+
+def test_module_backward_hook_ops_are_recorded() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    norms: list[float] = []
+
+    def hook(module: nn.Module, grad_in: tuple[Any, ...], grad_out: tuple[Any, ...]) -> None:
+        norms.append(float(grad_out[0].norm()))  # module hook
+
+    model[1].register_full_backward_hook(hook)
+    with tracer.trace(hash="none") as t:
+        model(torch.randn(5, 4)).square().mean().backward()
+    norm = [c for c in _backward_calls(t) if c.api.endswith("norm")]
+    assert len(norm) == 1 and len(norms) == 1
+    assert _last_line(t, norm[0]) == _line("module hook")
+
+
+def test_post_accumulate_grad_hook_ops_are_recorded_and_make_new_versions() -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 2)
+
+    def halve(p: torch.Tensor) -> None:
+        p.grad.mul_(0.5)  # type: ignore[union-attr]  # post hook
+
+    for p in lin.parameters():
+        p.register_post_accumulate_grad_hook(halve)
+    with tracer.trace(hash="md5") as t:
+        lin(torch.randn(4, 3)).sum().backward()
+    scaled = [c for c in _backward_calls(t) if c.api == "Tensor.mul_"]
+    assert len(scaled) == 2 and {_last_line(t, c) for c in scaled} == {_line("post hook")}
+    assert sorted(c.inputs[0] for c in scaled) == ["bias@grad", "weight@grad"]
+    assert sorted(c.outputs[0] for c in scaled) == ["bias@grad@v1", "weight@grad@v1"]
+    assert t.tensors["weight@grad@v1"].md5 == _md5(lin.weight.grad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("options", [LEAN, FULL], ids=["lean", "node_runs"])
+def test_non_reentrant_checkpoint_recomputation_is_recorded_in_backward(options: dict[str, Any]) -> None:
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 2))
+    x = torch.randn(3, 4, requires_grad=True)
+    with tracer.trace(**options) as t:
+        y = checkpoint.checkpoint(block, x, use_reentrant=False).sum()
+        y.backward()
+    forward = [c.api for c in t.calls if c.phase == "forward"]
+    again = [c.api for c in _backward_calls(t)]
+    assert forward[:3] == ["torch.nn.functional.linear", "torch.nn.functional.gelu", "torch.nn.functional.linear"]
+    assert again[:2] == ["torch.nn.functional.linear", "torch.nn.functional.gelu"]  # recomputed
+    # Every parameter still gets its gradient, linked to its accumulator.
+    for p in ("0.weight", "0.bias", "2.weight", "2.bias"):
+        assert f"{p}@grad" in t.tensors
+
+
+class _Double(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            inner = x.detach().requires_grad_()
+            (dx,) = torch.autograd.grad(inner.sin().sum(), inner)  # nested grad
+        return g * 2 + dx * 0
+
+
+def test_custom_backward_ops_are_recorded_once_also_around_a_nested_grad() -> None:
+    x = torch.randn(3, requires_grad=True)
+    with tracer.trace(hash="none") as t:
+        _Double.apply(x).sum().backward()
+    apis = [c.api for c in _backward_calls(t)]
+    # sin, sum, the nested grad's own cos/mul (its backward), then g * 2, dx * 0, the add: each once.
+    assert apis.count("Tensor.sin") == 1 and apis.count("Tensor.sum") == 1
+    assert apis.count("Tensor.mul") == 2 and apis.count("Tensor.add") == 1
+    assert [r.api for r in t.backward_runs] == ["Tensor.backward", "torch.autograd.grad"]
+    names = [c.name for c in t.calls]
+    assert len(names) == len(set(names))
+
+
+@pytest.mark.parametrize("options", [{"hash": "md5"}, {"hash": "none", "stats": True}, LEAN], ids=["md5", "stats", "lean"])
+def test_gradtraces_own_hooks_record_nothing(options: dict[str, Any]) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 2))
+    opt = torch.optim.AdamW(model.parameters())
+    with tracer.trace(**options) as t:
+        model(torch.randn(2, 3, 6, 6)).square().mean().backward()
+        opt.step()
+    assert _backward_calls(t) == []
+
+
+def test_after_the_block_hooks_run_untraced_and_the_engine_entry_is_restored() -> None:
+    entry = torch.autograd._engine_run_backward if hasattr(torch.autograd, "_engine_run_backward") else None
+    x = torch.randn(3, requires_grad=True)
+    with tracer.trace(hash="none") as t:
+        (x * 2).sum().backward()
+    n = len(t.calls)
+    y = x * 3
+    y.register_hook(lambda g: g + 1)
+    y.sum().backward()
+    assert len(t.calls) == n
+    if entry is not None:
+        assert torch.autograd._engine_run_backward is entry
+
+
+def test_a_hook_that_raises_leaves_a_readable_trace() -> None:
+    x = torch.randn(3, requires_grad=True)
+
+    def bad(g: torch.Tensor) -> torch.Tensor:
+        g.mul(2)
+        raise ValueError("hook failed")  # raising hook
+
+    with pytest.raises(ValueError, match="hook failed"), tracer.trace(hash="none") as t:
+        y = x.exp()
+        y.register_hook(bad)
+        y.sum().backward()
+    (mul,) = _backward_calls(t)
+    assert mul.api == "Tensor.mul" and _last_line(t, mul) == _line("raising hook") - 1
+    assert t.backward_runs[0].status == "failed"
+    assert torch.autograd._engine_run_backward.__module__ == "torch.autograd.graph"
