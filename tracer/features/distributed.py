@@ -71,6 +71,7 @@ except ImportError:
 
 from tracer.model import BackwardRun, Call, Trace, names
 from tracer.record import naming
+from tracer.record.functions import on_traced_thread
 from tracer.record.listeners import Listener
 from tracer.record.recorder import Recorder
 from tracer.record.tensors import flat_tensors
@@ -310,10 +311,8 @@ def _inside() -> Iterator[None]:
 def _should_record(rec: Any) -> bool:
     if rec.closed or rec.stopped or rec.paused or getattr(_local, "depth", 0):
         return False
-    if threading.get_ident() == rec.owner:
-        return True
     # DDP/FSDP hooks issue collectives from autograd engine threads during a traced backward.
-    return rec.in_backward and torch._C._current_autograd_node() is not None
+    return on_traced_thread(rec)
 
 
 def _add_note(trace: Trace, note: str) -> None:
