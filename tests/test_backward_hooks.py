@@ -205,3 +205,25 @@ def test_a_hook_that_raises_leaves_a_readable_trace() -> None:
     assert mul.api == "Tensor.mul" and _last_line(t, mul) == _line("raising hook") - 1
     assert t.backward_runs[0].status == "failed"
     assert torch.autograd._engine_run_backward.__module__ == "torch.autograd.graph"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("options", [LEAN, FULL, {"hash": "md5"}], ids=["lean", "node_runs", "md5"])
+def test_on_cuda_hook_and_custom_backward_ops_are_recorded_from_the_engine_threads(options: dict[str, Any]) -> None:
+    """CUDA nodes run on the engine's device threads: the recorder's mode reaches them with the
+    torch-function state the engine hands over. Each op once, at its own line."""
+    x = torch.randn(64, device="cuda", requires_grad=True)
+    w = torch.randn(64, device="cuda", requires_grad=True)
+    with tracer.trace(**options) as t:
+        h = _Double.apply(x * w).sin()
+        h.register_hook(lambda g: g * 0.5)  # cuda tensor hook
+        w.register_hook(lambda g: g.clamp(-0.1, 0.1))  # cuda leaf hook
+        h.sum().backward()
+    torch.cuda.synchronize()
+    apis = [c.api for c in _backward_calls(t)]
+    assert apis.count("Tensor.clamp") == 1 and apis.count("Tensor.sin") == 1  # leaf hook; _Double's backward
+    by_api = {c.api: c for c in _backward_calls(t)}
+    assert _last_line(t, by_api["Tensor.clamp"]) == _line("cuda leaf hook")
+    assert any(_last_line(t, c) == _line("cuda tensor hook") for c in _backward_calls(t) if c.api == "Tensor.mul")
+    assert [r.api for r in t.backward_runs] == ["Tensor.backward", "torch.autograd.grad"]
