@@ -57,9 +57,15 @@ def test_tensor_and_leaf_hook_ops_are_backward_calls_at_the_hooks_lines(options:
     assert _last_line(t, calls[1]) == _line("leaf hook")
     # Inside backward(): the stack runs through the line that called it.
     assert _line("backward call") in [f.line for f in calls[0].stack]
+    # A hook's gradient is named as the node it arrives at names it, also in a lean trace (where
+    # no hook on the node before it saw it pass): sin's output gradient, w's gradient.
+    assert calls[0].inputs == ["sin0:out@grad"] and calls[1].inputs == ["input1@grad"]
+    # Each belongs to the node whose hook it is: beside sin0 in the report, in w's accumulator.
+    assert [c.parent for c in calls] == ["sin0/SinBackward0", "input1/AccumulateGrad"]
+    assert t.tensors["sin0:out@grad"].role == "grad"
     # What the leaf's accumulator received is the clamped gradient, w.grad itself.
     acc = next(s for s in t.backward_runs[0].steps if s.node == "input1/AccumulateGrad")
-    assert acc.grads_in and t.tensors[acc.grads_in[0]].shape == (3,)
+    assert acc.grads_in == calls[1].outputs == ["clamp0:out"]
     assert float(w.grad.abs().max()) == pytest.approx(0.1)  # type: ignore[union-attr]
 
 
@@ -73,6 +79,29 @@ def test_with_every_run_the_hooks_inputs_and_outputs_link_into_the_nodes() -> No
     # The leaf hook gets MulBackward's gradient for w, and the accumulator its result.
     assert clamp.inputs == [steps["mul0/MulBackward0"].grads_out[1]]
     assert steps["input1/AccumulateGrad"].grads_in == clamp.outputs == ["clamp0:out"]
+
+
+def test_a_second_backward_names_the_hooks_gradient_for_its_run() -> None:
+    x = torch.randn(3, requires_grad=True)
+    with tracer.trace(hash="none") as t:
+        y = x.exp()
+        y.register_hook(lambda g: g * 2)
+        z = y.sum()
+        z.backward(retain_graph=True)
+        z.backward()
+    assert [c.inputs for c in _backward_calls(t)] == [["exp0:out@grad"], ["exp0:out@grad#1"]]
+
+
+def test_a_tensor_the_hook_closes_over_keeps_its_own_name() -> None:
+    """Only a tensor of the shape one of the node's slots takes is taken for its gradient."""
+    x = torch.randn(3, requires_grad=True)
+    scale = torch.full((1,), 0.5)  # made before the block, first seen by the hook
+    with tracer.trace(hash="none") as t:
+        y = x.exp()
+        y.register_hook(lambda g: g * scale)
+        y.sum().backward()
+    (mul,) = _backward_calls(t)
+    assert mul.inputs == ["exp0:out@grad", "input1"] and t.tensors["input1"].role == "input"
 
 
 def test_hook_values_are_hashed_like_any_call() -> None:

@@ -20,6 +20,7 @@ import torch.nn as nn
 
 import tracer
 from export.html import html as write_html
+from export.html.data import build_payload, rows
 from tests.test_html import HOSTILE, hostile_trace, record_step
 
 CHROMIUM = "/usr/bin/chromium"
@@ -150,6 +151,32 @@ def test_a_lean_trace_says_a_built_in_nodes_run_was_not_recorded(opened: Any) ->
     run = t.backward_runs[0]
     assert f"step {run.order.index('2.weight/AccumulateGrad') + 1} of {len(run.order)} in backward0" \
         in page.inner_text("#gt-details")
+    assert o.errors == []
+
+
+def test_a_hooks_op_shows_in_backward_beside_the_call_whose_node_ran_it(opened: Any) -> None:
+    """A tensor hook's op (recorded since the backward runs under the recorder's mode) is a call
+    during backward, placed in the module of the call whose grad node ran the hook, and its
+    details name the node and the gradient it received."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    with tracer.trace(hash="none") as t:
+        h = model[1](model[0](torch.randn(2, 3)))
+        h.register_hook(lambda g: g * 0.5)
+        model[2](h).sum().backward()
+    hook_call = next(c for c in t.calls if c.phase == "backward")
+    assert hook_call.parent == "tanh0/TanhBackward0" and hook_call.inputs == ["tanh0:out@grad"]
+    o = opened(t)
+    page = o.page
+    page.click(f'#gt-vp [data-name="{hook_call.name}"]')
+    assert o.details_title() == hook_call.name
+    details = page.inner_text("#gt-details")
+    assert "during backward" in details and "tanh0:out@grad" in details
+    assert "bwdphase" in page.get_attribute(f'#gt-vp [data-name="{hook_call.name}"]', "class").split()
+    # In the page's data, the hook's op sits in the group of tanh0, whose node ran the hook.
+    calls = rows(build_payload(t)["calls"])
+    group = {c["name"]: c["group"] for c in calls}
+    assert group[hook_call.name] == group["tanh0"]
     assert o.errors == []
 
 

@@ -17,6 +17,7 @@ from tracer.analysis.explain import add_note, explain_backward_error
 from tracer.model import BackwardRun, GradNode, NodeRun, TensorRecord, names
 from tracer.record.engine import expect_backward
 from tracer.record.listeners import Listener, needs_node_runs
+from tracer.record.mode import current_autograd_node
 from tracer.record.state import RecorderState
 from tracer.record.tensors import (
     ACCUMULATE,
@@ -651,6 +652,30 @@ class AutogradMixin(RecorderState):
         self._grad_before[acc] = None if hit is None else hit[0]
         return None if hit is None else hit[0]
 
+    def _engine_node(self) -> str | None:
+        """The recorded name of the grad node the autograd engine runs on this thread now (the
+        node whose hooks run), if it is one the trace knows."""
+        node = current_autograd_node() if current_autograd_node is not None else None
+        return None if node is None else self._node_name(node)
+
+    def _name_arriving_grad(self, t: torch.Tensor) -> str | None:
+        """A tensor seen for the first time in backward before the node the engine is about to
+        run has started (a tensor hook on one of its forward outputs, a hook on a leaf, before
+        its accumulator): the gradient arriving at that node, named as the node's own start
+        would name it, when one slot of the node takes a tensor of its shape. Without it, a
+        lean trace (no hook on the node before) named such a gradient as an input."""
+        name = self._engine_node()
+        if name is None or name in self._running:  # unknown node, or its own code running
+            return None
+        shape = tuple(t.shape)
+        tensors = self.trace.tensors
+        slots = [k for k in range(_MAX_SLOTS) if (base := self._slot_tensor.get((name, k))) is not None
+                 and (rec := tensors.get(base)) is not None and tuple(rec.shape) == shape]
+        if len(slots) != 1:
+            return None
+        gname = self._slot_grad(name, slots[0])
+        return None if gname is None else self._new_tensor(t, gname, "grad", None)
+
     def node_done(self, node: str, grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
         """A node with no pre-hook ran: what it received and what it produced, in one event."""
         if self.stopped:
@@ -734,6 +759,7 @@ def _read_waiting(ref: weakref.ref[Any]) -> None:
             rec.hasher.before_write()
 
 
+_MAX_SLOTS = 16  # the forward outputs of one grad node looked at for a gradient arriving at it
 _PRE_HOOK: Any = object()  # a unique marker: only a pre-hook call leaves the argument at it
 
 

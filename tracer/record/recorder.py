@@ -327,6 +327,8 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin):
                     self._slot_tensor[(root, t.output_nr)] = names_of[identity(t)]
             running = self._running
             parent = self._parents[-1] if self._parents else (running[-1] if running else None)
+            if parent is None and self._in_backward:  # a hook's op: the node whose hook it is
+                parent = self._engine_node()
             if self._module_stack:
                 module = self._module_stack[-1]
             else:  # in backward: the module of the running node's forward call
