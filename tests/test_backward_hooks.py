@@ -256,3 +256,15 @@ def test_on_cuda_hook_and_custom_backward_ops_are_recorded_from_the_engine_threa
     assert _last_line(t, by_api["Tensor.clamp"]) == _line("cuda leaf hook")
     assert any(_last_line(t, c) == _line("cuda tensor hook") for c in _backward_calls(t) if c.api == "Tensor.mul")
     assert [r.api for r in t.backward_runs] == ["Tensor.backward", "torch.autograd.grad"]
+
+
+def test_check_numerics_names_a_hooks_op_as_the_origin_of_a_backward_nan() -> None:
+    x = torch.randn(3, requires_grad=True)
+    with tracer.check_numerics() as t:
+        y = x.exp()
+        y.register_hook(lambda g: g * float("nan"))  # NaN hook
+        y.sum().backward()
+    nan = t.anomalies.backward_nan
+    assert nan is not None and nan.origin
+    assert nan.producer == "mul0" and nan.node == "exp0/ExpBackward0"
+    assert nan.stack[-1].line == _line("NaN hook")

@@ -62,7 +62,7 @@ class Anomaly:
     # backward values follow from the forward anomaly rather than from a faulty backward.
     from_forward: bool = False
     kind: str = "nan"
-    node: str | None = None  # backward: the grad node whose own code ran the producing call
+    node: str | None = None  # backward: the grad node whose own code (or hook) ran the producing call
 
     @property
     def what(self) -> str:
@@ -318,13 +318,21 @@ def _backward(trace: Trace, calls: dict[str, Call], children: dict[str, list[Cal
               frames_of: FramesOf | None) -> tuple[Anomaly | None, Anomaly | None]:
     nodes = {n.name: n for n in trace.grad_nodes}
     hunt = _Hunt("backward", frames_of)
+    hooked: set[str] = set()  # nodes whose hooks' calls were checked
     for run in trace.backward_runs:
         for step in run.steps:
             node = nodes.get(step.node)
             call = calls.get(node.call) if node is not None and node.call else None
             module = call.module if call is not None else ""
-            # The node's own code first (a custom backward): the innermost op is the origin.
+            # The node's hooks ran first (a tensor hook on its forward output, a hook on a leaf):
+            # their calls belong to the node without being its own code. (A node that runs in
+            # several backward runs has its hooks' calls checked at its first run.)
             inner = [calls[c] for c in step.calls if c in calls]
+            if step.node not in hooked:
+                hooked.add(step.node)
+                own = set(step.calls)
+                inner[:0] = [c for c in children.get(step.node, ()) if c.name not in own]
+            # Then the node's own code (a custom backward): the innermost op is the origin.
             for c in _post_order(inner, children):
                 _check_call(hunt, trace, c, intended, node=step.node, backward_run=run.name)
             _check_step(hunt, trace, run.name, step, node, call, module, frames_of)
