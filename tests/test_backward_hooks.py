@@ -233,6 +233,27 @@ def test_a_hook_that_raises_leaves_a_readable_trace() -> None:
     (mul,) = _backward_calls(t)
     assert mul.api == "Tensor.mul" and _last_line(t, mul) == _line("raising hook") - 1
     assert t.backward_runs[0].status == "failed"
+    # The note says where the hook raised (a lean trace cannot name a built-in node; it does not
+    # blame one).
+    note = t.backward_runs[0].error
+    assert f'failed in Python code it ran (a hook, a custom backward), raised at File "{__file__}", ' \
+           f'line {_line("raising hook")}, in ' in note
+    assert "built-in grad node" not in note
+
+
+def test_with_every_run_a_raising_hooks_note_names_its_node_and_its_line() -> None:
+    x = torch.randn(3, requires_grad=True)
+
+    def bad(g: torch.Tensor) -> torch.Tensor:
+        raise ValueError("hook failed")  # raising hook, every run
+
+    with pytest.raises(ValueError, match="hook failed") as info, tracer.trace(**FULL):
+        y = x.exp()
+        y.register_hook(bad)
+        y.sum().backward()
+    note = "\n".join(info.value.__notes__)
+    assert "failed in grad node exp0/ExpBackward0" in note
+    assert f'raised in Python code the backward ran, File "{__file__}", line {_line("raising hook, every run")}' in note
     assert torch.autograd._engine_run_backward.__module__ == "torch.autograd.graph"
 
 

@@ -43,16 +43,24 @@ def _where(stack: tuple[Frame, ...], indent: str) -> list[str]:
 
 
 def explain_backward_error(trace: Trace, run: BackwardRun, running: list[str], exc: BaseException,
-                           stack_of: Callable[[int | None], tuple[Frame, ...]], unknown_node: bool = False) -> str:
+                           stack_of: Callable[[int | None], tuple[Frame, ...]], unknown_node: bool = False,
+                           raised_at: Frame | None = None) -> str:
     """The note for ``exc``: ``running`` lists the grad nodes that were running, outermost first.
     ``unknown_node``: none is known because built-in nodes' runs were not recorded (a trace
-    without checksums or stats, ``node_runs=None``)."""
+    without checksums or stats, ``node_runs=None``). ``raised_at``: where Python code the
+    backward ran (a hook, a custom backward) raised it."""
     nodes = {n.name: n for n in trace.grad_nodes}
     calls = {c.name: c for c in trace.calls}
     site = stack_of(run.stack_id)
     where = f' (called at File "{site[-1].file}", line {site[-1].line}: {site[-1].code})' if site else ""
     levels = [nodes[n] for n in running if n in nodes]
     lines: list[str] = []
+    if not levels and unknown_node and raised_at is not None:
+        lines.append(f"gradtrace: {run.name}{where} failed in Python code it ran (a hook, a custom backward), "
+                     f'raised at File "{raised_at.file}", line {raised_at.line}, in {raised_at.function}: '
+                     f"{raised_at.code}")
+        lines.append(f"{INDENT}{type(exc).__name__}: {_first_line(exc)}")
+        return "\n".join(lines)
     if not levels and unknown_node:
         lines.append(f"gradtrace: {run.name}{where} failed in a built-in grad node; which one is not known: "
                      "this trace records built-in nodes' runs only with checksums or stats. "
@@ -78,6 +86,9 @@ def explain_backward_error(trace: Trace, run: BackwardRun, running: list[str], e
             lines.append(f"{ind}created inside the forward of {outer.name} ({outer.api}) in module "
                          f"'{outer.module or '<root>'}':")
             lines += _where(stack_of(outer.stack_id), ind + INDENT)
+    if raised_at is not None:
+        lines.append(f'{INDENT * len(levels)}raised in Python code the backward ran, File "{raised_at.file}", '
+                     f"line {raised_at.line}, in {raised_at.function}: {raised_at.code}")
     lines.append(f"{INDENT * len(levels)}{type(exc).__name__}: {_first_line(exc)}")
     inplace = _explain_inplace(trace, failing, calls, str(exc))
     if inplace:

@@ -18,6 +18,7 @@ from tracer.model import BackwardRun, GradNode, NodeRun, TensorRecord, names
 from tracer.record.engine import expect_backward
 from tracer.record.listeners import Listener, needs_node_runs
 from tracer.record.mode import current_autograd_node
+from tracer.record.stacks import raised_in_backward_python
 from tracer.record.state import RecorderState
 from tracer.record.tensors import (
     ACCUMULATE,
@@ -391,7 +392,7 @@ class AutogradMixin(RecorderState):
                 table = self.stack_table
                 note = explain_backward_error(self.trace, run, running, exc,
                                               table.frames_of if table is not None else lambda _sid: (),
-                                              unknown_node=unknown)
+                                              unknown_node=unknown, raised_at=raised_in_backward_python(exc))
         except Exception as inner:  # never let the explanation hide the user's error
             note = f"gradtrace: could not explain this error ({type(inner).__name__}: {inner})"
         add_note(exc, note)

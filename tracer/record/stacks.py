@@ -258,3 +258,25 @@ def user_stacklevel() -> int:
         frame = frame.f_back
         level += 1
     return level
+
+
+def raised_in_backward_python(exc: BaseException) -> Frame | None:
+    """Where ``exc`` was raised, when Python code the autograd engine ran raised it (a hook, a
+    custom backward): the innermost user frame past the engine's entry in its traceback. None
+    when it came from the engine's C++ itself (a built-in node) or no user frame is there."""
+    frames = []
+    tb = exc.__traceback__
+    while tb is not None:
+        frames.append((tb.tb_frame.f_code, tb.tb_lineno))
+        tb = tb.tb_next
+    entry = max((i for i, (code, _) in enumerate(frames)
+                 if code.co_name == "_engine_run_backward" and code.co_filename.startswith(_TORCH_DIR)), default=None)
+    if entry is None:
+        return None
+    for code, line in reversed(frames[entry + 1:]):
+        fn = code.co_filename
+        if not fn.startswith(_INTERNAL_PREFIXES) or fn.endswith(_DEMO_SUFFIX):
+            src = linecache.getline(fn, line).strip()
+            return Frame(fn, line, getattr(code, "co_qualname", code.co_name), src)
+    return None
+
