@@ -233,11 +233,28 @@ def test_a_hook_that_raises_leaves_a_readable_trace() -> None:
     (mul,) = _backward_calls(t)
     assert mul.api == "Tensor.mul" and _last_line(t, mul) == _line("raising hook") - 1
     assert t.backward_runs[0].status == "failed"
-    # The note says where the hook raised (a lean trace cannot name a built-in node; it does not
-    # blame one).
+    # A hook was registered: even this lean trace recorded every node's run of this backward,
+    # so the note names the node whose hook raised, and the line.
+    note = t.backward_runs[0].error
+    assert "failed in grad node exp0/ExpBackward0" in note
+    assert f'raised in Python code the backward ran, File "{__file__}", line {_line("raising hook")}' in note
+
+
+def test_a_lean_trace_that_cannot_name_the_node_says_where_python_code_raised() -> None:
+    """A hook on the grad node itself (``grad_fn.register_hook``: no torch function the trace
+    sees) in a lean trace: the note does not blame an unknown built-in node, it gives the line."""
+    x = torch.randn(3, requires_grad=True)
+
+    def bad(grad_inputs: Any, grad_outputs: Any) -> None:
+        raise ValueError("node hook failed")  # raising node hook
+
+    with pytest.raises(ValueError, match="node hook failed"), tracer.trace(hash="none") as t:
+        y = x.exp()
+        y.grad_fn.register_hook(bad)
+        y.sum().backward()
     note = t.backward_runs[0].error
     assert f'failed in Python code it ran (a hook, a custom backward), raised at File "{__file__}", ' \
-           f'line {_line("raising hook")}, in ' in note
+           f'line {_line("raising node hook")}, in ' in note
     assert "built-in grad node" not in note
 
 
@@ -289,3 +306,42 @@ def test_check_numerics_names_a_hooks_op_as_the_origin_of_a_backward_nan() -> No
     assert nan is not None and nan.origin
     assert nan.producer == "mul0" and nan.node == "exp0/ExpBackward0"
     assert nan.stack[-1].line == _line("NaN hook")
+
+
+@pytest.mark.parametrize("options", [LEAN, {"hash": "md5"}], ids=["lean", "md5"])
+def test_a_recipe_with_a_pruning_hook_records_it_for_every_micro_batch(options: dict[str, Any]) -> None:
+    """A mask hook registered on a weight before the trace (pruning), two accumulated
+    micro-batches, GradScaler, clipping and a fused AdamW: the hook's op is a backward call of
+    the weight's accumulator in each micro-batch, reading that run's gradient, and the step
+    comes out as without the trace."""
+    def run(traced: bool) -> tuple[nn.Module, Trace | None]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 1))
+        mask = (torch.arange(30).reshape(5, 6) % 3 != 0).float()
+        model[0].weight.register_hook(lambda g: g * mask)  # pruning mask
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+        batches = [torch.randn(4, 6) for _ in range(2)]
+        ctx = tracer.trace(**options) if traced else None
+        if ctx is not None:
+            t = ctx.__enter__()
+        for x in batches:
+            scaler.scale(model(x).square().mean() / 2).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+            return model, t
+        return model, None
+
+    plain, _ = run(False)
+    model, t = run(True)
+    assert t is not None
+    for a, b in zip(plain.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    masked = [c for c in _backward_calls(t) if _last_line(t, c) == _line("pruning mask")]
+    assert [c.parent for c in masked] == ["0.weight/AccumulateGrad"] * 2
+    assert [c.inputs[0] for c in masked] == ["0.weight@grad", "0.weight@grad#1"]
+    assert [c.inputs[1] for c in masked][0] == [c.inputs[1] for c in masked][1]  # the same mask

@@ -28,6 +28,7 @@ from tracer.record.tensors import (
     flat_tensors,
     get_seq,
     grad_fn_of,
+    has_backward_hooks,
     runs_user_code,
     unique,
     version_of,
@@ -185,9 +186,26 @@ class AutogradMixin(RecorderState):
 
     def _node_runs_wanted(self, create_graph: bool) -> bool:
         """Whether the backward run starting now needs every node's run: a listener attached since
-        (a log scope around the backward), or a ``create_graph`` run (the nodes it makes belong
-        to the node whose backward made them: see _adopt_nodes)."""
-        return create_graph or bool(self.listeners and self._listeners_need_runs())
+        (a log scope around the backward), a ``create_graph`` run (the nodes it makes belong
+        to the node whose backward made them: see _adopt_nodes), or backward hooks (a hook's
+        calls read the gradient the node before it made: that node's hook names it)."""
+        return create_graph or bool(self.listeners and self._listeners_need_runs()) or self._backward_hooks()
+
+    def tensor_hook_registered(self) -> None:
+        """A tensor hook was registered during the block (``Tensor.register_hook``)."""
+        self._tensor_hooks = True
+
+    def _backward_hooks(self) -> bool:
+        """Whether user hooks may run in this backward: a tensor hook registered in the block, one
+        on a parameter (from before it: on a leaf whose accumulator the trace knows), or a module
+        backward hook."""
+        if self._tensor_hooks:
+            return True
+        for ref in self._acc_vars.values():
+            var = ref()
+            if var is not None and has_backward_hooks(var):
+                return True
+        return self._module_backward_hooks()
 
     def _reaches_unhooked(self, roots: list[torch.Tensor]) -> bool:
         """Whether a backward from ``roots`` reaches a recorded node that has no hook."""
@@ -659,24 +677,6 @@ class AutogradMixin(RecorderState):
         node = current_autograd_node() if current_autograd_node is not None else None
         return None if node is None else self._node_name(node)
 
-    def _name_arriving_grad(self, t: torch.Tensor) -> str | None:
-        """A tensor seen for the first time in backward before the node the engine is about to
-        run has started (a tensor hook on one of its forward outputs, a hook on a leaf, before
-        its accumulator): the gradient arriving at that node, named as the node's own start
-        would name it, when one slot of the node takes a tensor of its shape. Without it, a
-        lean trace (no hook on the node before) named such a gradient as an input."""
-        name = self._engine_node()
-        if name is None or name in self._running:  # unknown node, or its own code running
-            return None
-        shape = tuple(t.shape)
-        tensors = self.trace.tensors
-        slots = [k for k in range(_MAX_SLOTS) if (base := self._slot_tensor.get((name, k))) is not None
-                 and (rec := tensors.get(base)) is not None and tuple(rec.shape) == shape]
-        if len(slots) != 1:
-            return None
-        gname = self._slot_grad(name, slots[0])
-        return None if gname is None else self._new_tensor(t, gname, "grad", None)
-
     def node_done(self, node: str, grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
         """A node with no pre-hook ran: what it received and what it produced, in one event."""
         if self.stopped:
@@ -760,7 +760,6 @@ def _read_waiting(ref: weakref.ref[Any]) -> None:
             rec.hasher.before_write()
 
 
-_MAX_SLOTS = 16  # the forward outputs of one grad node looked at for a gradient arriving at it
 _PRE_HOOK: Any = object()  # a unique marker: only a pre-hook call leaves the argument at it
 
 

@@ -56,6 +56,9 @@ class RecordingMode(TorchFunctionMode):
             return func(*args, **kwargs)
         if kind == "backward":
             return rec.record_backward(func, api, args, kwargs)
+        if kind == "hook":
+            rec.tensor_hook_registered()
+            return func(*args, **kwargs)
         if kind == "collective":
             # References to collectives taken before the trace land here, not in the wrappers
             # (tracer.features.distributed sets the hook while a process group is traced).

@@ -30,6 +30,14 @@ class ModulesMixin(RecorderState):
             post = nn_module.register_module_forward_hook(self._module_post)
         self._module_handles = [nn_module.register_module_forward_pre_hook(self._module_pre), post]
 
+    def _module_backward_hooks(self) -> bool:
+        """Whether a module backward hook is registered: on any module the trace has seen, or
+        for every module."""
+        if any(getattr(nn_module, name, None) for name in ("_global_backward_hooks", "_global_backward_pre_hooks")):
+            return True
+        return any(getattr(m, "_backward_hooks", None) or getattr(m, "_backward_pre_hooks", None)
+                   for m in list(self._module_paths.keys()))
+
     def holds_every_global_module_hook(self) -> bool:
         """Whether the module hooks of the whole process are this recorder's and no one else's
         (torch warns about global hooks when a compiled module is called: then it warns about

@@ -20,7 +20,7 @@ NOISE = frozenset({
     "__float__", "__index__", "__complex__", "item", "tolist", "numpy", "__hash__", "__iter__",
     "__array__", "__reduce_ex__", "__deepcopy__", "__setstate__", "__getstate__", "_typed_storage",
     "untyped_storage", "storage", "is_floating_point", "is_complex", "get_device", "has_names",
-    "__contains__", "__dlpack__", "__dlpack_device__", "register_hook",
+    "__contains__", "__dlpack__", "__dlpack_device__",
     "register_post_accumulate_grad_hook", "retain_grad", "_is_view", "is_set_to", "requires_grad_",
     "is_pinned", "is_shared", "is_signed", "is_inference", "is_nonzero", "__array_wrap__",
     "_make_subclass", "as_subclass", "__torch_function__", "__reversed__", "type", "__dir__",
@@ -55,7 +55,7 @@ SKIP = ("", "", "skip")
 def _describe(func: Any) -> tuple[str, str, str]:
     """(qualified API name, short name for counters, kind) for a function the mode saw.
 
-    kind is ``op``, ``custom_op``, ``collective``, ``backward`` or ``skip``.
+    kind is ``op``, ``custom_op``, ``collective``, ``backward``, ``hook`` or ``skip``.
     """
     # Property access arrives as the descriptor's bound __get__/__set__.
     name = getattr(func, "__name__", "")
@@ -79,6 +79,8 @@ def _describe(func: Any) -> tuple[str, str, str]:
         api = f"Tensor.{attr}"
         if api in BACKWARD_APIS:
             return api, "backward", "backward"
+        if attr == "register_hook":  # a backward hook on a tensor: the recorder takes note
+            return api, "register_hook", "hook"
         if attr in NOISE:
             return SKIP
         return api, _short(attr), "op"

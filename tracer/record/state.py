@@ -110,6 +110,7 @@ class RecorderState:
         self.trace_id = next(_TRACE_IDS)
         self._acc_by_var: IdWeakMap[str] = IdWeakMap()  # leaf tensor -> its accumulator's name
         self._acc_vars: dict[str, weakref.ref[torch.Tensor]] = {}  # accumulator name -> its leaf
+        self._tensor_hooks = False  # Tensor.register_hook was called in the block
         # Accumulator running now -> the name of its leaf's .grad before it ran (None: no .grad).
         self._grad_before: dict[str, str | None] = {}
         self._aliases: dict[int, list[weakref.ref[torch.Tensor]]] = {}  # storage -> tensors
@@ -333,10 +334,6 @@ class RecorderState:
             leaf = self._name_leaf_grad(t, version)
             if leaf is not None:
                 return leaf
-        if self._in_backward:
-            arriving = self._name_arriving_grad(t)
-            if arriving is not None:
-                return arriving
         if self._aliases:
             alias = self._alias_name(t, version)
             if alias is not None:
@@ -425,7 +422,7 @@ class RecorderState:
         def _install_module_hooks(self) -> None: ...
         def _remove_module_hooks(self) -> None: ...
         def _name_leaf_grad(self, t: torch.Tensor, version: int) -> str | None: ...
-        def _name_arriving_grad(self, t: torch.Tensor) -> str | None: ...
+        def _module_backward_hooks(self) -> bool: ...
         def _engine_node(self) -> str | None: ...
         def _new_leaf_grad(self, g: torch.Tensor, name: str, producer: str | None, previous: str | None) -> str: ...
         def close_step(self, error: str | None = None) -> None: ...

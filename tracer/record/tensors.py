@@ -129,6 +129,12 @@ def runs_user_code(node: Any, kind: str) -> bool:
     return isinstance(node, BackwardCFunction)
 
 
+def has_backward_hooks(t: torch.Tensor) -> bool:
+    """Whether Python hooks were registered on ``t`` with ``register_hook`` (they run in
+    backward on the gradient arriving for it)."""
+    return bool(getattr(t, "_backward_hooks", None))
+
+
 def grad_fn_of(t: torch.Tensor) -> Any:
     """``t.grad_fn``, or None where reading it raises (a no_grad view whose base changed)."""
     try:
