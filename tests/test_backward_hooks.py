@@ -344,4 +344,5 @@ def test_a_recipe_with_a_pruning_hook_records_it_for_every_micro_batch(options: 
     masked = [c for c in _backward_calls(t) if _last_line(t, c) == _line("pruning mask")]
     assert [c.parent for c in masked] == ["0.weight/AccumulateGrad"] * 2
     assert [c.inputs[0] for c in masked] == ["0.weight@grad", "0.weight@grad#1"]
-    assert [c.inputs[1] for c in masked][0] == [c.inputs[1] for c in masked][1]  # the same mask
+    assert masked[0].inputs[1] == masked[1].inputs[1]  # the same mask, its own tensor
+    assert t.tensors[masked[0].inputs[1]].role == "input"
