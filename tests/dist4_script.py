@@ -34,6 +34,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tests.dist_exit import run_and_exit
+
 VOCAB, SEQ, BATCH = 64, 16, 2
 
 
@@ -154,4 +156,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_and_exit(main)

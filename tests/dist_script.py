@@ -24,6 +24,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tests.dist_exit import run_and_exit
+
 
 class Block(nn.Module):
     def __init__(self, d: int, heads: int) -> None:
@@ -142,4 +144,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_and_exit(main)

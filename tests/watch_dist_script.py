@@ -17,6 +17,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tracer
+from tests.dist_exit import run_and_exit
 
 
 def main() -> None:
@@ -50,4 +51,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_and_exit(main)
