@@ -120,3 +120,16 @@ class MLP(nn.Module):
 
 def hf_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(input_ids=x, labels=x).loss
+
+
+def accumulated_scaled_step(model: nn.Module, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                            batches: list[torch.Tensor]) -> None:
+    """The recipe step the tests trace: micro-batches accumulated under a GradScaler (each loss
+    divided by their count), unscale, clipping to norm 1, the scaler's step and update."""
+    for x in batches:
+        scaler.scale(model(x).square().mean() / len(batches)).backward()
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    scaler.step(opt)
+    scaler.update()
+

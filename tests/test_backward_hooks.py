@@ -4,6 +4,7 @@ custom backward code (once each); gradtrace's own hooks record nothing."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from typing import Any
 
@@ -13,6 +14,7 @@ import torch.nn as nn
 import torch.utils.checkpoint as checkpoint
 
 import tracer
+from tests.models import accumulated_scaled_step
 from tracer.model import Call, Trace
 
 LEAN = {"hash": "none"}
@@ -322,19 +324,9 @@ def test_a_recipe_with_a_pruning_hook_records_it_for_every_micro_batch(options: 
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
         batches = [torch.randn(4, 6) for _ in range(2)]
-        ctx = tracer.trace(**options) if traced else None
-        if ctx is not None:
-            t = ctx.__enter__()
-        for x in batches:
-            scaler.scale(model(x).square().mean() / 2).backward()
-        scaler.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        scaler.step(opt)
-        scaler.update()
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
-            return model, t
-        return model, None
+        with tracer.trace(**options) if traced else contextlib.nullcontext() as t:
+            accumulated_scaled_step(model, opt, scaler, batches)
+        return model, t
 
     plain, _ = run(False)
     model, t = run(True)

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 import tracer
+from tests.models import accumulated_scaled_step
 from tracer.model import Trace
 from tracer.options import TraceError
 from tracer.record.listeners import Listener
@@ -317,12 +318,7 @@ def test_a_recipe_records_the_same_calls_and_gradients_lean_or_not() -> None:
         batches = [torch.randn(2, 3, 6, 6) for _ in range(2)]
         with tracer.trace(**options) as t:
             opt.zero_grad(set_to_none=True)
-            for x in batches:
-                scaler.scale(model(x).square().mean() / 2).backward()
-            scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            scaler.step(opt)
-            scaler.update()
+            accumulated_scaled_step(model, opt, scaler, batches)
         return t
 
     lean, full = _lean_and_full(recipe)
