@@ -14,7 +14,9 @@ same names twice), readable, and linked:
   ``<param>/AccumulateGrad``;
 - a gradient ``linear3:out@grad`` (the gradient of that tensor), ``<param>@grad``; a gradient
   that a node sends along one of several incoming edges ``<node>:grad<j>``; in the k-th backward
-  run of a trace (k >= 1) gradient names end in ``#k``.
+  run of a trace (k >= 1) gradient names end in ``#k``;
+- a non-leaf tensor's retained ``.grad`` (``retain_grad``) ``linear3:out.grad``: the copy the
+  engine stores, a record of its own; ``linear3:out.grad@v1`` for its next value.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import torch
 from tracer.analysis.explain import add_note, explain_backward_error
 from tracer.model import BackwardRun, GradNode, NodeRun, TensorRecord, names
 from tracer.record.engine import expect_backward
+from tracer.record.identity import identity
 from tracer.record.listeners import Listener, needs_node_runs
 from tracer.record.mode import current_autograd_node
 from tracer.record.stacks import raised_in_backward_python
@@ -195,6 +196,38 @@ class AutogradMixin(RecorderState):
         """A tensor hook was registered during the block (``Tensor.register_hook``)."""
         self._tensor_hooks = True
 
+    def grad_retained(self, t: torch.Tensor) -> None:
+        """``t.retain_grad()`` was called in the block: the ``.grad`` a backward gives the
+        non-leaf ``t`` (a copy the engine makes of the gradient that reached it, after its
+        hooks) is named ``<t>.grad`` when the backward ends (a leaf's ``.grad`` is named by its
+        accumulator)."""
+        with self.lock, torch._C.DisableTorchFunction():
+            if t.grad_fn is None:
+                return
+            key = identity(t)
+            if key not in self._retained:
+                self._retained[key] = (weakref.ref(t), self.name_of(t), None)
+
+    def _name_retained_grads(self, run: BackwardRun) -> None:
+        """After a backward: name each retained ``.grad`` it set or replaced (``<t>.grad``, then
+        ``<t>.grad@v<k>`` for each later value: another run added into it or set it anew)."""
+        with self.lock, torch._C.DisableTorchFunction():
+            for key, (ref, tname, last) in list(self._retained.items()):
+                t = ref()
+                if t is None:
+                    del self._retained[key]
+                    continue
+                g = t.grad
+                if g is None:
+                    continue
+                hit = self._tensor_names.get(g)
+                if hit is not None and hit[1] == version_of(g):
+                    continue  # named already: this run left it as it was
+                base = f"{tname}.grad"
+                name = self._new_tensor(g, base if last is None else self._bump(base), "grad", run.name,
+                                        previous=last)
+                self._retained[key] = (ref, tname, name)
+
     def _backward_hooks(self) -> bool:
         """Whether user hooks may run in this backward: a tensor hook registered in the block, one
         on a parameter (from before it: on a leaf whose accumulator the trace knows), or a module
@@ -348,6 +381,8 @@ class AutogradMixin(RecorderState):
                 self._explain(exc, run, running, unknown)
             raise
         finally:
+            if self._retained:
+                self._name_retained_grads(run)
             for li in self.listeners:
                 li.on_backward_end(self.trace, run, error)
             self._in_backward -= 1

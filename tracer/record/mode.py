@@ -59,6 +59,10 @@ class RecordingMode(TorchFunctionMode):
         if kind == "hook":
             rec.tensor_hook_registered()
             return func(*args, **kwargs)
+        if kind == "retain":
+            out = func(*args, **kwargs)
+            rec.grad_retained(args[0])
+            return out
         if kind == "collective":
             # References to collectives taken before the trace land here, not in the wrappers
             # (tracer.features.distributed sets the hook while a process group is traced).

@@ -21,7 +21,7 @@ NOISE = frozenset({
     "__array__", "__reduce_ex__", "__deepcopy__", "__setstate__", "__getstate__", "_typed_storage",
     "untyped_storage", "storage", "is_floating_point", "is_complex", "get_device", "has_names",
     "__contains__", "__dlpack__", "__dlpack_device__",
-    "register_post_accumulate_grad_hook", "retain_grad", "_is_view", "is_set_to", "requires_grad_",
+    "register_post_accumulate_grad_hook", "_is_view", "is_set_to", "requires_grad_",
     "is_pinned", "is_shared", "is_signed", "is_inference", "is_nonzero", "__array_wrap__",
     "_make_subclass", "as_subclass", "__torch_function__", "__reversed__", "type", "__dir__",
     "__sizeof__", "_fix_weakref", "is_same_size",
@@ -81,6 +81,8 @@ def _describe(func: Any) -> tuple[str, str, str]:
             return api, "backward", "backward"
         if attr == "register_hook":  # a backward hook on a tensor: the recorder takes note
             return api, "register_hook", "hook"
+        if attr == "retain_grad":  # the .grad the backward will fill is named after the tensor
+            return api, "retain_grad", "retain"
         if attr in NOISE:
             return SKIP
         return api, _short(attr), "op"

@@ -111,6 +111,9 @@ class RecorderState:
         self._acc_by_var: IdWeakMap[str] = IdWeakMap()  # leaf tensor -> its accumulator's name
         self._acc_vars: dict[str, weakref.ref[torch.Tensor]] = {}  # accumulator name -> its leaf
         self._tensor_hooks = False  # Tensor.register_hook was called in the block
+        # Non-leaf tensors whose gradient is retained (Tensor.retain_grad in the block): the
+        # tensor (weakly), its name then, the name its .grad was last given (see autograd.py).
+        self._retained: dict[int, tuple[weakref.ref[torch.Tensor], str, str | None]] = {}
         # Accumulator running now -> the name of its leaf's .grad before it ran (None: no .grad).
         self._grad_before: dict[str, str | None] = {}
         self._aliases: dict[int, list[weakref.ref[torch.Tensor]]] = {}  # storage -> tensors
