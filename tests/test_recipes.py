@@ -354,6 +354,30 @@ def test_writes_through_data_copy_and_views_make_new_versions():
     assert t[ema_in[0]].md5 == _md5(ema.weight) and t[ema_in[1]].md5 == _md5(ema.bias)
 
 
+
+def test_an_ema_model_updated_through_kept_data_aliases_links_its_parameters_to_the_update():
+    """An EMA helper keeps its model's ``.data`` tensors and lerps them after each step (one
+    foreach op); the EMA model runs later. Its parameters, first seen at that run, continue the
+    versions the update made: ``previous`` names the update's output, the checksum is the same."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    ema = copy.deepcopy(model)
+    ema_data = [p.data for p in ema.parameters()]  # kept by the helper, made before the block
+    x = torch.randn(2, 4)
+    with tracer.trace(hash="md5") as t:
+        model(x).sum().backward()
+        with torch.no_grad():
+            torch._foreach_lerp_(ema_data, [p.data for p in model.parameters()], 0.1)
+        ema(x)
+    (update,) = [c for c in t.calls if c.api == "torch._foreach_lerp_"]
+    assert update.inputs[:2] == ["input1", "input2"] and update.mutated == ["input1@v1", "input2@v1"]
+    ema_call = [c for c in t.calls if c.api == "torch.nn.functional.linear"][-1]
+    weight, bias = (t[n] for n in ema_call.inputs[1:])
+    assert (weight.role, weight.previous) == ("param", "input1@v1")
+    assert (bias.role, bias.previous) == ("param", "input2@v1")
+    assert weight.md5 == t["input1@v1"].md5 == _md5(ema.weight)
+    assert bias.md5 == t["input2@v1"].md5 == _md5(ema.bias)
+
 @pytest.mark.parametrize("api", ["torch.batch_norm", "torch.native_batch_norm", "F.batch_norm"])
 def test_batch_norm_called_directly_makes_new_running_stats(api):
     x = torch.randn(8, 3)

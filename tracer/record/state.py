@@ -330,7 +330,13 @@ class RecorderState:
                                     previous=name)
         named = self._named.get(t)
         if named is not None:
-            name = self._new_tensor(t, named[0], named[1], None)
+            # A parameter first seen after code wrote its bytes through an alias the trace met
+            # first (an EMA update through ``p.data`` or ``state_dict()``, before the EMA model
+            # runs): its record continues that alias's last version, whose bytes it holds.
+            prior = self._same_view_alias(t) if self._aliases else None
+            prior_name = self.name_of(prior) if prior is not None else None
+            name = self._new_tensor(t, named[0], named[1], None, previous=prior_name,
+                                    same_as=self.trace.tensors.get(prior_name) if prior_name is not None else None)
             self._index_alias(t)
             return name
         if self._running:
@@ -357,20 +363,25 @@ class RecorderState:
         if key:
             self._aliases.setdefault(key, []).append(weakref.ref(t))
 
-    def _alias_name(self, t: torch.Tensor, version: int) -> str | None:
-        """The name of an indexed tensor that ``t`` is the same view of (``p.data``), if any."""
+    def _same_view_alias(self, t: torch.Tensor) -> torch.Tensor | None:
+        """A named, indexed tensor that ``t`` is the same view of (``p.data``), if any."""
         key = storage_key(t)
         for ref in self._aliases.get(key, ()) if key else ():
             o = ref()
-            if o is not None and o is not t and same_view(o, t) and storage_key(o) == key:
-                hit = self._tensor_names.get(o)
-                if hit is None:
-                    continue
-                name = self._name_at(o, version_of(o))  # a new version first, if o changed unseen
-                self._tensor_names[t] = (name, version)
-                self._aliases[key].append(weakref.ref(t))
-                return name
+            if o is not None and o is not t and same_view(o, t) and storage_key(o) == key \
+                    and self._tensor_names.get(o) is not None:
+                return o
         return None
+
+    def _alias_name(self, t: torch.Tensor, version: int) -> str | None:
+        """The name of an indexed tensor that ``t`` is the same view of (``p.data``), if any."""
+        o = self._same_view_alias(t)
+        if o is None:
+            return None
+        name = self._name_at(o, version_of(o))  # a new version first, if o changed unseen
+        self._tensor_names[t] = (name, version)
+        self._aliases[storage_key(t)].append(weakref.ref(t))
+        return name
 
     def _write_through_aliases(self, mutated: list[torch.Tensor], names: dict[int, str], call: str,
                                ins: list[torch.Tensor]) -> None:
