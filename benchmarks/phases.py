@@ -34,6 +34,8 @@ CONFIGS: dict[str, Callable[[], Any]] = {
     "stacks": lambda: tracer.trace(hash="none"),
     "stacks-ops": lambda: tracer.trace(hash="none", optimizer_ops=True),
     "fast": lambda: tracer.trace(hash="fast"),
+    "check_numerics": lambda: tracer.check_numerics(),
+    "anomaly": lambda: torch.autograd.detect_anomaly(check_nan=True),
 }
 PHASES = ("forward", "backward", "optimizer", "exit", "drain")
 
