@@ -330,8 +330,8 @@ class RecorderState:
                                     previous=name)
         named = self._named.get(t)
         if named is not None:
-            # A parameter first seen after code wrote its bytes through an alias the trace met
-            # first (an EMA update through ``p.data`` or ``state_dict()``, before the EMA model
+            # A parameter first seen after code wrote its bytes through a live alias the trace
+            # met first (an EMA helper's kept ``.data`` tensors, updated before the EMA model
             # runs): its record continues that alias's last version, whose bytes it holds.
             prior = self._same_view_alias(t) if self._aliases else None
             prior_name = self.name_of(prior) if prior is not None else None
