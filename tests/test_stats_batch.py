@@ -109,6 +109,38 @@ def test_submit_many_computes_groups_together(monkeypatch: pytest.MonkeyPatch) -
                                            if BATCH_MIN - 2 * BATCH_MIN_GROUP + 1 >= BATCH_MIN_GROUP else [])
 
 
+
+@pytest.mark.parametrize("shapes", [[()] * 12, [(1,)] * 12, [()] * 6 + [(1,), (1, 1)] * 3],
+                         ids=["zero-dim", "one-dim", "mixed"])
+def test_one_element_values_are_read_together_whatever_their_shape(
+        monkeypatch: pytest.MonkeyPatch, shapes: list[tuple[int, ...]]) -> None:
+    """An optimizer's step counters are zero-dim tensors, which ``torch.cat`` refuses: the group
+    was read one tensor at a time after a failed concatenation (a process's first failure cost
+    22 ms of a ResNet-50 step on the CPU). Now one stacked read, with equal results."""
+    ts = [torch.full(shape, float(k) - 2.5) for k, shape in enumerate(shapes)]
+    singles: list[str] = []
+    real = Hasher._submit_scalar
+
+    def spy(self: Hasher, rec: TensorRecord, t: torch.Tensor) -> bool:
+        singles.append(rec.name)
+        return real(self, rec, t)
+
+    for algorithm in ("none", "md5", "fast"):
+        alone = [_record(f"t{i}", t) for i, t in enumerate(ts)]
+        together = [_record(f"t{i}", t) for i, t in enumerate(ts)]
+        one, many = Hasher(algorithm, stats=True), Hasher(algorithm, stats=True)
+        for rec, t in zip(alone, ts):
+            one.submit(rec, t)
+        monkeypatch.setattr(Hasher, "_submit_scalar", spy)
+        many.submit_many(list(zip(together, ts)))
+        monkeypatch.setattr(Hasher, "_submit_scalar", real)
+        one.drain(wait=True)
+        many.drain(wait=True)
+        assert singles == []
+        assert [(repr(a.stats), a.md5, a.fingerprint) for a in alone] == \
+            [(repr(b.stats), b.md5, b.fingerprint) for b in together]
+        assert [b.stats.min for b in together if b.stats is not None] == [float(k) - 2.5 for k in range(len(ts))]
+
 def _adam_steps(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int) -> list[tracer.Trace]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
     traces = []

@@ -314,7 +314,7 @@ class Hasher:
                 ts = [t for _, t in group]
                 try:
                     if n == 1:
-                        stats: list[Stats | None] = [scalar_stats(v) for v in torch.cat(ts).tolist()]
+                        stats: list[Stats | None] = [scalar_stats(v) for v in one_element_values(ts)]
                     else:
                         stats = cpu_stats_same_size(ts)
                 except RuntimeError:  # (a storage freed under a tensor, as submit's own guard)
@@ -565,6 +565,16 @@ class Hasher:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+def one_element_values(ts: list[torch.Tensor]) -> list[float]:
+    """The values of one-element tensors, read together: one stack when they have one shape (an
+    optimizer's step counters are all zero-dim, which ``torch.cat`` refuses), else one
+    concatenation of flat views."""
+    try:
+        return torch.stack(ts).tolist() if ts[0].dim() == 0 else torch.cat(ts).view(-1).tolist()
+    except RuntimeError:  # shapes mixed: () and (1,), (1, 1)...
+        return torch.cat([t.reshape(1) for t in ts]).tolist()
 
 
 @functools.lru_cache(maxsize=4096)
