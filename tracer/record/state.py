@@ -333,11 +333,13 @@ class RecorderState:
             # A parameter first seen after code wrote its bytes through a live alias the trace
             # met first (an EMA helper's kept ``.data`` tensors, updated before the EMA model
             # runs): its record continues that alias's last version, whose bytes it holds.
-            prior = self._same_view_alias(t) if self._aliases else None
+            key = storage_key(t)  # (read once: for the alias and for the index)
+            prior = self._same_view_alias(t, key) if key and key in self._aliases else None
             prior_name = self.name_of(prior) if prior is not None else None
             name = self._new_tensor(t, named[0], named[1], None, previous=prior_name,
                                     same_as=self.trace.tensors.get(prior_name) if prior_name is not None else None)
-            self._index_alias(t)
+            if key:
+                self._aliases.setdefault(key, []).append(weakref.ref(t))
             return name
         if self._running:
             leaf = self._name_leaf_grad(t, version)
@@ -363,9 +365,9 @@ class RecorderState:
         if key:
             self._aliases.setdefault(key, []).append(weakref.ref(t))
 
-    def _same_view_alias(self, t: torch.Tensor) -> torch.Tensor | None:
-        """A named, indexed tensor that ``t`` is the same view of (``p.data``), if any."""
-        key = storage_key(t)
+    def _same_view_alias(self, t: torch.Tensor, key: int) -> torch.Tensor | None:
+        """A named, indexed tensor that ``t`` (whose storage is ``key``) is the same view of
+        (``p.data``), if any."""
         for ref in self._aliases.get(key, ()) if key else ():
             o = ref()
             if o is not None and o is not t and same_view(o, t) and storage_key(o) == key \
@@ -375,12 +377,13 @@ class RecorderState:
 
     def _alias_name(self, t: torch.Tensor, version: int) -> str | None:
         """The name of an indexed tensor that ``t`` is the same view of (``p.data``), if any."""
-        o = self._same_view_alias(t)
+        key = storage_key(t)
+        o = self._same_view_alias(t, key)
         if o is None:
             return None
         name = self._name_at(o, version_of(o))  # a new version first, if o changed unseen
         self._tensor_names[t] = (name, version)
-        self._aliases[storage_key(t)].append(weakref.ref(t))
+        self._aliases[key].append(weakref.ref(t))
         return name
 
     def _write_through_aliases(self, mutated: list[torch.Tensor], names: dict[int, str], call: str,
