@@ -75,14 +75,18 @@ def test_retained_grad_changed_in_place_gets_the_next_version() -> None:
     with tracer.trace(hash="md5") as t:
         y = w * 3
         y.retain_grad()
-        y.sum().backward()
+        y.sum().backward(retain_graph=True)
         assert y.grad is not None
         y.grad.mul_(0.5)  # the user scales the stored gradient
         z = y.grad.sum()
+        (y * 2).sum().backward()  # adds into the scaled .grad: the next value follows the scaled one
     scaled = _call(t, "mul_0")
     assert scaled.inputs == ["mul0:out.grad"] and scaled.mutated == ["mul0:out.grad@v1"]
     assert _call(t, "sum1").inputs == ["mul0:out.grad@v1"]
     assert t.tensors["mul0:out.grad@v1"].md5 == _md5(torch.full((4,), 0.5))
+    summed = t.tensors["mul0:out.grad@v2"]
+    assert (summed.previous, summed.producer) == ("mul0:out.grad@v1", "backward1")
+    assert summed.md5 == _md5(torch.full((4,), 2.5))
     del z
 
 

@@ -206,13 +206,14 @@ class AutogradMixin(RecorderState):
                 return
             key = identity(t)
             if key not in self._retained:
-                self._retained[key] = (weakref.ref(t), self.name_of(t), None)
+                self._retained[key] = (weakref.ref(t), f"{self.name_of(t)}.grad")
 
     def _name_retained_grads(self, run: BackwardRun) -> None:
-        """After a backward: name each retained ``.grad`` it set or replaced (``<t>.grad``, then
-        ``<t>.grad@v<k>`` for each later value: another run added into it or set it anew)."""
+        """After a backward: name each retained ``.grad`` it set or replaced: ``<t>.grad``, then
+        ``<t>.grad@v<k>`` for each later value (another run added into it or set it anew, as an
+        in-place change does), ``previous`` the latest value of that name."""
         with self.lock, torch._C.DisableTorchFunction():
-            for key, (ref, tname, last) in list(self._retained.items()):
+            for key, (ref, base) in list(self._retained.items()):
                 t = ref()
                 if t is None:
                     del self._retained[key]
@@ -223,10 +224,12 @@ class AutogradMixin(RecorderState):
                 hit = self._tensor_names.get(g)
                 if hit is not None and hit[1] == version_of(g):
                     continue  # named already: this run left it as it was
-                base = f"{tname}.grad"
-                name = self._new_tensor(g, base if last is None else self._bump(base), "grad", run.name,
-                                        previous=last)
-                self._retained[key] = (ref, tname, name)
+                if base not in self.trace.tensors:
+                    self._new_tensor(g, base, "grad", run.name)
+                    continue
+                n = self._versions.get(base, 0)
+                latest = names.version_name(base, n) if n else base
+                self._new_tensor(g, self._bump(base), "grad", run.name, previous=latest)
 
     def _backward_hooks(self) -> bool:
         """Whether user hooks may run in this backward: a tensor hook registered in the block, one

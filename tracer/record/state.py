@@ -112,8 +112,8 @@ class RecorderState:
         self._acc_vars: dict[str, weakref.ref[torch.Tensor]] = {}  # accumulator name -> its leaf
         self._tensor_hooks = False  # Tensor.register_hook was called in the block
         # Non-leaf tensors whose gradient is retained (Tensor.retain_grad in the block): the
-        # tensor (weakly), its name then, the name its .grad was last given (see autograd.py).
-        self._retained: dict[int, tuple[weakref.ref[torch.Tensor], str, str | None]] = {}
+        # tensor (weakly) and the name its .grad gets, ``<name then>.grad`` (see autograd.py).
+        self._retained: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
         # Accumulator running now -> the name of its leaf's .grad before it ran (None: no .grad).
         self._grad_before: dict[str, str | None] = {}
         self._aliases: dict[int, list[weakref.ref[torch.Tensor]]] = {}  # storage -> tensors
@@ -338,8 +338,7 @@ class RecorderState:
             prior_name = self.name_of(prior) if prior is not None else None
             name = self._new_tensor(t, named[0], named[1], None, previous=prior_name,
                                     same_as=self.trace.tensors.get(prior_name) if prior_name is not None else None)
-            if key:
-                self._aliases.setdefault(key, []).append(weakref.ref(t))
+            self._index_alias(t, key)
             return name
         if self._running:
             leaf = self._name_leaf_grad(t, version)
@@ -360,8 +359,10 @@ class RecorderState:
     # inputs, leaves' gradients) are indexed by storage, so that a write through an alias makes a
     # new version of the tensor it aliases. Outputs of calls are not indexed (thousands per step);
     # a write into one through a view still shows as a new version of its base.
-    def _index_alias(self, t: torch.Tensor) -> None:
-        key = storage_key(t)
+    def _index_alias(self, t: torch.Tensor, key: int | None = None) -> None:
+        """Index ``t`` by its storage (``key``: that storage's, when the caller has read it)."""
+        if key is None:
+            key = storage_key(t)
         if key:
             self._aliases.setdefault(key, []).append(weakref.ref(t))
 
