@@ -10,6 +10,9 @@ gradtrace itself, in one process with the configurations taking turns:
 - ``+node walk``: and, after each call, a walk from its outputs' ``grad_fn`` to the grad nodes
   not seen before (what naming and linking the nodes must visit), registering nothing;
 - ``+Python node hooks``: and a no-op Python post-hook on every such node;
+- ``+minimal records``: the node walk, and the least a Python recorder keeps per object (one
+  tuple record per call, grad node and tensor value, the value's metadata read once, a weak
+  reference by identity; no stacks, versions, aliases or scopes): a lower bound on bookkeeping;
 - ``+C++ node hooks`` (``--native``; needs a C++ compiler and ninja, builds with
   ``torch.utils.cpp_extension.load_inline``): the walk and a no-op hook both in C++ instead;
 - ``C++ op observer`` (``--native``): no Python at all, a native RecordFunction callback (the
@@ -39,6 +42,7 @@ import functools
 import os
 import statistics
 import sys
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -155,6 +159,77 @@ class _NodeMode(TorchFunctionMode):
         return out
 
 
+class _RecordsMode(_NodeMode):
+    """A lower bound on any Python recorder that keeps one record per object: the node walk,
+    and per call, grad node and returned tensor value the least such a record needs. A call:
+    its inputs' names looked up by identity, a counter name, a tuple record appended. A tensor
+    value: its metadata read once (shape, strides, dtype, device, requires_grad, version), a
+    tuple record stored under a fresh name, and a weak reference by identity (a trace must not
+    hold the tensor, and must not mistake a recycled id for it). A grad node: its sequence
+    number, class and edges, a tuple record. No stacks, versions, aliases, module scopes or
+    optimizer grouping (gradtrace records an optimizer step as one call): every call's
+    returned tensors are records here, so its count of objects is printed beside it."""
+
+    last: _RecordsMode | None = None  # the latest one made (overhead.py reads its count)
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        _RecordsMode.last = self
+        self.calls: list[tuple[Any, ...]] = []
+        self.tensors: dict[str, tuple[Any, ...]] = {}
+        self.names: dict[int, tuple[Any, str]] = {}
+        self.nodes: list[tuple[Any, ...]] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        with torch._C.DisableTorchFunction():
+            names = self.names
+            ins = []
+            for a in args:
+                if type(a) is torch.Tensor or type(a) is torch.nn.Parameter:
+                    hit = names.get(id(a))
+                    if hit is None or hit[0]() is not a:  # first seen (a parameter): a record too
+                        hit = self._record(a, f"input{len(self.tensors)}")
+                    ins.append(hit[1])
+            call = f"{getattr(func, '__name__', 'op')}{len(self.calls)}"
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            out_names = []
+            for i, t in enumerate(outs):
+                if not isinstance(t, torch.Tensor):
+                    continue
+                out_names.append(self._record(t, f"{call}:{i}")[1])
+                if t.grad_fn is None:
+                    continue
+                todo = [t.grad_fn]
+                seen = self.seen
+                while todo:
+                    node = todo.pop()
+                    if node in seen:
+                        continue
+                    seen.add(node)
+                    nexts = node.next_functions
+                    self.nodes.append((node._sequence_nr(), type(node).__name__, call,
+                                       tuple(id(n) for n, _ in nexts)))
+                    todo.extend(nxt for nxt, _ in nexts if nxt is not None)
+            self.calls.append((call, ins, out_names))
+        return out
+
+    def _record(self, t: torch.Tensor, name: str) -> tuple[Any, str]:
+        self.tensors[name] = (t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t._version)
+        entry = self.names[id(t)] = (weakref.ref(t), name)
+        return entry
+
+    def objects(self) -> int:
+        return len(self.calls) + len(self.nodes) + len(self.tensors)
+
+
+def minimal_records_objects() -> int:
+    """Objects the latest ``+minimal records`` row recorded (0 if none ran)."""
+    last = _RecordsMode.last
+    return last.objects() if last is not None else 0
+
+
 def _python_hook(node: Any) -> None:
     node.register_hook(functools.partial(_noop_hook, 0))
 
@@ -198,6 +273,7 @@ def hook_point_rows(native: Any = None) -> dict[str, Factory]:
         "mode+modules": lambda: _with_module_hooks(_EmptyMode()),
         "+node walk": lambda: _with_module_hooks(_NodeMode(None)),
         "+Python node hooks": lambda: _with_module_hooks(_NodeMode(_python_hook)),
+        "+minimal records": lambda: _with_module_hooks(_RecordsMode()),
     }
     if native is not None:
         rows["+C++ node hooks"] = lambda: _with_module_hooks(_NodeMode(None, native.hook_new), native.reset)
@@ -234,6 +310,19 @@ def read_rate(device: torch.device, nbytes: int = 4 << 30, repeats: int = 10) ->
     return nbytes / best
 
 
+def objects_line(w: Any) -> str:
+    """What one step gives the ``+minimal records`` row and gradtrace's lean trace: calls + grad
+    nodes + tensor values each (the rows' costs are per object)."""
+    minimal = _RecordsMode()
+    with _with_module_hooks(minimal):
+        w.step()
+    with tracer.trace(hash="none", stacks=False) as tr:
+        w.step()
+    return (f"objects per step: +minimal records {len(minimal.calls)} + {len(minimal.nodes)} + "
+            f"{len(minimal.tensors)} = {minimal.objects()}; gradtrace {len(tr.calls)} + {len(tr.grad_nodes)} + "
+            f"{len(tr.tensors)} = {len(tr.calls) + len(tr.grad_nodes) + len(tr.tensors)}")
+
+
 def build_native() -> Any:
     from torch.utils.cpp_extension import load_inline
 
@@ -258,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     with counter:
         w.step()
     print(f"torch {torch.__version__}, {device} ({model}); {len(counter.seen)} grad nodes per step")
+    print(objects_line(w))
     for make in rows.values():  # warm-up
         for _ in range(2):
             time_step(w, make)

@@ -77,6 +77,8 @@ PLAIN, GRADTRACE, FLOOR, PEER = "plain", "gradtrace", "floor", "peer"
 # floor is the walk to each call's new nodes; the others hook every node.
 SHARE_FLOOR = "floor-hooks"
 LEAN_FLOOR = "floor-walk"
+# The node walk plus the least a Python recorder keeps per object (floor.py's _RecordsMode).
+RECORDS_FLOOR = "floor-records"
 LEAN_ROWS = frozenset({"nostacks", "stacks", "stacks-ops"})
 FLOOR_KEYS = ("floor-mode", "floor-modules", LEAN_FLOOR, SHARE_FLOOR)
 
@@ -130,6 +132,7 @@ def configurations(device: torch.device) -> dict[str, tuple[str, Factory]]:
         "floor-modules": ("floor: mode + module hooks", floor["mode+modules"]),
         "floor-walk": ("floor: + node walk", floor["+node walk"]),
         SHARE_FLOOR: ("floor: + Python node hooks", floor["+Python node hooks"]),
+        RECORDS_FLOOR: ("floor: + minimal records", floor["+minimal records"]),
     }
 
 
@@ -146,6 +149,7 @@ def kind(key: str) -> str:
 DEFAULT_CONFIGS = "plain,nostacks,stacks,md5,fast,numerics,anomaly,profiler,debugmode"
 # gradtrace's rows, the floor rows, then PyTorch's own tools.
 SUITE_CONFIGS = ("plain,nostacks,stacks,stacks-runs,fast,check_numerics,md5,floor-modules,floor-walk,floor-hooks,"
+                 "floor-records,"
                  "anomaly,profiler,debugmode,debugmode-stacks")
 SUITE_MODELS = {"cuda": "gpt2-small,llama,resnet50", "cpu": "tiny12,llama-tiny,resnet50-tiny"}
 # The rows of the "first traced step" table (each in a fresh process).
@@ -478,6 +482,25 @@ def per_object_lines(tm: Timings, available: dict[str, tuple[str, Factory]], key
     return lines
 
 
+def minimal_records_lines(tm: Any, available: dict[str, tuple[str, Factory]], lean: Any) -> list[str]:
+    """What the ``floor-records`` row says of the recorder share's bound: its µs per object above
+    the node walk, and what gradtrace's lean trace's objects would cost at that rate."""
+    if not (tm.times.get(RECORDS_FLOOR) and tm.times.get(LEAN_FLOOR)) or lean is None:
+        return []
+    from floor import minimal_records_objects  # a sibling script (see _floor_rows)
+
+    n_min = minimal_records_objects()
+    if not n_min:
+        return []
+    base = tm.median("plain")
+    per = (tm.median(RECORDS_FLOOR) - tm.median(LEAN_FLOOR)) / n_min
+    n = recorded_objects(lean)
+    return [f"{available[RECORDS_FLOOR][0]}: {n_min} objects a step (every call inside the optimizer step "
+            f"is one here), {per * 1000.0:.2f} µs each above the node walk. At that rate the {n} objects of "
+            f"gradtrace's lean trace cost {per * n:.1f} ms = a recorder share of +{per * n / base:.2f} with "
+            "nothing but one record per object kept."]
+
+
 def header_lines(args: argparse.Namespace, device: torch.device) -> list[str]:
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
     import transformers
@@ -518,6 +541,7 @@ def workload_report(args: argparse.Namespace, model: str, keys: list[str], notes
                       f"points it uses: \"{available[LEAN_FLOOR][0]}\" for the rows without checksums or stats "
                       f"(no built-in grad node is hooked: node_runs), \"{available[SHARE_FLOOR][0]}\" for the "
                       "others (the share then includes their checksums or stats)."])
+    extra.append(minimal_records_lines(tm, available, tm.traces.get("stacks") or tm.traces.get("nostacks")))
     md5_bytes = recorded_bytes(tm.traces["md5"]) if "md5" in tm.traces else 0
     if md5_bytes:
         extra.append(md5_lines(tm, copy_md5_limit(md5_bytes, device)))

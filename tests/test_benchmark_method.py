@@ -67,3 +67,41 @@ def test_configurations_rotate_every_round_and_garbage_is_collected_before_each_
     # One collection right before every step (none inside it), warm-up round included.
     assert log == [e for s in steps for e in ("collect", s)]
     assert {k: len(v) for k, v in tm.times.items()} == {"a": 3, "b": 3, "c": 3}  # the warm-up round is not timed
+
+
+def _load_floor() -> Any:
+    saved = sys.path[:]
+    sys.path.append(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    try:
+        import floor  # (a script directory, not a package)
+    finally:
+        sys.path[:] = saved
+    return floor
+
+
+def test_the_minimal_records_floor_keeps_one_record_per_object_and_no_tensor() -> None:
+    """floor.py's ``+minimal records`` row (the bound overhead.py prints under each table) records
+    each call, each tensor value (a first-seen input too) and each grad node once, with the
+    value's metadata, and holds no tensor."""
+    import weakref
+
+    floor = _load_floor()
+    row = floor.hook_point_rows()["+minimal records"]
+    w = torch.randn(3, 4, requires_grad=True)
+    x = torch.randn(2, 3)
+    with row():
+        y = x @ w  # inputs x and w first seen: two records; y a third
+        z = y.relu().sum()
+    rec = floor._RecordsMode.last
+    assert rec is not None and floor.minimal_records_objects() == rec.objects()
+    assert [c[0] for c in rec.calls] == ["matmul0", "relu1", "sum2"]
+    assert len(rec.tensors) == 5  # x, w, y, relu's output, z
+    names = [c[2][0] for c in rec.calls]
+    assert rec.calls[1][1] == [names[0]] and rec.calls[2][1] == [names[1]]  # linked by identity
+    assert rec.tensors[names[0]][:4] == (torch.Size([2, 4]), (4, 1), torch.float32, torch.device("cpu"))
+    # MmBackward0, AccumulateGrad (w), ReluBackward0, SumBackward0
+    assert sorted(n[1] for n in rec.nodes) == ["AccumulateGrad", "MmBackward0", "ReluBackward0", "SumBackward0"]
+    assert rec.objects() == 3 + 5 + 4
+    ref = weakref.ref(y)
+    del y, z
+    assert ref() is None  # the records hold no tensor
