@@ -70,6 +70,75 @@ def test_later_steps_read_the_state_and_write_new_versions_of_it() -> None:
     assert t[f"{n}.exp_avg@v1"].md5 == _md5(opt.state[model[0].weight]["exp_avg"])
 
 
+def _trained_once(model: nn.Module, x: torch.Tensor) -> torch.optim.Optimizer:
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, foreach=True)
+    model(x).pow(2).mean().backward()
+    opt.step()  # state exists before the trace
+    opt.zero_grad()
+    return opt
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["first-step", "later-step"])
+def test_without_checksums_a_step_goes_from_parameters_and_gradients_to_new_parameters(first: bool) -> None:
+    """``hash="none"`` (``optimizer_state`` unset): the step's state is not among its inputs and
+    outputs, and is no record of its own; code that reads the state afterwards still meets it by
+    its name (role state, no producer), its value as read."""
+    model = _model()
+    x = torch.randn(3, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, foreach=True) if first else _trained_once(model, x)
+    with tracer.trace(hash="none") as t:
+        model(x).pow(2).mean().backward()
+        opt.step()
+        norm = opt.state[model[0].weight]["exp_avg"].norm()
+    assert t.header["optimizer_state"] is False
+    names = [n for n, _ in model.named_parameters()]
+    call = t["AdamW0"]
+    assert call.inputs == [x for n in names for x in (n, f"{n}@grad")]
+    assert call.outputs == call.mutated == [f"{n}@v1" for n in names]
+    assert [r.name for r in t.tensors.values() if r.role == "state"] == ["0.weight.exp_avg"]
+    read = t["0.weight.exp_avg"]
+    assert (read.producer, read.shape) == (None, (8, 4))
+    assert t.calls[-1].inputs == ["0.weight.exp_avg"] and t[t.calls[-1].outputs[0]].shape == norm.shape
+
+
+def test_optimizer_state_true_records_the_state_in_a_trace_without_checksums() -> None:
+    model = _model()
+    x = torch.randn(3, 4)
+    opt = _trained_once(model, x)
+    with tracer.trace(hash="none", optimizer_state=True) as t:
+        model(x).pow(2).mean().backward()
+        opt.step()
+    assert t.header["optimizer_state"] is True
+    call = t["AdamW0"]
+    n = "0.weight"
+    assert [i for i in call.inputs if i.startswith((n + ".", n + "@grad"))] == \
+        [f"{n}@grad", f"{n}.step", f"{n}.exp_avg", f"{n}.exp_avg_sq"]
+    assert {f"{n}@v1", f"{n}.step@v1", f"{n}.exp_avg@v1", f"{n}.exp_avg_sq@v1"} <= set(call.outputs)
+    assert t[f"{n}.exp_avg@v1"].previous == f"{n}.exp_avg" and t[f"{n}.exp_avg@v1"].md5 is None
+
+
+@pytest.mark.parametrize(("options", "expected"), [
+    ({}, True), ({"hash": "fast"}, True), ({"hash": "none", "stats": True}, True),
+    ({"hash": "none", "check_numerics": True}, True), ({"hash": "none", "memory": True}, True),
+    ({"hash": "none", "keep_values": True}, True), ({"hash": "none"}, False),
+    ({"hash": "md5", "optimizer_state": False}, False),
+])
+def test_the_state_is_recorded_when_something_reads_it(options: dict[str, object], expected: bool) -> None:
+    model = _model()
+    x = torch.randn(3, 4)
+    opt = _trained_once(model, x)
+    with tracer.trace(**options) as t:  # type: ignore[arg-type]
+        model(x).pow(2).mean().backward()
+        opt.step()
+    assert t.header["optimizer_state"] is expected
+    assert ("0.weight.exp_avg@v1" in t["AdamW0"].outputs) is expected
+
+
+def test_optimizer_state_must_be_a_bool_or_none() -> None:
+    with pytest.raises(tracer.TraceError, match="optimizer_state"):
+        tracer.trace(optimizer_state="yes")  # type: ignore[arg-type]
+
+
 def test_optimizer_ops_records_every_op_inside_the_step() -> None:
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.1, foreach=True)

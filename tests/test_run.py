@@ -144,6 +144,14 @@ def test_optimizer_ops_option_records_the_ops_inside_the_step(script, capsys):
     assert [c.name for c in t.calls] == ["ones0", "linear0", "sum0", "add_0", "add_1"]  # SGD, op by op
 
 
+def test_optimizer_state_option_keeps_the_state_in_a_trace_without_checksums(script, capsys):
+    assert main_run(["--steps", "1", "--hash", "none", "-o", "lean.gtrace", script]) == 0
+    assert main_run(["--steps", "1", "--hash", "none", "--optimizer-state", "-o", "state.gtrace", script]) == 0
+    assert main_run(["--steps", "1", "-o", "md5.gtrace", script]) == 0
+    assert [tracer.load(f"{n}.gtrace").header["optimizer_state"] for n in ("lean", "state", "md5")] == \
+        [False, True, True]
+
+
 def test_module_mode_runs_like_python_dash_m(tmp_path, monkeypatch, capsys):
     pkg = tmp_path / "mypkg"
     pkg.mkdir()

@@ -35,7 +35,7 @@ def trace(*, hash: HashKind = ..., stacks: bool = ..., stats: bool | None = ...,
           out: str | os.PathLike[str] | None = ..., flush_every: int = ..., listeners: Iterable[Listener] | None = ...,
           memory: bool = ..., max_calls: int | None = ..., max_bytes: int | None = ...,
           check_numerics: bool = ..., raise_on_nonfinite: bool = ..., optimizer_ops: bool = ...,
-          node_runs: bool | None = ...,
+          node_runs: bool | None = ..., optimizer_state: bool | None = ...,
           keep_values: bool | str | Iterable[str] = ..., keep_values_bytes: int = ...,
           steps: None = None, every: None = None) -> TraceSession: ...
 
@@ -45,7 +45,7 @@ def trace(*, hash: HashKind = ..., stacks: bool = ..., stats: bool | None = ...,
           out: str | os.PathLike[str] | None = ..., flush_every: int = ..., listeners: Iterable[Listener] | None = ...,
           memory: bool = ..., max_calls: int | None = ..., max_bytes: int | None = ...,
           check_numerics: bool = ..., raise_on_nonfinite: bool = ..., optimizer_ops: bool = ...,
-          node_runs: bool | None = ...,
+          node_runs: bool | None = ..., optimizer_state: bool | None = ...,
           keep_values: bool | str | Iterable[str] = ..., keep_values_bytes: int = ...,
           steps: StepSpec | None = ..., every: int | None = ..., per_step_files: bool = ...,
           optimizer: Any = ..., observer: StepObserver | None = ...) -> StepTrace: ...
@@ -55,7 +55,7 @@ def trace(*, hash: HashKind = "md5", stacks: bool = True, stats: bool | None = N
           out: str | os.PathLike[str] | None = None, flush_every: int = 256,
           listeners: Iterable[Listener] | None = (), memory: bool = False, max_calls: int | None = None,
           max_bytes: int | None = None, check_numerics: bool = False, raise_on_nonfinite: bool = False,
-          optimizer_ops: bool = False, node_runs: bool | None = None,
+          optimizer_ops: bool = False, node_runs: bool | None = None, optimizer_state: bool | None = None,
           keep_values: bool | str | Iterable[str] = False,
           keep_values_bytes: int = DEFAULT_KEEP_VALUES_BYTES, steps: StepSpec | None = None,
           every: int | None = None, **step_options: Any) -> TraceSession | StepTrace:
@@ -80,14 +80,20 @@ def trace(*, hash: HashKind = "md5", stacks: bool = True, stats: bool | None = N
     ``raise_on_nonfinite``: stop at the first NaN or unintended Inf with ``NonFiniteError`` (reads
     each output once: costly on GPUs, meant for hunting, not for routine runs).
     ``optimizer_ops``: record every op inside ``optimizer.step()``. By default a step is one call
-    (named after the optimizer class, ``AdamW0``) from the parameters, gradients and state to
-    the new versions it leaves behind; its intermediate tensors are not recorded.
+    (named after the optimizer class, ``AdamW0``) from the parameters, gradients and state
+    (``optimizer_state``) to the new versions it leaves behind; its intermediate tensors are not
+    recorded.
     ``node_runs``: record every grad node's run in backward (the order the engine ran them, the
     gradients each received and produced, named and with their checksums). ``None`` (the
     default): when checksums or stats are taken, values kept, or an attached listener needs
     them (logs, memory); else only the runs of accumulators (each parameter's ``@grad``) and of nodes that
     run Python (custom Functions), and the graph, names, links and stacks come from the forward
     walk alone: a ``hash="none"`` trace costs less. ``True``: always; ``False``: only those.
+    ``optimizer_state``: an optimizer step's state tensors (AdamW's ``exp_avg``, ``exp_avg_sq``,
+    ``step``) among its inputs and outputs, each value a record. ``None`` (the default): when
+    checksums or stats are taken, values kept or memory recorded; a ``hash="none"`` trace then
+    records each step from the parameters and gradients to the new parameters only (the state
+    is still named where code in the block reads it). ``True``: always; ``False``: never.
     ``keep_values``: also keep the values of chosen tensors, so that ``gradtrace diff`` shows
     element-wise differences for them (max abs, max rel, how many elements, the first index)
     instead of differences of their stats. ``True``: every parameter and buffer (each version);
@@ -108,7 +114,8 @@ def trace(*, hash: HashKind = "md5", stacks: bool = True, stats: bool | None = N
     options = TraceOptions(hash=hash, stacks=stacks, stats=stats, out=_path(out), flush_every=flush_every,
                            listeners=tuple(listeners or ()), memory=memory, max_calls=max_calls, max_bytes=max_bytes,
                            check_numerics=check_numerics, raise_on_nonfinite=raise_on_nonfinite,
-                           optimizer_ops=optimizer_ops, node_runs=node_runs, keep_values=value_patterns(keep_values),
+                           optimizer_ops=optimizer_ops, node_runs=node_runs,
+                           optimizer_state=optimizer_state, keep_values=value_patterns(keep_values),
                            keep_values_bytes=keep_values_bytes)
     if steps is not None or every is not None:
         unknown = sorted(set(step_options) - {"per_step_files", "optimizer", "observer"})

@@ -81,6 +81,9 @@ class TraceOptions:
     # Hooks on built-in grad nodes: None, when checksums or stats are taken (or a listener needs
     # them); True: always; False: only on accumulators and nodes that run Python.
     node_runs: bool | None = None
+    # The optimizer step's state (AdamW's exp_avg, ...) as the step's inputs and outputs: None,
+    # when values are read (checksums, stats, kept values) or memory is recorded; True: always.
+    optimizer_state: bool | None = None
     # True: every parameter and buffer; patterns: fnmatch globs on tensor names and module paths.
     keep_values: bool | tuple[str, ...] = False
     keep_values_bytes: int = DEFAULT_KEEP_VALUES_BYTES
@@ -92,6 +95,7 @@ class TraceOptions:
             _flag(name, getattr(self, name))
         _flag("stats", self.stats, optional=True)
         _flag("node_runs", self.node_runs, optional=True)
+        _flag("optimizer_state", self.optimizer_state, optional=True)
         _positive("flush_every", self.flush_every, optional=False)
         _positive("max_calls", self.max_calls)
         _positive("max_bytes", self.max_bytes)
@@ -133,6 +137,17 @@ class TraceOptions:
             return self.node_runs
         # (Kept values may be gradients': every gradient is then named.)
         return self.hash != "none" or self.effective_stats or self.keeps_values
+
+    @property
+    def records_optimizer_state(self) -> bool:
+        """Whether an optimizer step's state tensors are among its inputs and outputs
+        (``optimizer_state``): by default when something reads what they hold (checksums,
+        stats, kept values) or where memory goes (the state's allocations get its names). A
+        names + links + stacks trace leaves them out: on ResNet-50 they are half its tensor
+        values, and without checksums they add no more than their names and shapes."""
+        if self.optimizer_state is not None:
+            return self.optimizer_state
+        return self.hash != "none" or self.effective_stats or self.keeps_values or self.memory
 
     @property
     def effective_stats(self) -> bool:

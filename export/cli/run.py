@@ -180,6 +180,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--node-runs", action="store_true",
                    help="with --hash none: still record every grad node's run in backward (the engine's order, "
                         "each gradient named; default: only accumulators' and custom Functions')")
+    p.add_argument("--optimizer-state", action="store_true",
+                   help="with --hash none: still record the optimizer state (exp_avg, ...) as each step's inputs "
+                        "and outputs (default: only with checksums)")
     p.add_argument("--keep-values", action="append", metavar="PATTERN",
                    help="also keep the values of the tensors whose name or module path matches this glob "
                         "(repeatable; 'params' keeps every parameter and buffer), for element-wise diffs")
@@ -217,7 +220,7 @@ def run_command(args: argparse.Namespace) -> int:
     keep: bool | list[str] = True if patterns == ["params"] else patterns
     st: StepTrace = trace(hash=args.hash, out=out, max_calls=args.max_calls, max_bytes=args.max_bytes,
                           optimizer_ops=args.optimizer_ops, node_runs=True if args.node_runs else None,
-                          steps=steps, every=args.every,
+                          optimizer_state=True if args.optimizer_state else None, steps=steps, every=args.every,
                           keep_values=keep, keep_values_bytes=args.keep_values_bytes or DEFAULT_KEEP_VALUES_BYTES,
                           per_step_files=args.per_step_files, observer=progress)
     code = execute(program, st)

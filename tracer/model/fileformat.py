@@ -251,6 +251,7 @@ class _Segment:
 
 _HEADER_TYPES: dict[str, type | tuple[type, ...]] = {
     "hash": str, "fingerprint": str, "stacks": bool, "stats": bool, "optimizer_ops": bool, "node_runs": bool,
+    "optimizer_state": bool,
     "check_numerics": bool, "torch": str, "gradtrace": str, "python": str, "node_attribution": str,
     "distributed": dict,
 }

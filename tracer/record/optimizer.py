@@ -82,6 +82,7 @@ class OptimizerMixin(RecorderState):
             # version counter, so the versions cannot tell.
             written: set[int] = set()
             unscales = getattr(optimizer, "grad_scale", None) is not None
+            with_state = self.optimizer_state
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     tensors.append(p)
@@ -91,6 +92,8 @@ class OptimizerMixin(RecorderState):
                         written.add(identity(p))
                         if unscales:
                             written.add(identity(g))
+                    if not with_state:  # (named all the same, by _optimizer_pre: code that reads it later)
+                        continue
                     for v in optimizer.state.get(p, {}).values():
                         if isinstance(v, torch.Tensor):
                             tensors.append(v)
@@ -174,8 +177,9 @@ class OptimizerMixin(RecorderState):
                         if owner is not None and isinstance(v, torch.Tensor) and v not in self._named \
                                 and self._tensor_names.get(v) is None:
                             self._named[v] = (f"{owner}.{key}", "state")
-                            self._new_tensor(v, f"{owner}.{key}", "state", st.call.name)
-                            created.append(v)
+                            if self.optimizer_state:
+                                self._new_tensor(v, f"{owner}.{key}", "state", st.call.name)
+                                created.append(v)
         # Its outputs are what it changed (as an in-place op returns its target) and what it made.
         call = self.finish_call(st.call, mutated + created, mutated)
         if error is not None:

@@ -121,7 +121,7 @@ class TraceSession:
         o = self.options
         t = Trace(header={"hash": o.hash, "stacks": o.stacks, "stats": o.effective_stats,
                           "check_numerics": o.numerics, "optimizer_ops": o.optimizer_ops,
-                          "node_runs": o.every_node_run,
+                          "node_runs": o.every_node_run, "optimizer_state": o.records_optimizer_state,
                           "torch": torch.__version__, "gradtrace": __version__,
                           "python": platform.python_version()},
                   meta={"host": socket.gethostname(), "pid": os.getpid(), "cwd": os.getcwd(),

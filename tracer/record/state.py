@@ -60,6 +60,8 @@ class RecorderState:
         self.options = options
         # False: each optimizer.step() is one call (see _open_step); True: every op inside it.
         self.optimizer_ops = options.optimizer_ops
+        # Whether a step's state tensors are its inputs and outputs (see TraceOptions).
+        self.optimizer_state = options.records_optimizer_state
         self.open_step: OpenStep | None = None  # the optimizer step running now, recorded as one call
         self._step_depth = 0  # where step_running last found the open step's frame (0: not yet)
         self._step_hooked: weakref.WeakSet[Any] = weakref.WeakSet()
