@@ -346,3 +346,18 @@ def test_identity_keys_are_unique_among_live_objects_and_raise_no_audit_event() 
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.split() == ["0", "1"]  # none from the map; the hook does see a plain id()
+
+
+@pytest.mark.parametrize("value", [(1, 1), (0, -3), [2, 2, 2], (1, 2, 3, 4, 5, 6, 7, 8), (10**20, -1), [7, 8]])
+def test_int_sequences_format_as_every_other_sequence(value: tuple[int, ...] | list[int]) -> None:
+    """A tuple or list of ints (a conv's stride, padding) is formatted by ``repr``: the text of
+    the general path, element by element, bracketed as the sequence is."""
+    x = torch.zeros(1)
+    body = ", ".join(repr(v) for v in value)
+    expected = f"({body})" if isinstance(value, tuple) else f"[{body}]"
+    assert naming.short_args((x, value), {}) == expected
+    assert naming.short_args((x,), {"stride": value}) == f"stride={expected}"
+    # Not taken: one element, more than eight, a bool among ints (each keeps its own format).
+    assert naming.short_args((x, (5,)), {}) == "(5)"
+    assert naming.short_args((x, tuple(range(9))), {}) == "(0, 1, 2, 3, 4, 5, 6, 7, …)"
+    assert naming.short_args((x, (1, True)), {}) == "(1, True)"
