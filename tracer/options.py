@@ -82,7 +82,8 @@ class TraceOptions:
     # them); True: always; False: only on accumulators and nodes that run Python.
     node_runs: bool | None = None
     # The optimizer step's state (AdamW's exp_avg, ...) as the step's inputs and outputs: None,
-    # when values are read (checksums, stats, kept values) or memory is recorded; True: always.
+    # when values are read (checksums, stats, kept values) or memory is recorded; True: always;
+    # False: never.
     optimizer_state: bool | None = None
     # True: every parameter and buffer; patterns: fnmatch globs on tensor names and module paths.
     keep_values: bool | tuple[str, ...] = False

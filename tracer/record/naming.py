@@ -189,7 +189,7 @@ def _short_value(v: Any, depth: int = 0) -> str | None:
         r = repr(v)
         return r if len(r) <= 40 else r[:39] + "…"
     if (t is tuple or t is list) and 1 < len(v) <= 8 and all(type(x) is int for x in v):
-        # A conv's stride, padding, dilation: repr gives the general path's text at a fifth of its
+        # A conv's stride, padding, dilation: repr gives the general path's text at a third of its
         # cost (a conv's arguments took 16 µs to format); one element would be "(1,)" there.
         return repr(v)
     if isinstance(v, torch.Tensor):
