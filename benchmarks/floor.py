@@ -146,17 +146,21 @@ class _NodeMode(TorchFunctionMode):
                 if self.native is not None:
                     self.native(t)
                     continue
-                todo = [t.grad_fn]
-                seen = self.seen
-                while todo:
-                    node = todo.pop()
-                    if node in seen:
-                        continue
-                    seen.add(node)
-                    if self.hook is not None:
-                        self.hook(node)
-                    todo.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+                self.walk(t.grad_fn)
         return out
+
+    def walk(self, root: Any) -> None:
+        """Visit the nodes reachable from ``root`` not visited before, ``hook`` on each."""
+        todo = [root]
+        seen = self.seen
+        while todo:
+            node = todo.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            if self.hook is not None:
+                self.hook(node)
+            todo.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
 
 
 class _RecordsMode(_NodeMode):
@@ -173,8 +177,9 @@ class _RecordsMode(_NodeMode):
     last: _RecordsMode | None = None  # the latest one made (overhead.py reads its count)
 
     def __init__(self) -> None:
-        super().__init__(None)
+        super().__init__(self._node_record)
         _RecordsMode.last = self
+        self._call = ""  # the call whose new nodes the walk is visiting
         self.calls: list[tuple[Any, ...]] = []
         self.tensors: dict[str, tuple[Any, ...]] = {}
         self.names: dict[int, tuple[Any, str]] = {}
@@ -199,21 +204,15 @@ class _RecordsMode(_NodeMode):
                 if not isinstance(t, torch.Tensor):
                     continue
                 out_names.append(self._record(t, f"{call}:{i}")[1])
-                if t.grad_fn is None:
-                    continue
-                todo = [t.grad_fn]
-                seen = self.seen
-                while todo:
-                    node = todo.pop()
-                    if node in seen:
-                        continue
-                    seen.add(node)
-                    nexts = node.next_functions
-                    self.nodes.append((node._sequence_nr(), type(node).__name__, call,
-                                       tuple(id(n) for n, _ in nexts)))
-                    todo.extend(nxt for nxt, _ in nexts if nxt is not None)
+                if t.grad_fn is not None:
+                    self._call = call
+                    self.walk(t.grad_fn)
             self.calls.append((call, ins, out_names))
         return out
+
+    def _node_record(self, node: Any) -> None:
+        self.nodes.append((node._sequence_nr(), type(node).__name__, self._call,
+                           tuple(id(n) for n, _ in node.next_functions)))
 
     def _record(self, t: torch.Tensor, name: str) -> tuple[Any, str]:
         self.tensors[name] = (t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t._version)

@@ -14,17 +14,18 @@ import pytest
 import torch
 
 
-def _load_overhead() -> Any:
-    """benchmarks/overhead.py, imported with the benchmarks directory on the path only while it
+def _load_script(name: str) -> Any:
+    """benchmarks/<name>.py, imported with the benchmarks directory on the path only while it
     loads (it puts that directory first on ``sys.path``, which other tests' subprocess-like runs
     of a script would then see)."""
+    import importlib
+
     saved = sys.path[:]
     sys.path.append(str(Path(__file__).resolve().parent.parent / "benchmarks"))
     try:
-        import overhead  # (a script directory, not a package)
+        return importlib.import_module(name)  # (a script directory, not a package)
     finally:
         sys.path[:] = saved
-    return overhead
 
 
 class _Steps:
@@ -61,22 +62,12 @@ def test_configurations_rotate_every_round_and_garbage_is_collected_before_each_
         return (name, make)
 
     available = {k: config(k) for k in ("a", "b", "c")}
-    tm = _load_overhead().measure(w, ["a", "b", "c"], available, warmup=1, repeats=3)
+    tm = _load_script("overhead").measure(w, ["a", "b", "c"], available, warmup=1, repeats=3)
     steps = [e for e in log if e != "collect"]
     assert steps == [f"step:{k}" for k in "abc" + "bca" + "cab" + "abc"]
     # One collection right before every step (none inside it), warm-up round included.
     assert log == [e for s in steps for e in ("collect", s)]
     assert {k: len(v) for k, v in tm.times.items()} == {"a": 3, "b": 3, "c": 3}  # the warm-up round is not timed
-
-
-def _load_floor() -> Any:
-    saved = sys.path[:]
-    sys.path.append(str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    try:
-        import floor  # (a script directory, not a package)
-    finally:
-        sys.path[:] = saved
-    return floor
 
 
 def test_the_minimal_records_floor_keeps_one_record_per_object_and_no_tensor() -> None:
@@ -85,7 +76,7 @@ def test_the_minimal_records_floor_keeps_one_record_per_object_and_no_tensor() -
     value's metadata, and holds no tensor."""
     import weakref
 
-    floor = _load_floor()
+    floor = _load_script("floor")
     row = floor.hook_point_rows()["+minimal records"]
     w = torch.randn(3, 4, requires_grad=True)
     x = torch.randn(2, 3)
