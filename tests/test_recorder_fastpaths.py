@@ -361,3 +361,6 @@ def test_int_sequences_format_as_every_other_sequence(value: tuple[int, ...] | l
     assert naming.short_args((x, (5,)), {}) == "(5)"
     assert naming.short_args((x, tuple(range(9))), {}) == "(0, 1, 2, 3, 4, 5, 6, 7, …)"
     assert naming.short_args((x, (1, True)), {}) == "(1, True)"
+    # Nested: a sequence inside a sequence as the general path has it, three levels down "…".
+    assert naming.short_args((x, [value]), {}) == f"[{expected}]"
+    assert naming.short_args((x, [[value]]), {}) == "[[…]]"

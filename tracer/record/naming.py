@@ -188,7 +188,7 @@ def _short_value(v: Any, depth: int = 0) -> str | None:
     if t in _SCALAR_TYPES:  # the common case, by exact type: no isinstance chain per argument
         r = repr(v)
         return r if len(r) <= 40 else r[:39] + "…"
-    if (t is tuple or t is list) and 1 < len(v) <= 8 and all(type(x) is int for x in v):
+    if (t is tuple or t is list) and depth <= 1 and 1 < len(v) <= 8 and all(type(x) is int for x in v):
         # A conv's stride, padding, dilation: repr gives the general path's text at a third of its
         # cost (a conv's arguments took 16 µs to format); one element would be "(1,)" there.
         return repr(v)
