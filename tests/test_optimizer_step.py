@@ -101,6 +101,31 @@ def test_without_checksums_a_step_goes_from_parameters_and_gradients_to_new_para
     assert t.calls[-1].inputs == ["0.weight.exp_avg"] and t[t.calls[-1].outputs[0]].shape == norm.shape
 
 
+def test_without_the_state_a_fused_step_under_gradscaler_still_writes_what_it_writes() -> None:
+    """Fused AdamW stepped by a GradScaler unscales the gradients in place without a version
+    bump: the step's outputs are the same with the state left out (lean) as with it (md5), less
+    the state itself: every parameter's new version and every gradient's."""
+    def traced(**options: object) -> tracer.Trace:
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+        with tracer.trace(**options) as t:  # type: ignore[arg-type]
+            scaler.scale(model(torch.ones(3, 4)).pow(2).mean()).backward()
+            scaler.step(opt)
+            scaler.update()
+        return t
+
+    lean, full = traced(hash="none"), traced()
+    names = [n for n, _ in _model().named_parameters()]
+    lean_step = next(c for c in lean.calls if c.kind == "optimizer")
+    full_step = next(c for c in full.calls if c.kind == "optimizer")
+    assert sorted(lean_step.outputs) == sorted(o for o in full_step.outputs if full[o].role != "state")
+    # The scaler's inf check (an in-place unscale by 1.0) made each gradient's @v1; the fused step,
+    # handed the scale, unscaled it in place: @v2.
+    assert {f"{n}@v1" for n in names} | {f"{n}@grad@v2" for n in names} == set(lean_step.outputs)
+    assert lean_step.inputs == [x for n in names for x in (n, f"{n}@grad@v1")]
+
+
 def test_optimizer_state_true_records_the_state_in_a_trace_without_checksums() -> None:
     model = _model()
     x = torch.randn(3, 4)
