@@ -137,7 +137,7 @@ class TraceOptions:
         if self.node_runs is not None:
             return self.node_runs
         # (Kept values may be gradients': every gradient is then named.)
-        return self.hash != "none" or self.effective_stats or self.keeps_values
+        return self.reads_values
 
     @property
     def records_optimizer_state(self) -> bool:
@@ -148,7 +148,13 @@ class TraceOptions:
         values, and without checksums they add no more than their names and shapes."""
         if self.optimizer_state is not None:
             return self.optimizer_state
-        return self.hash != "none" or self.effective_stats or self.keeps_values or self.memory
+        return self.reads_values or self.memory
+
+    @property
+    def reads_values(self) -> bool:
+        """Whether tensor values are read at all: checksums, stats or kept values (what the
+        defaults of ``node_runs`` and ``optimizer_state`` turn on for)."""
+        return self.hash != "none" or self.effective_stats or self.keeps_values
 
     @property
     def effective_stats(self) -> bool:
