@@ -17,10 +17,10 @@ from tracer.analysis.explain import add_note, explain_backward_error
 from tracer.model import BackwardRun, GradNode, NodeRun, TensorRecord, names
 from tracer.record.engine import expect_backward
 from tracer.record.identity import identity
+from tracer.record.leaf_grads import LeafGradsMixin
 from tracer.record.listeners import Listener, needs_node_runs
 from tracer.record.mode import current_autograd_node
 from tracer.record.stacks import raised_in_backward_python
-from tracer.record.state import RecorderState
 from tracer.record.tensors import (
     ACCUMULATE,
     VIEW_NODES,
@@ -43,7 +43,7 @@ _UINT64_MAX = 2**64 - 1
 _NODE_TAG = "gradtrace"
 
 
-class AutogradMixin(RecorderState):
+class AutogradMixin(LeafGradsMixin):
     """Grad nodes and backward runs (part of ``Recorder``)."""
 
     # ---- grad nodes ---------------------------------------------------------------------------
@@ -454,12 +454,6 @@ class AutogradMixin(RecorderState):
         add_note(exc, note)
         run.error = f"{run.error}\n{note}"
 
-    def _slot_grad(self, node: str, slot: int) -> str | None:
-        """``<tensor>@grad`` for the gradient into ``node``'s input ``slot`` when that slot is a
-        named tensor's (the suffix says which backward run), else None."""
-        base = self._slot_tensor.get((node, slot))
-        return None if base is None else f"{base}{names.grad_suffix(max(self._run_index, 0))}"
-
     def _sole_grad(self, dest: str | None, k: int) -> str | None:
         """The gradient into ``dest``'s slot ``k`` is that tensor's gradient (``<tensor>@grad``)
         when it alone flows there; None when several edges meet (each is then its edge's partial
@@ -627,87 +621,6 @@ class AutogradMixin(RecorderState):
                 self._running.pop()
             elif node in self._running:
                 self._running.remove(node)
-
-    # ---- a leaf's .grad -------------------------------------------------------------------------
-    # The gradient a backward run brings to a leaf ``p`` is ``p@grad`` (``p@grad#k`` in the k-th
-    # run). When the leaf had no .grad, that gradient becomes its .grad (the very tensor, or a copy
-    # of the same bytes), so .grad carries that name. When .grad existed, the run adds into it:
-    # in place, a new version ``<.grad's name>@v<n>``; out of place (create_graph), likewise a new
-    # version of ``p@grad``. A .grad from before the block, first seen here, is ``p@grad@v0``.
-    def _grad_of_leaf(self, acc: str) -> torch.Tensor | None:
-        ref = self._acc_vars.get(acc)
-        var = ref() if ref is not None else None
-        return None if var is None else var.grad
-
-    def _name_leaf_incoming(self, acc: str, step: NodeRun, grads: tuple[Any, ...]) -> None:
-        """The gradient reaching a leaf's accumulator is that leaf's gradient, ``p@grad``, even when
-        the same tensor already has another name (passed through unchanged: ``(a + b)`` hands one
-        tensor to both accumulators): it is then recorded under that name too."""
-        slot = self._slot_grad(acc, 0)
-        g = grads[0] if grads else None
-        if slot is None or not isinstance(g, torch.Tensor) or not step.grads_in or step.grads_in[0] == slot:
-            return
-        if slot in self.trace.tensors:  # already recorded in this run (cannot happen twice): keep it
-            return
-        step.grads_in[0] = self._new_tensor(g, slot, "grad", None)
-
-    def _note_grad_before(self, acc: str) -> None:
-        """Pre-hook of an accumulator: the name of its leaf's .grad before the run adds to it."""
-        g = self._grad_of_leaf(acc)
-        if g is None:
-            self._grad_before[acc] = None
-            return
-        hit = self._tensor_names.get(g)
-        if hit is not None and hit[1] == version_of(g):
-            self._grad_before[acc] = hit[0]
-        elif hit is not None:  # changed where the trace could not see it
-            self._grad_before[acc] = self._name_at(g, version_of(g))
-        else:
-            base = f"{self._slot_tensor[(acc, 0)]}@grad"
-            self._grad_before[acc] = self._new_leaf_grad(g, names.version_name(base, 0), None, None)
-        # The accumulator adds into an existing .grad in place (whoever else holds it), with no
-        # op the recorder sees: a value of it still waiting for its checksum is read first.
-        self.hasher.before_write([g])
-
-    def _new_leaf_grad(self, g: torch.Tensor, name: str, producer: str | None, previous: str | None) -> str:
-        name = self._new_tensor(g, name, "grad", producer, previous=previous)
-        self._index_alias(g)
-        return name
-
-    def _name_accumulated(self, acc: str, step: NodeRun | None) -> None:
-        """Hook of an accumulator (it has run): give its leaf's .grad its name."""
-        before = self._grad_before.pop(acc, None)
-        g = self._grad_of_leaf(acc)
-        if g is None:
-            return
-        ver = version_of(g)
-        hit = self._tensor_names.get(g)
-        if hit is not None:
-            if hit[1] != ver:  # accumulated in place
-                base = self._base_name(hit[0])
-                self._new_leaf_grad(g, self._bump(base), acc, hit[0])
-            return  # else: the incoming gradient itself, already named
-        incoming = step.grads_in[0] if step is not None and step.grads_in else None
-        if before is None and incoming is not None:
-            # A copy of the incoming gradient (it was still referenced, so not stolen): the same
-            # bytes under the same name.
-            self._tensor_names[g] = (incoming, ver)
-            self._index_alias(g)
-            return
-        base = f"{self._slot_tensor[(acc, 0)]}@grad"  # added out of place into the old .grad
-        self._new_leaf_grad(g, self._bump(base) if base in self.trace.tensors else base, acc, before)
-
-    def _name_leaf_grad(self, t: torch.Tensor, version: int) -> str | None:
-        """A tensor seen for the first time while an accumulator runs (a post-accumulate-grad hook
-        reading .grad): the .grad the accumulator has just made, named as its hook would."""
-        acc = self._running[-1]
-        if acc not in self._acc_vars or self._grad_of_leaf(acc) is not t:
-            return None
-        self._name_accumulated(acc, self._open_steps.get(acc))
-        hit = self._tensor_names.get(t)
-        # What the accumulator's own hook will find: .grad named, unchanged since.
-        self._grad_before[acc] = None if hit is None else hit[0]
-        return None if hit is None else hit[0]
 
     def _engine_node(self) -> str | None:
         """The recorded name of the grad node the autograd engine runs on this thread now (the
