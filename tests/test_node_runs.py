@@ -300,7 +300,9 @@ def test_traced_steps_leave_no_hook_on_accumulators(monkeypatch: pytest.MonkeyPa
             loss.backward()
             opt.step()
         per_step.append(len(calls))
-    assert per_step == [8] * 12  # 4 accumulators, a pre-hook and a hook each
+    # 4 accumulators: a pre-hook and a hook each where checksums are read (the pre-hook reads a
+    # waiting .grad before the accumulator adds into it), the hook alone in a lean trace.
+    assert per_step == [4 if options["hash"] == "none" else 8] * 12
     calls.clear()
     model(torch.randn(4, 8)).sum().backward()  # untraced: none of gradtrace's hooks is left
     assert calls == [] and loss is not None

@@ -36,6 +36,8 @@ from tracer.record.tensors import (
 )
 
 _UINT64_MAX = 2**64 - 1
+# The node a leaf's gradient goes to (its accumulator): public since torch 2.2.
+get_gradient_edge: Any = getattr(torch.autograd.graph, "get_gradient_edge", None)
 # Accumulator nodes are marked in their ``metadata`` dict (which lives as long as the C++ node,
 # unlike its Python wrapper, and cannot be weakly referenced) with (trace id, node name): a new
 # accumulator object for a parameter already named (its first graph died: gradient accumulation,
@@ -159,7 +161,13 @@ class AutogradMixin(LeafGradsMixin):
         user_code = runs_user_code(node, kind)
         if user_code and self._module_stack:
             self._node_modules[name] = self._module_stack[-1]
-        # Accumulators always get both: the pre-hook notes the leaf's .grad before it runs, the
+        if kind == ACCUMULATE and not user_code and self._acc_hook_alone():
+            # Nothing needs the accumulator's start: its hook alone names what the leaf's .grad
+            # became, from what .grad was when the backward started (_note_grads_before).
+            self._handles.append(node.register_hook(functools.partial(node_hook, self._self_ref, name)))
+            self._acc_post_only.add(name)
+            return
+        # Other accumulators get both: the pre-hook notes the leaf's .grad before it runs, the
         # hook names what it became (the gradient itself, or a new version accumulated into it).
         if user_code or external or kind == ACCUMULATE or self._saved_hooks \
                 or (self.listeners and self._begin_listeners()):
@@ -181,6 +189,14 @@ class AutogradMixin(LeafGradsMixin):
             # Nothing needs its run yet (no checksums or stats): the graph, names, links and
             # stacks are recorded already. A backward that needs it hooks it then.
             self._unhooked.add(name)
+
+    def _acc_hook_alone(self) -> bool:
+        """Whether an accumulator can do with its hook alone (no pre-hook): nothing reads values
+        (a checksum waiting for .grad's bytes must be read before the accumulator adds into
+        them) and no listener acts on a node's start (the memory one attributes the
+        accumulator's allocation to it while it runs)."""
+        return self.hasher is self._own_hasher and not self.hasher.active \
+            and not (self.listeners and self._begin_listeners())
 
     def _listeners_need_runs(self) -> bool:
         return any(needs_node_runs(li) for li in self.listeners)
@@ -345,6 +361,8 @@ class AutogradMixin(LeafGradsMixin):
                 self._bwd_seq0 = (threading.get_ident(), get_seq())
             if self._unhooked and self._node_runs_wanted(self._create_graph):
                 self._hook_waiting_nodes(unique(flat_tensors(first)))
+            if self._acc_post_only and not api.endswith(".grad"):  # (autograd.grad runs no accumulator)
+                self._hook_accumulator_starts(self._note_grads_before())
         for li in self.listeners:
             li.on_backward_begin(self.trace, run)
         # Waiting checksums are read before the backward: gradient accumulation and custom
@@ -475,12 +493,19 @@ class AutogradMixin(LeafGradsMixin):
         base = getattr(Listener, event)
         return any(getattr(type(li), event) is not base for li in self.listeners)
 
-    def _current_run(self) -> BackwardRun:
+    def _current_run(self, ran: str | None = None) -> BackwardRun:
         """The backward run a node event belongs to. At its first node event, the reading of
-        what still waits for a checksum is queued for the run's end (``_read_waiting_at_end``)."""
+        what still waits for a checksum is queued for the run's end (``_read_waiting_at_end``).
+        ``ran``: the accumulator hooked alone whose hook asks, which has run already."""
         if self._run is None:  # backward started where the trace could not see it
             self._indegree, self._indegree_roots = None, None  # every recorded edge, when needed
             self._passed_on.clear()
+            if self._acc_post_only:
+                # No accumulator has run yet but ``ran`` (it would have started the run): what
+                # their .grad is now is what it was at the start. ``ran``'s own has changed.
+                self._hook_accumulator_starts(self._note_grads_before(skip=ran))
+                if ran is not None:
+                    self._infer_grad_before(ran)
             self._run_index = len(self.trace.backward_runs)
             self._run = BackwardRun(name=self.counters.next("backward"), api="(engine)", roots=[],
                                     seq=len(self.trace.backward_runs))
@@ -601,11 +626,13 @@ class AutogradMixin(LeafGradsMixin):
             for li in self.listeners:
                 li.on_node_begin(self.trace, node, step, grad_outputs)
 
-    def node_end(self, node: str, grad_inputs: tuple[Any, ...]) -> None:
+    def node_end(self, node: str, grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...] = ()) -> None:
         if self.stopped:
             return
         with self.lock, torch._C.DisableTorchFunction():
             step = self._open_steps.pop(node, None)
+            if step is None and node in self._acc_post_only:
+                step = self._accumulator_ran(node, grad_outputs)
             names = self._grad_names(node, grad_inputs, True, step.calls if step is not None else None)
             if self._create_graph:
                 self._adopt_nodes(node, grad_inputs)
@@ -621,6 +648,34 @@ class AutogradMixin(LeafGradsMixin):
                 self._running.pop()
             elif node in self._running:
                 self._running.remove(node)
+
+    def _accumulator_ran(self, acc: str, grad_outputs: tuple[Any, ...]) -> NodeRun:
+        """An accumulator hooked alone has run: what its pre-hook would have done, after it (what
+        it received; the leaf's .grad before, from the backward's start: _note_grads_before)."""
+        run = self._current_run(ran=acc)
+        step = NodeRun(acc, self._grad_names(acc, grad_outputs, False), [])
+        run.steps.append(step)
+        self._running.append(acc)
+        self._name_leaf_incoming(acc, step, grad_outputs)
+        self._name_grad_from_before(acc)
+        for li in self.listeners:
+            li.on_node_begin(self.trace, acc, step, grad_outputs)
+        return step
+
+    def _hook_accumulator_starts(self, accs: list[str]) -> None:
+        """Give accumulators hooked alone their pre-hook after all: their leaf got a
+        post-accumulate-grad hook after the forward (user code, whose calls read .grad while
+        the accumulator counts as running: see _name_leaf_grad)."""
+        for acc in accs:
+            ref = self._acc_vars.get(acc)
+            var = ref() if ref is not None else None
+            if var is None or get_gradient_edge is None:
+                continue
+            node = get_gradient_edge(var).node
+            tag = node.metadata.get(_NODE_TAG)
+            if tag is not None and tuple(tag) == (self.trace_id, acc):
+                self._handles.append(node.register_prehook(functools.partial(node_hook, self._self_ref, acc)))
+                self._acc_post_only.discard(acc)
 
     def _engine_node(self) -> str | None:
         """The recorded name of the grad node the autograd engine runs on this thread now (the
@@ -722,7 +777,7 @@ def node_hook(ref: weakref.ref[Any], name: str, grads: tuple[Any, ...], grad_out
             if grad_outputs is _PRE_HOOK:
                 rec.node_begin(name, grads)
             else:
-                rec.node_end(name, grads)
+                rec.node_end(name, grads, grad_outputs)
 
 
 def node_done_hook(ref: weakref.ref[Any], name: str, grad_inputs: tuple[Any, ...],

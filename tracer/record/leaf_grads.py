@@ -3,6 +3,7 @@ accumulator, the leaf's ``.grad`` before the accumulator ran and what it became.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -61,6 +62,65 @@ class LeafGradsMixin(RecorderState):
         # The accumulator adds into an existing .grad in place (whoever else holds it), with no
         # op the recorder sees: a value of it still waiting for its checksum is read first.
         self.hasher.before_write([g])
+
+    def _note_grads_before(self, skip: str | None = None) -> list[str]:
+        """At a backward's start, for each accumulator hooked alone: its leaf's .grad, which it may
+        add into (_note_grad_before, done here instead of in a pre-hook). A .grad without a name
+        is named only when its accumulator runs (_name_grad_from_before), unless this run
+        makes a graph (it then adds out of place, and the old value may be gone by then).
+        Returns the accumulators whose leaf has a post-accumulate-grad hook now: they need
+        their pre-hook after all (see _hook_accumulator_starts)."""
+        late: list[str] = []
+        for acc in self._acc_post_only:
+            if acc == skip:
+                continue
+            ref = self._acc_vars.get(acc)
+            var = ref() if ref is not None else None
+            if var is not None and getattr(var, "_post_accumulate_grad_hooks", None) is not None:
+                late.append(acc)
+            g = var.grad if var is not None else None
+            self._grad_unnamed.pop(acc, None)
+            if g is None:
+                self._grad_before.pop(acc, None)
+                continue
+            hit = self._tensor_names.get(g)
+            if hit is not None and hit[1] == version_of(g):
+                self._grad_before[acc] = hit[0]
+            elif hit is None and not self._create_graph:
+                self._grad_before.pop(acc, None)
+                self._grad_unnamed[acc] = (weakref.ref(g), version_of(g))
+            else:
+                self._note_grad_before(acc)
+        return late
+
+    def _infer_grad_before(self, acc: str) -> None:
+        """An accumulator hooked alone ran before the trace knew a backward had started (one
+        started where the trace could not see it): its .grad before is read from what it is
+        now. Unnamed and changed in place (version above 0: a copy or the gradient itself
+        would be at 0), it is a .grad from before the block that the accumulator added into.
+        (A named one needs nothing: _name_accumulated sees its version change.)"""
+        g = self._grad_of_leaf(acc)
+        if g is not None and self._tensor_names.get(g) is None and version_of(g) > 0:
+            self._grad_unnamed[acc] = (weakref.ref(g), version_of(g) - 1)
+
+    def _name_grad_from_before(self, acc: str) -> None:
+        """An accumulator hooked alone has run on a .grad that had no name at the backward's
+        start: that value is ``p@grad@v0`` (as _note_grad_before would have named it), recorded
+        now with the version it had then."""
+        pending = self._grad_unnamed.pop(acc, None)
+        if pending is None:
+            return
+        old, version = pending[0](), pending[1]
+        g = old if old is not None else self._grad_of_leaf(acc)
+        if g is None:
+            return
+        name = self._new_leaf_grad(g, names.version_name(f"{self._slot_tensor[(acc, 0)]}@grad", 0), None, None)
+        self.trace.tensors[name].version = version
+        # The old value itself (added into in place), else the new .grad that replaced it (added
+        # out of place), which is not that value: its version -1 makes _name_accumulated see a
+        # new version of this name in it.
+        self._tensor_names[g] = (name, version if old is not None else -1)
+        self._grad_before[acc] = name
 
     def _new_leaf_grad(self, g: torch.Tensor, name: str, producer: str | None, previous: str | None) -> str:
         name = self._new_tensor(g, name, "grad", producer, previous=previous)

@@ -118,6 +118,11 @@ class RecorderState:
         self._retained: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
         # Accumulator running now -> the name of its leaf's .grad before it ran (None: no .grad).
         self._grad_before: dict[str, str | None] = {}
+        # Accumulators hooked without a pre-hook (see _acc_hook_alone): what their leaf's .grad was
+        # is noted when a backward starts; a .grad the trace has no name for (from before the
+        # block) is named only if its accumulator runs: the value then (weakly) and its version.
+        self._acc_post_only: set[str] = set()
+        self._grad_unnamed: dict[str, tuple[weakref.ref[torch.Tensor], int]] = {}
         self._aliases: dict[int, list[weakref.ref[torch.Tensor]]] = {}  # storage -> tensors
         self._node_modules: dict[str, str] = {}  # nodes that run user code -> their call's module
         # A backward run with create_graph=True makes grad nodes while it runs; those are
