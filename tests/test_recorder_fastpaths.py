@@ -276,12 +276,14 @@ class _Seen:
 
     def __init__(self) -> None:
         self.events: list[tuple[str, str, tuple[object, ...]]] = []
+        self.received: list[tuple[object, ...]] = []  # the hook's grad_outputs (an accumulator's own need them)
 
     def node_begin(self, name: str, grads: tuple[object, ...]) -> None:
         self.events.append(("begin", name, grads))
 
-    def node_end(self, name: str, grads: tuple[object, ...]) -> None:
+    def node_end(self, name: str, grads: tuple[object, ...], grad_outputs: tuple[object, ...]) -> None:
         self.events.append(("end", name, grads))
+        self.received.append(grad_outputs)
 
 
 def test_one_callable_tells_the_pre_hook_from_the_hook() -> None:
@@ -292,6 +294,7 @@ def test_one_callable_tells_the_pre_hook_from_the_hook() -> None:
     autograd_mod.node_hook(ref, "n", (None,), ())  # type: ignore[arg-type]  # a hook with empty grad_outputs
     autograd_mod.node_hook(ref, "n", (), (g,))  # type: ignore[arg-type]
     assert [(e, n, len(gs)) for e, n, gs in seen.events] == [("begin", "n", 1), ("end", "n", 1), ("end", "n", 0)]
+    assert seen.received == [(), (g,)]
     seen.closed = True
     autograd_mod.node_hook(ref, "n", (g,))  # type: ignore[arg-type]
     assert len(seen.events) == 3
