@@ -327,3 +327,40 @@ def test_a_recipe_records_the_same_calls_and_gradients_lean_or_not() -> None:
     read = {i for c in full.calls for i in c.inputs if "@grad" in i}
     assert "0.weight@grad@v1" in read and read <= set(lean.tensors)
     assert len(lean.backward_runs) == 2
+
+
+def _hooked_on_the_node(**options: Any) -> Trace:
+    x = torch.randn(3, requires_grad=True)
+    with tracer.trace(**options) as t:
+        y = (x * 2).exp()
+        y.grad_fn.register_hook(lambda grad_inputs, grad_outputs: (grad_inputs[0] * 3,))  # gradtrace cannot see this
+        y.sum().backward()
+    return t
+
+
+def test_a_hook_on_a_grad_node_itself_is_noted_where_node_runs_are_off() -> None:
+    """A hook registered with ``grad_fn.register_hook`` reads the node's gradients; in a trace that
+    does not record that node's run their names are not known: the tensor stays an input and
+    a note names the node and says how to have it named."""
+    lean = _hooked_on_the_node(hash="none")
+    (mul,) = [c for c in lean.calls if c.phase == "backward"]
+    assert mul.inputs == ["input1"] and mul.parent == "exp0/ExpBackward0"
+    assert [n for n in lean.notes if "exp0/ExpBackward0" in n] == [
+        "a hook of grad node exp0/ExpBackward0 read input1, a tensor without a name: if it is one of the node's "
+        "gradients (a hook registered on the node itself, grad_fn.register_hook, which gradtrace cannot see), its "
+        "name is not known because the node's run was not recorded; trace(node_runs=True) names every node's "
+        "gradients"]
+    full = _hooked_on_the_node(hash="none", node_runs=True)
+    (mul,) = [c for c in full.calls if c.phase == "backward"]
+    assert mul.inputs == ["mul0:out@grad"] and not full.notes
+
+
+def test_a_tensor_hook_gets_no_such_note() -> None:
+    """Tensor hooks are seen (Tensor.register_hook): the backward records the runs they need."""
+    x = torch.randn(3, requires_grad=True)
+    with tracer.trace(hash="none") as t:
+        y = (x * 2).exp()
+        y.register_hook(lambda g: g * 3)
+        y.sum().backward()
+    (mul,) = [c for c in t.calls if c.phase == "backward"]
+    assert mul.inputs == ["exp0:out@grad"] and not t.notes

@@ -122,6 +122,9 @@ class RecorderState:
         # is noted when a backward starts; a .grad the trace has no name for (from before the
         # block) is named only if its accumulator runs: the value then (weakly) and its version.
         self._acc_post_only: set[str] = set()
+        # Nodes whose runs are not recorded and whose hooks read tensors without a name
+        # (_note_unrecorded_node_hook).
+        self._hook_inputs_noted: set[str] = set()
         self._grad_unnamed: dict[str, tuple[weakref.ref[torch.Tensor], int]] = {}
         self._aliases: dict[int, list[weakref.ref[torch.Tensor]]] = {}  # storage -> tensors
         self._node_modules: dict[str, str] = {}  # nodes that run user code -> their call's module
@@ -357,8 +360,26 @@ class RecorderState:
                 return alias
         self._inputs += 1
         name = self._new_tensor(t, f"input{self._inputs - 1}", "input", None)
+        if self._in_backward and self._unhooked:
+            self._note_unrecorded_node_hook(name)
         self._index_alias(t)
         return name
+
+    def _note_unrecorded_node_hook(self, input_name: str) -> None:
+        """A tensor without a name met in a hook of a grad node whose run is not recorded
+        (``node_runs`` off): possibly a gradient that node received or produced, handed to a
+        hook registered on the node itself (``grad_fn.register_hook``), which gradtrace cannot
+        see. It stays ``input<k>`` (it may as well come from before the block); a note per
+        node says so and how to have the node's gradients named."""
+        node = self._engine_node()
+        if node is None or node not in self._unhooked or node in self._hook_inputs_noted:
+            return
+        self._hook_inputs_noted.add(node)
+        self.trace.notes.append(
+            f"a hook of grad node {node} read {input_name}, a tensor without a name: if it is one of the "
+            f"node's gradients (a hook registered on the node itself, grad_fn.register_hook, which gradtrace "
+            f"cannot see), its name is not known because the node's run was not recorded; "
+            f"trace(node_runs=True) names every node's gradients")
 
     # ---- aliases: tensors that share a named tensor's storage -----------------------------------
     # ``p.data``, ``p.detach()`` and views share p's bytes; ``.data`` does not even share its
