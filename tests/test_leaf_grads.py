@@ -180,3 +180,54 @@ def test_a_post_accumulate_hook_added_after_the_forward_gets_the_pre_hook(monkey
     calls.clear()
     model(_x()).sum().backward()
     assert calls == []
+
+
+def _llama_accumulated_into_grads_from_before(**options: Any) -> Trace:
+    from tests.models import hf_loss, hf_model
+
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model, x = hf_model("llama")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    hf_loss(model, x).backward()
+    opt.step()  # no zero_grad: every .grad comes from before the block
+    with tracer.trace(**options) as t:
+        for _ in range(2):
+            hf_loss(model, x).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    return t
+
+
+def _reentrant_checkpoint(**options: Any) -> Trace:
+    """The checkpointed segment's backward is a backward run of its own, inside the outer one,
+    into the same parameters' accumulators (the model is used outside the segment too)."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = _model()
+    x = _x().requires_grad_()
+    with tracer.trace(**options) as t:
+        (checkpoint(model, x, use_reentrant=True).sum() + model(x).sum()).backward()
+        model[0].weight.grad.mul(2)
+    return t
+
+
+@pytest.mark.parametrize("recipe", [_llama_accumulated_into_grads_from_before, _reentrant_checkpoint],
+                         ids=["llama accumulated into grads from before", "reentrant checkpoint"])
+def test_real_recipes_name_every_grad_as_with_both_hooks(recipe: Callable[..., Trace],
+                                                         both_hooks: Callable[[], Any]) -> None:
+    alone = recipe(hash="none")
+    with both_hooks():
+        reference = recipe(hash="none")
+    assert _view(alone) == _view(reference)
+    # ... and as a trace with checksums (both hooks, every node's run) names them, less the
+    # optimizer's state, which a trace without checksums leaves out of the step.
+    md5 = recipe(hash="md5", optimizer_state=False)
+    assert _view(alone)[2] == _view(md5)[2]
+    grads = {n for n, r in alone.tensors.items() if r.role == "grad"}
+    assert grads <= {n for n, r in md5.tensors.items() if r.role == "grad"}
+    # Each parameter's .grad from before the block is @grad@v0 (none in the checkpoint recipe).
+    params = {n for n, r in alone.tensors.items() if r.role == "param" and r.previous is None}
+    before = {n.removesuffix("@grad@v0") for n in grads if n.endswith("@grad@v0")}
+    assert before == (params if recipe is _llama_accumulated_into_grads_from_before else set())
