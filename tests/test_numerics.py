@@ -327,3 +327,59 @@ def test_raise_on_nonfinite_in_backward_names_the_node():
     assert (info.value.anomaly.producer, info.value.anomaly.node) == ("div0", "InfGrad0/InfGradBackward")
     assert info.value.anomaly.stack[-1].code == "return g / torch.zeros_like(g)  # +Inf, not NaN"
     assert "failed in grad node InfGrad0/InfGradBackward" in info.value.__notes__[0]
+
+
+def _adamw_after_one_step() -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(3, 4)
+    model(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    return model, opt, x
+
+
+def _nan_state_step(**options) -> tracer.Trace:
+    model, opt, x = _adamw_after_one_step()
+    opt.state[model[0].weight]["exp_avg_sq"][0, 0] = float("nan")  # a NaN in the state, from before the block
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tracer.NumericsWarning)
+        with tracer.check_numerics(**options) as t:
+            model(x).pow(2).mean().backward()
+            opt.step()
+    return t
+
+
+def test_check_numerics_leaves_the_optimizer_state_out_and_says_so():
+    """A NaN in AdamW's state reaches the parameter the same step updates: found there, the
+    anomaly says the state was not checked and how to check it."""
+    t = _nan_state_step()
+    assert t.header["optimizer_state"] is False and t.header["stats"] is True
+    assert not any(n.startswith("0.weight.exp_avg") for n in t["AdamW0"].inputs)
+    a = t.anomalies.forward
+    assert (a.tensor, a.producer, a.origin, a.nan, a.state_unchecked) == ("0.weight@v1", "AdamW0", True, 1, True)
+    assert "the optimizer's state was not checked" in a.describe()
+    assert "check_numerics(optimizer_state=True)" in a.describe()
+    assert a.to_json()["state_unchecked"] is True
+    from export.html.data import _anomaly
+    assert _anomaly(a)["state_unchecked"] is True
+
+
+def test_check_numerics_with_the_state_finds_the_nan_in_it():
+    t = _nan_state_step(optimizer_state=True)
+    assert t.header["optimizer_state"] is True
+    a = t.anomalies.forward
+    assert (a.producer, a.origin, a.bad_inputs, a.state_unchecked) == ("AdamW0", False, ["0.weight.exp_avg_sq"], False)
+    assert "not checked" not in a.describe()
+
+
+def test_a_nan_from_a_layer_says_nothing_of_the_state():
+    model, opt, x = _adamw_after_one_step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tracer.NumericsWarning)
+        with tracer.check_numerics() as t:
+            model(x).log().sum().backward()  # log of negative outputs: NaN in forward
+            opt.step()
+    a = t.anomalies.forward
+    assert a.producer == "log0" and a.origin and not a.state_unchecked

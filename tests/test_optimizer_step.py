@@ -144,7 +144,9 @@ def test_optimizer_state_true_records_the_state_in_a_trace_without_checksums() -
 
 @pytest.mark.parametrize(("options", "expected"), [
     ({}, True), ({"hash": "fast"}, True), ({"hash": "none", "stats": True}, True),
-    ({"hash": "none", "check_numerics": True}, True), ({"hash": "none", "memory": True}, True),
+    ({"hash": "none", "check_numerics": True}, False), ({"hash": "none", "raise_on_nonfinite": True}, False),
+    ({"hash": "none", "check_numerics": True, "stats": True}, True), ({"check_numerics": True}, True),
+    ({"hash": "none", "memory": True}, True),
     ({"hash": "none", "keep_values": True}, True), ({"hash": "none"}, False),
     ({"hash": "md5", "optimizer_state": False}, False),
 ])

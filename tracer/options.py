@@ -82,8 +82,8 @@ class TraceOptions:
     # them); True: always; False: only on accumulators and nodes that run Python.
     node_runs: bool | None = None
     # The optimizer step's state (AdamW's exp_avg, ...) as the step's inputs and outputs: None,
-    # when values are read (checksums, stats, kept values) or memory is recorded; True: always;
-    # False: never.
+    # with checksums, stats asked for, kept values or memory (not for a NaN/Inf check alone);
+    # True: always; False: never.
     optimizer_state: bool | None = None
     # True: every parameter and buffer; patterns: fnmatch globs on tensor names and module paths.
     keep_values: bool | tuple[str, ...] = False
@@ -143,12 +143,15 @@ class TraceOptions:
     def records_optimizer_state(self) -> bool:
         """Whether an optimizer step's state tensors are among its inputs and outputs
         (``optimizer_state``): by default when something reads what they hold (checksums,
-        stats, kept values) or where memory goes (the state's allocations get its names). A
-        names + links + stacks trace leaves them out: on ResNet-50 they are half its tensor
-        values, and without checksums they add no more than their names and shapes."""
+        stats asked for, kept values) or where memory goes (the state's allocations get its
+        names). A names + links + stacks trace leaves them out: on ResNet-50 they are half its
+        tensor values, and without checksums they add no more than their names and shapes. So
+        does a NaN/Inf check alone (``check_numerics`` without checksums or ``stats=True``): a
+        NaN the step makes in its state reaches the parameters it updates in the same step,
+        where the check finds it (the anomaly then says the state was not checked)."""
         if self.optimizer_state is not None:
             return self.optimizer_state
-        return self.reads_values or self.memory
+        return self.hash != "none" or self.stats is True or self.keeps_values or self.memory
 
     @property
     def reads_values(self) -> bool:

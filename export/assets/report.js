@@ -1315,7 +1315,8 @@
     }
     b.title = 'Select ' + target.name + ': the first ' + (a.kind === 'nan' ? 'NaN' : 'Inf') + ' in ' + phase + ', ' + a.tensor +
       ' (' + a.nan + ' NaN, ' + a.inf + ' Inf), ' + (a.origin ? 'made there' : 'carried in from its inputs') +
-      (a.from_forward ? ' (its forward call had already seen NaN/Inf)' : '') + '.';
+      (a.from_forward ? ' (its forward call had already seen NaN/Inf)' : '') +
+      (a.state_unchecked ? " (the optimizer's state was not checked: it may come from there)" : '') + '.';
     b.setAttribute('data-target', target.name);
     b.addEventListener('click', function () {
       if (st.tab !== 'graph') setTab('graph');

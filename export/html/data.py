@@ -451,7 +451,7 @@ def _anomaly(a: Anomaly | None) -> dict[str, Any] | None:
     if a is None:
         return None
     return {"kind": a.kind, "tensor": a.tensor, "producer": a.producer, "node": a.node, "origin": a.origin,
-            "nan": a.nan, "inf": a.inf, "from_forward": a.from_forward}
+            "nan": a.nan, "inf": a.inf, "from_forward": a.from_forward, "state_unchecked": a.state_unchecked}
 
 
 def build_payload(trace: Trace) -> dict[str, Any]:

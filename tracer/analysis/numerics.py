@@ -63,6 +63,9 @@ class Anomaly:
     from_forward: bool = False
     kind: str = "nan"
     node: str | None = None  # backward: the grad node whose own code (or hook) ran the producing call
+    # An optimizer step made it from finite parameters and gradients, and its state (exp_avg...)
+    # was not checked (a trace whose header says optimizer_state: false): it may come from there.
+    state_unchecked: bool = False
 
     @property
     def what(self) -> str:
@@ -75,6 +78,8 @@ class Anomaly:
         role = "origin" if self.origin else f"propagated from input(s) {', '.join(self.bad_inputs)}"
         if self.from_forward:
             role += " (its forward call already saw non-finite values: see the forward report)"
+        if self.state_unchecked:
+            role += f" ({reprs.STATE_UNCHECKED})"
         where = f"{self.producer} [{self.producer_kind}]"
         if self.node is not None:
             where += f" in the backward of {self.node}"
@@ -98,6 +103,7 @@ class Anomaly:
                 "nan": self.nan, "inf": self.inf, "bad_inputs": self.bad_inputs, "node": self.node,
                 "contaminated": self.contaminated, "contaminated_by_module": self.contaminated_by_module,
                 "backward_run": self.backward_run, "from_forward": self.from_forward,
+                "state_unchecked": self.state_unchecked,
                 "stack": [[f.file, f.line, f.function, f.code] for f in self.stack]}
 
 
@@ -286,7 +292,9 @@ def _check_call(hunt: _Hunt, trace: Trace, call: Call, intended: set[str], node:
             bad_in = [i for i in call.inputs if count(tensors.get(i))]
             return Anomaly(hunt.phase, rec.name, call.name, call.api, call.module, not bad_in, rec.stats.nan,
                            rec.stats.inf, hunt.stack(call.stack_id, call.stack), bad_in, kind=kind, node=node,
-                           backward_run=backward_run)
+                           backward_run=backward_run,
+                           state_unchecked=not bad_in and call.kind == "optimizer"
+                           and trace.header.get("optimizer_state") is False)
         hunt.see(kind, call.module, make)
 
 

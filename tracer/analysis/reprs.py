@@ -17,6 +17,12 @@ TOP_ROWS = 5  # owners listed in a memory card
 
 
 # ---- numerics --------------------------------------------------------------------------------------
+# An optimizer step made the first NaN/Inf from finite parameters and gradients, in a trace that
+# did not check its state (Anomaly.state_unchecked).
+STATE_UNCHECKED = ("the optimizer's state was not checked: a NaN or Inf in it shows first here; "
+                   "check_numerics(optimizer_state=True) checks it")
+
+
 def anomaly_repr(a: Anomaly) -> str:
     """``<Anomaly first NaN in forward: sqrt0:out by sqrt0 [torch.sqrt] in h.7.mlp (origin), 3 more>``."""
     role = "origin" if a.origin else "propagated"
@@ -31,6 +37,8 @@ def _anomaly_facts(a: Anomaly) -> list[tuple[str, str]]:
              ("module", f"<code>{esc(a.module or '<root>')}</code>"),
              ("cause", "origin: its inputs were finite" if a.origin
               else f"propagated from {names_html(a.bad_inputs)}")]
+    if a.state_unchecked:
+        facts.append(("note", esc(STATE_UNCHECKED)))
     if a.stack:
         facts.append(("line", source_link(a.stack[-1])))
     if a.contaminated:
