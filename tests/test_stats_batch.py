@@ -145,7 +145,7 @@ def _adam_steps(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, steps:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
     traces = []
     for _ in range(steps):
-        with tracer.check_numerics() as t:
+        with tracer.check_numerics(optimizer_state=True) as t:  # the state's stats batched too
             opt.zero_grad(set_to_none=True)
             torch.nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
