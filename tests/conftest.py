@@ -69,3 +69,19 @@ def one_rank():
     finally:
         dist.destroy_process_group()
         sys.excepthook = hook
+
+
+@pytest.fixture
+def node_hook_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the grad nodes whose gradtrace hook (pre-hook or hook) runs, in order."""
+    from tracer.record import autograd
+
+    calls: list[str] = []
+    real = autograd.node_hook
+
+    def counting(ref: object, name: str, grads: object, *rest: object) -> None:
+        calls.append(name)
+        real(ref, name, grads, *rest)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(autograd, "node_hook", counting)
+    return calls

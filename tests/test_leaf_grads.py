@@ -15,7 +15,6 @@ import torch.nn as nn
 
 import tracer
 from tracer.model import Trace
-from tracer.record import autograd
 from tracer.record.autograd import AutogradMixin
 
 
@@ -159,17 +158,10 @@ def test_a_dense_gradient_into_a_sparse_grad_from_before(both_hooks: Callable[[]
     assert names == ref
 
 
-def test_a_post_accumulate_hook_added_after_the_forward_gets_the_pre_hook(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_post_accumulate_hook_added_after_the_forward_gets_the_pre_hook(node_hook_calls: list[str]) -> None:
     """Its calls read the .grad the accumulator made, by that name; the pre-hook added at the
     backward's start is taken off with the rest at the trace's end."""
-    calls: list[str] = []
-    real = autograd.node_hook
-
-    def counting(ref: Any, name: str, grads: Any, *rest: Any) -> None:
-        calls.append(name)
-        real(ref, name, grads, *rest)
-
-    monkeypatch.setattr(autograd, "node_hook", counting)
+    calls = node_hook_calls
     model = _model()
     with tracer.trace(hash="none") as t:
         _late_hook(model)

@@ -273,21 +273,12 @@ def test_a_transformer_step_records_the_same_graph_lean_or_not(kind: str) -> Non
 
 
 @pytest.mark.parametrize("options", [{"hash": "none"}, {"hash": "md5"}], ids=["lean", "md5"])
-def test_traced_steps_leave_no_hook_on_accumulators(monkeypatch: pytest.MonkeyPatch, options: dict[str, Any]) -> None:
+def test_traced_steps_leave_no_hook_on_accumulators(node_hook_calls: list[str], options: dict[str, Any]) -> None:
     """A training loop keeps the last loss (and its graph's accumulators) alive until the next
     forward, so the parameters' accumulator objects live on from step to step: each trace takes
     its hooks off them when it ends. Before, every traced step added a pair that every later
     backward called (60 traced steps: 480 hook calls a step instead of 8)."""
-    from tracer.record import autograd
-
-    calls: list[str] = []
-    real = autograd.node_hook
-
-    def counting(ref: Any, name: str, grads: Any, *rest: Any) -> None:
-        calls.append(name)
-        real(ref, name, grads, *rest)
-
-    monkeypatch.setattr(autograd, "node_hook", counting)
+    calls = node_hook_calls
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
