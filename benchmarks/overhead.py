@@ -57,6 +57,7 @@ from tracer.record.checksums.launcher import WARMUP
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # Re-exported: the other scripts of this folder import the workloads from here too.
 from workloads import (  # a sibling script, not a package
+    CLOCKS,
     LARGE_MODELS,
     MODELS,
     Factory,
@@ -66,6 +67,7 @@ from workloads import (  # a sibling script, not a package
     recorded_bytes,
     recorded_objects,
     time_step,
+    use_clock,
 )
 
 __all__ = ["Workload", "build", "configurations", "default_workload", "main", "time_step"]
@@ -120,6 +122,8 @@ def configurations(device: torch.device) -> dict[str, tuple[str, Factory]]:
         "numerics": ('trace(hash="none", check_numerics=True)',
                      lambda: tracer.trace(hash="none", check_numerics=True)),
         "check_numerics": ("tracer.check_numerics()", lambda: tracer.check_numerics()),
+        "check_numerics-state": ("tracer.check_numerics(optimizer_state=True)",
+                                 lambda: tracer.check_numerics(optimizer_state=True)),
         "explain": ("tracer.explain_errors()", lambda: tracer.explain_errors()),
         "debugmode": ('DebugMode + log_tensor_hashes (private)', _debug_mode_with_hashes),
         "debugmode-stacks": ("DebugMode(record_stack_trace=True) (private)", _debug_mode_with_stacks),
@@ -350,6 +354,8 @@ def _workload_argv(args: argparse.Namespace, model: str) -> list[str]:
             argv += [f"--{opt}", str(value)]
     if args.foreach:
         argv.append("--foreach")
+    if args.clock != "wall":  # the first traced step on the same clock as the table's
+        argv += ["--clock", args.clock]
     return argv
 
 
@@ -507,7 +513,8 @@ def header_lines(args: argparse.Namespace, device: torch.device) -> list[str]:
 
     return [f"torch {torch.__version__}, transformers {transformers.__version__}, python "
             f"{platform.python_version()}, gradtrace {tracer.__version__}; device {args.device} ({dev_name}), "
-            f"{torch.get_num_threads()} torch CPU threads, {os.cpu_count()} cores"]
+            f"{torch.get_num_threads()} torch CPU threads, {os.cpu_count()} cores"
+            + ("; times are this process's CPU time (--clock process)" if args.clock == "process" else "")]
 
 
 def workload_report(args: argparse.Namespace, model: str, keys: list[str], notes: list[str],
@@ -604,12 +611,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cold-cache", action="store_true",
                    help="first-step subprocesses start with empty Triton/Inductor caches")
     p.add_argument("--out", default=None, help="also write the report (markdown) to this file")
+    p.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
+                   help="wall time (default), or this process's CPU time (CPU only: steadier A/B on a shared host)")
     p.add_argument("--first-step-child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--later", type=int, default=3, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.clock != "wall" and args.device != "cpu":
+        p.error("--clock process measures CPU time: a GPU step's time is not in it")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device available")
     device = torch.device(args.device)
+    use_clock(args.clock)
     if args.threads is None and args.suite and device.type == "cpu":
         args.threads = 1  # steadier timings on a small shared machine; the MD5 limit still uses every core
     if args.threads:

@@ -96,3 +96,35 @@ def test_the_minimal_records_floor_keeps_one_record_per_object_and_no_tensor() -
     ref = weakref.ref(y)
     del y, z
     assert ref() is None  # the records hold no tensor
+
+
+class _Sleeps:
+    """A step that waits without using the CPU."""
+
+    device = torch.device("cpu")
+
+    def step(self) -> None:
+        import time
+
+        time.sleep(0.2)
+
+
+def test_the_process_clock_counts_cpu_time_only() -> None:
+    """``--clock process``: a step that only waits costs (almost) nothing on it, its full wait
+    on the wall clock; the clock is the process's for every later step until set back."""
+    workloads = _load_script("workloads")
+    try:
+        workloads.use_clock("process")
+        ms, body_ms, _ = workloads.time_step(_Sleeps(), contextlib.nullcontext)
+        assert ms < 50 and body_ms < 50
+    finally:
+        workloads.use_clock("wall")
+    ms, _, _ = workloads.time_step(_Sleeps(), contextlib.nullcontext)
+    assert ms >= 200
+
+
+def test_the_process_clock_is_refused_on_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    overhead = _load_script("overhead")
+    with pytest.raises(SystemExit):
+        overhead.main(["--device", "cuda", "--clock", "process"])
+    assert "--clock process measures CPU time" in capsys.readouterr().err
