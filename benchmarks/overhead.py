@@ -622,8 +622,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--device cuda: no CUDA device available")
     device = torch.device(args.device)
     use_clock(args.clock)
-    if args.threads is None and args.suite and device.type == "cpu":
-        args.threads = 1  # steadier timings on a small shared machine; the MD5 limit still uses every core
+    if args.threads is None and (args.suite or args.clock == "process") and device.type == "cpu":
+        # Steadier timings on a small shared machine (the MD5 limit still uses every core); on
+        # the process clock, also no CPU time of idle worker threads spinning between ops.
+        args.threads = 1
     if args.threads:
         torch.set_num_threads(args.threads)
 
