@@ -122,10 +122,10 @@ class RecorderState:
         # is noted when a backward starts; a .grad the trace has no name for (from before the
         # block) is named only if its accumulator runs: the value then (weakly) and its version.
         self._acc_post_only: set[str] = set()
+        self._grad_unnamed: dict[str, tuple[weakref.ref[torch.Tensor], int]] = {}
         # Nodes whose runs are not recorded and whose hooks read tensors without a name
         # (_note_unrecorded_node_hook).
         self._hook_inputs_noted: set[str] = set()
-        self._grad_unnamed: dict[str, tuple[weakref.ref[torch.Tensor], int]] = {}
         self._aliases: dict[int, list[weakref.ref[torch.Tensor]]] = {}  # storage -> tensors
         self._node_modules: dict[str, str] = {}  # nodes that run user code -> their call's module
         # A backward run with create_graph=True makes grad nodes while it runs; those are
