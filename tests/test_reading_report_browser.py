@@ -252,6 +252,22 @@ def test_nan_in_forward_badges_only_calls(opened: Any) -> None:
     assert o.errors == []
 
 
+def test_a_nan_from_an_unchecked_optimizer_state_says_so_on_the_button(opened: Any) -> None:
+    """check_numerics leaves the optimizer's state out: a NaN planted in AdamW's exp_avg_sq shows
+    first in the parameter the step updates, and the button's title says the state was not checked."""
+    from tests.test_numerics import _nan_state_step
+
+    t = _nan_state_step()
+    assert t.anomalies.forward.state_unchecked
+    o = opened(t, "state.html")
+    fwd = o.page.locator("#gt-nan-fwd")
+    assert fwd.get_attribute("data-target") == "AdamW0"
+    assert fwd.get_attribute("title") == (
+        "Select AdamW0: the first NaN in forward, 0.weight@v1 (1 NaN, 0 Inf), made there "
+        "(the optimizer's state was not checked: it may come from there).")
+    assert o.errors == []
+
+
 # ---- the Memory tab's tables ---------------------------------------------------------------------------
 def test_memory_tab_shows_the_tables_of_gradtrace_memory(opened: Any, tmp_path: Path, capsys: Any) -> None:
     model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 8))
