@@ -156,7 +156,8 @@ class TraceOptions:
     @property
     def reads_values(self) -> bool:
         """Whether tensor values are read at all: checksums, stats or kept values (what the
-        defaults of ``node_runs`` and ``optimizer_state`` turn on for)."""
+        default of ``node_runs`` turns on for; ``optimizer_state``'s leaves out stats that only
+        a NaN/Inf check turned on: see records_optimizer_state)."""
         return self.hash != "none" or self.effective_stats or self.keeps_values
 
     @property

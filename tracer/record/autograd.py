@@ -615,16 +615,25 @@ class AutogradMixin(LeafGradsMixin):
         if node in self._flush_before:  # user code next, which may write into recorded tensors
             self.hasher.before_write()
         with self.lock, torch._C.DisableTorchFunction():
-            run = self._current_run()
-            step = NodeRun(node, self._grad_names(node, grad_outputs, False), [])
-            run.steps.append(step)
-            self._open_steps[node] = step
-            self._running.append(node)
-            if node in self._acc_vars:
-                self._name_leaf_incoming(node, step, grad_outputs)
+            self._open_steps[node] = self._start_step(node, grad_outputs, ran=False)
+
+    def _start_step(self, node: str, grad_outputs: tuple[Any, ...], ran: bool) -> NodeRun:
+        """A node's run starts (its pre-hook), or an accumulator hooked alone has run (``ran``:
+        its pre-hook's part, done after it): the step, what it received, the node running, and
+        for an accumulator its leaf's .grad before (noted now, or at the backward's start)."""
+        run = self._current_run(ran=node if ran else None)
+        step = NodeRun(node, self._grad_names(node, grad_outputs, False), [])
+        run.steps.append(step)
+        self._running.append(node)
+        if node in self._acc_vars:
+            self._name_leaf_incoming(node, step, grad_outputs)
+            if ran:
+                self._name_grad_from_before(node)
+            else:
                 self._note_grad_before(node)
-            for li in self.listeners:
-                li.on_node_begin(self.trace, node, step, grad_outputs)
+        for li in self.listeners:
+            li.on_node_begin(self.trace, node, step, grad_outputs)
+        return step
 
     def node_end(self, node: str, grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...] = ()) -> None:
         if self.stopped:
@@ -632,7 +641,7 @@ class AutogradMixin(LeafGradsMixin):
         with self.lock, torch._C.DisableTorchFunction():
             step = self._open_steps.pop(node, None)
             if step is None and node in self._acc_post_only:
-                step = self._accumulator_ran(node, grad_outputs)
+                step = self._start_step(node, grad_outputs, ran=True)
             names = self._grad_names(node, grad_inputs, True, step.calls if step is not None else None)
             if self._create_graph:
                 self._adopt_nodes(node, grad_inputs)
@@ -648,19 +657,6 @@ class AutogradMixin(LeafGradsMixin):
                 self._running.pop()
             elif node in self._running:
                 self._running.remove(node)
-
-    def _accumulator_ran(self, acc: str, grad_outputs: tuple[Any, ...]) -> NodeRun:
-        """An accumulator hooked alone has run: what its pre-hook would have done, after it (what
-        it received; the leaf's .grad before, from the backward's start: _note_grads_before)."""
-        run = self._current_run(ran=acc)
-        step = NodeRun(acc, self._grad_names(acc, grad_outputs, False), [])
-        run.steps.append(step)
-        self._running.append(acc)
-        self._name_leaf_incoming(acc, step, grad_outputs)
-        self._name_grad_from_before(acc)
-        for li in self.listeners:
-            li.on_node_begin(self.trace, acc, step, grad_outputs)
-        return step
 
     def _hook_accumulator_starts(self, accs: list[str]) -> None:
         """Give accumulators hooked alone their pre-hook after all: their leaf got a
