@@ -322,3 +322,79 @@ def test_gradient_changed_in_place_before_the_optimizer_gets_a_new_version():
     versions = [r for r in t.tensors.values() if r.previous == "weight@grad"]
     assert [r.name for r in versions] == ["weight@grad@v1"]
     assert versions[0].md5 == tracer.md5_of(model.weight.grad)
+
+
+def _evaluate_then_train(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
+                         seen: dict[str, torch.Tensor]) -> None:
+    """What Lightning does by default: the validation loop under torch.inference_mode, here
+    first in the block (so gradtrace's first buffers are made inside it), then a training step."""
+    with torch.inference_mode():
+        val = model(x)  # the first tensor made in the block: an inference tensor
+        big = val.repeat(1, 64)  # 2 MiB: fingerprinted on its own, not staged
+        seen["val"], seen["big"] = val.clone(), big.clone()
+    model(x.clone()).pow(2).mean().backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("block", ["md5", "fast", "check_numerics"])
+def test_inference_mode_evaluation_first_in_a_traced_training_block(block):
+    """Tensors made under torch.inference_mode are recorded and checksummed like any other, also
+    when they are the first a trace hashes (a buffer made then is an inference tensor, which
+    refuses the in-place writes of a later pass outside that mode: hash="fast" failed so)."""
+    import hashlib
+
+    from tracer.record.checksums.fingerprint import fingerprint_reference
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))
+    opt = torch.optim.AdamW(model.parameters())
+    with torch.inference_mode():
+        x = torch.randn(64, 64)
+    seen: dict[str, torch.Tensor] = {}
+    block_cm = tracer.check_numerics() if block == "check_numerics" else tracer.trace(hash=block)
+    with block_cm as t:
+        _evaluate_then_train(model, opt, x, seen)
+    assert t.status == "ok" and not t.notes
+    val_name, big_name = t["linear1"].outputs[0], t["repeat0"].outputs[0]
+    for name, value in ((val_name, seen["val"]), (big_name, seen["big"])):
+        rec = t.tensors[name]
+        data = value.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
+        if block == "md5":
+            assert rec.md5 == hashlib.md5(data).hexdigest()
+        elif block == "fast":
+            assert rec.fingerprint == fingerprint_reference(data)
+        flat = value.double().reshape(-1)
+        assert rec.stats is not None and rec.stats.max == float(value.max()) and rec.stats.min == float(value.min())
+        assert rec.stats.mean == pytest.approx(float(flat.mean()), rel=1e-6)
+    # the training step after it is recorded in full
+    assert t.backward_runs[0].status == "ok"
+    assert all(p.grad is not None for p in model.parameters())
+    assert {"0.weight@v1", "2.bias@v1"} <= set(t.tensors)
+
+
+def test_a_fault_of_the_checksums_at_the_end_keeps_the_rest_of_the_trace(monkeypatch, tmp_trace):
+    """A failure inside gradtrace's own checksumming when the block ends is not the user's error:
+    the trace is finished (calls, names, links, stacks, the streamed file), the records whose
+    checksum could not be finished say so, and a note and a warning say what happened."""
+    from tracer.record.checksums import host_batch
+
+    def fail(self: object) -> None:
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(host_batch.HostFingerprints, "flush", fail)
+    model = MLP()
+    with pytest.warns(RuntimeWarning, match="checksums and stats could not be finished.*injected fault"), \
+            tracer.trace(hash="fast", out=tmp_trace) as t:
+        model(torch.randn(16, 8)).sum().backward()  # the traced line
+    assert t.status == "ok"
+    unfinished = {n for n, r in t.tensors.items() if r.fingerprint is None}
+    assert "layers.0.weight" in unfinished and "layers.0.weight@grad" in unfinished
+    assert all(t.tensors[n].hash_note.startswith("checksum not finished: gradtrace failed at the end of the block "
+                                                 "(RuntimeError: injected fault)") for n in unfinished)
+    assert all(r.stats is not None for n, r in t.tensors.items() if n not in unfinished)
+    assert len(t.notes) == 1 and f"{len(unfinished)} tensors have no checksum" in t.notes[0]
+    assert t["linear0"].stack[-2].code == "model(torch.randn(16, 8)).sum().backward()  # the traced line"
+    back = tracer.load(tmp_trace)
+    assert [c.name for c in back.calls] == [c.name for c in t.calls]
+    assert back.notes == t.notes
+    assert {n: r.hash_note for n, r in back.tensors.items()} == {n: r.hash_note for n, r in t.tensors.items()}

@@ -55,6 +55,25 @@ def _release(session: TraceSession) -> None:
             _claimed_by = None
 
 
+def _note_unfinished_checksums(t: Trace, algorithm: str, err: Exception) -> None:
+    """Where the checksums could not be finished at the end of the block: every record still
+    without one says why, the trace says so once, and so does a warning; the rest of the trace
+    (calls, names, links, stacks) is complete."""
+    reason = f"checksum not finished: gradtrace failed at the end of the block ({type(err).__name__}: {err})"
+    field = {"md5": "md5", "fast": "fingerprint"}.get(algorithm)
+    missing = 0
+    if field is not None:
+        for r in t.tensors.values():
+            if getattr(r, field) is None and r.hash_note is None and not r.uninitialized:
+                r.hash_note = reason
+                missing += 1
+    message = (f"the checksums and stats could not be finished at the end of the block "
+               f"({type(err).__name__}: {err}); {missing} tensors have no checksum (their hash_note says so), "
+               "everything else in the trace is complete. Please report this as a gradtrace bug.")
+    t.notes.append(message)
+    warnings.warn(f"gradtrace: {message}", RuntimeWarning, stacklevel=user_stacklevel())
+
+
 # A streamed file is flushed (written through to the OS, gzip with a sync flush) every
 # ``flush_every`` calls and at the first call this many seconds after the last flush: a SIGKILL
 # loses fewer than ``flush_every`` calls, and none recorded this long before a later call.
@@ -205,8 +224,12 @@ class TraceSession:
             rec.on_records = None
 
     def _finalize(self, rec: _recorder.Recorder, t: Trace, exc: BaseException | None) -> None:
-        with checksum_progress(rec.hasher.queued_bytes()) as on_bytes:
-            rec.hasher.close(on_bytes)
+        try:
+            with checksum_progress(rec.hasher.queued_bytes()) as on_bytes:
+                rec.hasher.close(on_bytes)
+        except Exception as err:  # a fault of the checksums must not cost the trace
+            rec.hasher.abandon()
+            _note_unfinished_checksums(t, self.options.hash, err)
         for li in rec.listeners:
             finish = getattr(li, "finish", None)  # listeners that write into the trace at the end
             if finish is not None:

@@ -193,8 +193,10 @@ class _PinnedSlots:
         if self._buffers or self._refused:
             return not self._refused
         try:
-            self._buffers = [torch.empty(self.SLOT_WORDS, dtype=torch.int64, pin_memory=True)
-                             for _ in range(self.SLOTS)]
+            # Normal tensors even under torch.inference_mode: every later batch writes into them.
+            with torch.inference_mode(False):
+                self._buffers = [torch.empty(self.SLOT_WORDS, dtype=torch.int64, pin_memory=True)
+                                 for _ in range(self.SLOTS)]
         except RuntimeError:  # pinning refused: the caller's path, from now on
             self._refused = True
             return False

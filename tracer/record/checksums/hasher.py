@@ -566,6 +566,22 @@ class Hasher:
             self._pool.shutdown(wait=True)
             self._pool = None
 
+    def abandon(self) -> None:
+        """Drop all queued work without waiting for it (after ``close`` failed): a later
+        ``drain`` or ``close`` finds nothing to do, and nothing queued holds a tensor."""
+        with self._lock:
+            self._jobs.clear()
+            self._inflight = 0
+            self._stat_rows = []
+            self._fingerprints = []
+            self._same = []
+        self._host_fp = None
+        self._fused = None
+        self._fused_tried = True  # not made again
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
 
 def one_element_values(ts: list[torch.Tensor]) -> list[float]:
     """The values of one-element tensors, read together: one stack when they have one shape (an

@@ -73,12 +73,16 @@ class HostFingerprints:
     """Staged CPU fingerprints; ``add`` fills a record now or at the next ``flush``."""
 
     def __init__(self) -> None:
-        self._stage = torch.zeros(BATCH_BLOCKS * BLOCK, dtype=torch.int32)
+        # Normal tensors even when the first tensor staged was made under torch.inference_mode:
+        # the buffers are written in place by later passes, which inference tensors refuse
+        # outside that mode.
+        with torch.inference_mode(False):
+            self._stage = torch.zeros(BATCH_BLOCKS * BLOCK, dtype=torch.int32)
+            # The pass's two lane blocks and its scratch (also the large tensors' work buffers),
+            # kept for the trace instead of allocated per pass.
+            self._lanes = torch.empty(2 * BATCH_BLOCKS * BLOCK, dtype=torch.int32)
+            self._scratch = torch.empty(2 * BATCH_BLOCKS * BLOCK, dtype=torch.int32)
         self._stage_bytes = self._stage.view(torch.uint8)
-        # The pass's two lane blocks and its scratch (also the large tensors' work buffers), kept
-        # for the trace instead of allocated per pass.
-        self._lanes = torch.empty(2 * BATCH_BLOCKS * BLOCK, dtype=torch.int32)
-        self._scratch = torch.empty(2 * BATCH_BLOCKS * BLOCK, dtype=torch.int32)
         self._used = 0  # blocks
         self._waiting: Staged = []
 
