@@ -38,10 +38,10 @@ BATCH_BLOCKS = 512
 
 @functools.cache
 def _row() -> torch.Tensor:
-    """[2, 1, BLOCK] int32: o * K0 of each lane for o < BLOCK, as int32 bit patterns."""
-    o = torch.arange(BLOCK, dtype=torch.int64)
-    both = torch.stack([o * fp.KEY_A[0], o * fp.KEY_B[0]]) & fp.MASK32
-    return torch.where(both >= 1 << 31, both - (1 << 32), both).to(torch.int32).view(2, 1, BLOCK)
+    """[2, 1, BLOCK] int32: o * K0 of each lane for o < BLOCK (int32 products wrap modulo 2^32)."""
+    with torch.inference_mode(False):  # cached for the process: a normal tensor whatever the mode now
+        o = torch.arange(BLOCK, dtype=torch.int32)
+        return torch.stack([o * fp.s32(fp.KEY_A[0]), o * fp.s32(fp.KEY_B[0])]).view(2, 1, BLOCK)
 
 
 @functools.cache
