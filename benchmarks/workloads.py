@@ -11,11 +11,19 @@ Models (``build``):
 - ``resnet50``: ResNet-50 (``ResNetConfig``: bottleneck blocks, depths 3/4/6/3, hidden sizes
   256/512/1024/2048, 1000 labels) with a cross-entropy loss; 64 x 3 x 224 x 224 images on
   CUDA, 2 x 3 x 64 x 64 on the CPU.
+- ``vit``: ViT-Base/16 (``ViTConfig()``: 12 layers, hidden 768, 224 x 224 images in 16 x 16
+  patches, 1000 labels) with a cross-entropy loss; 64 x 3 x 224 x 224 on CUDA, 2 x 3 x 224 x 224
+  on the CPU.
+- ``bert``: BERT-Base (``BertConfig()``: 12 layers, hidden 768, vocabulary 30,522) with its
+  masked-LM head and loss over every token; 8 x 512 tokens on CUDA, 1 x 64 on the CPU.
 - ``tiny`` / ``tiny12``: GPT-2 with 2 / 12 layers at width 64 (4 x 64 tokens);
   ``llama-tiny`` and ``resnet50-tiny``: the Llama-style and ResNet-50 architectures at their
   full depth but a tiny width (4 x 64 tokens; 4 x 3 x 32 x 32 images). A tiny-width model makes
   the same calls, grad nodes and tensor values per step as the full one while its ops cost
-  little, so a recorder's per-object cost shows; the CPU suite uses them.
+  little, so a recorder's per-object cost shows; the CPU suite uses them. ``vit-tiny`` and
+  ``bert-tiny`` likewise (12 layers at width 64; 4 x 3 x 32 x 32 images in 4 x 4 patches, 4 x 64
+  tokens): two more families, an encoder over patches and a bidirectional encoder, to check
+  that a figure holds beyond the three workloads it was measured on.
 
 Not a package: the scripts next to this file import it by putting their folder on ``sys.path``.
 """
@@ -33,9 +41,11 @@ import torch
 GPT_MODELS = ("tiny", "tiny12", "gpt2-small")
 LLAMA_MODELS = ("llama", "llama-tiny")
 RESNET_MODELS = ("resnet50", "resnet50-tiny")
-MODELS = GPT_MODELS + LLAMA_MODELS + RESNET_MODELS
+VIT_MODELS = ("vit", "vit-tiny")
+BERT_MODELS = ("bert", "bert-tiny")
+MODELS = GPT_MODELS + LLAMA_MODELS + RESNET_MODELS + VIT_MODELS + BERT_MODELS
 # Full-size models: few rounds by default, since one step is long.
-LARGE_MODELS = ("gpt2-small", "llama", "resnet50")
+LARGE_MODELS = ("gpt2-small", "llama", "resnet50", "vit", "bert")
 
 
 @dataclass
@@ -132,11 +142,37 @@ def build(model: str, device: torch.device, batch: int | None, seq: int | None,
             batch, seq = batch or 4, seq or 32
         m = ResNetForImageClassification(config)
         vocab = 0
+    elif model in VIT_MODELS:
+        from transformers import ViTConfig, ViTForImageClassification
+
+        if model == "vit":  # ViT-Base/16
+            config = ViTConfig(num_labels=1000)
+            batch, seq = batch or (2 if cpu else 64), seq or 224
+        else:  # vit-tiny: the same 12 layers at width 64, 32 x 32 images in 4 x 4 patches
+            config = ViTConfig(hidden_size=64, num_hidden_layers=12, num_attention_heads=4, intermediate_size=256,
+                               image_size=32, patch_size=4, num_labels=10)
+            batch, seq = batch or 4, seq or 32
+        config.image_size = seq
+        m = ViTForImageClassification(config)
+        vocab = 0
+    elif model in BERT_MODELS:
+        from transformers import BertConfig, BertForMaskedLM
+
+        if model == "bert":  # BERT-Base
+            config = BertConfig()
+            batch, seq = batch or (1 if cpu else 8), seq or (64 if cpu else 512)
+        else:  # bert-tiny: the same 12 layers at width 64
+            config = BertConfig(vocab_size=256, hidden_size=64, num_hidden_layers=12, num_attention_heads=4,
+                                intermediate_size=256, max_position_embeddings=128)
+            batch, seq = batch or 4, seq or 64
+        m = BertForMaskedLM(config)
+        vocab = config.vocab_size
     else:
         raise ValueError(f"unknown model {model!r}; choose from {', '.join(MODELS)}")
     m = m.to(device).train()
     if vocab:
-        m.loss_type = "ForCausalLM"  # the default, named to avoid transformers' warning
+        # the model's own loss, named to avoid transformers' warning
+        m.loss_type = "ForMaskedLM" if model in BERT_MODELS else "ForCausalLM"
         ids = torch.randint(0, vocab, (batch, seq), device=device)
         inputs = {"input_ids": ids, "labels": ids}
     else:

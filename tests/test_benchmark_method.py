@@ -128,3 +128,27 @@ def test_the_process_clock_is_refused_on_a_gpu(capsys: pytest.CaptureFixture[str
     with pytest.raises(SystemExit):
         overhead.main(["--device", "cuda", "--clock", "process"])
     assert "--clock process measures CPU time" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model", ["tiny12", "llama-tiny", "resnet50-tiny", "vit-tiny", "bert-tiny"])
+def test_every_tiny_workload_takes_a_training_step_with_its_own_loss(model: str) -> None:
+    """The benchmarks' CPU workloads: each builds from its config, its loss is the model's own
+    (causal LM, masked LM, or cross-entropy over the image classes), and a step changes every
+    parameter that got a gradient."""
+    workloads = _load_script("workloads")
+    w = workloads.build(model, torch.device("cpu"), None, None, None, True)
+    before = [p.detach().clone() for p in w.model.parameters()]
+    w.step()
+    assert all(not torch.equal(b, p) for b, p in zip(before, w.model.parameters()) if p.grad is not None)
+    assert sum(p.grad is not None for p in w.model.parameters()) > 100  # 12 layers' worth
+    with torch.no_grad():
+        loss = float(w.loss())
+    if model.startswith(("resnet", "vit")):
+        assert w.labels is not None and w.describe() == "batch 4 x 3 x 32 x 32"
+        logits = w.model(**w.inputs).logits
+        assert loss == pytest.approx(float(torch.nn.functional.cross_entropy(logits, w.labels)), rel=1e-5)
+    else:
+        assert w.labels is None and w.describe() == "batch 4 x seq 64"
+        expected = w.model.loss_type
+        assert expected == ("ForMaskedLM" if model == "bert-tiny" else "ForCausalLM")
+    assert torch.isfinite(torch.tensor(loss))
