@@ -13,6 +13,7 @@ triton is first imported. Prints one JSON object on stdout:
   ``trace.recipe``: the same for a mixed-precision recipe over two blocks (gradient
   accumulation into an existing .grad, GradScaler, clipping, fused AdamW with existing state);
   ``trace.unseen_write``: a custom Function's forward writing a recorded value with no op seen;
+  ``trace.inference_first``: an evaluation under ``torch.inference_mode`` first in the block;
 - ``protect``: ``Fused.protect`` before writes that do and do not reach a waiting tensor;
 - ``ddp``: a two-rank DDP step (gloo) through the immediate path and through the batches.
 """
@@ -176,6 +177,25 @@ def _recipe() -> dict[str, list[object]]:
     return out
 
 
+def _inference_first() -> dict[str, list[object]]:
+    """An evaluation under torch.inference_mode first in the block (the batches' first tensors
+    are inference tensors, and a batch may launch inside that mode), then a training step."""
+    import tracer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with torch.inference_mode():
+        x = torch.randn(6, 8)
+    with tracer.trace(hash="fast") as t:
+        with torch.inference_mode():
+            model(x).mul_(2.0)  # in place inside the mode: the batch is protected there
+        model(x.clone()).pow(2).mean().backward()
+        opt.step()
+    return {name: [r.fingerprint, None if r.stats is None else [r.stats.min, r.stats.max, r.stats.nan, r.stats.inf]]
+            for name, r in t.tensors.items()}
+
+
 def _ddp_rank(rank: int, world: int, port: int, out: str) -> None:
     """One rank of a two-process DDP step (gloo), a .grad existing before the block, then an
     all_reduce in place; rank 0 writes its records to ``out``."""
@@ -254,7 +274,7 @@ def trace_results() -> dict[str, object]:
             del os.environ["GRADTRACE_FUSED_INTERPRET"]
             fused.Fused._launch = launch  # type: ignore[method-assign]
         out[mode] = {"immediate": immediate, "batched": batched, "launches": launches[0]}
-    for label, run in (("recipe", _recipe), ("unseen_write", _unseen_write)):
+    for label, run in (("recipe", _recipe), ("unseen_write", _unseen_write), ("inference_first", _inference_first)):
         immediate = run()
         os.environ["GRADTRACE_FUSED_INTERPRET"] = "1"
         try:

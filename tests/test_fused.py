@@ -108,6 +108,19 @@ def test_batched_custom_function_writing_with_no_op_seen_leaves_the_recorded_val
 
 
 @needs_triton
+def test_batched_inference_mode_evaluation_first_in_the_block(interpreted):
+    """An evaluation under torch.inference_mode first in the block, an in-place write there,
+    then a training step: through the batches the same fingerprints and stats as on the
+    immediate path, and the block ends without error (the batches hold inference tensors, and
+    may launch inside the mode)."""
+    run = interpreted["trace"]["inference_first"]
+    immediate, batched = run["immediate"], run["batched"]
+    assert {"linear1:out", "linear1:out@v1", "0.weight@v1"} <= set(immediate) and set(immediate) == set(batched)
+    assert immediate["linear1:out"][0] != immediate["linear1:out@v1"][0]  # mul_ made a new version
+    assert {name: (immediate[name], batched[name]) for name in immediate if immediate[name] != batched[name]} == {}
+
+
+@needs_triton
 def test_batched_ddp_step_reads_each_grad_before_ddp_writes_the_average_into_it(interpreted):
     """DDP copies the averaged gradients back into each .grad in a final callback of the
     backward, with no op the recorder sees: the batches are read in a final callback queued

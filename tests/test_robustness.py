@@ -366,7 +366,11 @@ def test_inference_mode_evaluation_first_in_a_traced_training_block(block):
         flat = value.double().reshape(-1)
         assert rec.stats is not None and rec.stats.max == float(value.max()) and rec.stats.min == float(value.min())
         assert rec.stats.mean == pytest.approx(float(flat.mean()), rel=1e-6)
-    # the training step after it is recorded in full
+    # the training step after it is recorded in full, every value with its checksum and stats
+    if block != "check_numerics":
+        field = "md5" if block == "md5" else "fingerprint"
+        assert {n: r.hash_note for n, r in t.tensors.items() if getattr(r, field) is None} == {}
+    assert all(r.stats is not None for r in t.tensors.values())
     assert t.backward_runs[0].status == "ok"
     assert all(p.grad is not None for p in model.parameters())
     assert {"0.weight@v1", "2.bias@v1"} <= set(t.tensors)

@@ -82,7 +82,8 @@ class HostFingerprints:
             # kept for the trace instead of allocated per pass.
             self._lanes = torch.empty(2 * BATCH_BLOCKS * BLOCK, dtype=torch.int32)
             self._scratch = torch.empty(2 * BATCH_BLOCKS * BLOCK, dtype=torch.int32)
-        self._stage_bytes = self._stage.view(torch.uint8)
+            # (a view made under inference mode refuses in-place writes outside it, too)
+            self._stage_bytes = self._stage.view(torch.uint8)
         self._used = 0  # blocks
         self._waiting: Staged = []
 
