@@ -162,12 +162,19 @@ def test_staged_padding_is_zero_where_an_earlier_pass_left_bytes():
     assert [r.fingerprint for r in recs] == [_reference(t) for t in (first, *later)]
 
 
-def test_staged_copies_take_the_bytes_md5_takes_from_any_layout_and_dtype():
-    """The stage copies a tensor in its own dtype and shape (``copy_`` reads the strides and
-    applies conjugate and negative bits): the bytes are those ``as_bytes`` gives, for views,
-    expanded and zero-dim tensors, conjugate and negative views, and odd-sized narrow dtypes."""
+@pytest.mark.parametrize("raw", [True, False], ids=["memmove", "torch-ops"])
+def test_staged_copies_take_the_bytes_md5_takes_from_any_layout_and_dtype(raw, monkeypatch):
+    """The stage copies a tensor in its own dtype and shape: a contiguous one by its bytes
+    (memmove from data_ptr), any other by ``copy_``, which reads the strides and applies
+    conjugate and negative bits. The bytes are those ``as_bytes`` gives, for views (with a
+    storage offset, one element with an odd stride), channels-last, expanded and zero-dim
+    tensors, conjugate and negative views, odd-sized narrow dtypes and inference tensors;
+    both ways of staging (``RAW_COPY``) give the same fingerprints."""
     from tracer.model import TensorRecord
+    from tracer.record.checksums import host_batch
     from tracer.record.checksums.host_batch import HostFingerprints
+
+    monkeypatch.setattr(host_batch, "RAW_COPY", raw)
 
     g = torch.Generator().manual_seed(5)
     base = torch.randn(6, 7, generator=g)
@@ -182,9 +189,16 @@ def test_staged_copies_take_the_bytes_md5_takes_from_any_layout_and_dtype():
         "complex128": torch.randn(5, dtype=torch.cdouble, generator=g),
         "bfloat16 transposed": torch.randn(8, 9, generator=g).bfloat16().t(),
     }
+    cases["storage offset"] = base.view(-1)[5:30]
+    cases["one element, stride 2"] = torch.randn(3, 2, generator=g)[:1, 0]
+    cases["channels last"] = torch.randn(2, 3, 4, 5, generator=g).to(memory_format=torch.channels_last)
+    cases["empty"] = torch.empty(0, 4)
+    with torch.inference_mode():
+        cases["inference"] = torch.randn(33, generator=g)
     if hasattr(torch, "float8_e4m3fn"):
         cases["float8"] = torch.randn(11, generator=g).to(torch.float8_e4m3fn)
     assert cases["negative view"].is_neg() and cases["conjugate"].is_conj()
+    assert cases["one element, stride 2"].is_contiguous() and not cases["channels last"].is_contiguous()
     staged = HostFingerprints()
     recs = {k: TensorRecord(k, [1], "float32", "cpu", "output") for k in cases}
     for k, t in cases.items():

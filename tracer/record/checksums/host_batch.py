@@ -22,6 +22,7 @@ threads, and fresh buffers fault their pages in): the passes run on the recordin
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import torch
@@ -34,6 +35,7 @@ BLOCK = 1024  # words per block (4 KiB): a tensor's staged bytes start on a bloc
 # Blocks per pass: 2 MiB of staged bytes (9% faster than 1 MiB on a step's mix of sizes; the
 # pass's work buffers are 4 MiB each).
 BATCH_BLOCKS = 512
+RAW_COPY = True  # contiguous tensors staged by memmove (False: by torch ops; A/B runs)
 
 
 @functools.cache
@@ -84,6 +86,7 @@ class HostFingerprints:
             self._scratch = torch.empty(2 * BATCH_BLOCKS * BLOCK, dtype=torch.int32)
             # (a view made under inference mode refuses in-place writes outside it, too)
             self._stage_bytes = self._stage.view(torch.uint8)
+        self._stage_addr = self._stage.data_ptr()
         self._used = 0  # blocks
         self._waiting: Staged = []
 
@@ -99,16 +102,25 @@ class HostFingerprints:
             self.flush()
         start = self._used
         at = start * BLOCK * 4
-        dst = self._stage_bytes.narrow(0, at, n)
-        try:
-            # The values in row-major order in their own dtype: the bytes as_bytes gives (copy_
-            # reads any strides and applies a conjugate or negative bit), without its calls.
-            dst.view(t.dtype).view(t.shape).copy_(t.detach())
-        except RuntimeError:  # a dtype whose bytes cannot be viewed so
-            dst.copy_(as_bytes(t))
         pad = blocks * BLOCK * 4 - n
-        if pad:  # the words after its end, to its last block's end, must read as zero
-            self._stage_bytes.narrow(0, at + n, pad).zero_()
+        if RAW_COPY and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+            # Its bytes lie in row-major order at data_ptr(): copied and padded with two C
+            # calls. Two torch ops (copy_, zero_) cost 10-20 µs a tensor inside a traced step
+            # (their code cold after the recorder's Python), more than most tensors' bytes.
+            dst = self._stage_addr + at
+            ctypes.memmove(dst, t.data_ptr(), n)
+            if pad:
+                ctypes.memset(dst + n, 0, pad)
+        else:
+            copy = self._stage_bytes.narrow(0, at, n)
+            try:
+                # The values in row-major order in their own dtype: the bytes as_bytes gives
+                # (copy_ reads any strides and applies a conjugate or negative bit).
+                copy.view(t.dtype).view(t.shape).copy_(t.detach())
+            except RuntimeError:  # a dtype whose bytes cannot be viewed so
+                copy.copy_(as_bytes(t))
+            if pad:  # the words after its end, to its last block's end, must read as zero
+                self._stage_bytes.narrow(0, at + n, pad).zero_()
         self._used = start + blocks
         self._waiting.append((rec, start, blocks, words, n))
 
