@@ -402,3 +402,53 @@ def test_a_fault_of_the_checksums_at_the_end_keeps_the_rest_of_the_trace(monkeyp
     assert [c.name for c in back.calls] == [c.name for c in t.calls]
     assert back.notes == t.notes
     assert {n: r.hash_note for n, r in back.tensors.items()} == {n: r.hash_note for n, r in t.tensors.items()}
+
+
+_FORKING_BLOCKS = r'''
+import os, sys
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+import tracer
+
+def collate(batch):
+    return torch.stack([x * 2.0 for x, _ in batch]), torch.stack([y for _, y in batch])
+
+torch.manual_seed(0)
+data = TensorDataset(torch.randn(32, 8), torch.randn(32, 1))
+model = torch.nn.Linear(8, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+out = sys.argv[1]
+with tracer.trace(out=out, flush_every=1) as t:
+    for epoch in range(2):  # a new iterator each epoch: its workers are forked inside the block
+        for x, y in DataLoader(data, batch_size=8, num_workers=2, collate_fn=collate):
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    pid = os.fork()
+    if pid == 0:  # a child that goes on to the end of the block and exits through it
+        model(torch.randn(3, 8)).sum()
+        sys.exit(0)
+    os.waitpid(pid, 0)
+print(" ".join(c.name for c in t.calls))
+'''
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+@pytest.mark.parametrize("suffix", [".gtrace", ".gtrace.gz"])
+def test_processes_forked_inside_a_streamed_block_record_nothing_and_leave_its_file_alone(tmp_path, suffix):
+    """DataLoader workers forked inside a traced block (a new iterator each epoch) run the
+    collate's torch ops, and a child forked with ``os.fork`` runs to the end of the block: none
+    of it is recorded, and none of it reaches the block's file (the workers' records wrote into
+    it before: "two calls named 'empty0'"; a child's gzip trailer would end the stream)."""
+    import subprocess
+
+    out = tmp_path / f"t{suffix}"
+    proc = subprocess.run([sys.executable, "-c", _FORKING_BLOCKS, str(out)], capture_output=True, text=True,
+                          timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    recorded = proc.stdout.split()
+    back = tracer.load(out)
+    assert back.status == "ok" and [c.name for c in back.calls] == recorded
+    assert not any(c.api == "torch.stack" for c in back.calls)  # the collate ran in the workers only
+    assert sum(c.api == "torch.nn.functional.linear" for c in back.calls) == 8  # 2 epochs x 4 batches
+    assert len(back.backward_runs) == 8

@@ -11,6 +11,7 @@ import json
 import os
 import stat
 import tempfile
+import weakref
 import zlib
 from collections.abc import Iterable
 from typing import IO, Any
@@ -88,6 +89,24 @@ class StreamWriter:
         self._raw: IO[bytes] | None = open(self.path, "ab" if append else "wb")  # noqa: SIM115 (kept open)
         self._gz: gzip.GzipFile | None = gzip.GzipFile(filename=os.path.basename(self.path), mode="wb",
                                                        fileobj=self._raw) if self.path.endswith(".gz") else None
+        _OPEN.add(self)
+
+    def disown(self) -> None:
+        """In a process forked while this file was open (a DataLoader worker started inside a
+        traced block): the file is the parent's. This process's copy of the descriptor is
+        pointed at /dev/null, so nothing it writes, flushes or closes (a gzip trailer at exit)
+        reaches the parent's file, and the writer writes nothing more."""
+        raw, self._raw, self._gz = self._raw, None, None
+        if raw is None:
+            return
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(null, raw.fileno())
+            finally:
+                os.close(null)
+        except OSError:  # no /dev/null: the objects are kept, unflushed, and never written
+            _DISOWNED.append(raw)
 
     def write(self, records: list[dict[str, Any]]) -> None:
         if self._raw is None or not records:
@@ -110,3 +129,17 @@ class StreamWriter:
             self._raw.close()
             self._raw = None
             self._gz = None
+
+
+# Stream writers with an open file, for the fork handler below.
+_OPEN: weakref.WeakSet[StreamWriter] = weakref.WeakSet()
+_DISOWNED: list[IO[bytes]] = []
+
+
+def _disown_in_child() -> None:
+    for w in list(_OPEN):
+        w.disown()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_disown_in_child)

@@ -4,6 +4,7 @@ mode, so it is wrapped while a trace is active (the wrapper checks the owning th
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -133,4 +134,19 @@ def uninstall_apply_wrapper(rec: Recorder) -> None:
 
 def active_recorder() -> Recorder | None:
     return _ACTIVE
+
+
+def _stop_in_forked_child() -> None:
+    """A process forked inside a traced block (DataLoader workers, ``os.fork``) records
+    nothing: the trace, its file and its hashing threads are the parent's (the file is
+    disowned by tracer.model.writer's own fork handler). Every hook and the mode see a closed,
+    stopped recorder and pass through."""
+    rec = _ACTIVE
+    if rec is not None:
+        rec.stopped = True
+        rec.closed = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_stop_in_forked_child)
 
