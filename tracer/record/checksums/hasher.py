@@ -53,6 +53,7 @@ from tracer.record.checksums.stats import (
     stats_from_row,
     stats_input,
 )
+from tracer.record.dispatch_modes import dispatch_modes_active, dispatch_modes_off
 from tracer.record.sharding import local_shard
 from tracer.record.transforms import is_wrapped, transforms_active, transforms_off, unwrap
 
@@ -160,6 +161,10 @@ class Hasher:
     # ---- submission (training thread or autograd threads) ---------------------------------------
     def submit(self, rec: TensorRecord, t: torch.Tensor) -> None:
         if not self.active:
+            return
+        if dispatch_modes_active():  # our reads are not the user's ops (tracer.record.dispatch_modes)
+            with dispatch_modes_off():
+                self.submit(rec, t)
             return
         if transforms_active():  # inside torch.func.grad/vmap/jvp...: see tracer.record.transforms
             with transforms_off():
@@ -287,6 +292,10 @@ class Hasher:
         many: an optimizer step's parameters and state, a foreach op's outputs."""
         if not self.active:
             return
+        if dispatch_modes_active():
+            with dispatch_modes_off():
+                self.submit_many(items)
+            return
         if not self.want_stats or self._interpret or len(items) < BATCH_MIN or transforms_active():
             for rec, t in items:
                 self.submit(rec, t)
@@ -394,6 +403,10 @@ class Hasher:
         fused = self._fused
         if fused is None and not self._copy_events:
             return
+        if dispatch_modes_active():
+            with dispatch_modes_off():
+                self.before_write(written)
+            return
         if transforms_active():
             with transforms_off():
                 self._before_write(fused, written)
@@ -483,6 +496,10 @@ class Hasher:
         """Fill in finished checksums and stats: all of them if ``wait`` (one fetch per device,
         the only synchronisation), else those whose kernels or copies have already finished.
         ``on_bytes`` hears the size of each MD5 job collected (a progress bar)."""
+        if dispatch_modes_active():
+            with dispatch_modes_off():
+                self.drain(wait, on_bytes)
+            return
         if transforms_active():  # a streamed file's flush inside torch.func.grad/vmap...
             with transforms_off():
                 self._drain(wait, on_bytes)
