@@ -59,15 +59,18 @@ def test_tensor_and_leaf_hook_ops_are_backward_calls_at_the_hooks_lines(options:
     assert _last_line(t, calls[1]) == _line("leaf hook")
     # Inside backward(): the stack runs through the line that called it.
     assert _line("backward call") in [f.line for f in calls[0].stack]
-    # A hook's gradient is named as the node it arrives at names it, also in a lean trace (where
-    # no hook on the node before it saw it pass): sin's output gradient, w's gradient.
-    assert calls[0].inputs == ["sin0:out@grad"] and calls[1].inputs == ["input1@grad"]
+    # A tensor hook's gradient is named as the node it arrives at names it, also in a lean trace
+    # (where no hook on the node before it saw it pass): sin's output gradient. A leaf's own hook
+    # reads the gradient MulBackward made for w, named by its edge: w's gradient, input1@grad,
+    # is what the hook returns, the value w.grad gets (docs/trace-format.md).
+    assert calls[0].inputs == ["sin0:out@grad"] and calls[1].inputs == ["mul0/MulBackward0:grad1"]
     # Each belongs to the node whose hook it is: beside sin0 in the report, in w's accumulator.
     assert [c.parent for c in calls] == ["sin0/SinBackward0", "input1/AccumulateGrad"]
     assert t.tensors["sin0:out@grad"].role == "grad"
-    # What the leaf's accumulator received is the clamped gradient, w.grad itself.
+    # What the leaf's accumulator received is the clamped gradient, w.grad itself, as w@grad.
     acc = next(s for s in t.backward_runs[0].steps if s.node == "input1/AccumulateGrad")
-    assert acc.grads_in == calls[1].outputs == ["clamp0:out"]
+    assert calls[1].outputs == ["clamp0:out"] and acc.grads_in == ["input1@grad"]
+    assert t.tensors["input1@grad"].producer == "clamp0" and t.tensors["input1@grad"].role == "grad"
     assert float(w.grad.abs().max()) == pytest.approx(0.1)  # type: ignore[union-attr]
 
 
@@ -78,9 +81,11 @@ def test_with_every_run_the_hooks_inputs_and_outputs_link_into_the_nodes() -> No
     # The tensor hook gets the gradient SumBackward passed on, and SinBackward gets its result.
     assert mul.inputs == steps["sum0/SumBackward0"].grads_out == ["sin0:out@grad"]
     assert steps["sin0/SinBackward0"].grads_in == mul.outputs == ["mul1:out"]
-    # The leaf hook gets MulBackward's gradient for w, and the accumulator its result.
-    assert clamp.inputs == [steps["mul0/MulBackward0"].grads_out[1]]
-    assert steps["input1/AccumulateGrad"].grads_in == clamp.outputs == ["clamp0:out"]
+    # The leaf hook gets MulBackward's gradient for w, and the accumulator its result, as w's
+    # gradient (the value of clamp0:out, made by clamp0).
+    assert clamp.inputs == [steps["mul0/MulBackward0"].grads_out[1]] == ["mul0/MulBackward0:grad1"]
+    assert clamp.outputs == ["clamp0:out"] and steps["input1/AccumulateGrad"].grads_in == ["input1@grad"]
+    assert t.tensors["input1@grad"].producer == "clamp0"
 
 
 def test_a_second_backward_names_the_hooks_gradient_for_its_run() -> None:
@@ -335,6 +340,14 @@ def test_a_recipe_with_a_pruning_hook_records_it_for_every_micro_batch(options: 
         assert torch.equal(a, b)
     masked = [c for c in _backward_calls(t) if _last_line(t, c) == _line("pruning mask")]
     assert [c.parent for c in masked] == ["0.weight/AccumulateGrad"] * 2
-    assert [c.inputs[0] for c in masked] == ["0.weight@grad", "0.weight@grad#1"]
+    # The mask reads the gradient TBackward made for the weight; what it returns is the weight's
+    # gradient of that micro-batch, and .grad@v1 their sum, what the optimizer reads.
+    assert [c.inputs[0] for c in masked] == ["linear0/TBackward0:grad0", "linear2/TBackward0:grad0#1"]
+    acc = [s for r in t.backward_runs for s in r.steps if s.node == "0.weight/AccumulateGrad"]
+    assert [s.grads_in for s in acc] == [["0.weight@grad"], ["0.weight@grad#1"]]
+    assert [t.tensors[s.grads_in[0]].producer for s in acc] == [c.name for c in masked]
+    if options.get("hash") == "md5":
+        assert [t.tensors[s.grads_in[0]].md5 for s in acc] == [t.tensors[c.outputs[0]].md5 for c in masked]
+    assert t.tensors["0.weight@grad@v1"].previous == "0.weight@grad"
     assert masked[0].inputs[1] == masked[1].inputs[1]  # the same mask, its own tensor
     assert t.tensors[masked[0].inputs[1]].role == "input"

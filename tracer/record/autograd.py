@@ -475,9 +475,15 @@ class AutogradMixin(LeafGradsMixin):
     def _sole_grad(self, dest: str | None, k: int) -> str | None:
         """The gradient into ``dest``'s slot ``k`` is that tensor's gradient (``<tensor>@grad``)
         when it alone flows there; None when several edges meet (each is then its edge's partial
-        gradient, ``<node>:grad<i>``) or the slot is no named tensor's."""
+        gradient, ``<node>:grad<i>``), the slot is no named tensor's, or it is a leaf's whose
+        own hooks (``p.register_hook``) come between: what they return is the leaf's gradient,
+        the one its ``.grad`` gets (named when the accumulator receives it)."""
         if dest is None or self._run_indegree().get((dest, k), 0) != 1:
             return None
+        if dest in self._acc_vars:
+            var = self._acc_vars[dest]()
+            if var is not None and has_backward_hooks(var):
+                return None
         return self._slot_grad(dest, k)
 
     def _in_run(self, name: str) -> str:

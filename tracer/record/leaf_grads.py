@@ -43,7 +43,12 @@ class LeafGradsMixin(RecorderState):
             return
         if slot in self.trace.tensors:  # already recorded in this run (cannot happen twice): keep it
             return
-        step.grads_in[0] = self._new_tensor(g, slot, "grad", None)
+        # The value as it arrives (what the leaf's own hooks returned, when it has some: made
+        # by the hook's call), with that record's checksum and stats.
+        known = self.trace.tensors.get(step.grads_in[0])
+        step.grads_in[0] = self._new_tensor(g, slot, "grad", known.producer if known is not None else None,
+                                            same_as=known if known is not None and version_of(g) == known.version
+                                            else None)
 
     def _note_grad_before(self, acc: str) -> None:
         """Pre-hook of an accumulator: the name of its leaf's .grad before the run adds to it."""
