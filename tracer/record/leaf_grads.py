@@ -45,7 +45,8 @@ class LeafGradsMixin(RecorderState):
             return
         # The value as it arrives (what the leaf's own hooks returned, when it has some: made
         # by the hook's call), with that record's checksum and stats.
-        known = self.trace.tensors.get(step.grads_in[0])
+        incoming = step.grads_in[0]
+        known = self.trace.tensors.get(incoming) if incoming is not None else None
         step.grads_in[0] = self._new_tensor(g, slot, "grad", known.producer if known is not None else None,
                                             same_as=known if known is not None and version_of(g) == known.version
                                             else None)
