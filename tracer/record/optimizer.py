@@ -41,8 +41,12 @@ class OptimizerMixin(RecorderState):
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     named = self._named.get(p)
-                    if named is None:
-                        continue
+                    if named is None:  # a step before any module of its model ran in the block
+                        if p in self._tensor_names or not self._name_model_of(p):
+                            continue
+                        named = self._named.get(p)
+                        if named is None:
+                            continue
                     pname = named[0]
                     g = p.grad
                     if g is not None:

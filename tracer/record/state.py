@@ -21,6 +21,7 @@ from tracer.record import naming
 from tracer.record.checksums.hasher import Hasher
 from tracer.record.identity import identity
 from tracer.record.listeners import Listener
+from tracer.record.owners import constructing_a_module, owning_root_module
 from tracer.record.stacks import StackTable
 from tracer.record.tensors import (
     DEVICE_NAMES,
@@ -49,6 +50,8 @@ if TYPE_CHECKING:
     from tracer.record.optimizer import OpenStep
 
 _TRACE_IDS = itertools.count()
+# Searches of the live objects for a parameter's model per trace (each one gc pass; see owners.py).
+MAX_OWNER_SEARCHES = 4
 
 
 class RecorderState:
@@ -161,6 +164,7 @@ class RecorderState:
         self._tensor_seq = 0
         self._node_seq = 0
         self._inputs = 0
+        self._owner_searches = 0  # owning_root_module passes made (see _name_at)
         self._self_ref = weakref.ref(self)
         self.node_attribution = "sequence-number" if get_seq is not None else "first-seen"
 
@@ -358,12 +362,27 @@ class RecorderState:
             alias = self._alias_name(t, version)
             if alias is not None:
                 return alias
+        if type(t) is torch.nn.Parameter and self._name_model_of(t):
+            return self._name_at(t, version)
         self._inputs += 1
         name = self._new_tensor(t, f"input{self._inputs - 1}", "input", None)
         if self._in_backward and self._unhooked:
             self._note_unrecorded_node_hook(name)
         self._index_alias(t)
         return name
+
+    def _name_model_of(self, p: torch.Tensor) -> bool:
+        """A parameter met before any module of its model ran in the block (outside any module
+        call): name that model's modules, parameters and buffers now, as if it had been called
+        first (tracer.record.owners). Whether ``p`` has a name to take now."""
+        if self._module_stack or self._owner_searches >= MAX_OWNER_SEARCHES or constructing_a_module():
+            return False
+        self._owner_searches += 1
+        root = owning_root_module(p)
+        if root is None or root in self._module_paths:
+            return False
+        self.register_root_module(root)
+        return p in self._named
 
     def _note_unrecorded_node_hook(self, input_name: str) -> None:
         """A tensor without a name met in a hook of a grad node whose run is not recorded
@@ -466,6 +485,7 @@ class RecorderState:
         def _collect_nodes(self, root: Any, seq0: int | None, seq1: int | None, call: str, stack_id: int | None,
                            out: list[str], local_kinds: dict[str, int]) -> str | None: ...
         def _install_module_hooks(self) -> None: ...
+        def register_root_module(self, module: torch.nn.Module) -> None: ...
         def _remove_module_hooks(self) -> None: ...
         def _name_leaf_grad(self, t: torch.Tensor, version: int) -> str | None: ...
         def _module_backward_hooks(self) -> bool: ...
