@@ -71,6 +71,13 @@ def _padding_terms(words: int) -> tuple[int, int]:
 Staged = list[tuple[TensorRecord, int, int, int, int]]  # (record, first block, blocks, words, bytes)
 
 
+def _holds(t: torch.Tensor, n: int) -> bool:
+    """Whether ``t``'s storage holds its ``n`` bytes (FSDP resizes storages to 0 between uses):
+    reading past it would crash the process, by memmove or by torch's own ``copy_``."""
+    storage = t.untyped_storage()
+    return storage.data_ptr() != 0 and storage.nbytes() >= t.storage_offset() * t.element_size() + n
+
+
 class HostFingerprints:
     """Staged CPU fingerprints; ``add`` fills a record now or at the next ``flush``."""
 
@@ -103,6 +110,8 @@ class HostFingerprints:
         start = self._used
         at = start * BLOCK * 4
         pad = blocks * BLOCK * 4 - n
+        if n and not _holds(t, n):  # (torch's own copy_ crashes the process on such a tensor)
+            raise RuntimeError("its storage does not hold its bytes (freed or shrunk)")
         if RAW_COPY and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
             # Its bytes lie in row-major order at data_ptr(): copied and padded with two C
             # calls. Two torch ops (copy_, zero_) cost 10-20 µs a tensor inside a traced step
