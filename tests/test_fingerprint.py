@@ -224,3 +224,23 @@ def test_a_traced_cpu_step_fingerprints_like_the_reference():
     assert t[mm.outputs[0]].fingerprint != _reference(y.detach())
     grads = [r for r in t.tensors.values() if r.role == "grad" and list(r.shape) == [300, 70]]
     assert grads and all(r.fingerprint == _reference(w.grad) for r in grads[-1:])
+
+
+def test_staging_refuses_a_tensor_whose_storage_was_freed():
+    """A view whose storage was resized to 0 under it (FSDP frees unsharded parameters so) is
+    refused with a note: reading it, by memmove or torch's copy_, would crash the process. An
+    empty tensor, whose storage holds nothing either, is fingerprinted as empty."""
+    from tracer.model import TensorRecord
+    from tracer.record.checksums.hasher import Hasher
+
+    base = torch.randn(100)
+    freed = base.view(10, 10)[2:]
+    base.untyped_storage().resize_(0)
+    hasher = Hasher("fast", stats=False)
+    recs = [TensorRecord(k, [1], "float32", "cpu", "output") for k in ("freed", "empty")]
+    hasher.submit(recs[0], freed)
+    hasher.submit(recs[1], torch.empty(0, 3))
+    hasher.close()
+    assert recs[0].fingerprint is None
+    assert recs[0].hash_note == "not hashed: its storage does not hold its bytes (freed or shrunk)"
+    assert recs[1].fingerprint == fingerprint_reference(b"") and recs[1].hash_note is None

@@ -75,7 +75,13 @@ def _holds(t: torch.Tensor, n: int) -> bool:
     """Whether ``t``'s storage holds its ``n`` bytes (FSDP resizes storages to 0 between uses):
     reading past it would crash the process, by memmove or by torch's own ``copy_``."""
     storage = t.untyped_storage()
-    return storage.data_ptr() != 0 and storage.nbytes() >= t.storage_offset() * t.element_size() + n
+    if storage.data_ptr() == 0:
+        return False
+    if t.is_contiguous():
+        return storage.nbytes() >= t.storage_offset() * t.element_size() + n
+    # Any other layout (transposed, expanded with stride 0...): its last element's end.
+    last = t.storage_offset() + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return storage.nbytes() >= (last + 1) * t.element_size()
 
 
 class HostFingerprints:
