@@ -383,3 +383,48 @@ def test_a_nan_from_a_layer_says_nothing_of_the_state():
             opt.step()
     a = t.anomalies.forward
     assert a.producer == "log0" and a.origin and not a.state_unchecked
+
+
+def _scaled_step(init_scale: float) -> tuple[tracer.Trace, torch.amp.GradScaler, nn.Module, list[str]]:
+    """One bf16-autocast step under a GradScaler, checked for NaN/Inf."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    x = torch.randn(32, 16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with tracer.check_numerics() as t:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x).float().pow(2).mean() * 1e4
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    return t, scaler, model, [str(w.message) for w in caught if "gradtrace" in str(w.message)]
+
+
+def test_a_grad_scaler_overflow_is_said_to_be_one_and_what_it_explains():
+    """Dynamic loss scaling overflows by design: the scaled gradients go Inf/NaN, the scaler
+    finds it, skips the optimizer step and halves the scale. The anomalies are still listed (a
+    real NaN looks the same from inside one step), and the report says the scaler found them,
+    skipped the step, and from what scale to what."""
+    t, scaler, model, warned = _scaled_step(2.0 ** 127)
+    report = t.anomalies
+    assert scaler.get_scale() == 2.0 ** 126 and all(bool(p.isfinite().all()) for p in model.parameters())
+    assert not report.clean and report.backward is not None
+    [overflow] = report.scaler_overflows
+    assert overflow.check == "_amp_foreach_non_finite_check_and_unscale_0"
+    assert overflow.update == "_amp_update_scale_0"
+    assert (overflow.scale_before, overflow.scale_after) == (2.0 ** 127, 2.0 ** 126)
+    text = str(report)
+    assert ("GradScaler found NaN/Inf in the gradients at _amp_foreach_non_finite_check_and_unscale_0 and skipped "
+            "the optimizer step (loss scale 1.701e+38 -> 8.507e+37)") in text
+    assert len(warned) == 1 and "GradScaler found NaN/Inf" in warned[0]
+    assert report.to_json()["scaler_overflows"] == [{"check": overflow.check, "update": overflow.update,
+                                                      "scale_before": 2.0 ** 127, "scale_after": 2.0 ** 126}]
+    assert "GradScaler" in report._repr_html_()
+    # A step the scaler took: nothing found, nothing said.
+    t, scaler, _, warned = _scaled_step(2.0 ** 8)
+    assert t.anomalies.clean and t.anomalies.scaler_overflows == [] and warned == []
+    assert scaler.get_scale() == 2.0 ** 8

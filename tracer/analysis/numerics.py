@@ -120,6 +120,62 @@ def _contaminated_lines(a: Anomaly, full: bool) -> list[str]:
 
 
 @dataclass
+class ScalerOverflow:
+    """A GradScaler step that found NaN/Inf in the gradients it unscaled and so skipped the
+    optimizer step (``torch.amp.GradScaler``'s dynamic loss scaling; found from the trace's
+    ``_amp_foreach_non_finite_check_and_unscale_`` and ``_amp_update_scale_`` calls and the
+    stats of their outputs)."""
+
+    check: str  # the unscale call that found them
+    update: str | None  # the scale update after it (None: not in the trace)
+    scale_before: float | None
+    scale_after: float | None
+
+    def describe(self) -> str:
+        scale = ""
+        if self.scale_before is not None and self.scale_after is not None:
+            scale = f" (loss scale {self.scale_before:.4g} -> {self.scale_after:.4g})"
+        return (f"GradScaler found NaN/Inf in the gradients at {self.check} and skipped the optimizer "
+                f"step{scale}: NaN/Inf in the scaled loss, its backward and the unscaled gradients is "
+                "what an overflow of the loss scale makes, and the scaler handles it. A NaN or Inf "
+                "before the loss is scaled, or an overflow at every step while the scale keeps "
+                "falling, comes from the model.")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"check": self.check, "update": self.update, "scale_before": self.scale_before,
+                "scale_after": self.scale_after}
+
+
+UNSCALE_API = "torch._amp_foreach_non_finite_check_and_unscale_"
+UPDATE_SCALE_API = "torch._amp_update_scale_"
+
+
+def scaler_overflows(trace: Trace) -> list[ScalerOverflow]:
+    """The GradScaler steps of ``trace`` that found NaN/Inf (their ``found_inf`` written as
+    non-zero), in order. Needs the stats of ``found_inf`` (check_numerics, checksums)."""
+    found: list[ScalerOverflow] = []
+    tensors = trace.tensors
+    for i, c in enumerate(trace.calls):
+        if c.api != UNSCALE_API or len(c.inputs) < 2:
+            continue
+        # (grads, found_inf, inv_scale): found_inf's new version is among what the call wrote.
+        found_inf = c.inputs[-2]
+        written = next((m for m in c.mutated if tensors.get(m) is not None
+                        and tensors[m].previous == found_inf), None)
+        rec = tensors.get(written) if written is not None else None
+        if rec is None or rec.stats is None or not rec.stats.max:
+            continue
+        update = next((u for u in trace.calls[i + 1:] if u.api == UPDATE_SCALE_API and written in u.inputs), None)
+        before = after = None
+        if update is not None and update.inputs and update.outputs:
+            old, new = tensors.get(update.inputs[0]), tensors.get(update.outputs[0])
+            before = old.stats.max if old is not None and old.stats is not None else None
+            after = new.stats.max if new is not None and new.stats is not None else None
+        found.append(ScalerOverflow(c.name, update.name if update is not None else None, before, after))
+    return found
+
+
+@dataclass
 class NumericsReport:
     """The first NaN and the first unintended Inf of forward and of backward (None where there
     was none); ``intended_inf``: records whose Inf came from a constant (attention masks)."""
@@ -131,6 +187,9 @@ class NumericsReport:
     checked: int  # tensors whose stats were available
     unchecked: int  # tensors without stats (not hashed: meta, sparse, uninitialised...; or stats off)
     intended_inf: int = 0
+    # GradScaler steps that found NaN/Inf and skipped the optimizer step (what the anomalies
+    # may be: an overflow of the loss scale, which the scaler handles).
+    scaler_overflows: list[ScalerOverflow] = field(default_factory=list)
 
     @property
     def forward(self) -> Anomaly | None:
@@ -166,6 +225,7 @@ class NumericsReport:
             parts += present or [f"{phase}: no NaN, no unintended Inf"]
         if tail:
             parts.append(tail.strip(" ()"))
+        parts += [o.describe() for o in self.scaler_overflows]
         return "\n".join(parts)
 
     # One line in a REPL, cards in a notebook (tracer/analysis/reprs.py).
@@ -188,7 +248,8 @@ class NumericsReport:
         return {"forward": j(self.forward), "backward": j(self.backward),
                 "forward_nan": j(self.forward_nan), "forward_inf": j(self.forward_inf),
                 "backward_nan": j(self.backward_nan), "backward_inf": j(self.backward_inf),
-                "intended_inf": self.intended_inf, "checked": self.checked, "unchecked": self.unchecked}
+                "intended_inf": self.intended_inf, "checked": self.checked, "unchecked": self.unchecked,
+                "scaler_overflows": [o.to_json() for o in self.scaler_overflows]}
 
 
 def has_inf_constant(args: str) -> bool:
@@ -257,7 +318,8 @@ def find_anomalies(trace: Trace, frames_of: FramesOf | None = None) -> NumericsR
     intended: set[str] = set()
     fwd = _forward(trace, calls, children, intended, frames_of)
     bwd = _backward(trace, calls, children, intended, frames_of)
-    return NumericsReport(*fwd, *bwd, checked, len(tensors) - checked, intended_inf=len(intended))
+    return NumericsReport(*fwd, *bwd, checked, len(tensors) - checked, intended_inf=len(intended),
+                          scaler_overflows=scaler_overflows(trace))
 
 
 def _post_order(roots: list[Call], children: dict[str, list[Call]]) -> Iterator[Call]:

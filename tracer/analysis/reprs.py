@@ -74,7 +74,7 @@ def numerics_html(r: NumericsReport) -> str:
         return card("numerics", "clean", facts)
     parts = [anomaly_html(a) for a in r.anomalies()]
     head = card("numerics", f"{plural(len(parts), 'anomaly', 'anomalies')} in {plural(r.checked, 'checked tensor')}",
-                [])
+                [("GradScaler", esc(o.describe(), 1000)) for o in r.scaler_overflows])
     return head + "".join(parts)
 
 
