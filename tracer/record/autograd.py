@@ -552,7 +552,9 @@ class AutogradMixin(LeafGradsMixin):
                 on_edge = passed.pop((node, i), None)
                 # The same tensor at the same version: a slot fed by several edges may have been
                 # summed into it in place by the engine (then it is that slot's sum, named below).
-                if on_edge is not None and on_edge[1] == id(g) and on_edge[2] == version_of(g):
+                # (by a weak reference, not id(): the engine's sum of a slot's edges is a new tensor,
+                # which can take the address of a passed-on one that died meanwhile)
+                if on_edge is not None and on_edge[1]() is g and on_edge[2] == version_of(g):
                     names.append(on_edge[0])
                     continue
             hit = tensor_names.get(g)
@@ -607,7 +609,7 @@ class AutogradMixin(LeafGradsMixin):
                                   md5=None, fingerprint=None, hash_note=None, stats=None, previous=None)
         self._tensor_seq += 1
         self.trace.tensors[edge_name] = rec
-        self._passed_on[(dest, k)] = (edge_name, id(g), version_of(g))
+        self._passed_on[(dest, k)] = (edge_name, weakref.ref(g), version_of(g))
         self.hasher.same_as(rec, original)
         return edge_name
 

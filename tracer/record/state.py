@@ -145,9 +145,10 @@ class RecorderState:
         # The node names the running backward started from (None: every recorded node), for
         # counting _indegree when it is first needed.
         self._indegree_roots: list[str] | None = []
-        # A gradient passed on unchanged, by the slot it was sent to: (its name on that edge, id of
-        # the tensor, alive in the engine's buffer until that slot's node takes it, its version).
-        self._passed_on: dict[tuple[str, int], tuple[str, int, int]] = {}
+        # A gradient passed on unchanged, by the slot it was sent to: (its name on that edge, a weak
+        # reference to the tensor, its version). Where several edges meet in that slot the node
+        # takes their sum, a new tensor: the passed-on one may die first, and its id be reused.
+        self._passed_on: dict[tuple[str, int], tuple[str, weakref.ref[torch.Tensor], int]] = {}
         self._versions: dict[str, int] = {}
         self._handles: list[Any] = []
         # Grad nodes that run user Python (custom Function backwards, accumulators with
