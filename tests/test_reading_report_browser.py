@@ -408,3 +408,17 @@ def test_ranks_page_shows_hostile_names_as_text(browser: Any, tmp_path: Path) ->
     assert page.get_attribute("#gt-show-departure", "data-goto") == first.call.removesuffix(" (first read)")
     assert page.locator("img").count() == 0 and dialogs == []
     page.close()
+
+
+def test_a_grad_scaler_overflow_has_its_banner(opened: Any) -> None:
+    """A GradScaler step that found NaN/Inf and skipped the optimizer step: the page says so
+    under the NaN/Inf banner, as the report's text does."""
+    from tests.test_numerics import _scaled_step
+
+    t, _, _, _ = _scaled_step(2.0 ** 127)
+    o = opened(t, "scaler.html")
+    banners = o.page.inner_text("#gt-banners")
+    assert ("GradScaler found NaN/Inf in the gradients at _amp_foreach_non_finite_check_and_unscale_0 and skipped "
+            "the optimizer step (loss scale 1.701e+38 -> 8.507e+37)") in banners
+    assert banners.index("NaN or Inf (red in the graph)") < banners.index("GradScaler found")
+    assert o.errors == []

@@ -1284,6 +1284,7 @@
       b.append(first && first.producer ? linkTo(first.producer, S.nonfinite[0] + ' ← ' + first.producer) : linkTo(S.nonfinite[0]));
       banners.append(b);
     }
+    (S.scaler_overflows || []).forEach(function (n) { banners.append(el('div', { class: 'banner info', text: n })); });
     if (D.omitted) banners.append(el('div', { class: 'banner warn', text: D.omitted.message }));
     (S.notes || []).forEach(function (n) { banners.append(el('div', { class: 'banner info', text: n })); });
     const sel = document.getElementById('gt-module');

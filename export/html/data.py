@@ -6,7 +6,8 @@ is part of the report's contract (``PAYLOAD_VERSION``):
 
 ``summary``   model class, devices, counts, parameter count, settings, status, notes, and
               ``anomalies``: the first NaN (else unintended Inf) of forward and of backward
-              (``tracer.analysis.numerics``: what ``gradtrace summary`` reports), or null
+              (``tracer.analysis.numerics``: what ``gradtrace summary`` reports), or null;
+              ``scaler_overflows``: the text of each GradScaler step that found NaN/Inf
 ``frames``    ``[file, line, function, code, class]`` rows (class: ``tracer.model.frames.frame_class``); ``stacks`` lists frame indices, outermost first
 ``tensors``/``calls``/``nodes``/``groups``   ``{"fields": [...], "rows": [[...], ...]}`` tables
 ``runs``      backward runs: name, api, roots, stack, order (node names), outputs, status, error
@@ -443,6 +444,8 @@ def _summary(trace: Trace) -> dict[str, Any]:
         "error": trace.error,
         "notes": list(trace.notes),
         "anomalies": {phase: _anomaly(a) for phase, a in (("forward", report.forward), ("backward", report.backward))},
+        # GradScaler steps that found NaN/Inf and skipped the optimizer step: a banner each.
+        "scaler_overflows": [o.describe() for o in report.scaler_overflows],
     }
 
 
