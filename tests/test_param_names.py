@@ -82,9 +82,9 @@ def test_the_outermost_module_names_them_and_one_search_serves_later_traces(monk
 
     torch.manual_seed(0)
     net = Wrapper(nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 1)))
-    searches = []
-    search = owners._search
-    monkeypatch.setattr(owners, "_search", lambda p: searches.append(p) or search(p))
+    searches: list[int] = []
+    search = owners._search_all
+    monkeypatch.setattr(owners, "_search_all", lambda: searches.append(1) or search())
     x = torch.randn(2, 3)
     for _ in range(3):
         with tracer.trace(hash="none") as t:
@@ -114,3 +114,24 @@ def test_a_model_built_inside_the_block_keeps_its_module_paths():
         critic(torch.randn(2, 4)).sum().backward()
     assert t.modules == {"": "Critic", "a": "Linear", "b": "Linear"}
     assert [c.module for c in t.calls if c.api == "torch.nn.functional.linear"] == ["a", "b"]
+
+
+def test_standalone_parameters_are_searched_for_once(monkeypatch: pytest.MonkeyPatch):
+    """A functional model of parameters no module holds: the first search finds that none does,
+    and later traces do not search again."""
+    searches: list[int] = []
+    search = owners._search_all
+    monkeypatch.setattr(owners, "_search_all", lambda: searches.append(1) or search())
+    ws = [nn.Parameter(torch.randn(3, 3)) for _ in range(3)]
+    x = torch.randn(2, 3)
+    for _ in range(2):
+        with tracer.trace(hash="none") as t:
+            with torch.no_grad():
+                for w in ws:
+                    w.mul_(0.9)
+            h = x
+            for w in ws:
+                h = torch.tanh(h @ w)
+            h.sum().backward()
+        assert [c.inputs[0] for c in t.calls[:3]] == ["input0", "input1", "input2"]
+    assert len(searches) == 1
