@@ -40,8 +40,11 @@ _HANDLER_DEPTH = 12  # frames looked at above an operator call for a __torch_dis
 
 def from_dispatch_handler() -> bool:
     """Whether the operator being called comes from a ``__torch_dispatch__`` handler (a user's
-    dispatch mode or a tensor subclass) a few frames up: torch's own work passing through it
-    (``save_for_backward``'s detach, a grad node's mm), not a call of the user's code."""
+    dispatch mode, FlopCounterMode, DebugMode, or a tensor subclass) a few frames up: torch's
+    own work passing through it (``save_for_backward``'s detach, a built-in grad node's mm,
+    ``AccumulateGrad``'s add_), not a call of the user's code. Such work is not recorded, as a
+    forward call's inner ops are not; a custom Function's backward calls torch itself and stays
+    recorded."""
     f: FrameType | None = sys._getframe(2)  # (above this function and the mode's handler)
     for _ in range(_HANDLER_DEPTH):
         if f is None:
@@ -104,25 +107,14 @@ current_autograd_node: Callable[[], Any] | None = getattr(torch._C, "_current_au
 COMPILED_BACKWARDS = frozenset({"CompiledFunctionBackward", "CompiledFunctionBackwardBackward"})
 
 
-# The class of a custom autograd Function's grad node (its backward is user code).
-BackwardCFunction = torch.autograd.function.BackwardCFunction
-
-
 class BackwardRecordingMode(RecordingMode):
     """The mode a recorded backward runs under (tracer.record.engine): what the recording mode
-    does, except inside a compiled region's backward, whose ops run unrecorded, and for the aten
-    operators a built-in grad node's own computation calls from Python: under a user's
-    ``TorchDispatchMode`` (FlopCounterMode, DebugMode) or a tensor subclass's
-    ``__torch_dispatch__``, ``MmBackward0``'s ``mm`` and ``AccumulateGrad``'s ``add_`` reach
-    Python, but they are the node's internals, as a forward call's inner ops are (those run
-    inside the recorded call and are not recorded either). A custom Function's backward is user
-    code: its calls are recorded as always."""
+    does, except inside a compiled region's backward, whose ops run unrecorded."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         node = current_autograd_node() if current_autograd_node is not None else None
-        if node is not None and (type(node).__name__ in COMPILED_BACKWARDS or (
-                type(func).__name__ in _OP_OVERLOADS and not isinstance(node, BackwardCFunction))):
+        if node is not None and type(node).__name__ in COMPILED_BACKWARDS:
             return func(*args, **(kwargs or {}))
         return super().__torch_function__(func, types, args, kwargs)
 
