@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
 
 from tracer.analysis.numerics import NonFiniteError, find_anomalies, has_inf_constant
 from tracer.model import Trace
-from tracer.record.dispatch_modes import dispatch_modes_active, dispatch_modes_off
+from tracer.record.dispatch_modes import past_dispatch_modes
 from tracer.record.listeners import Listener
 from tracer.record.transforms import transforms_off, unwrap
 
@@ -27,12 +26,11 @@ class NonFiniteGuard(Listener):
         self._intended: set[str] = set()  # tensors whose Inf is intended (see the module docstring)
 
     @staticmethod
+    @past_dispatch_modes  # a user's dispatch mode does not see these reads
     def _nonfinite(tensors: Any) -> tuple[bool, bool]:
         """(any NaN, any Inf) among the tensors, in one device read per tensor."""
         nan = inf = False
-        # A torch.func tensor is read through what it wraps (vmap: the batch); a user's dispatch
-        # mode does not see these reads (tracer.record.dispatch_modes).
-        with transforms_off(), dispatch_modes_off() if dispatch_modes_active() else contextlib.nullcontext():
+        with transforms_off():  # a torch.func tensor is read through what it wraps (vmap: the batch)
             for t in tensors:
                 if not isinstance(t, torch.Tensor):
                     continue

@@ -35,7 +35,7 @@ from tracer.model.fileformat import MAX_RECORD_BYTES
 from tracer.model.values import DTYPE_SIZES
 from tracer.options import TraceOptions
 from tracer.record.checksums.bytes import as_bytes, host_bytes, unhashable_reason
-from tracer.record.dispatch_modes import dispatch_modes_active, dispatch_modes_off
+from tracer.record.dispatch_modes import past_dispatch_modes
 from tracer.record.recorder import Recorder
 from tracer.record.transforms import is_wrapped, transforms_active
 
@@ -161,14 +161,11 @@ class KeepingHasher:
         self._real = real
         self._keeper = keeper
 
+    @past_dispatch_modes  # a user's dispatch mode does not see the keeper's copies either
     def submit(self, rec: TensorRecord, t: torch.Tensor) -> None:
         if self._real.active:
             self._real.submit(rec, t)
-        if dispatch_modes_active():  # a user's dispatch mode does not see the keeper's copies
-            with dispatch_modes_off():
-                self._keeper.offer(rec, t)
-        else:
-            self._keeper.offer(rec, t)
+        self._keeper.offer(rec, t)
 
     def drain(self, wait: bool = False) -> None:
         self._real.drain(wait)

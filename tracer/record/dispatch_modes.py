@@ -12,8 +12,9 @@ feature-detected: where it is missing the modes stay, as before). The check cost
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -35,3 +36,18 @@ def dispatch_modes_active() -> bool:
 def dispatch_modes_off() -> contextlib.AbstractContextManager[Any]:
     """A context in which ops run past every Python dispatch mode (restored on exit)."""
     return _disable() if _disable is not None else contextlib.nullcontext()
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def past_dispatch_modes(fn: F) -> F:
+    """``fn`` run with every dispatch mode popped when any is on the stack (one C call when none
+    is): for gradtrace's own reads of tensor values."""
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if dispatch_modes_active():
+            with dispatch_modes_off():
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+    return run  # type: ignore[return-value]

@@ -53,7 +53,7 @@ from tracer.record.checksums.stats import (
     stats_from_row,
     stats_input,
 )
-from tracer.record.dispatch_modes import dispatch_modes_active, dispatch_modes_off
+from tracer.record.dispatch_modes import past_dispatch_modes
 from tracer.record.sharding import local_shard
 from tracer.record.transforms import is_wrapped, transforms_active, transforms_off, unwrap
 
@@ -159,12 +159,9 @@ class Hasher:
                 fused.prepare(torch.cuda.current_device())
 
     # ---- submission (training thread or autograd threads) ---------------------------------------
+    @past_dispatch_modes  # our reads are not the user's ops (tracer.record.dispatch_modes)
     def submit(self, rec: TensorRecord, t: torch.Tensor) -> None:
         if not self.active:
-            return
-        if dispatch_modes_active():  # our reads are not the user's ops (tracer.record.dispatch_modes)
-            with dispatch_modes_off():
-                self.submit(rec, t)
             return
         if transforms_active():  # inside torch.func.grad/vmap/jvp...: see tracer.record.transforms
             with transforms_off():
@@ -285,16 +282,13 @@ class Hasher:
                     self._host_fp = HostFingerprints()
                 self._host_fp.add(rec, t)
 
+    @past_dispatch_modes
     def submit_many(self, items: list[tuple[TensorRecord, torch.Tensor]]) -> None:
         """``submit`` of each (record, tensor), with the stats of small CPU float32 tensors of one
         size computed together (``cpu_stats_same_size``; one-element ones from one stacked read
         of their values). The recorder hands over a call's new values this way when there are
         many: an optimizer step's parameters and state, a foreach op's outputs."""
         if not self.active:
-            return
-        if dispatch_modes_active():
-            with dispatch_modes_off():
-                self.submit_many(items)
             return
         if not self.want_stats or self._interpret or len(items) < BATCH_MIN or transforms_active():
             for rec, t in items:
@@ -391,6 +385,7 @@ class Hasher:
             with transforms_off():
                 self._fused.flush()
 
+    @past_dispatch_modes
     def before_write(self, written: list[torch.Tensor] | None = None) -> None:
         """Called by the recorder before code that may write into tensors it recorded (an op that
         writes an argument, a custom Function, backward, the optimizer step): every tensor still
@@ -402,10 +397,6 @@ class Hasher:
         no longer cuts every waiting batch short."""
         fused = self._fused
         if fused is None and not self._copy_events:
-            return
-        if dispatch_modes_active():
-            with dispatch_modes_off():
-                self.before_write(written)
             return
         if transforms_active():
             with transforms_off():
@@ -492,14 +483,11 @@ class Hasher:
             rec.md5 = fut.result()
 
     # ---- completion ---------------------------------------------------------------------------
+    @past_dispatch_modes
     def drain(self, wait: bool = False, on_bytes: Callable[[int], None] | None = None) -> None:
         """Fill in finished checksums and stats: all of them if ``wait`` (one fetch per device,
         the only synchronisation), else those whose kernels or copies have already finished.
         ``on_bytes`` hears the size of each MD5 job collected (a progress bar)."""
-        if dispatch_modes_active():
-            with dispatch_modes_off():
-                self.drain(wait, on_bytes)
-            return
         if transforms_active():  # a streamed file's flush inside torch.func.grad/vmap...
             with transforms_off():
                 self._drain(wait, on_bytes)
