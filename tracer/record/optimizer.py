@@ -45,8 +45,7 @@ class OptimizerMixin(RecorderState):
                         if p in self._tensor_names or not self._name_model_of(p):
                             continue
                         named = self._named.get(p)
-                        if named is None:
-                            continue
+                        assert named is not None  # (what _name_model_of says)
                     pname = named[0]
                     g = p.grad
                     if g is not None:

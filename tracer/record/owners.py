@@ -42,15 +42,20 @@ def constructing_a_module() -> bool:
     return False
 
 
-def owning_root_module(p: torch.Tensor) -> torch.nn.Module | None:
+def owning_root_module(p: torch.Tensor, search: bool = True) -> torch.nn.Module | None:
     """The outermost ``nn.Module`` that holds ``p`` as a parameter (following ``_modules`` up
     from the module that registers it), or None when no live module does (as of the last search
-    that saw ``p``)."""
+    that saw ``p``). ``search=False``: only what earlier searches found."""
     root = _found(p)
-    if root is None and _NO_MODULE.get(p) is None:
+    if root is None and search and needs_search(p):
         _search_all()
         root = _found(p)
     return root
+
+
+def needs_search(p: torch.Tensor) -> bool:
+    """Whether no search has placed ``p`` yet (in a module, or in none)."""
+    return _found(p) is None and _NO_MODULE.get(p) is None
 
 
 def _found(p: torch.Tensor) -> torch.nn.Module | None:

@@ -21,7 +21,7 @@ from tracer.record import naming
 from tracer.record.checksums.hasher import Hasher
 from tracer.record.identity import identity
 from tracer.record.listeners import Listener
-from tracer.record.owners import constructing_a_module, owning_root_module
+from tracer.record.owners import constructing_a_module, needs_search, owning_root_module
 from tracer.record.stacks import StackTable
 from tracer.record.tensors import (
     DEVICE_NAMES,
@@ -165,7 +165,7 @@ class RecorderState:
         self._tensor_seq = 0
         self._node_seq = 0
         self._inputs = 0
-        self._owner_searches = 0  # owning_root_module passes made (see _name_at)
+        self._owner_searches = 0  # passes over the live objects made for this trace (see _name_model_of)
         self._self_ref = weakref.ref(self)
         self.node_attribution = "sequence-number" if get_seq is not None else "first-seen"
 
@@ -376,10 +376,12 @@ class RecorderState:
         """A parameter met before any module of its model ran in the block (outside any module
         call): name that model's modules, parameters and buffers now, as if it had been called
         first (tracer.record.owners). Whether ``p`` has a name to take now."""
-        if self._module_stack or self._owner_searches >= MAX_OWNER_SEARCHES or constructing_a_module():
+        if self._module_stack or constructing_a_module():
             return False
-        self._owner_searches += 1
-        root = owning_root_module(p)
+        search = needs_search(p) and self._owner_searches < MAX_OWNER_SEARCHES
+        if search:
+            self._owner_searches += 1
+        root = owning_root_module(p, search)
         if root is None or root in self._module_paths:
             return False
         self.register_root_module(root)
