@@ -78,6 +78,8 @@ _HIDDEN: dict[str, Writes] = {
                                                 lambda a, k: bool(_arg(a, k, 5, "use_input_stats", True))),
     "torch.instance_norm": Writes((3, 4), frozenset({"running_mean", "running_var"}),
                                   lambda a, k: bool(_arg(a, k, 5, "use_input_stats", True))),
+    # ``t.data = v`` gives ``t`` new bytes (tracer.record.naming.SET_DATA_API).
+    "Tensor.data=": Writes((0,)),
 }
 
 

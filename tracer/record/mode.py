@@ -88,6 +88,12 @@ class RecordingMode(TorchFunctionMode):
             out = func(*args, **kwargs)
             rec.grad_retained(args[0])
             return out
+        if kind == "data_alias":
+            out = func(*args, **kwargs)
+            rec.data_alias(args[0], out)
+            return out
+        if kind == "set_data":
+            return rec.record_set_data(func, api, short, args, kwargs, writes)
         if kind == "collective":
             # References to collectives taken before the trace land here, not in the wrappers
             # (tracer.features.distributed sets the hook while a process group is traced).

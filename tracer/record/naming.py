@@ -27,8 +27,10 @@ NOISE = frozenset({
     "__sizeof__", "_fix_weakref", "is_same_size",
 })
 # Properties that are real tensor operations (a transpose, a real/imag view) stay recorded;
-# every other property read (.shape, .grad, .data, .device, ...) is noise.
+# every other property read (.shape, .grad, .device, ...) is noise but .data (see _describe).
 TENSOR_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
+# The API name of an assignment to ``Tensor.data``.
+SET_DATA_API = "Tensor.data="
 BACKWARD_APIS = frozenset({"Tensor.backward", "torch.autograd.backward", "torch.autograd.grad"})
 
 _MODULE_ALIASES = {
@@ -55,7 +57,8 @@ SKIP = ("", "", "skip")
 def _describe(func: Any) -> tuple[str, str, str]:
     """(qualified API name, short name for counters, kind) for a function the mode saw.
 
-    kind is ``op``, ``custom_op``, ``collective``, ``backward``, ``hook`` or ``skip``.
+    kind is ``op``, ``custom_op``, ``collective``, ``backward``, ``hook``, ``retain``,
+    ``data_alias``, ``set_data`` or ``skip``.
     """
     # Property access arrives as the descriptor's bound __get__/__set__.
     name = getattr(func, "__name__", "")
@@ -64,6 +67,14 @@ def _describe(func: Any) -> tuple[str, str, str]:
         prop = getattr(owner, "__name__", "")
         if name == "__get__" and prop in TENSOR_PROPERTIES:
             return f"Tensor.{prop}", prop, "op"
+        if name == "__get__" and prop == "data":
+            # ``t.data``: a new tensor object on t's bytes with a version counter of its own;
+            # it takes t's name (tracer.record.state.name_data_alias).
+            return "Tensor.data", "data", "data_alias"
+        if name == "__set__" and prop == "data":
+            # ``t.data = v`` (Module.to/.half/.float, vector_to_parameters): ``t`` shows v's
+            # bytes from now on while its version counter stays, so no version tells it.
+            return SET_DATA_API, "set_data", "set_data"
         return SKIP
     if isinstance(func, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
         ns = getattr(func, "namespace", "aten")
@@ -135,7 +146,7 @@ class ApiNames:
 
 def _described(func: Any) -> Described:
     api, short, kind = _describe(func)
-    return api, short, kind, (op_writes(func, api) if kind in ("op", "custom_op") else None)
+    return api, short, kind, (op_writes(func, api) if kind in ("op", "custom_op", "set_data") else None)
 
 
 class Counters:

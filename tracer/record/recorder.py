@@ -59,6 +59,7 @@ from tracer.record.tensors import (
     flat_tensors,
     get_seq,
     grad_fn_of,
+    same_view,
     saved_tensor_hooks_active,
     unique,
     version_of,
@@ -219,6 +220,26 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin):
                           skip=4)
         return out
 
+    def data_alias(self, source: Any, alias: Any) -> None:
+        """``source.data`` returned ``alias`` (see ``name_data_alias``)."""
+        if isinstance(source, torch.Tensor) and isinstance(alias, torch.Tensor):
+            with self.lock, torch._C.DisableTorchFunction():
+                self.name_data_alias(source, alias)
+
+    def record_set_data(self, func: Any, api: str, short: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                        writes: Writes | None) -> Any:
+        """``t.data = v``: from now on ``t`` shows ``v``'s bytes, its version counter unchanged
+        (``Module.to``/``.half()``/``.float()`` on every parameter and its ``.grad``,
+        ``vector_to_parameters``). Recorded as a call that writes ``t``: a new version of it,
+        read again. Assigning ``t`` a view of its own bytes (``Module.to`` to the device and
+        dtype it has already) changes nothing and is not recorded."""
+        target = args[0] if args else None
+        value = args[1] if len(args) > 1 else None
+        if not isinstance(target, torch.Tensor) or not isinstance(value, torch.Tensor) or value is target \
+                or same_view(target, value):
+            return func(*args, **kwargs)
+        return self.record_call(func, api, short, "op", args, kwargs, writes)
+
     def _finish_call(self, api: str, short: str, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any],
                      ins: list[torch.Tensor], in_names: list[str], outs: list[torch.Tensor],
                      mutated: list[torch.Tensor], seq: int, seq0: int | None,
@@ -275,7 +296,11 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin):
                                                like=old_rec if same_meta else None)
                         names_of[identity(t)] = new
                         mutated_names[j] = new
-                    self._write_through_aliases(mutated, names_of, name, ins)
+                    if api == naming.SET_DATA_API:
+                        # Its new bytes are the value's; no other tensor's bytes changed.
+                        self._index_alias(mutated[0])
+                    else:
+                        self._write_through_aliases(mutated, names_of, name, ins)
                 uninit = short in UNINITIALISED
                 n_outs = len(outs)
                 out_names = [""] * n_outs

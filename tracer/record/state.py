@@ -372,6 +372,28 @@ class RecorderState:
         self._index_alias(t)
         return name
 
+    def name_data_alias(self, source: torch.Tensor, alias: torch.Tensor) -> None:
+        """``source.data`` returned ``alias``: a new tensor object on the same bytes, seen the same
+        way, with a version counter of its own (a write through it bumps no version of
+        ``source``). It takes ``source``'s name now, and both are indexed by their storage, so a
+        write through either (``p.data.clamp_()`` before the model runs, ``y.data.mul_(2)``) is
+        a new version of the value both show. Only a tensor the trace knows, or a parameter:
+        ``.data`` of any other tensor leaves it unnamed (and costs nothing) until a call uses it."""
+        if self._tensor_names.get(source) is None and source not in self._named \
+                and type(source) is not torch.nn.Parameter:
+            return
+        name = self._name_at(source, version_of(source))
+        self._tensor_names[alias] = (name, version_of(alias))
+        key = storage_key(source)
+        if not key:
+            return
+        refs = self._aliases.setdefault(key, [])
+        if len(refs) > 8:  # (a loop of ``p.data.add_()`` leaves one dead alias per turn)
+            refs[:] = [r for r in refs if r() is not None]
+        if not any(r() is source for r in refs):
+            refs.append(weakref.ref(source))
+        refs.append(weakref.ref(alias))
+
     def _name_model_of(self, p: torch.Tensor) -> bool:
         """A parameter met before any module of its model ran in the block (outside any module
         call): name that model's modules, parameters and buffers now, as if it had been called
