@@ -4,7 +4,11 @@ every gradient's last record hold the checksum of the parameter's and its ``.gra
 the end (``hashlib``). LBFGS (a closure: forward and backward inside ``step``), weight and
 spectral norm parametrizations with their cache, a channels-last CNN with BatchNorm and an EMA
 ``AveragedModel``, LSTM/GRU with value clipping, a gradient penalty with ``retain_graph``, an
-encoder-decoder (T5) and a ViT with a OneCycle schedule and ``zero_grad(set_to_none=False)``."""
+encoder-decoder (T5), a ViT with a OneCycle schedule and ``zero_grad(set_to_none=False)``, a
+``TransformerEncoder`` with AMSGrad and its inference fast path, a packed bidirectional LSTM
+under attention with Adagrad, quantization-aware training (fake quantization, BatchNorm), a VAE's
+reparameterised sample with a complex FFT filter and NAdam, fp32 master weights copied back
+into a bf16 model through ``.data``, and SWA with ``update_bn``."""
 
 from __future__ import annotations
 
@@ -161,8 +165,146 @@ def vit() -> tuple[nn.Module, Callable[[], None]]:
     return model, step
 
 
+def transformer_encoder() -> tuple[nn.Module, Callable[[], None]]:
+    layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.1, batch_first=True, norm_first=True)
+    model = nn.Sequential(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), nn.Linear(16, 3))
+    x = torch.randn(2, 5, 16)
+    opt = torch.optim.Adam(model.parameters(), amsgrad=True)
+
+    def step() -> None:
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        model.eval()  # the encoder's inference fast path, under no_grad
+        with torch.no_grad():
+            model(x)
+        model.train()
+
+    return model, step
+
+
+def packed_lstm_attention() -> tuple[nn.Module, Callable[[], None]]:
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(20, 8)
+            self.lstm = nn.LSTM(8, 8, batch_first=True, bidirectional=True)
+            self.att = nn.MultiheadAttention(16, 2, batch_first=True)
+            self.out = nn.Linear(16, 2)
+
+        def forward(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            packed = nn.utils.rnn.pack_padded_sequence(self.emb(ids), lengths, batch_first=True, enforce_sorted=False)
+            h, _ = nn.utils.rnn.pad_packed_sequence(self.lstm(packed)[0], batch_first=True)
+            a, _ = self.att(h, h, h, need_weights=True)
+            return self.out(a.mean(1))
+
+    model = Model()
+    ids, lengths = torch.randint(0, 20, (3, 6)), torch.tensor([6, 3, 4])
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
+
+    def step() -> None:
+        F.cross_entropy(model(ids, lengths), torch.tensor([0, 1, 1])).backward()
+        opt.step()
+        opt.zero_grad()
+
+    return model, step
+
+
+def quantization_aware() -> tuple[nn.Module, Callable[[], None]]:
+    import torch.ao.quantization as q
+
+    model = nn.Sequential(q.QuantStub(), nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(4 * 6 * 6, 2), q.DeQuantStub())
+    model.train()
+    model.qconfig = q.get_default_qat_qconfig("fbgemm")  # type: ignore[assignment]
+    q.prepare_qat(model, inplace=True)
+    x = torch.randn(2, 3, 8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def step() -> None:
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    return model, step
+
+
+def vae_spectral() -> tuple[nn.Module, Callable[[], None]]:
+    class Model(nn.Module):
+        """A VAE's reparameterised sample and KL term, then a complex-weighted FFT filter."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc = nn.Linear(6, 8)
+            self.dec = nn.Linear(2, 8)
+            self.filter = nn.Parameter(torch.randn(5, dtype=torch.cfloat) * 0.1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.enc(x)
+            qz = torch.distributions.Normal(h[:, :2], (0.5 * h[:, 2:4]).exp())
+            kl = torch.distributions.kl_divergence(qz, torch.distributions.Normal(0.0, 1.0)).sum(-1).mean()
+            y = torch.fft.irfft(torch.fft.rfft(self.dec(qz.rsample())) * self.filter, n=8)
+            return F.mse_loss(y[:, :6], x) + kl
+
+    model = Model()
+    x = torch.randn(4, 6)
+    opt = torch.optim.NAdam(model.parameters(), foreach=True, decoupled_weight_decay=True)
+
+    def step() -> None:
+        model(x).backward()
+        opt.step()
+        opt.zero_grad()
+
+    return model, step
+
+
+def master_weights() -> tuple[nn.Module, Callable[[], None]]:
+    """bf16 model, fp32 master copies stepped by the optimizer and copied back through .data."""
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2)).to(torch.bfloat16)
+    x = torch.randn(4, 6, dtype=torch.bfloat16)
+    master = [p.detach().clone().float().requires_grad_() for p in model.parameters()]
+    opt = torch.optim.Adam(master, lr=1e-2)
+
+    def step() -> None:
+        for _ in range(2):
+            model(x).float().pow(2).mean().backward()
+            for mp, p in zip(master, model.parameters()):
+                assert p.grad is not None
+                mp.grad = p.grad.float()
+                p.grad = None
+            opt.step()
+            opt.zero_grad()
+            for mp, p in zip(master, model.parameters()):
+                p.data.copy_(mp.data)
+
+    return model, step
+
+
+def swa_update_bn() -> tuple[nn.Module, Callable[[], None]]:
+    from torch.optim.swa_utils import SWALR, AveragedModel, update_bn
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+    x = torch.randn(6, 4)
+    swa = AveragedModel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    schedule = SWALR(opt, swa_lr=0.05)
+
+    def step() -> None:
+        for _ in range(2):
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            swa.update_parameters(model)
+            schedule.step()
+        update_bn([(x[:3],), (x[3:],)], swa)
+
+    return model, step
+
+
 RECIPES: dict[str, Recipe] = {f.__name__: f for f in (lbfgs, parametrized, channels_last_ema, recurrent,
-                                                     gradient_penalty, t5, vit)}
+                                                     gradient_penalty, t5, vit, transformer_encoder,
+                                                     packed_lstm_attention, quantization_aware, vae_spectral,
+                                                     master_weights, swa_update_bn)}
 
 
 @pytest.mark.parametrize("hash_kind", ["md5", "none"])
