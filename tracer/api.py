@@ -9,7 +9,7 @@ from typing import Any, overload
 
 from tracer.analysis.memory import MemoryRecord
 from tracer.features.plugins import session_plugins
-from tracer.loops.steps import StepObserver, StepTrace, step
+from tracer.loops.steps import StepObserver, StepOn, StepTrace, step
 from tracer.model import Trace
 from tracer.options import DEFAULT_KEEP_VALUES_BYTES, HashKind, TraceError, TraceOptions, value_patterns
 from tracer.record.checksums.prewarm import PREWARM
@@ -21,6 +21,9 @@ __all__ = ["check_numerics", "explain_errors", "record_memory", "step", "trace"]
 # The recording side is loaded (torch with it): Triton's own start-up now, not in the first
 # traced step (tracer.record.checksums.prewarm; nothing without a GPU build of torch and Triton).
 PREWARM.run()
+
+# The options of tracer.trace that only a step trace takes (StepTrace's keyword arguments).
+STEP_OPTIONS = frozenset({"per_step_files", "optimizer", "observer", "step_on"})
 
 
 StepSpec = str | int | Iterable[int]
@@ -48,7 +51,7 @@ def trace(*, hash: HashKind = ..., stacks: bool = ..., stats: bool | None = ...,
           node_runs: bool | None = ..., optimizer_state: bool | None = ...,
           keep_values: bool | str | Iterable[str] = ..., keep_values_bytes: int = ...,
           steps: StepSpec | None = ..., every: int | None = ..., per_step_files: bool = ...,
-          optimizer: Any = ..., observer: StepObserver | None = ...) -> StepTrace: ...
+          optimizer: Any = ..., observer: StepObserver | None = ..., step_on: StepOn = ...) -> StepTrace: ...
 
 
 def trace(*, hash: HashKind = "md5", stacks: bool = True, stats: bool | None = None,
@@ -104,7 +107,8 @@ def trace(*, hash: HashKind = "md5", stacks: bool = True, stats: bool | None = N
     ``keep_values_bytes``: at most this many bytes of values per trace (64 MiB); values past it
     are not kept, and the trace's notes say how many and which was first.
     ``steps`` / ``every``: trace only chosen optimizer steps of a longer loop; then
-    ``per_step_files``, ``optimizer`` and ``observer`` too (``tracer.loops.steps.StepTrace``),
+    ``per_step_files``, ``optimizer``, ``observer`` and ``step_on`` (``"backward"``: a step ends
+    with each backward pass, for loops without an optimizer) too (``tracer.loops.steps.StepTrace``),
     and what this returns is a ``StepTrace``, else a ``TraceSession`` (``with ... as t`` gives
     the ``Trace``).
 
@@ -118,12 +122,12 @@ def trace(*, hash: HashKind = "md5", stacks: bool = True, stats: bool | None = N
                            optimizer_state=optimizer_state, keep_values=value_patterns(keep_values),
                            keep_values_bytes=keep_values_bytes)
     if steps is not None or every is not None:
-        unknown = sorted(set(step_options) - {"per_step_files", "optimizer", "observer"})
+        unknown = sorted(set(step_options) - STEP_OPTIONS)
         if unknown:
             raise TraceError(f"unknown option(s) for tracer.trace(): {', '.join(unknown)}")
         return StepTrace(options, steps=steps, every=every, **step_options)
     if step_options:
-        hint = " (only with steps= or every=)" if set(step_options) <= {"per_step_files", "optimizer", "observer"} else ""
+        hint = " (only with steps= or every=)" if set(step_options) <= STEP_OPTIONS else ""
         raise TraceError(f"unknown option(s) for tracer.trace(): {', '.join(sorted(step_options))}{hint}")
     return TraceSession(options, plugins=session_plugins(options))
 

@@ -19,6 +19,7 @@ import importlib.util
 import os
 import re
 import sys
+import warnings
 from typing import Any, TextIO
 
 from rich.console import Console
@@ -31,7 +32,7 @@ from export.errors import UserError
 from export.html import default_output, html
 from tracer.api import trace
 from tracer.loops.program import Program, WatchedRun, execute
-from tracer.loops.steps import StepObserver, StepTrace
+from tracer.loops.steps import STEP_ON, StepObserver, StepTrace
 from tracer.model import Trace, load_steps
 from tracer.model.display import format_size, plural, with_tag
 from tracer.options import DEFAULT_KEEP_VALUES_BYTES
@@ -171,6 +172,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="optimizer steps to trace, counting from 0: '3', '10,40', '100-105', '500-' "
                         "(default: 0 unless --every is given)")
     p.add_argument("--every", type=int, metavar="N", help="trace steps 0, N, 2N, ...")
+    p.add_argument("--step-on", choices=STEP_ON, default="optimizer",
+                   help="what ends a step: each optimizer.step() (default), or each backward pass, for loops "
+                        "that update the parameters without an optimizer")
     p.add_argument("-o", "--out", metavar="PATH",
                    help="trace file (default: the program's name + .gtrace; .gz compresses)")
     p.add_argument("--hash", choices=("md5", "fast", "none"), default="md5",
@@ -222,7 +226,9 @@ def run_command(args: argparse.Namespace) -> int:
                           optimizer_ops=args.optimizer_ops, node_runs=True if args.node_runs else None,
                           optimizer_state=True if args.optimizer_state else None, steps=steps, every=args.every,
                           keep_values=keep, keep_values_bytes=args.keep_values_bytes or DEFAULT_KEEP_VALUES_BYTES,
-                          per_step_files=args.per_step_files, observer=progress)
+                          per_step_files=args.per_step_files, observer=progress, step_on=args.step_on)
+    # The step trace's hint that no optimizer stepped is said once, by _conclude, as a plain line.
+    warnings.filterwarnings("ignore", message=r"gradtrace: no optimizer\.step\(\) ran", category=RuntimeWarning)
     code = execute(program, st)
     _conclude(st, program, args, progress)
     return code
@@ -258,8 +264,10 @@ def _conclude(st: StepTrace, program: Program, args: argparse.Namespace, progres
     err = sys.stderr
     name = program.target
     if not st.steps:
+        hint = "; no optimizer.step() ran: --step-on backward counts backward passes" \
+            if st.step == 0 and st.step_on == "optimizer" else ""
         print(f"gradtrace: no step of {name} was traced (chosen: {st.selection}; the program reached "
-              f"step {st.step})", file=err)
+              f"step {st.step}{hint})", file=err)
         return
     files = st.paths
     size = sum(os.path.getsize(p) for p in files if os.path.exists(p))
@@ -267,6 +275,8 @@ def _conclude(st: StepTrace, program: Program, args: argparse.Namespace, progres
     where = files[0] if len(files) == 1 else f"{len(files)} files ({files[0]} ...)"
     print(f"gradtrace: traced step{'s' if len(st.steps) > 1 else ''} {listed} of {name} -> {where} "
           f"({format_size(size)})", file=err)
+    if st.hint is not None:
+        print(f"gradtrace: {st.hint}", file=err)
     reports = _reports(st, progress) if args.report else []
     for r in reports:
         print(f"gradtrace: report -> {r}", file=err)

@@ -9,8 +9,8 @@
 
 Step boundaries come from PyTorch's global optimizer step post-hook: the first
 ``optimizer.step()`` ends step 0, so step N is everything from the end of step N-1's
-``optimizer.step()`` to the end of step N's. Loops without an optimizer (or that count steps
-their own way) mark boundaries with ``tracer.step()``. Between chosen steps only that one global
+``optimizer.step()`` to the end of step N's. Loops without an optimizer count backward passes
+(``step_on="backward"``: tracer.loops.backward_ends) or mark boundaries with ``tracer.step()``. Between chosen steps only that one global
 hook is installed: no mode, no module hooks, no ``Function.apply`` wrapper, so untraced steps
 run at plain speed (``benchmarks/untraced_steps.py`` measures it).
 
@@ -38,6 +38,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from tracer.features.bounds import Bounds
 from tracer.features.plugins import session_plugins
+from tracer.loops.backward_ends import BackwardEnds
 from tracer.model import Trace
 from tracer.model.display import with_tag
 from tracer.options import TraceError, TraceOptions
@@ -45,6 +46,8 @@ from tracer.record import recorder as _recorder
 from tracer.record.session import TraceSession
 
 _ACTIVE: StepTrace | None = None
+StepOn = Literal["optimizer", "backward"]
+STEP_ON: tuple[StepOn, ...] = ("optimizer", "backward")
 
 
 # ---- which steps -------------------------------------------------------------------------------
@@ -305,14 +308,21 @@ class StepTrace(StepResults):
 
     def __init__(self, options: TraceOptions, *, steps: str | int | Iterable[int] | None = None,
                  every: int | None = None, per_step_files: bool = False, optimizer: Any = None,
-                 observer: StepObserver | None = None) -> None:
+                 observer: StepObserver | None = None, step_on: StepOn = "optimizer") -> None:
+        if step_on not in STEP_ON:
+            raise TraceError(f"step_on must be one of {', '.join(map(repr, STEP_ON))}, got {step_on!r}")
+        if step_on == "backward" and optimizer is not None:
+            raise TraceError("optimizer= picks which optimizer's steps count: it has no meaning with step_on='backward'")
         self.selection = StepSelection.parse(steps, every)
         self.recorder = StepRecorder(options, per_step_files=per_step_files, observer=observer)
         self.optimizer = optimizer
+        self.step_on = step_on
         self.step = 0  # the step running now
         self.manual = False  # the user marks boundaries with tracer.step(); optimizer steps don't count
+        self.hint: str | None = None  # said when the block ends: how the steps could have been counted
         self._owner: int | None = None
         self._hook: Any = None
+        self._backward_ends: BackwardEnds | None = None
 
     def __enter__(self) -> StepTrace:
         global _ACTIVE
@@ -325,9 +335,14 @@ class StepTrace(StepResults):
         self._owner = threading.get_ident()
         self.step = 0
         self.manual = False
+        self.hint = None
         _ACTIVE = self
-        self._hook = register_optimizer_step_post_hook(self._on_optimizer_step)
         try:
+            if self.step_on == "optimizer":
+                self._hook = register_optimizer_step_post_hook(self._on_optimizer_step)
+            else:
+                self._backward_ends = BackwardEnds(self._on_backward_end, self._owner)
+                self._backward_ends.install()
             if 0 in self.selection:
                 self.recorder.begin(0)
         except BaseException:
@@ -340,16 +355,30 @@ class StepTrace(StepResults):
         if isinstance(exc, SystemExit) and exc.code in (None, 0):
             exc = None  # sys.exit(0) is how scripts end, not a failure of the step
         try:
-            self.recorder.end(exc, completed=False)
+            last = self.recorder.end(exc, completed=False)
         finally:
             self._release()
+        self._say_how_steps_count(last)
         return False
+
+    def _say_how_steps_count(self, last: Trace | None) -> None:
+        """A loop whose optimizer never stepped ran entirely as step 0: say how to count its steps."""
+        if self.step_on != "optimizer" or self.manual or self.step != 0 or last is None \
+                or len(last.backward_runs) < 2:
+            return
+        self.hint = (f"no optimizer.step() ran, so the whole block was step 0 ({len(last.backward_runs)} backward "
+                     "runs): to end a step at each backward pass, give step_on='backward' (gradtrace run "
+                     "--step-on backward), or mark steps with tracer.step()")
+        warnings.warn(f"gradtrace: {self.hint}", RuntimeWarning, stacklevel=3)
 
     def _release(self) -> None:
         global _ACTIVE
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        if self._backward_ends is not None:
+            self._backward_ends.remove()
+            self._backward_ends = None
         if _ACTIVE is self:
             _ACTIVE = None
 
@@ -361,6 +390,10 @@ class StepTrace(StepResults):
                 and getattr(self.optimizer, "optimizer", None) is not optimizer:
             return
         self._boundary(self.step + 1)
+
+    def _on_backward_end(self) -> None:
+        if not self.manual:
+            self._boundary(self.step + 1)
 
     def mark(self, n: int | None = None) -> None:
         """A step boundary set by the user (``tracer.step``); from then on optimizer steps don't count."""

@@ -92,6 +92,11 @@ class RecordingMode(TorchFunctionMode):
             out = func(*args, **kwargs)
             rec.data_alias(args[0], out)
             return out
+        if kind == "grad_alias":
+            out = func(*args, **kwargs)
+            if out is not None:
+                rec.grad_alias(args[0], out)
+            return out
         if kind == "set_data":
             return rec.record_set_data(func, api, short, args, kwargs, writes)
         if kind == "collective":

@@ -27,7 +27,7 @@ NOISE = frozenset({
     "__sizeof__", "_fix_weakref", "is_same_size",
 })
 # Properties that are real tensor operations (a transpose, a real/imag view) stay recorded;
-# every other property read (.shape, .grad, .device, ...) is noise but .data (see _describe).
+# every other property read (.shape, .device, ...) is noise but .data and .grad (see _describe).
 TENSOR_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
 # The API name of an assignment to ``Tensor.data``.
 SET_DATA_API = "Tensor.data="
@@ -58,7 +58,7 @@ def _describe(func: Any) -> tuple[str, str, str]:
     """(qualified API name, short name for counters, kind) for a function the mode saw.
 
     kind is ``op``, ``custom_op``, ``collective``, ``backward``, ``hook``, ``retain``,
-    ``data_alias``, ``set_data`` or ``skip``.
+    ``data_alias``, ``grad_alias``, ``set_data`` or ``skip``.
     """
     # Property access arrives as the descriptor's bound __get__/__set__.
     name = getattr(func, "__name__", "")
@@ -71,6 +71,10 @@ def _describe(func: Any) -> tuple[str, str, str]:
             # ``t.data``: a new tensor object on t's bytes with a version counter of its own;
             # it takes t's name (tracer.record.state.name_data_alias).
             return "Tensor.data", "data", "data_alias"
+        if name == "__get__" and prop == "grad":
+            # ``p.grad`` read before anything in the block named it (a block that starts after a
+            # backward: clipping, a hand-written update): it is named ``<param>@grad``.
+            return "Tensor.grad", "grad", "grad_alias"
         if name == "__set__" and prop == "data":
             # ``t.data = v`` (Module.to/.half/.float, vector_to_parameters): ``t`` shows v's
             # bytes from now on while its version counter stays, so no version tells it.

@@ -226,6 +226,12 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin):
             with self.lock, torch._C.DisableTorchFunction():
                 self.name_data_alias(source, alias)
 
+    def grad_alias(self, param: Any, grad: Any) -> None:
+        """``param.grad`` returned ``grad`` (see ``name_grad_alias``)."""
+        if self._tensor_names.get(grad) is None and isinstance(param, torch.Tensor):  # (usually named)
+            with self.lock, torch._C.DisableTorchFunction():
+                self.name_grad_alias(param, grad)
+
     def record_set_data(self, func: Any, api: str, short: str, args: tuple[Any, ...], kwargs: dict[str, Any],
                         writes: Writes | None) -> Any:
         """``t.data = v``: from now on ``t`` shows ``v``'s bytes, its version counter unchanged

@@ -394,6 +394,21 @@ class RecorderState:
             refs.append(weakref.ref(source))
         refs.append(weakref.ref(alias))
 
+    def name_grad_alias(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """``param.grad`` returned ``grad``, a tensor the trace has not named: the gradient left
+        from before the block (a block that starts after a backward pass: clipping, a
+        hand-written update, a step that ends at each backward). A parameter's (its model named
+        first if need be) is named ``<param>@grad``, as the backward would have named it. Not
+        during a backward run: there the accumulators' hooks name what ``.grad`` becomes (a
+        post-accumulate hook reads it before they run)."""
+        if grad in self._named or type(param) is not torch.nn.Parameter or self._in_backward:
+            return
+        named = self._named.get(param)
+        if named is None and self._name_model_of(param):
+            named = self._named.get(param)
+        if named is not None and named[1] == "param":
+            self._named[grad] = (f"{named[0]}@grad", "grad")
+
     def _name_model_of(self, p: torch.Tensor) -> bool:
         """A parameter met before any module of its model ran in the block (outside any module
         call): name that model's modules, parameters and buffers now, as if it had been called
