@@ -138,3 +138,26 @@ def test_gradtrace_run_step_on_backward(tmp_path, monkeypatch, capsys) -> None:
     steps = load_steps(os.path.join(tmp_path, "m.gtrace"))
     assert sorted(steps) == [1, 3]
     assert steps[3].calls[0].inputs == ["weight", "weight@grad"]  # the update from pass 2's gradient
+
+
+def test_zero_grad_at_the_top_of_a_block_looks_for_no_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``zero_grad()`` reads every ``.grad`` and uses none: no search of the live objects for the
+    parameters' model (~100 ms beside GPT-2 small) until a call uses such a gradient."""
+    from tracer.record import owners
+
+    searches: list[int] = []
+    search = owners._search_all
+    monkeypatch.setattr(owners, "_search_all", lambda: searches.append(1) or search())
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(5, 4)
+    model(x).sum().backward()
+    with tracer.trace(hash="none") as t:
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+    assert searches == [] and not any(n.startswith("input") and n != "input0" for n in t.tensors)
+    model(x).sum().backward()
+    with tracer.trace(hash="none") as t:
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # uses them before the model runs
+    assert searches == [1] and t.calls[0].inputs == ["0.weight@grad", "0.bias@grad", "2.weight@grad", "2.bias@grad"]

@@ -106,6 +106,9 @@ class RecorderState:
         self._tensor_names: IdWeakMap[tuple[str, int]] = IdWeakMap()  # tensor -> (name, version)
         self._interned: dict[tuple[int, ...], tuple[int, ...]] = {}  # shapes and strides of records
         self._named: IdWeakMap[tuple[str, Role]] = IdWeakMap()  # param/buffer/state -> (name, role)
+        # A .grad from before the block read before its parameter was named -> that parameter
+        # (see name_grad_alias): named when a call first uses it.
+        self._grad_owners: IdWeakMap[torch.Tensor] = IdWeakMap()
         self._module_paths: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
         self._module_stack: list[str] = []
         self._scope_frames: list[FrameType | None] = []  # per _module_stack entry, see _module_pre
@@ -365,6 +368,10 @@ class RecorderState:
                 return alias
         if type(t) is torch.nn.Parameter and self._name_model_of(t):
             return self._name_at(t, version)
+        if len(self._grad_owners):
+            owner = self._grad_owners.get(t)
+            if owner is not None and self._name_grad_of(owner, t):
+                return self._name_at(t, version)
         self._inputs += 1
         name = self._new_tensor(t, f"input{self._inputs - 1}", "input", None)
         if self._in_backward and self._unhooked:
@@ -397,17 +404,30 @@ class RecorderState:
     def name_grad_alias(self, param: torch.Tensor, grad: torch.Tensor) -> None:
         """``param.grad`` returned ``grad``, a tensor the trace has not named: the gradient left
         from before the block (a block that starts after a backward pass: clipping, a
-        hand-written update, a step that ends at each backward). A parameter's (its model named
-        first if need be) is named ``<param>@grad``, as the backward would have named it. Not
-        during a backward run: there the accumulators' hooks name what ``.grad`` becomes (a
+        hand-written update, a step that ends at each backward). A parameter's is named
+        ``<param>@grad``, as the backward would have named it: now when the parameter has its
+        name, else when a call first uses the gradient (``_name_at``: its model is found then;
+        ``zero_grad()`` at the top of a block reads every ``.grad`` and uses none). Not during a
+        backward run: there the accumulators' hooks name what ``.grad`` becomes (a
         post-accumulate hook reads it before they run)."""
         if grad in self._named or type(param) is not torch.nn.Parameter or self._in_backward:
             return
         named = self._named.get(param)
-        if named is None and self._name_model_of(param):
-            named = self._named.get(param)
-        if named is not None and named[1] == "param":
+        if named is None:
+            self._grad_owners[grad] = param
+        elif named[1] == "param":
             self._named[grad] = (f"{named[0]}@grad", "grad")
+
+    def _name_grad_of(self, owner: torch.Tensor, grad: torch.Tensor) -> bool:
+        """Name ``grad`` after the parameter ``owner`` whose ``.grad`` it was read as (its model
+        named first if need be); whether it has a name to take now."""
+        named = self._named.get(owner)
+        if named is None and self._name_model_of(owner):
+            named = self._named.get(owner)
+        if named is None or named[1] != "param":
+            return False
+        self._named[grad] = (f"{named[0]}@grad", "grad")
+        return True
 
     def _name_model_of(self, p: torch.Tensor) -> bool:
         """A parameter met before any module of its model ran in the block (outside any module
