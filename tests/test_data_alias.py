@@ -105,3 +105,27 @@ def test_moving_a_model_to_where_it_is_records_nothing() -> None:
         m(x).sum().backward()
     assert not any(c.api == "Tensor.data=" for c in t.calls)
     assert _call(t, "linear0").inputs == ["input0", "0.weight", "0.bias"]
+
+
+def test_a_write_through_the_data_of_a_parameter_no_module_holds() -> None:
+    w = torch.nn.Parameter(torch.randn(3))
+    with tracer.trace(hash="md5") as t:
+        w.data.mul_(2)
+        y = w * 3
+    write, use = _call(t, "mul_0"), _call(t, "mul0")
+    assert write.outputs == [f"{write.inputs[0]}@v1"] and use.inputs == write.outputs
+    assert t.tensors[write.outputs[0]].md5 == _md5(w) and t.tensors["mul0:out"].md5 == _md5(y)
+
+
+def test_reading_data_for_its_dtype_looks_for_no_model(monkeypatch) -> None:
+    from tracer.record import owners
+
+    searches: list[int] = []
+    search = owners._search_all
+    monkeypatch.setattr(owners, "_search_all", lambda: searches.append(1) or search())
+    m, x = _mlp(), torch.randn(3, 4)
+    with tracer.trace(hash="md5") as t:
+        dtypes = {p.data.dtype for p in m.parameters()}
+        m(x).sum().backward()
+    assert dtypes == {torch.float32} and searches == []
+    assert _call(t, "linear0").inputs == ["input0", "0.weight", "0.bias"]

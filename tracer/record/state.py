@@ -106,9 +106,9 @@ class RecorderState:
         self._tensor_names: IdWeakMap[tuple[str, int]] = IdWeakMap()  # tensor -> (name, version)
         self._interned: dict[tuple[int, ...], tuple[int, ...]] = {}  # shapes and strides of records
         self._named: IdWeakMap[tuple[str, Role]] = IdWeakMap()  # param/buffer/state -> (name, role)
-        # A .grad from before the block read before its parameter was named -> that parameter
-        # (see name_grad_alias): named when a call first uses it.
-        self._grad_owners: IdWeakMap[torch.Tensor] = IdWeakMap()
+        # What p.grad or p.data returned before the parameter p was named -> (p, "grad"/"data"):
+        # named when a call first uses it (see name_grad_alias, name_data_alias).
+        self._read_before_named: IdWeakMap[tuple[torch.Tensor, str]] = IdWeakMap()
         self._module_paths: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
         self._module_stack: list[str] = []
         self._scope_frames: list[FrameType | None] = []  # per _module_stack entry, see _module_pre
@@ -368,9 +368,9 @@ class RecorderState:
                 return alias
         if type(t) is torch.nn.Parameter and self._name_model_of(t):
             return self._name_at(t, version)
-        if len(self._grad_owners):
-            owner = self._grad_owners.get(t)
-            if owner is not None and self._name_grad_of(owner, t):
+        if len(self._read_before_named):
+            read = self._read_before_named.get(t)
+            if read is not None and self._name_read_before(t, *read):
                 return self._name_at(t, version)
         self._inputs += 1
         name = self._new_tensor(t, f"input{self._inputs - 1}", "input", None)
@@ -382,13 +382,19 @@ class RecorderState:
     def name_data_alias(self, source: torch.Tensor, alias: torch.Tensor) -> None:
         """``source.data`` returned ``alias``: a new tensor object on the same bytes, seen the same
         way, with a version counter of its own (a write through it bumps no version of
-        ``source``). It takes ``source``'s name now, and both are indexed by their storage, so a
+        ``source``). It takes ``source``'s name, and both are indexed by their storage, so a
         write through either (``p.data.clamp_()`` before the model runs, ``y.data.mul_(2)``) is
-        a new version of the value both show. Only a tensor the trace knows, or a parameter:
-        ``.data`` of any other tensor leaves it unnamed (and costs nothing) until a call uses it."""
-        if self._tensor_names.get(source) is None and source not in self._named \
-                and type(source) is not torch.nn.Parameter:
-            return
+        a new version of the value both show. A tensor the trace knows gives its name now; a
+        parameter not named yet, when a call first uses ``alias`` (``_name_read_before``: its
+        model is looked for then, not for a read that only asks for a dtype). ``.data`` of any
+        other tensor leaves it unnamed (and costs nothing) until a call uses it."""
+        if self._tensor_names.get(source) is not None or source in self._named:
+            self._take_name_of(source, alias)
+        elif type(source) is torch.nn.Parameter:
+            self._read_before_named[alias] = (source, "data")
+
+    def _take_name_of(self, source: torch.Tensor, alias: torch.Tensor) -> None:
+        """``alias`` (``source.data``) takes ``source``'s current name; both indexed by storage."""
         name = self._name_at(source, version_of(source))
         self._tensor_names[alias] = (name, version_of(alias))
         key = storage_key(source)
@@ -406,27 +412,31 @@ class RecorderState:
         from before the block (a block that starts after a backward pass: clipping, a
         hand-written update, a step that ends at each backward). A parameter's is named
         ``<param>@grad``, as the backward would have named it: now when the parameter has its
-        name, else when a call first uses the gradient (``_name_at``: its model is found then;
-        ``zero_grad()`` at the top of a block reads every ``.grad`` and uses none). Not during a
-        backward run: there the accumulators' hooks name what ``.grad`` becomes (a
-        post-accumulate hook reads it before they run)."""
+        name, else when a call first uses the gradient (``_name_read_before``: its model is
+        looked for then; ``zero_grad()`` at the top of a block reads every ``.grad`` and uses
+        none). Not during a backward run: there the accumulators' hooks name what ``.grad``
+        becomes (a post-accumulate hook reads it before they run)."""
         if grad in self._named or type(param) is not torch.nn.Parameter or self._in_backward:
             return
         named = self._named.get(param)
         if named is None:
-            self._grad_owners[grad] = param
+            self._read_before_named[grad] = (param, "grad")
         elif named[1] == "param":
             self._named[grad] = (f"{named[0]}@grad", "grad")
 
-    def _name_grad_of(self, owner: torch.Tensor, grad: torch.Tensor) -> bool:
-        """Name ``grad`` after the parameter ``owner`` whose ``.grad`` it was read as (its model
-        named first if need be); whether it has a name to take now."""
+    def _name_read_before(self, t: torch.Tensor, owner: torch.Tensor, how: str) -> bool:
+        """Name ``t``, read as ``owner.data`` or ``owner.grad`` before ``owner`` (a parameter)
+        had a name, now that a call uses it: ``owner``'s model named first if need be. Whether
+        ``t`` has a name to take now."""
+        if owner not in self._named and self._tensor_names.get(owner) is None:
+            self._name_model_of(owner)
+        if how == "data":  # (a parameter no module holds: the alias shares its input<k> name)
+            self._take_name_of(owner, t)
+            return True
         named = self._named.get(owner)
-        if named is None and self._name_model_of(owner):
-            named = self._named.get(owner)
         if named is None or named[1] != "param":
             return False
-        self._named[grad] = (f"{named[0]}@grad", "grad")
+        self._named[t] = (f"{named[0]}@grad", "grad")
         return True
 
     def _name_model_of(self, p: torch.Tensor) -> bool:
