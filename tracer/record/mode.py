@@ -75,9 +75,21 @@ class RecordingMode(TorchFunctionMode):
         except TypeError:  # an unhashable callable
             hit = None
         api, short, kind, writes = hit if hit is not None else rec.api.describe(func)
-        if rec.open_step is not None and kind != "skip" and not rec.step_running():
+        if kind == "skip":
+            return func(*args, **kwargs)
+        if kind == "grad_alias" or kind == "data_alias":
+            # p.grad / p.data: read by the hundred inside optimizer steps (paused: nothing to
+            # do), so before the open step's frame test below, which every op inside it pays.
+            out = func(*args, **kwargs)
+            if out is not None and not (rec.paused or rec.stopped):
+                if kind == "grad_alias":
+                    rec.grad_alias(args[0], out)
+                else:
+                    rec.data_alias(args[0], out)
+            return out
+        if rec.open_step is not None and not rec.step_running():
             rec.close_step("optimizer.step() raised; its changes up to there are recorded")
-        if kind == "skip" or rec.paused or rec.stopped:
+        if rec.paused or rec.stopped:
             return func(*args, **kwargs)
         if kind == "backward":
             return rec.record_backward(func, api, args, kwargs)
@@ -87,15 +99,6 @@ class RecordingMode(TorchFunctionMode):
         if kind == "retain":
             out = func(*args, **kwargs)
             rec.grad_retained(args[0])
-            return out
-        if kind == "data_alias":
-            out = func(*args, **kwargs)
-            rec.data_alias(args[0], out)
-            return out
-        if kind == "grad_alias":
-            out = func(*args, **kwargs)
-            if out is not None:
-                rec.grad_alias(args[0], out)
             return out
         if kind == "set_data":
             return rec.record_set_data(func, api, short, args, kwargs, writes)
