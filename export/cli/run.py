@@ -230,7 +230,7 @@ def run_command(args: argparse.Namespace) -> int:
     # The step trace's hint that no optimizer stepped is said once, by _conclude, as a plain line.
     warnings.filterwarnings("ignore", message=r"gradtrace: no optimizer\.step\(\) ran", category=RuntimeWarning)
     code = execute(program, st)
-    _conclude(st, program, args, progress)
+    _conclude(st, program, args, progress, code)
     return code
 
 
@@ -259,13 +259,15 @@ def _run_watched(program: Program, args: argparse.Namespace) -> int:
     return code
 
 
-def _conclude(st: StepTrace, program: Program, args: argparse.Namespace, progress: StepObserver) -> None:
-    """Say what was written and what to run next (stderr: the program's stdout stays its own)."""
+def _conclude(st: StepTrace, program: Program, args: argparse.Namespace, progress: StepObserver,
+              code: int) -> None:
+    """Say what was written and what to run next (stderr: the program's stdout stays its own).
+    ``code``: the program's exit status (a program that failed gets no hint on counting steps)."""
     err = sys.stderr
     name = program.target
     if not st.steps:
         hint = "; no optimizer.step() ran: --step-on backward counts backward passes" \
-            if st.step == 0 and st.step_on == "optimizer" else ""
+            if st.step == 0 and st.step_on == "optimizer" and code == 0 else ""
         print(f"gradtrace: no step of {name} was traced (chosen: {st.selection}; the program reached "
               f"step {st.step}{hint})", file=err)
         return
