@@ -277,6 +277,26 @@ def test_past_the_budget_the_page_keeps_a_prefix_of_calls_and_says_so(step: trac
         render(step, max_bytes=10_000)
 
 
+def test_a_trace_far_past_the_budget_is_never_built_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kept prefix grows from 1,024 calls and is then bisected to within 2%: the page of
+    the whole trace (the costliest build) is not made when a prefix already overflows."""
+    from export.html import page as page_module
+
+    x = torch.ones(3)
+    with tracer.trace(hash="none", stacks=False) as t:
+        for _ in range(6000):
+            x = x + 1
+    whole = len(render(t).encode())
+    built: list[int] = []
+    real = page_module.build_payload
+    monkeypatch.setattr(page_module, "build_payload", lambda tr: built.append(len(tr.calls)) or real(tr))
+    budget = whole // 3
+    page = render(t, max_bytes=budget)
+    kept = len(rows(embedded(page)["calls"]))
+    assert len(page.encode()) <= budget and 1024 < kept < 6000
+    assert max(built) < 6000 and len(built) <= 12
+
+
 # ---- CLI and notebook -----------------------------------------------------------------------------
 def test_cli_report_writes_beside_the_trace_and_prints_the_size(step: tracer.Trace, tmp_path: Path, capsys) -> None:
     trace_path = tmp_path / "step.gtrace"

@@ -54,28 +54,57 @@ def render(trace: Trace, *, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
     return _render(trace, max_bytes)[0]
 
 
+# A page is first tried with this many calls; a prefix that fits grows four-fold from there.
+FIRST_PREFIX = 1024
+
+
 def _render(trace: Trace, max_bytes: int) -> tuple[str, dict[str, Any] | None]:
-    """The page and, when the budget cut it, what was left out."""
+    """The page and, when the budget cut it, what was left out.
+
+    Past the budget the page keeps the longest prefix of calls that fits, to within 2% (or 8
+    calls): the prefix grows four-fold from ``FIRST_PREFIX`` calls until a page is too big, then
+    a binary search on the page size. A trace far past the budget (a million tensor values) is
+    never built whole: each page costs a build, and the whole one dominated (17 builds, 130 s
+    for a trace of 72,000 calls)."""
     model = trace.modules.get("", "")
     memory = ((memory_svg(trace) or "") + memory_tables(trace)) or None
-    page = _assemble(build_payload(trace), model, memory)
-    if len(page.encode("utf-8")) <= max_bytes:
-        return page, None
-    # Too big: keep the longest prefix of calls that fits (binary search on the page size).
-    lo, hi, best = 0, len(trace.calls) - 1, None
-    while lo <= hi:
+    n = len(trace.calls)
+
+    def cut_page(k: int) -> tuple[str, dict[str, Any]]:
+        payload = build_payload(_first_calls(trace, k))
+        payload["omitted"] = _omitted(trace, k, max_bytes)
+        return _assemble(payload, model, memory), payload["omitted"]
+
+    def fits(page: str) -> bool:
+        return len(page.encode("utf-8")) <= max_bytes
+
+    best: tuple[int, str, dict[str, Any]] | None = None  # the longest prefix known to fit
+    k = FIRST_PREFIX
+    while True:
+        if k >= n:
+            page = _assemble(build_payload(trace), model, memory)
+            if fits(page):
+                return page, None
+            hi = n - 1
+            break
+        page, omitted = cut_page(k)
+        if not fits(page):
+            hi = k - 1
+            break
+        best = (k, page, omitted)
+        k *= 4
+    lo = best[0] + 1 if best is not None else 0
+    while lo <= hi and (best is None or hi - best[0] > max(8, best[0] // 50)):
         mid = (lo + hi) // 2
-        payload = build_payload(_first_calls(trace, mid))
-        payload["omitted"] = _omitted(trace, mid, max_bytes)
-        candidate = _assemble(payload, model, memory)
-        if len(candidate.encode("utf-8")) <= max_bytes:
-            best, lo = (candidate, payload["omitted"]), mid + 1
+        page, omitted = cut_page(mid)
+        if fits(page):
+            best, lo = (mid, page, omitted), mid + 1
         else:
             hi = mid - 1
     if best is None:
         raise ValueError(f"max_bytes={max_bytes} is too small for the report page itself "
                          f"({len(_assemble(build_payload(Trace()), model).encode('utf-8'))} bytes with no calls)")
-    return best
+    return best[1], best[2]
 
 
 def _omitted(trace: Trace, kept: int, max_bytes: int) -> dict[str, Any]:
