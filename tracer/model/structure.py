@@ -63,7 +63,7 @@ def structure_problems(trace: Trace, *, complete: bool) -> Iterator[str]:
             yield f"call {c.name!r} (seq {c.seq}) has a parent call that began after it ({parent.name!r}, seq {parent.seq})"
             break
 
-    if not complete:
+    if not complete or _every_link_present(trace, calls, nodes, runs):
         return
     tensors = trace.tensors
 
@@ -96,6 +96,40 @@ def structure_problems(trace: Trace, *, complete: bool) -> Iterator[str]:
             yield from missing(where, "grad node", [s.node], is_node)
             yield from missing(where, "gradient", [*s.grads_in, *s.grads_out], is_tensor)
             yield from missing(where, "call", s.calls, is_call)
+
+
+def _every_link_present(trace: Trace, calls: dict[str, Call], nodes: dict[str, GradNode],
+                        runs: dict[str, BackwardRun]) -> bool:
+    """Whether every name a record links to is in the file: the check below in set operations
+    (a million-tensor trace loads seconds sooner); only a trace that fails it is walked record by
+    record, for the first broken link's message."""
+    tensor_refs: set[str | None] = set()
+    node_refs: set[str | None] = set()
+    call_refs: set[str | None] = set()
+    call_or_node: set[str | None] = set()
+    producers: set[str | None] = set()
+    for c in trace.calls:
+        tensor_refs.update(c.inputs, c.outputs, c.mutated)
+        node_refs.update(c.grad_nodes)
+        call_or_node.add(c.parent)
+    for n in trace.grad_nodes:
+        call_refs.add(n.call)
+        node_refs.add(n.parent)
+        node_refs.update(n.next)
+        tensor_refs.add(n.param)
+    for t in trace.tensors.values():
+        producers.add(t.producer)
+        tensor_refs.add(t.previous)
+    for b in trace.backward_runs:
+        tensor_refs.update(b.roots, b.outputs)
+        for s in b.steps:
+            node_refs.add(s.node)
+            tensor_refs.update(s.grads_in, s.grads_out)
+            call_refs.update(s.calls)
+    for refs in (tensor_refs, node_refs, call_refs, call_or_node, producers):
+        refs.discard(None)
+    return not (tensor_refs - trace.tensors.keys() or node_refs - nodes.keys() or call_refs - calls.keys()
+                or call_or_node - calls.keys() - nodes.keys() or producers - calls.keys() - nodes.keys() - runs.keys())
 
 
 def _cycles(what: str, link: str, edges: dict[str, list[str | None]]) -> Iterator[str]:
