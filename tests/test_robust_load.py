@@ -153,6 +153,10 @@ def _header_and(tail: str) -> str:
                  '"stats":[0,1,0.5,1,-1,0]}\n'), "NaN and Inf counts must be integers"),
     (_header_and('{"t":"tensor","name":"a","shape":[-2],"dtype":"f","device":"cpu","role":"output"}\n'),
      "'shape' must be a list of at most 256 integers"),
+    # (a shape equal to one met before, [1, 2], is still checked for JSON's true)
+    (_header_and('{"t":"tensor","name":"a","shape":[1,2],"dtype":"f","device":"cpu","role":"output"}\n'
+                 '{"t":"tensor","name":"b","shape":[true,2],"dtype":"f","device":"cpu","role":"output"}\n'),
+     "'shape' must be a list of at most 256 integers"),
     (_header_and('{"t":"tensor","name":"a","shape":[2],"dtype":"f","device":"cpu","role":"output","producer":7}\n'),
      "'producer' must be a string or null"),
     (_header_and('{"t":"node","name":"n","kind":"K","call":5}\n'), "'call' must be a string or null"),

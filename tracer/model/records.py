@@ -217,9 +217,9 @@ class TensorRecord:
         _require(d, "name", "shape", "dtype", "device", "role")
         stats = d.get("stats")
         rec = cls(
-            name=_str(d, "name"), shape=tuple(_ints(d, "shape")), dtype=_str(d, "dtype"),
-            device=_str(d, "device"), role=_choice(d, "role", ROLES), producer=_opt_str(d, "producer"),
-            stride=None if d.get("stride") is None else tuple(_ints(d, "stride")),
+            name=_str(d, "name"), shape=_dims(d, "shape"), dtype=_shared(_str(d, "dtype")),
+            device=_shared(_str(d, "device")), role=_choice(d, "role", ROLES), producer=_opt_str(d, "producer"),
+            stride=None if d.get("stride") is None else _dims(d, "stride"),
             contiguous=_bool(d, "contiguous", True), requires_grad=_bool(d, "requires_grad", False),
             version=_int(d, "version"), seq=_int(d, "seq"), md5=_opt_hex(d, "md5"),
             fingerprint=_opt_hex(d, "fingerprint"), hash_note=_opt_str(d, "hash_note"),
@@ -460,6 +460,38 @@ def _ints(d: dict[str, Any], key: str) -> list[int]:
         raise TraceFormatError(f"{d.get('t')} record: {key!r} must be a list of at most {MAX_DIMS} "
                                "integers from 0 to 2**63-1")
     return list(v)
+
+
+# Shapes, strides, dtypes and devices repeat across a trace's records: one object per distinct
+# value (a million-tensor trace holds a few hundred), and a shape met before is not checked again
+# element by element. Bounded: a file of distinct values empties them now and then.
+_DIMS: dict[tuple[Any, ...], tuple[int, ...]] = {}
+_SHARED: dict[str, str] = {}
+_MAX_SHARED = 8192
+
+
+def _dims(d: dict[str, Any], key: str) -> tuple[int, ...]:
+    """``_ints`` as a tuple, the one object of its value."""
+    v = d[key]
+    if type(v) is list and len(v) <= MAX_DIMS:
+        try:
+            known = _DIMS.get(tuple(v))
+        except TypeError:  # an unhashable element: _ints says what is wrong
+            known = None
+        # Equal to a checked shape: the same ints, unless some are JSON's true and false (1, 0).
+        if known is not None and (not v or set(map(type, v)) == {int}):
+            return known
+    dims = tuple(_ints(d, key))
+    if len(_DIMS) >= _MAX_SHARED:
+        _DIMS.clear()
+    return _DIMS.setdefault(dims, dims)
+
+
+def _shared(v: str) -> str:
+    """The one object of a string value many records hold (a dtype, a device)."""
+    if len(_SHARED) >= _MAX_SHARED:
+        _SHARED.clear()
+    return _SHARED.setdefault(v, v)
 
 
 def _int(d: dict[str, Any], key: str, default: int = 0) -> int:
