@@ -10,9 +10,10 @@
 Step boundaries come from PyTorch's global optimizer step post-hook: the first
 ``optimizer.step()`` ends step 0, so step N is everything from the end of step N-1's
 ``optimizer.step()`` to the end of step N's. Loops without an optimizer count backward passes
-(``step_on="backward"``: tracer.loops.backward_ends) or mark boundaries with ``tracer.step()``. Between chosen steps only that one global
-hook is installed: no mode, no module hooks, no ``Function.apply`` wrapper, so untraced steps
-run at plain speed (``benchmarks/untraced_steps.py`` measures it).
+(``step_on="backward"``: tracer.loops.backward_ends) or mark boundaries with ``tracer.step()``.
+Between chosen steps only that one global hook (or the two backward wrappers) is installed: no
+mode, no module hooks, no ``Function.apply`` wrapper, so untraced steps run at plain speed
+(``benchmarks/untraced_steps.py`` measures it).
 
 Each chosen step is a complete trace whose header carries ``"step": N``. With ``out=`` the steps
 are streamed one after another into that file (``tracer.load(path, step=N)`` and
