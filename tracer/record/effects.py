@@ -65,6 +65,10 @@ def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], i: int, name: str, defau
     return args[i] if len(args) > i else kwargs.get(name, default)
 
 
+# The API name of an assignment to ``Tensor.data`` (``t.data = v``: ``t`` gets v's bytes while its
+# version counter stays): a call that writes ``t`` and no tensor sharing t's old bytes.
+SET_DATA_API = "Tensor.data="
+
 # Ops that update running statistics without their schema saying so (Python-level signatures:
 # the positions of running_mean/running_var and of the flag that makes them update).
 _HIDDEN: dict[str, Writes] = {
@@ -78,8 +82,7 @@ _HIDDEN: dict[str, Writes] = {
                                                 lambda a, k: bool(_arg(a, k, 5, "use_input_stats", True))),
     "torch.instance_norm": Writes((3, 4), frozenset({"running_mean", "running_var"}),
                                   lambda a, k: bool(_arg(a, k, 5, "use_input_stats", True))),
-    # ``t.data = v`` gives ``t`` new bytes (tracer.record.naming.SET_DATA_API).
-    "Tensor.data=": Writes((0,)),
+    SET_DATA_API: Writes((0,)),
 }
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from tracer.record.effects import Writes, op_writes
+from tracer.record.effects import SET_DATA_API, Writes, op_writes
 
 # Tensor methods and torch functions that only read metadata or convert to Python: never
 # recorded (they make no tensor). The general rule in the recorder also drops any call that
@@ -29,8 +29,6 @@ NOISE = frozenset({
 # Properties that are real tensor operations (a transpose, a real/imag view) stay recorded;
 # every other property read (.shape, .device, ...) is noise but .data and .grad (see _describe).
 TENSOR_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
-# The API name of an assignment to ``Tensor.data``.
-SET_DATA_API = "Tensor.data="
 BACKWARD_APIS = frozenset({"Tensor.backward", "torch.autograd.backward", "torch.autograd.grad"})
 
 _MODULE_ALIASES = {

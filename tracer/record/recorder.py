@@ -40,7 +40,7 @@ from tracer.record.autograd import AutogradMixin
 from tracer.record.calls import CAPTURE_NOW, PendingCall
 from tracer.record.checksums.hasher import BATCH_MIN, Hasher
 from tracer.record.compiled_functions import CompiledFunctionWatch
-from tracer.record.effects import UNINITIALISED, Writes
+from tracer.record.effects import SET_DATA_API, UNINITIALISED, Writes
 from tracer.record.engine import install_engine_wrapper, uninstall_engine_wrapper
 from tracer.record.functions import (
     FunctionsMixin,
@@ -302,7 +302,7 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin):
                                                like=old_rec if same_meta else None)
                         names_of[identity(t)] = new
                         mutated_names[j] = new
-                    if api == naming.SET_DATA_API:
+                    if api == SET_DATA_API:
                         # Its new bytes are the value's; no other tensor's bytes changed.
                         self._index_alias(mutated[0])
                     else:
