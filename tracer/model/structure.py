@@ -18,7 +18,8 @@ make it guess. ``check_structure`` refuses such a file with one line:
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 from tracer.model.records import BackwardRun, Call, GradNode, TraceFormatError
 from tracer.model.trace import Trace
@@ -63,73 +64,60 @@ def structure_problems(trace: Trace, *, complete: bool) -> Iterator[str]:
             yield f"call {c.name!r} (seq {c.seq}) has a parent call that began after it ({parent.name!r}, seq {parent.seq})"
             break
 
-    if not complete or _every_link_present(trace, calls, nodes, runs):
+    if not complete:
         return
-    tensors = trace.tensors
+    tables: dict[str, Any] = {"call": calls, "node": nodes, "run": runs, "tensor": trace.tensors}
+    # Every name in one set per kind of target first (a million-tensor trace loads seconds
+    # sooner); only a trace with a broken link is walked again, for its first link's message.
+    wanted: dict[tuple[str, ...], set[str | None]] = {}
+    for _, _, _, linked_names, targets in _links(trace):
+        found = wanted.get(targets)
+        if found is None:
+            found = wanted[targets] = set()
+        found.update(linked_names)
+    if not any(_absent(found, targets, tables) for targets, found in wanted.items()):
+        return
+    for owner, name, field, linked_names, targets in _links(trace):
+        for x in linked_names:
+            if x is not None and not any(x in tables[t] for t in targets):
+                yield f"{owner} {name!r}: {field} {x!r} is not in the file"
 
-    def missing(owner: str, field: str, names: Iterable[str | None], *kinds: Callable[[str], bool]) -> Iterator[str]:
-        for name in names:
-            if name is not None and not any(k(name) for k in kinds):
-                yield f"{owner}: {field} {name!r} is not in the file"
 
-    is_call, is_node, is_run = calls.__contains__, nodes.__contains__, runs.__contains__
-    is_tensor = tensors.__contains__
+# What a link may point to: one or more of the tables of calls, grad nodes, runs and tensors.
+_CALL, _NODE, _TENSOR = ("call",), ("node",), ("tensor",)
+_CALL_OR_NODE, _PRODUCER = ("call", "node"), ("call", "node", "run")
+Link = tuple[str, str, str, Iterable[str | None], tuple[str, ...]]
+
+
+def _links(trace: Trace) -> Iterator[Link]:
+    """Every link of every record: (owner kind, owner name, field, names linked, tables they may
+    be in), in the order a broken one is reported."""
     for c in trace.calls:
-        where = f"call {c.name!r}"
-        yield from missing(where, "parent", [c.parent], is_call, is_node)
-        yield from missing(where, "grad node", c.grad_nodes, is_node)
-        yield from missing(where, "tensor", [*c.inputs, *c.outputs, *c.mutated], is_tensor)
+        yield "call", c.name, "parent", (c.parent,), _CALL_OR_NODE
+        yield "call", c.name, "grad node", c.grad_nodes, _NODE
+        yield "call", c.name, "tensor", (*c.inputs, *c.outputs, *c.mutated), _TENSOR
     for n in trace.grad_nodes:
-        where = f"grad node {n.name!r}"
-        yield from missing(where, "call", [n.call], is_call)
-        yield from missing(where, "parent", [n.parent], is_node)
-        yield from missing(where, "next node", n.next, is_node)
-        yield from missing(where, "param", [n.param], is_tensor)
-    for t in tensors.values():
-        where = f"tensor {t.name!r}"
-        yield from missing(where, "producer", [t.producer], is_call, is_node, is_run)
-        yield from missing(where, "previous", [t.previous], is_tensor)
-    for b in trace.backward_runs:
-        where = f"backward run {b.name!r}"
-        yield from missing(where, "tensor", [*b.roots, *b.outputs], is_tensor)
-        for s in b.steps:
-            yield from missing(where, "grad node", [s.node], is_node)
-            yield from missing(where, "gradient", [*s.grads_in, *s.grads_out], is_tensor)
-            yield from missing(where, "call", s.calls, is_call)
-
-
-def _every_link_present(trace: Trace, calls: dict[str, Call], nodes: dict[str, GradNode],
-                        runs: dict[str, BackwardRun]) -> bool:
-    """Whether every name a record links to is in the file: the check below in set operations
-    (a million-tensor trace loads seconds sooner); only a trace that fails it is walked record by
-    record, for the first broken link's message."""
-    tensor_refs: set[str | None] = set()
-    node_refs: set[str | None] = set()
-    call_refs: set[str | None] = set()
-    call_or_node: set[str | None] = set()
-    producers: set[str | None] = set()
-    for c in trace.calls:
-        tensor_refs.update(c.inputs, c.outputs, c.mutated)
-        node_refs.update(c.grad_nodes)
-        call_or_node.add(c.parent)
-    for n in trace.grad_nodes:
-        call_refs.add(n.call)
-        node_refs.add(n.parent)
-        node_refs.update(n.next)
-        tensor_refs.add(n.param)
+        yield "grad node", n.name, "call", (n.call,), _CALL
+        yield "grad node", n.name, "parent", (n.parent,), _NODE
+        yield "grad node", n.name, "next node", n.next, _NODE
+        yield "grad node", n.name, "param", (n.param,), _TENSOR
     for t in trace.tensors.values():
-        producers.add(t.producer)
-        tensor_refs.add(t.previous)
+        yield "tensor", t.name, "producer", (t.producer,), _PRODUCER
+        yield "tensor", t.name, "previous", (t.previous,), _TENSOR
     for b in trace.backward_runs:
-        tensor_refs.update(b.roots, b.outputs)
+        yield "backward run", b.name, "tensor", (*b.roots, *b.outputs), _TENSOR
         for s in b.steps:
-            node_refs.add(s.node)
-            tensor_refs.update(s.grads_in, s.grads_out)
-            call_refs.update(s.calls)
-    for refs in (tensor_refs, node_refs, call_refs, call_or_node, producers):
-        refs.discard(None)
-    return not (tensor_refs - trace.tensors.keys() or node_refs - nodes.keys() or call_refs - calls.keys()
-                or call_or_node - calls.keys() - nodes.keys() or producers - calls.keys() - nodes.keys() - runs.keys())
+            yield "backward run", b.name, "grad node", (s.node,), _NODE
+            yield "backward run", b.name, "gradient", (*s.grads_in, *s.grads_out), _TENSOR
+            yield "backward run", b.name, "call", s.calls, _CALL
+
+
+def _absent(names: set[str | None], targets: tuple[str, ...], tables: dict[str, Any]) -> bool:
+    """Whether some name of ``names`` is in none of the ``targets`` tables."""
+    rest = names - {None}
+    for t in targets:
+        rest -= tables[t].keys()
+    return bool(rest)
 
 
 def _cycles(what: str, link: str, edges: dict[str, list[str | None]]) -> Iterator[str]:
