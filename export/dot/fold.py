@@ -394,7 +394,11 @@ class _Builder:
         return lines
 
     def target(self, call_name: str) -> str:
-        return self.ids[self.call_key[call_name]]
+        """The drawn node of a call, made now if its section comes later: a backward call's
+        output read by a forward call (a gradient a backward hook kept, a parameter an
+        optimizer stepped inside a post-accumulate-grad hook)."""
+        nid = self.ids.get(self.call_key[call_name])
+        return nid if nid is not None else self.node_for_call(self.calls[call_name])
 
     def node_for_source(self, sec: str, name: str) -> str:
         rname = self.rep.tensor(name)

@@ -718,7 +718,7 @@ class AutogradMixin(LeafGradsMixin):
             seq0 = self._bwd_seq0[1]  # (on an engine thread of its own: no lower bound)
         seq1 = get_seq() if get_seq is not None and seq0 is not None else None
         names: list[str] = []
-        local_kinds: dict[str, int] = {}
+        local_kinds = self._adopted_kinds.setdefault(parent, {})
         for g in grads:
             gf = grad_fn_of(g) if isinstance(g, torch.Tensor) else None
             if gf is None or type(gf).__name__ == ACCUMULATE or self._node_name(gf) is not None:

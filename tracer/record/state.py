@@ -137,6 +137,9 @@ class RecorderState:
         # A backward run with create_graph=True makes grad nodes while it runs; those are
         # adopted by the node that made them (see _adopt_nodes).
         self._create_graph = False
+        # Per adopting node, how many nodes of each class it adopted: a node that runs in
+        # several backward runs (autograd.functional.hvp) continues its numbering (#1, #2...).
+        self._adopted_kinds: dict[str, dict[str, int]] = {}
         self._bwd_seq0: tuple[int, int] | None = None  # (thread, sequence number) at its start
         self._reads_queued: object = None  # the backward run whose final reading is queued
         self._edges: dict[str, tuple[tuple[str | None, int], ...]] = {}  # node -> (dest node, slot) per output
