@@ -138,7 +138,7 @@ def test_a_grad_from_before_is_named_only_where_its_accumulator_runs() -> None:
         other(_x()).sum()  # its accumulators known to the trace, never run
         model(_x()).sum().backward()
     assert sorted(n for n in t.tensors if n.endswith("@grad@v0")) == [
-        f"Sequential.{p}@grad@v0" for p in ("0.bias", "0.weight", "2.bias", "2.weight")]
+        f"model.{p}@grad@v0" for p in ("0.bias", "0.weight", "2.bias", "2.weight")]
     assert {"weight", "bias"} <= set(t.tensors)  # other's parameters, their .grad unnamed
 
 

@@ -277,7 +277,7 @@ def test_two_optimizers_make_two_calls_each_with_its_own_parameters() -> None:
         opt_g.step()
     steps = [c for c in t.calls if c.kind == "optimizer"]
     assert [c.name for c in steps] == ["Adam0", "SGD0"]
-    assert steps[0].mutated == ["Linear.weight@v1", "Linear.bias@v1"]  # disc: the second root module
+    assert steps[0].mutated == ["disc.weight@v1", "disc.bias@v1"]  # disc: the second root module, by its name
     assert steps[1].mutated == ["weight@v1", "bias@v1"]  # gen: the first root module
 
 

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import sys
 import threading
+from types import FrameType
 from typing import Any
 
 import torch
 from torch.nn.modules import module as nn_module
 
 from tracer.record.calls import PendingCall
+from tracer.record.module_roots import caller_frame, enclosing_module, name_in_caller
 from tracer.record.opaque import COMPILED_NOTE, ModeOff, OpaqueRegion
 from tracer.record.state import RecorderState
 from tracer.record.tensors import (
@@ -65,7 +67,7 @@ class ModulesMixin(RecorderState):
             return
         path = self._module_paths.get(module)
         if path is None:
-            path = self._register_module(module)
+            path = self._register_module(module, caller_frame(1) if not self._module_stack else None)
         self._module_stack.append(path)
         table = self.stack_table
         if table is not None:
@@ -106,7 +108,9 @@ class ModulesMixin(RecorderState):
         if module not in self._module_paths:
             self._register_module(module)
 
-    def _register_module(self, module: torch.nn.Module) -> str:
+    def _register_module(self, module: torch.nn.Module, caller: FrameType | None = None) -> str:
+        """Name ``module`` (and, for a root, its tree). ``caller``: the user's frame that called
+        a root module, which may say what holds it and what it is called (module_roots)."""
         cls = type(module).__name__
         if self._module_stack:  # a module not reachable from any root seen so far
             parent = self._module_stack[-1]
@@ -114,7 +118,25 @@ class ModulesMixin(RecorderState):
             self._module_paths[module] = path
             self.trace.modules[path] = cls
             return path
-        prefix = "" if "" not in self.trace.modules else cls
+        if caller is not None:
+            # A part of a model called from one of the model's methods (training_step, encode):
+            # the model is the root, and the part keeps its path in it.
+            owner = enclosing_module(caller, module)
+            if owner is not None and owner not in self._module_paths:
+                self._register_root(owner, None)
+                held = self._module_paths.get(module)
+                if held is not None:
+                    return held
+        return self._register_root(module, caller)
+
+    def _register_root(self, module: torch.nn.Module, caller: FrameType | None) -> str:
+        """Name a root module's tree: from ``""`` for the first root (``named_parameters()``'s
+        names), else under the name its caller holds it by, else under its class."""
+        cls = type(module).__name__
+        prefix = ""
+        if "" in self.trace.modules:
+            held_as = name_in_caller(caller, module) if caller is not None else None
+            prefix = held_as if held_as is not None and held_as not in self.trace.modules else cls
         k = 1
         while prefix in self.trace.modules and prefix:
             prefix = f"{cls}#{k}"

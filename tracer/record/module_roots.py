@@ -1,0 +1,78 @@
+"""What the code that calls a root module (a module called while no other module runs) knows
+about it: the module whose method made the call (a LightningModule's ``training_step`` calling
+``self.generator(z)``, a VAE's ``encode`` calling ``self.encoder(x)``), and the name the caller
+holds it by (``D`` in ``D(fake)``, ``self.student`` on a plain trainer object).
+
+Parameters are named by module path from the first root module called, so that a model called
+whole gets ``model.named_parameters()``'s names. A part of a model called on its own would
+otherwise become that root itself (its parameters named as if the part were the model), and a
+second model called in the same block (a GAN's discriminator, a distillation's student) was
+prefixed by its class (``Sequential.0.weight``), which says nothing about which model it is.
+
+Only the caller's own frame is read (one ``f_locals`` read when a root is first met, once per
+trace and model): no search over the live objects."""
+
+from __future__ import annotations
+
+import os
+import sys
+from types import FrameType
+
+import torch
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_MAX_FRAMES = 24  # torch's and gradtrace's frames between the module's call and the hook
+
+
+def caller_frame(depth: int) -> FrameType | None:
+    """The innermost frame from ``depth`` outwards that is neither torch's nor gradtrace's."""
+    try:
+        f: FrameType | None = sys._getframe(depth + 1)
+    except ValueError:
+        return None
+    for _ in range(_MAX_FRAMES):
+        if f is None:
+            return None
+        if not f.f_code.co_filename.startswith((_TORCH_DIR, _OWN_DIR)):
+            return f
+        f = f.f_back
+    return None
+
+
+def _holds(container: torch.nn.Module, module: torch.nn.Module) -> bool:
+    return any(m is module for m in container.modules())
+
+
+def _bound_object(frame: FrameType) -> object:
+    """The object whose method ``frame`` runs: its first parameter (``self``, whatever its name)."""
+    code = frame.f_code
+    return frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
+
+
+def enclosing_module(frame: FrameType, module: torch.nn.Module) -> torch.nn.Module | None:
+    """The module whose method ``frame`` runs, when it holds ``module`` (a part of it called
+    from one of its methods other than ``forward``)."""
+    owner = _bound_object(frame)
+    if isinstance(owner, torch.nn.Module) and owner is not module and _holds(owner, module):
+        return owner
+    return None
+
+
+def name_in_caller(frame: FrameType, module: torch.nn.Module) -> str | None:
+    """The name ``frame`` holds ``module`` by: a local variable, else an attribute of the object
+    whose method it runs (``self.disc``); None when it has none (``make_model()(x)``)."""
+    owner = _bound_object(frame)
+    for name, value in frame.f_locals.items():
+        if value is module and value is not owner and name.isidentifier():
+            return name
+    attrs = getattr(owner, "__dict__", None) if owner is not None else None
+    if isinstance(attrs, dict):
+        for name, value in attrs.items():
+            if value is module and isinstance(name, str) and name.isidentifier():
+                return name
+    if isinstance(owner, torch.nn.Module):
+        for name, value in owner._modules.items():
+            if value is module and name.isidentifier():
+                return name
+    return None
