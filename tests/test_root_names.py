@@ -98,3 +98,31 @@ def test_a_root_with_no_name_or_a_taken_one_is_prefixed_by_its_class() -> None:
         head(model(torch.randn(2, 3)))
     assert t.modules == {"": "Sequential", "head": "Linear", "Linear": "Linear"}
     assert [c.module for c in t.calls if c.api == "torch.nn.functional.linear"] == ["head", "Linear"]
+
+
+def test_a_part_called_through_its_model_or_by_torch_is_named_in_that_model() -> None:
+    from torch.utils.checkpoint import checkpoint_sequential
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.GELU()) for _ in range(4)])
+    x = torch.randn(2, 4, requires_grad=True)
+    with tracer.trace(hash="none") as t:
+        checkpoint_sequential(model, 2, x, use_reentrant=False).sum().backward()  # calls model[0] ... model[3]
+    assert _params(t) == sorted(n for n, _ in model.named_parameters())
+    vae = VAE()
+    with tracer.trace(hash="none") as t:
+        vae.encoder(torch.randn(2, 6))  # no name of its own here: vae holds it
+    assert _params(t) == sorted(n for n, _ in vae.encoder.named_parameters(prefix="encoder"))
+
+
+def test_a_model_called_by_its_own_name_is_the_root_even_inside_an_averaged_copy() -> None:
+    from torch.optim.swa_utils import AveragedModel
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 1))
+    ema = AveragedModel(model)  # holds model as .module
+    with tracer.trace(hash="none") as t:
+        model(torch.randn(2, 3)).sum().backward()
+        ema.update_parameters(model)
+    assert {"0.weight", "2.bias", "0.weight@grad"} <= set(t.tensors)
+    assert t.modules[""] == "Sequential"

@@ -40,6 +40,12 @@ def caller_frame(depth: int) -> FrameType | None:
     return None
 
 
+def _is_module(value: object) -> bool:
+    # type(), not isinstance(): isinstance reads __class__, which some module-level objects
+    # answer with a deprecation warning (see tracer.record.owners).
+    return issubclass(type(value), torch.nn.Module)
+
+
 def _holds(container: torch.nn.Module, module: torch.nn.Module) -> bool:
     return any(m is module for m in container.modules())
 
@@ -51,12 +57,31 @@ def _bound_object(frame: FrameType) -> object:
 
 
 def enclosing_module(frame: FrameType, module: torch.nn.Module) -> torch.nn.Module | None:
-    """The module whose method ``frame`` runs, when it holds ``module`` (a part of it called
-    from one of its methods other than ``forward``)."""
+    """The model ``module`` is a part of, as far as the calling frame shows: the module whose
+    method the frame runs, when it holds ``module`` (``self.encoder(x)`` in a VAE's
+    ``encode``); else, when the frame holds ``module`` by no name of its own
+    (``model.encoder(x)``, ``checkpoint_sequential(model, ...)`` calling ``model[0]``), the
+    smallest module the frame (or the object whose method it runs) holds that contains it. A
+    module the frame calls by a name of its own is a model of its own, even when another one
+    holds it too (an ``AveragedModel`` of it)."""
     owner = _bound_object(frame)
     if isinstance(owner, torch.nn.Module) and owner is not module and _holds(owner, module):
         return owner
-    return None
+    held = list(frame.f_locals.values())
+    attrs = getattr(owner, "__dict__", None) if owner is not None and not _is_module(owner) else None
+    if isinstance(attrs, dict):
+        held += attrs.values()
+    if any(v is module for v in held):
+        return None
+    best: torch.nn.Module | None = None
+    best_size = 0
+    for v in held:
+        if not _is_module(v):
+            continue
+        parts = list(v.modules())
+        if (best is None or len(parts) < best_size) and any(m is module for m in parts):
+            best, best_size = v, len(parts)
+    return best
 
 
 def name_in_caller(frame: FrameType, module: torch.nn.Module) -> str | None:
