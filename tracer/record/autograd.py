@@ -123,6 +123,11 @@ class AutogradMixin(LeafGradsMixin):
         if name is None:
             tname = self._base_name(self.name_of(var))
             name = f"{tname}/AccumulateGrad"
+            if name in self._node_recs:  # a new Parameter in a path's place (module_roots.parameter_path)
+                k = 1
+                while f"{name}#{k}" in self._node_recs:
+                    k += 1
+                name = f"{name}#{k}"
             self._acc_by_var[var] = name
             self._acc_vars[name] = weakref.ref(var)
             self._slot_tensor[(name, 0)] = tname

@@ -46,8 +46,16 @@ def _is_module(value: object) -> bool:
     return issubclass(type(value), torch.nn.Module)
 
 
+def _parts(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """``module.modules()``; none for a module being built or copied (no ``_modules`` yet)."""
+    try:
+        return list(module.modules())
+    except AttributeError:
+        return []
+
+
 def _holds(container: torch.nn.Module, module: torch.nn.Module) -> bool:
-    return any(m is module for m in container.modules())
+    return any(m is module for m in _parts(container))
 
 
 def _bound_object(frame: FrameType) -> object:
@@ -78,7 +86,7 @@ def enclosing_module(frame: FrameType, module: torch.nn.Module) -> torch.nn.Modu
     for v in held:
         if not _is_module(v):
             continue
-        parts = list(v.modules())
+        parts = _parts(v)
         if (best is None or len(parts) < best_size) and any(m is module for m in parts):
             best, best_size = v, len(parts)
     return best
@@ -100,4 +108,12 @@ def name_in_caller(frame: FrameType, module: torch.nn.Module) -> str | None:
         for name, value in owner._modules.items():
             if value is module and name.isidentifier():
                 return name
+    return None
+
+
+def parameter_path(module: torch.nn.Module, prefix: str, p: torch.Tensor) -> str | None:
+    """The path of parameter ``p`` in ``module`` (whose own path is ``prefix``), if it holds it."""
+    for name, q in module.named_parameters(prefix=prefix, remove_duplicate=False):
+        if q is p:
+            return name
     return None

@@ -81,14 +81,17 @@ def _search_all() -> None:
             modules.append(o)
         elif kind == 2:
             parameters.append(o)
+    # A module being built or copied (``copy.deepcopy`` of a model inside the block makes its
+    # objects before their attributes) has no ``_modules`` or ``_parameters`` yet: read through
+    # __dict__, which such a module has, not through Module.__getattr__, which raises.
     parent: dict[int, torch.nn.Module] = {}
     for m in modules:
-        for child in m._modules.values():
+        for child in (vars(m).get("_modules") or {}).values():
             if child is not None and id(child) not in parent and child is not m:
                 parent[id(child)] = m
     roots: dict[int, weakref.ref[torch.nn.Module]] = {}
     for m in modules:
-        held = [v for v in m._parameters.values() if v is not None]
+        held = [v for v in (vars(m).get("_parameters") or {}).values() if v is not None]
         if not held:
             continue
         key = id(m)

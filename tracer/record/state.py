@@ -21,6 +21,7 @@ from tracer.record import naming
 from tracer.record.checksums.hasher import Hasher
 from tracer.record.identity import identity
 from tracer.record.listeners import Listener
+from tracer.record.module_roots import parameter_path
 from tracer.record.owners import constructing_a_module, needs_search, owning_root_module
 from tracer.record.stacks import StackTable
 from tracer.record.tensors import (
@@ -446,16 +447,40 @@ class RecorderState:
         """A parameter met before any module of its model ran in the block (outside any module
         call): name that model's modules, parameters and buffers now, as if it had been called
         first (tracer.record.owners). Whether ``p`` has a name to take now."""
-        if self._module_stack or constructing_a_module():
+        if constructing_a_module():
             return False
+        if self._module_stack:  # used by a module running now: the one that holds it, if any
+            running = self._module_stack[-1]
+            module = next((m for m, path in self._module_paths.items() if path == running), None)
+            return module is not None and self._name_replaced(module, running, p)
         search = needs_search(p) and self._owner_searches < MAX_OWNER_SEARCHES
         if search:
             self._owner_searches += 1
         root = owning_root_module(p, search)
-        if root is None or root in self._module_paths:
+        if root is None:
             return False
+        if root in self._module_paths:
+            return self._name_replaced(root, self._module_paths[root], p)
         self.register_root_module(root)
         return p in self._named
+
+    def _name_replaced(self, module: torch.nn.Module, prefix: str, p: torch.Tensor) -> bool:
+        """A parameter of a model the trace has named already, not named itself: a new Parameter
+        object put in place of the one named (``module.to_empty()`` after a meta-device build,
+        a move between devices, ``module.weight = nn.Parameter(...)``). It is a new version of
+        the path's value (``0.weight@v1``, ``previous`` the path's last version) when the path
+        has a record, else the path itself."""
+        path = parameter_path(module, prefix, p)
+        if path is None:
+            return False
+        if path in self.trace.tensors:
+            last = self._versions.get(path, 0)
+            previous = names.version_name(path, last) if last else path
+            self._new_tensor(p, self._bump(path), "param", None, previous=previous)
+        else:
+            self._new_tensor(p, path, "param", None)
+        self._index_alias(p)
+        return True
 
     def _note_unrecorded_node_hook(self, input_name: str) -> None:
         """A tensor without a name met in a hook of a grad node whose run is not recorded
