@@ -21,7 +21,14 @@ HASH_ALGORITHMS: tuple[HashKind, ...] = ("md5", "fast", "none")
 DEFAULT_KEEP_VALUES_BYTES = 64 << 20
 
 
-class TraceError(RuntimeError):
+class RaisedOnPurpose:
+    """Marks an exception gradtrace raises into the user's program on purpose (a stop the user
+    asked for: ``raise_on_nonfinite``, a watch that trips; a misuse of the tracer). Any other
+    exception from gradtrace's own code while it records is a fault of gradtrace: the recorder
+    stops and the program goes on (tracer.record.failsafe)."""
+
+
+class TraceError(RuntimeError, RaisedOnPurpose):
     """Misuse of the tracer (an accidental nested trace, bad options)."""
 
 

@@ -34,6 +34,7 @@ from tracer.analysis import reprs
 from tracer.model import Call, Frame, GradNode, NodeRun, TensorRecord, Trace, install_view
 from tracer.model.display import all_finite, plural
 from tracer.model.frames import stack_lines
+from tracer.options import RaisedOnPurpose
 
 # An inf among a call's argument text: "-inf", "inf", "fill_value=-inf", "[0.0, inf]".
 _INF_CONSTANT = re.compile(r"(?<![\w.])-?inf(?![\w])")
@@ -433,7 +434,7 @@ def _check_step(hunt: _Hunt, trace: Trace, run: str, step: NodeRun, node: GradNo
         hunt.see(kind, module, make)
 
 
-class NonFiniteError(FloatingPointError):
+class NonFiniteError(FloatingPointError, RaisedOnPurpose):
     """Raised by ``raise_on_nonfinite=True`` at the first NaN/Inf; ``.anomaly`` holds the report."""
 
     def __init__(self, anomaly: Anomaly) -> None:

@@ -783,10 +783,13 @@ def node_hook(ref: weakref.ref[Any], name: str, grads: tuple[Any, ...], grad_out
     rec = ref()
     if rec is not None and not rec.closed:
         with torch._C.DisableTorchFunction():
-            if grad_outputs is _PRE_HOOK:
-                rec.node_begin(name, grads)
-            else:
-                rec.node_end(name, grads, grad_outputs)
+            try:
+                if grad_outputs is _PRE_HOOK:
+                    rec.node_begin(name, grads)
+                else:
+                    rec.node_end(name, grads, grad_outputs)
+            except Exception as exc:  # gradtrace's own fault: see tracer.record.failsafe
+                rec.recorder_failed(exc)
 
 
 def node_done_hook(ref: weakref.ref[Any], name: str, grad_inputs: tuple[Any, ...],
@@ -795,4 +798,7 @@ def node_done_hook(ref: weakref.ref[Any], name: str, grad_inputs: tuple[Any, ...
     rec = ref()
     if rec is not None and not rec.closed:
         with torch._C.DisableTorchFunction():
-            rec.node_done(name, grad_inputs, grad_outputs)
+            try:
+                rec.node_done(name, grad_inputs, grad_outputs)
+            except Exception as exc:  # gradtrace's own fault: see tracer.record.failsafe
+                rec.recorder_failed(exc)

@@ -82,23 +82,35 @@ class RecordingMode(TorchFunctionMode):
             # do), so before the open step's frame test below, which every op inside it pays.
             out = func(*args, **kwargs)
             if out is not None and not (rec.paused or rec.stopped):
-                if kind == "grad_alias":
-                    rec.grad_alias(args[0], out)
-                else:
-                    rec.data_alias(args[0], out)
+                try:
+                    if kind == "grad_alias":
+                        rec.grad_alias(args[0], out)
+                    else:
+                        rec.data_alias(args[0], out)
+                except Exception as exc:  # gradtrace's own fault: see tracer.record.failsafe
+                    rec.recorder_failed(exc)
             return out
         if rec.open_step is not None and not rec.step_running():
-            rec.close_step("optimizer.step() raised; its changes up to there are recorded")
+            try:
+                rec.close_step("optimizer.step() raised; its changes up to there are recorded")
+            except Exception as exc:
+                rec.recorder_failed(exc)
         if rec.paused or rec.stopped:
             return func(*args, **kwargs)
         if kind == "backward":
             return rec.record_backward(func, api, args, kwargs)
         if kind == "hook":
-            rec.tensor_hook_registered()
+            try:
+                rec.tensor_hook_registered()
+            except Exception as exc:
+                rec.recorder_failed(exc)
             return func(*args, **kwargs)
         if kind == "retain":
             out = func(*args, **kwargs)
-            rec.grad_retained(args[0])
+            try:
+                rec.grad_retained(args[0])
+            except Exception as exc:
+                rec.recorder_failed(exc)
             return out
         if kind == "set_data":
             return rec.record_set_data(func, api, short, args, kwargs, writes)

@@ -67,7 +67,11 @@ class ModulesMixin(RecorderState):
             return
         path = self._module_paths.get(module)
         if path is None:
-            path = self._register_module(module, caller_frame(1) if not self._module_stack else None)
+            try:
+                path = self._register_module(module, caller_frame(1) if not self._module_stack else None)
+            except Exception as exc:  # gradtrace's own fault: see tracer.record.failsafe
+                self.recorder_failed(exc)
+                path = f"<{type(module).__name__}>"
         self._module_stack.append(path)
         table = self.stack_table
         if table is not None:

@@ -37,6 +37,14 @@ class OptimizerMixin(RecorderState):
     def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if threading.get_ident() != self.owner or self.closed or self.open_step is not None:
             return  # (an open step: an optimizer stepped from inside another's step is part of it)
+        try:
+            self._step_begins(optimizer, args, kwargs, sys._getframe(1))
+        except Exception as exc:  # gradtrace's own fault: see tracer.record.failsafe
+            self.recorder_failed(exc)
+
+    def _step_begins(self, optimizer: Any, args: Any, kwargs: Any, caller: FrameType) -> None:
+        """An optimizer step begins (``caller``: the frame that runs it): name what it reads and
+        open its record."""
         with self.lock, torch._C.DisableTorchFunction():
             for group in optimizer.param_groups:
                 for p in group["params"]:
@@ -63,7 +71,7 @@ class OptimizerMixin(RecorderState):
         closure = (args[1] if len(args) > 1 else None) or (kwargs or {}).get("closure")
         if not (self.optimizer_ops or self.paused or self.stopped or closure is not None):
             # A closure (LBFGS) runs a forward and backward inside the step: those stay visible.
-            self._open_step(optimizer, sys._getframe(1))
+            self._open_step(optimizer, caller)
         # The step writes into parameters, gradients and state in place: every value waiting for
         # its checksum is read first, those the step's record has just named among them.
         self.hasher.before_write()
@@ -127,7 +135,10 @@ class OptimizerMixin(RecorderState):
     def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         st = self.open_step
         if st is not None and st.optimizer is optimizer and threading.get_ident() == self.owner:
-            self.close_step()
+            try:
+                self.close_step()
+            except Exception as exc:  # gradtrace's own fault: see tracer.record.failsafe
+                self.recorder_failed(exc)
 
     def step_running(self) -> bool:
         """Whether the open optimizer step is still running (its frame is on this thread's stack);

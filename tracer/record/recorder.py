@@ -42,6 +42,7 @@ from tracer.record.checksums.hasher import BATCH_MIN, Hasher
 from tracer.record.compiled_functions import CompiledFunctionWatch
 from tracer.record.effects import SET_DATA_API, UNINITIALISED, Writes
 from tracer.record.engine import install_engine_wrapper, uninstall_engine_wrapper
+from tracer.record.failsafe import passes_on
 from tracer.record.functions import (
     FunctionsMixin,
     active_recorder,
@@ -172,6 +173,39 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin):
     # ---- forward calls ------------------------------------------------------------------------
     def record_call(self, func: Any, api: str, short: str, kind: str, args: tuple[Any, ...],
                     kwargs: dict[str, Any], writes: Writes | None = None) -> Any:
+        # Three parts: before the op, the op, after it. A failure of gradtrace's own code
+        # before or after stops the recording and leaves the op to run (tracer.record.failsafe);
+        # the op's own exception is recorded and goes on to the program.
+        try:
+            before = self._before_call(api, kind, args, kwargs, writes)
+        except Exception as exc:
+            self.recorder_failed(exc)
+            return func(*args, **kwargs)
+        ins, vers, in_names, seq, tokens, seq0, written = before
+        self.op_depth += 1
+        try:
+            out = func(*args, **kwargs)
+        except BaseException as exc:
+            try:
+                self._record_failed(api, short, kind, args, kwargs, in_names, seq, exc)
+            except Exception as own:
+                self.recorder_failed(own)
+            raise
+        finally:
+            self.op_depth -= 1
+        marks = (len(self.trace.calls), len(self.trace.tensors), len(self.trace.grad_nodes))
+        try:
+            self._after_call(api, short, kind, args, kwargs, ins, vers, in_names, seq, seq0, tokens, written, out)
+        except Exception as exc:
+            if not passes_on(exc):  # (a stop raised on purpose keeps the call that raised it)
+                self._roll_back(marks)
+            self.recorder_failed(exc)
+        return out
+
+    def _before_call(self, api: str, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                     writes: Writes | None) -> tuple[list[torch.Tensor], list[int], list[str], int,
+                                                     list[Any] | None, int | None, list[torch.Tensor] | None]:
+        """Name a call's inputs and take its place, before the op runs."""
         ins = call_tensors(args, kwargs)
         vers = versions_of(ins)
         # Lists of exactly the right length (not grown by appends): they are kept in the Call.
@@ -195,14 +229,12 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin):
                 self.hasher.before_write()
             elif written:
                 self.hasher.before_write(written)
-        self.op_depth += 1
-        try:
-            out = func(*args, **kwargs)
-        except BaseException as exc:
-            self._record_failed(api, short, kind, args, kwargs, in_names, seq, exc)
-            raise
-        finally:
-            self.op_depth -= 1
+        return ins, vers, in_names, seq, tokens, seq0, written
+
+    def _after_call(self, api: str, short: str, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    ins: list[torch.Tensor], vers: list[int], in_names: list[str], seq: int, seq0: int | None,
+                    tokens: list[Any] | None, written: list[torch.Tensor] | None, out: Any) -> None:
+        """Record a call whose op has returned ``out``."""
         outs = unique(flat_tensors(out))
         mutated: list[torch.Tensor] = []
         if ins:
@@ -213,12 +245,20 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin):
             elif now != vers:  # one comparison in C for the usual call that changes nothing
                 mutated = [t for t, v, n in zip(ins, vers, now) if n != v]
         if not outs and not mutated:
-            return out  # metadata queries and conversions: noise, not a call
+            return  # metadata queries and conversions: noise, not a call
         # The stack starts at the caller of the mode's handler: capture <- _finish_call <-
-        # record_call <- _Mode.__torch_function__ <- the caller.
+        # _after_call <- record_call <- _Mode.__torch_function__ <- the caller.
         self._finish_call(api, short, kind, args, kwargs, ins, in_names, outs, mutated, seq, seq0, tokens=tokens,
-                          skip=4)
-        return out
+                          skip=5)
+
+    def _roll_back(self, marks: tuple[int, int, int]) -> None:
+        """Take back what a call that failed half-way recorded (its records would link to
+        names no record has)."""
+        calls, tensors, nodes = marks
+        del self.trace.calls[calls:]
+        del self.trace.grad_nodes[nodes:]
+        for name in list(self.trace.tensors)[tensors:]:
+            del self.trace.tensors[name]
 
     def data_alias(self, source: Any, alias: Any) -> None:
         """``source.data`` returned ``alias`` (see ``name_data_alias``)."""

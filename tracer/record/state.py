@@ -19,6 +19,7 @@ from tracer.model.records import Role
 from tracer.options import TraceOptions
 from tracer.record import naming
 from tracer.record.checksums.hasher import Hasher
+from tracer.record.failsafe import failure_note, passes_on
 from tracer.record.identity import identity
 from tracer.record.listeners import Listener
 from tracer.record.module_roots import parameter_path
@@ -96,6 +97,7 @@ class RecorderState:
         self.closed = False
         # Set when a bound (max_calls) is reached: from then on nothing more is recorded.
         self.stopped = False
+        self.failed = False  # gradtrace's own code failed while recording (recorder_failed)
         self.max_calls: int | None = options.max_calls
         # Set by tracer.features.distributed: (recorder, function) -> the recording wrapper of a
         # collective the mode met, or None.
@@ -473,6 +475,7 @@ class RecorderState:
         path = parameter_path(module, prefix, p)
         if path is None:
             return False
+        self._named[p] = (path, "param")  # (its gradients: <path>@grad)
         if path in self.trace.tensors:
             last = self._versions.get(path, 0)
             previous = names.version_name(path, last) if last else path
@@ -571,6 +574,15 @@ class RecorderState:
     @staticmethod
     def _base_name(name: str) -> str:
         return names.base_name(name)
+
+    def recorder_failed(self, exc: Exception) -> None:
+        """gradtrace's own code raised ``exc`` while recording, inside the user's program
+        (tracer.record.failsafe): stop recording and keep the trace; or pass ``exc`` on, when
+        gradtrace raised it on purpose or runs strict."""
+        if passes_on(exc):
+            raise exc
+        self.failed = True
+        self.stop(failure_note(exc))
 
     def _bump(self, base: str) -> str:
         n = self._versions.get(base, 0) + 1

@@ -49,7 +49,7 @@ from tracer.features.watch.snapshot import Layout, Placement, StateSnapshot, rea
 from tracer.features.watch.triggers import Trigger, make_trigger
 from tracer.model import Trace
 from tracer.model.display import format_size, plural, sibling, with_tag
-from tracer.options import TraceError, TraceOptions
+from tracer.options import RaisedOnPurpose, TraceError, TraceOptions
 from tracer.record.recorder import active_recorder
 from tracer.record.session import NumericsWarning, TraceSession
 
@@ -114,7 +114,7 @@ def _replay_words(i: Incident) -> str:
                      if o.get(k) is not None or r.get(k) is not None)
 
 
-class WatchTripped(RuntimeError):
+class WatchTripped(RuntimeError, RaisedOnPurpose):
     """A watched step tripped under ``policy="raise"``; ``.incident`` says what and where."""
 
     def __init__(self, incident: Incident) -> None:
