@@ -171,25 +171,25 @@ def test_three_blocks_without_a_trace_log_only_the_middle_block(logs):
     loss.backward()
     fwd, bwd = _fwd_bwd(logs.lines)
     # The scope's recorder saw only the block: names count from its start, the first module it
-    # entered (model.b) is its root.
+    # entered (model.b) is named by its path in the model whose forward called it (b.0.weight).
     assert fwd == fwd_during == [
-        "fwd   linear0 F.linear [0] (input0 f32[3,4], 0.weight f32[4,4], 0.bias f32[4]) -> linear0:out f32[3,4]",
-        "fwd   tanh0 torch.tanh [1] (linear0:out f32[3,4]) -> tanh0:out f32[3,4]",
+        "fwd     linear0 F.linear [b.0] (input0 f32[3,4], b.0.weight f32[4,4], b.0.bias f32[4]) -> linear0:out f32[3,4]",
+        "fwd     tanh0 torch.tanh [b.1] (linear0:out f32[3,4]) -> tanh0:out f32[3,4]",
     ]
     assert bwd == [
-        "bwd>   tanh0/TanhBackward0 torch.tanh [1] received f32[3,4]",
-        "bwd<   tanh0/TanhBackward0 torch.tanh [1] produced f32[3,4]",
-        "bwd>   linear0/AddmmBackward0 F.linear [0] received f32[3,4]",
-        "bwd<   linear0/AddmmBackward0 F.linear [0] produced f32[4], f32[3,4], f32[4,4]",
-        "bwd>   0.bias/AccumulateGrad [0] received f32[4]",
-        "bwd<   0.bias/AccumulateGrad [0]",
-        "bwd>   linear0/TBackward0 F.linear [0] received f32[4,4]",
-        "bwd<   linear0/TBackward0 F.linear [0] produced f32[4,4]",
-        "bwd>   0.weight/AccumulateGrad [0] received f32[4,4]",
-        "bwd<   0.weight/AccumulateGrad [0]",
+        "bwd>     tanh0/TanhBackward0 torch.tanh [b.1] received f32[3,4]",
+        "bwd<     tanh0/TanhBackward0 torch.tanh [b.1] produced f32[3,4]",
+        "bwd>     linear0/AddmmBackward0 F.linear [b.0] received f32[3,4]",
+        "bwd<     linear0/AddmmBackward0 F.linear [b.0] produced f32[4], f32[3,4], f32[4,4]",
+        "bwd>     b.0.bias/AccumulateGrad [b.0] received f32[4]",
+        "bwd<     b.0.bias/AccumulateGrad [b.0]",
+        "bwd>     linear0/TBackward0 F.linear [b.0] received f32[4,4]",
+        "bwd<     linear0/TBackward0 F.linear [b.0] produced f32[4,4]",
+        "bwd>     b.0.weight/AccumulateGrad [b.0] received f32[4,4]",
+        "bwd<     b.0.weight/AccumulateGrad [b.0]",
     ]
     assert set(scope.nodes) == {"tanh0/TanhBackward0", "linear0/AddmmBackward0", "linear0/TBackward0",
-                                "0.bias/AccumulateGrad", "0.weight/AccumulateGrad"}
+                                "b.0.bias/AccumulateGrad", "b.0.weight/AccumulateGrad"}
 
 
 def test_backward_inside_the_scope_still_skips_nodes_created_before_it(logs):
@@ -386,18 +386,18 @@ def test_a_user_file_handler_gets_the_lines_unchanged(logs, tmp_path):
         logging.getLogger("gradtrace").removeHandler(fh)
         fh.close()
     assert path.read_text(encoding="utf-8") == """\
-INFO gradtrace.forward: fwd   linear0 F.linear [0]
-INFO gradtrace.forward: fwd   tanh0 torch.tanh [1]
-INFO gradtrace.backward: bwd>   tanh0/TanhBackward0 torch.tanh [1]
-INFO gradtrace.backward: bwd<   tanh0/TanhBackward0 torch.tanh [1]
-INFO gradtrace.backward: bwd>   linear0/AddmmBackward0 F.linear [0]
-INFO gradtrace.backward: bwd<   linear0/AddmmBackward0 F.linear [0]
-INFO gradtrace.backward: bwd>   0.bias/AccumulateGrad [0]
-INFO gradtrace.backward: bwd<   0.bias/AccumulateGrad [0]
-INFO gradtrace.backward: bwd>   linear0/TBackward0 F.linear [0]
-INFO gradtrace.backward: bwd<   linear0/TBackward0 F.linear [0]
-INFO gradtrace.backward: bwd>   0.weight/AccumulateGrad [0]
-INFO gradtrace.backward: bwd<   0.weight/AccumulateGrad [0]
+INFO gradtrace.forward: fwd     linear0 F.linear [b.0]
+INFO gradtrace.forward: fwd     tanh0 torch.tanh [b.1]
+INFO gradtrace.backward: bwd>     tanh0/TanhBackward0 torch.tanh [b.1]
+INFO gradtrace.backward: bwd<     tanh0/TanhBackward0 torch.tanh [b.1]
+INFO gradtrace.backward: bwd>     linear0/AddmmBackward0 F.linear [b.0]
+INFO gradtrace.backward: bwd<     linear0/AddmmBackward0 F.linear [b.0]
+INFO gradtrace.backward: bwd>     b.0.bias/AccumulateGrad [b.0]
+INFO gradtrace.backward: bwd<     b.0.bias/AccumulateGrad [b.0]
+INFO gradtrace.backward: bwd>     linear0/TBackward0 F.linear [b.0]
+INFO gradtrace.backward: bwd<     linear0/TBackward0 F.linear [b.0]
+INFO gradtrace.backward: bwd>     b.0.weight/AccumulateGrad [b.0]
+INFO gradtrace.backward: bwd<     b.0.weight/AccumulateGrad [b.0]
 """
     assert logs.lines == [line.split(": ", 1)[1] for line in path.read_text(encoding="utf-8").splitlines()]
 
@@ -412,19 +412,19 @@ def test_console_handler_aligns_columns_and_wraps_at_a_fixed_width(logs):
     finally:
         logging.getLogger("gradtrace").removeHandler(handler)
     assert out.getvalue() == """\
-fwd    linear0                    F.linear       [0] (input0 f32[3,4], 0.weight f32[4,4], 0.bias
-                                                     f32[4]) -> linear0:out f32[3,4]
-fwd    tanh0                      torch.tanh     [1] (linear0:out f32[3,4]) -> tanh0:out f32[3,4]
-bwd>   tanh0/TanhBackward0        torch.tanh     [1] received f32[3,4]
-bwd<   tanh0/TanhBackward0        torch.tanh     [1] produced f32[3,4]
-bwd>   linear0/AddmmBackward0     F.linear       [0] received f32[3,4]
-bwd<   linear0/AddmmBackward0     F.linear       [0] produced f32[4], f32[3,4], f32[4,4]
-bwd>   0.bias/AccumulateGrad                     [0] received f32[4]
-bwd<   0.bias/AccumulateGrad                     [0]
-bwd>   linear0/TBackward0         F.linear       [0] received f32[4,4]
-bwd<   linear0/TBackward0         F.linear       [0] produced f32[4,4]
-bwd>   0.weight/AccumulateGrad                   [0] received f32[4,4]
-bwd<   0.weight/AccumulateGrad                   [0]
+fwd      linear0                  F.linear       [b.0] (input0 f32[3,4], b.0.weight f32[4,4],
+                                                       b.0.bias f32[4]) -> linear0:out f32[3,4]
+fwd      tanh0                    torch.tanh     [b.1] (linear0:out f32[3,4]) -> tanh0:out f32[3,4]
+bwd>     tanh0/TanhBackward0      torch.tanh     [b.1] received f32[3,4]
+bwd<     tanh0/TanhBackward0      torch.tanh     [b.1] produced f32[3,4]
+bwd>     linear0/AddmmBackward0   F.linear       [b.0] received f32[3,4]
+bwd<     linear0/AddmmBackward0   F.linear       [b.0] produced f32[4], f32[3,4], f32[4,4]
+bwd>     b.0.bias/AccumulateGrad                 [b.0] received f32[4]
+bwd<     b.0.bias/AccumulateGrad                 [b.0]
+bwd>     linear0/TBackward0       F.linear       [b.0] received f32[4,4]
+bwd<     linear0/TBackward0       F.linear       [b.0] produced f32[4,4]
+bwd>     b.0.weight/AccumulateGrad                [b.0] received f32[4,4]
+bwd<     b.0.weight/AccumulateGrad                [b.0]
 """
 
 

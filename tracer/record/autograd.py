@@ -343,11 +343,9 @@ class AutogradMixin(LeafGradsMixin):
         return name
 
     # ---- backward -----------------------------------------------------------------------------
-    def record_backward(self, func: Any, api: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """One backward run, from ``Tensor.backward``, ``autograd.backward`` or ``autograd.grad``.
-        A run started inside another one (``autograd.grad`` in a custom Function's backward) is
-        recorded as a run of its own; the outer run's state is put back when it ends."""
-        outer = (self._run, self._run_index, self._indegree, self._indegree_roots, self._create_graph, self._bwd_seq0)
+    def _begin_run(self, api: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> BackwardRun:
+        """A backward run begins: its record, the state the engine's hooks read, and the
+        checksums waiting read first."""
         with self.lock, torch._C.DisableTorchFunction():
             first = args[0] if args else kwargs.get("tensors", kwargs.get("outputs"))
             roots = [self.name_of(t) for t in unique(flat_tensors(first))]
@@ -373,6 +371,21 @@ class AutogradMixin(LeafGradsMixin):
         # Waiting checksums are read before the backward: gradient accumulation and custom
         # backward code may write into tensors already recorded.
         self.hasher.before_write()
+        return run
+
+    def record_backward(self, func: Any, api: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """One backward run, from ``Tensor.backward``, ``autograd.backward`` or ``autograd.grad``.
+        A run started inside another one (``autograd.grad`` in a custom Function's backward) is
+        recorded as a run of its own; the outer run's state is put back when it ends."""
+        outer = (self._run, self._run_index, self._indegree, self._indegree_roots, self._create_graph, self._bwd_seq0)
+        try:
+            run = self._begin_run(api, args, kwargs)
+        except Exception as exc:  # gradtrace's own fault: see tracer.record.failsafe
+            (self._run, self._run_index, self._indegree, self._indegree_roots, self._create_graph,
+             self._bwd_seq0) = outer
+            self.recorder_failed(exc)
+            return func(*args, **kwargs)
+        first = args[0] if args else kwargs.get("tensors", kwargs.get("outputs"))
         self._in_backward += 1
         error: BaseException | None = None
         try:

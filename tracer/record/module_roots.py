@@ -40,6 +40,25 @@ def caller_frame(depth: int) -> FrameType | None:
     return None
 
 
+# A function's frame keeps the dict ``f_locals`` returns, a snapshot of its locals, until the
+# frame ends or the next read refreshes it (before Python 3.13, PEP 667): read once, it would
+# keep alive what the function holds now (a batch, a loss and its graph) after the function
+# drops it, for as long as the training loop's function runs.
+_SNAPSHOT_LOCALS = sys.version_info < (3, 13)
+_CO_OPTIMIZED = 0x1  # inspect.CO_OPTIMIZED: a function's frame, whose f_locals is a snapshot
+
+
+def frame_locals(frame: FrameType) -> dict[str, object]:
+    """A copy of ``frame``'s locals that leaves nothing held by the frame: a function frame's
+    snapshot is emptied after the copy (the next ``locals()`` there fills it again); a module's
+    or class body's namespace is the real one and is left alone."""
+    snapshot = frame.f_locals
+    values = dict(snapshot)
+    if _SNAPSHOT_LOCALS and frame.f_code.co_flags & _CO_OPTIMIZED and snapshot is not frame.f_globals:
+        snapshot.clear()
+    return values
+
+
 def _is_module(value: object) -> bool:
     # type(), not isinstance(): isinstance reads __class__, which some module-level objects
     # answer with a deprecation warning (see tracer.record.owners).
@@ -61,7 +80,7 @@ def _holds(container: torch.nn.Module, module: torch.nn.Module) -> bool:
 def _bound_object(frame: FrameType) -> object:
     """The object whose method ``frame`` runs: its first parameter (``self``, whatever its name)."""
     code = frame.f_code
-    return frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
+    return frame_locals(frame).get(code.co_varnames[0]) if code.co_argcount else None
 
 
 def enclosing_module(frame: FrameType, module: torch.nn.Module) -> torch.nn.Module | None:
@@ -75,7 +94,7 @@ def enclosing_module(frame: FrameType, module: torch.nn.Module) -> torch.nn.Modu
     owner = _bound_object(frame)
     if isinstance(owner, torch.nn.Module) and owner is not module and _holds(owner, module):
         return owner
-    held = list(frame.f_locals.values())
+    held = list(frame_locals(frame).values())
     attrs = getattr(owner, "__dict__", None) if owner is not None and not _is_module(owner) else None
     if isinstance(attrs, dict):
         held += attrs.values()
@@ -84,7 +103,7 @@ def enclosing_module(frame: FrameType, module: torch.nn.Module) -> torch.nn.Modu
     best: torch.nn.Module | None = None
     best_size = 0
     for v in held:
-        if not _is_module(v):
+        if not _is_module(v) or not isinstance(v, torch.nn.Module):  # (type() first: see _is_module)
             continue
         parts = _parts(v)
         if (best is None or len(parts) < best_size) and any(m is module for m in parts):
@@ -96,7 +115,7 @@ def name_in_caller(frame: FrameType, module: torch.nn.Module) -> str | None:
     """The name ``frame`` holds ``module`` by: a local variable, else an attribute of the object
     whose method it runs (``self.disc``); None when it has none (``make_model()(x)``)."""
     owner = _bound_object(frame)
-    for name, value in frame.f_locals.items():
+    for name, value in frame_locals(frame).items():
         if value is module and value is not owner and name.isidentifier():
             return name
     attrs = getattr(owner, "__dict__", None) if owner is not None else None
