@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterable
 from types import FrameType
 
 import torch
@@ -136,3 +137,12 @@ def parameter_path(module: torch.nn.Module, prefix: str, p: torch.Tensor) -> str
         if q is p:
             return name
     return None
+
+
+def swaps_parameters(modules: Iterable[torch.nn.Module]) -> bool:
+    """Whether one of ``modules`` is managed by FSDP2 (``fully_shard``), which swaps every
+    parameter object for its unsharded form around each forward and backward by design. The
+    class is looked up, not imported: importing torch.distributed.fsdp takes seconds."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    managed = getattr(fsdp, "FSDPModule", None) if fsdp is not None else None
+    return isinstance(managed, type) and any(isinstance(m, managed) for m in modules)

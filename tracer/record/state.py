@@ -22,7 +22,7 @@ from tracer.record.checksums.hasher import Hasher
 from tracer.record.failsafe import failure_note, passes_on
 from tracer.record.identity import identity
 from tracer.record.listeners import Listener
-from tracer.record.module_roots import parameter_path
+from tracer.record.module_roots import parameter_path, swaps_parameters
 from tracer.record.owners import constructing_a_module, needs_search, owning_root_module
 from tracer.record.stacks import StackTable
 from tracer.record.tensors import (
@@ -472,6 +472,11 @@ class RecorderState:
         a move between devices, ``module.weight = nn.Parameter(...)``). It is a new version of
         the path's value (``0.weight@v1``, ``previous`` the path's last version) when the path
         has a record, else the path itself."""
+        if swaps_parameters(self._module_paths.keys()):
+            # FSDP2 puts the unsharded parameter in place of the sharded one for each forward
+            # and backward: another form of the same value (named by the all-gather that makes
+            # it), not a new one.
+            return False
         path = parameter_path(module, prefix, p)
         if path is None:
             return False
