@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -133,3 +136,23 @@ def accumulated_scaled_step(model: nn.Module, opt: torch.optim.Optimizer, scaler
     scaler.step(opt)
     scaler.update()
 
+
+
+Recipe = Callable[[], tuple[nn.Module, Callable[[], None]]]
+
+
+def traced_twin(recipe: Recipe, **trace_options: Any) -> tuple[nn.Module, nn.Module, Any]:
+    """Run a recipe (a builder of a model and its step) twice from the same seeds, untraced and
+    traced: the untraced model, the traced model and its trace."""
+    import tracer
+
+    torch.manual_seed(0)
+    plain, step = recipe()
+    torch.manual_seed(1)
+    step()
+    torch.manual_seed(0)
+    model, step = recipe()
+    torch.manual_seed(1)
+    with tracer.trace(**trace_options) as t:
+        step()
+    return plain, model, t

@@ -20,6 +20,7 @@ import torch.nn as nn
 
 import export
 import tracer
+from tests.models import traced_twin
 
 
 def _md5(t: torch.Tensor) -> str:
@@ -96,15 +97,7 @@ RECIPES = {f.__name__: f for f in (optimizer_in_backward, per_sample_clipping, h
 
 
 def _traced(recipe: str, hash_kind: str = "md5") -> tuple[nn.Module, tracer.Trace]:
-    torch.manual_seed(0)
-    plain, run = RECIPES[recipe]()
-    torch.manual_seed(1)
-    run()
-    torch.manual_seed(0)
-    model, run = RECIPES[recipe]()
-    torch.manual_seed(1)
-    with tracer.trace(hash=hash_kind) as t:  # type: ignore[arg-type]
-        run()
+    plain, model, t = traced_twin(RECIPES[recipe], hash=hash_kind)
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         assert torch.equal(p, q), name
     return model, t

@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tracer
+from tests.models import traced_twin
 
 Recipe = Callable[[], tuple[nn.Module, Callable[[], None]]]
 
@@ -310,15 +311,7 @@ RECIPES: dict[str, Recipe] = {f.__name__: f for f in (lbfgs, parametrized, chann
 @pytest.mark.parametrize("hash_kind", ["md5", "none"])
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_the_recipe_ends_as_untraced_and_its_last_records_hold_the_end_values(recipe: str, hash_kind: str) -> None:
-    torch.manual_seed(0)
-    plain, step = RECIPES[recipe]()
-    torch.manual_seed(1)
-    step()
-    torch.manual_seed(0)
-    model, step = RECIPES[recipe]()
-    torch.manual_seed(1)
-    with tracer.trace(hash=hash_kind) as t:  # type: ignore[arg-type]
-        step()
+    plain, model, t = traced_twin(RECIPES[recipe], hash=hash_kind)
     assert t.status == "ok" and t.backward_runs and not t.notes
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         assert torch.equal(p, q), name
