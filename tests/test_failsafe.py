@@ -77,7 +77,7 @@ def test_a_fault_naming_a_module_leaves_the_forward(monkeypatch: pytest.MonkeyPa
     def broken(*_: object) -> None:
         raise Fault("injected in a module hook")
 
-    monkeypatch.setattr(modules, "caller_frame", broken)
+    monkeypatch.setattr(modules, "caller", broken)
     model = _model()
     with pytest.warns(RuntimeWarning), tracer.trace(hash="none") as t:
         got = _step(model)

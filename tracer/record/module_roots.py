@@ -9,7 +9,7 @@ otherwise become that root itself (its parameters named as if the part were the 
 second model called in the same block (a GAN's discriminator, a distillation's student) was
 prefixed by its class (``Sequential.0.weight``), which says nothing about which model it is.
 
-Only the caller's own frame is read (one ``f_locals`` read when a root is first met, once per
+Only the caller's own frame is read (one copy of its locals when a root is first met, once per
 trace and model): no search over the live objects."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import os
 import sys
 from collections.abc import Iterable
 from types import FrameType
+from typing import NamedTuple
 
 import torch
 
@@ -26,8 +27,18 @@ _OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _MAX_FRAMES = 24  # torch's and gradtrace's frames between the module's call and the hook
 
 
-def caller_frame(depth: int) -> FrameType | None:
-    """The innermost frame from ``depth`` outwards that is neither torch's nor gradtrace's."""
+class Caller(NamedTuple):
+    """What the user's frame that called a root module holds: a copy of its locals, and the
+    object whose method it runs (its first parameter: ``self``, whatever its name; None for a
+    function without parameters or module-level code)."""
+
+    local_vars: dict[str, object]
+    bound: object
+
+
+def caller(depth: int) -> Caller | None:
+    """The innermost frame from ``depth`` outwards that is neither torch's nor gradtrace's, read
+    once."""
     try:
         f: FrameType | None = sys._getframe(depth + 1)
     except ValueError:
@@ -36,7 +47,9 @@ def caller_frame(depth: int) -> FrameType | None:
         if f is None:
             return None
         if not f.f_code.co_filename.startswith((_TORCH_DIR, _OWN_DIR)):
-            return f
+            local_vars = frame_locals(f)
+            code = f.f_code
+            return Caller(local_vars, local_vars.get(code.co_varnames[0]) if code.co_argcount else None)
         f = f.f_back
     return None
 
@@ -78,13 +91,7 @@ def _holds(container: torch.nn.Module, module: torch.nn.Module) -> bool:
     return any(m is module for m in _parts(container))
 
 
-def _bound_object(frame: FrameType) -> object:
-    """The object whose method ``frame`` runs: its first parameter (``self``, whatever its name)."""
-    code = frame.f_code
-    return frame_locals(frame).get(code.co_varnames[0]) if code.co_argcount else None
-
-
-def enclosing_module(frame: FrameType, module: torch.nn.Module) -> torch.nn.Module | None:
+def enclosing_module(caller: Caller, module: torch.nn.Module) -> torch.nn.Module | None:
     """The model ``module`` is a part of, as far as the calling frame shows: the module whose
     method the frame runs, when it holds ``module`` (``self.encoder(x)`` in a VAE's
     ``encode``); else, when the frame holds ``module`` by no name of its own
@@ -92,10 +99,10 @@ def enclosing_module(frame: FrameType, module: torch.nn.Module) -> torch.nn.Modu
     smallest module the frame (or the object whose method it runs) holds that contains it. A
     module the frame calls by a name of its own is a model of its own, even when another one
     holds it too (an ``AveragedModel`` of it)."""
-    owner = _bound_object(frame)
+    owner = caller.bound
     if isinstance(owner, torch.nn.Module) and owner is not module and _holds(owner, module):
         return owner
-    held = list(frame_locals(frame).values())
+    held = list(caller.local_vars.values())
     attrs = getattr(owner, "__dict__", None) if owner is not None and not _is_module(owner) else None
     if isinstance(attrs, dict):
         held += attrs.values()
@@ -112,11 +119,11 @@ def enclosing_module(frame: FrameType, module: torch.nn.Module) -> torch.nn.Modu
     return best
 
 
-def name_in_caller(frame: FrameType, module: torch.nn.Module) -> str | None:
+def name_in_caller(caller: Caller, module: torch.nn.Module) -> str | None:
     """The name ``frame`` holds ``module`` by: a local variable, else an attribute of the object
     whose method it runs (``self.disc``); None when it has none (``make_model()(x)``)."""
-    owner = _bound_object(frame)
-    for name, value in frame_locals(frame).items():
+    owner = caller.bound
+    for name, value in caller.local_vars.items():
         if value is module and value is not owner and name.isidentifier():
             return name
     attrs = getattr(owner, "__dict__", None) if owner is not None else None

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import sys
 import threading
-from types import FrameType
 from typing import Any
 
 import torch
 from torch.nn.modules import module as nn_module
 
 from tracer.record.calls import PendingCall
-from tracer.record.module_roots import caller_frame, enclosing_module, name_in_caller
+from tracer.record.module_roots import Caller, caller, enclosing_module, name_in_caller
 from tracer.record.opaque import COMPILED_NOTE, ModeOff, OpaqueRegion
 from tracer.record.state import RecorderState
 from tracer.record.tensors import (
@@ -68,7 +67,7 @@ class ModulesMixin(RecorderState):
         path = self._module_paths.get(module)
         if path is None:
             try:
-                path = self._register_module(module, caller_frame(1) if not self._module_stack else None)
+                path = self._register_module(module, caller(1) if not self._module_stack else None)
             except Exception as exc:  # gradtrace's own fault: see tracer.record.failsafe
                 self.recorder_failed(exc)
                 path = f"<{type(module).__name__}>"
@@ -112,9 +111,10 @@ class ModulesMixin(RecorderState):
         if module not in self._module_paths:
             self._register_module(module)
 
-    def _register_module(self, module: torch.nn.Module, caller: FrameType | None = None) -> str:
-        """Name ``module`` (and, for a root, its tree). ``caller``: the user's frame that called
-        a root module, which may say what holds it and what it is called (module_roots)."""
+    def _register_module(self, module: torch.nn.Module, called_by: Caller | None = None) -> str:
+        """Name ``module`` (and, for a root, its tree). ``called_by``: what the user's frame that
+        called a root module holds, which may say what holds it and what it is called
+        (module_roots)."""
         cls = type(module).__name__
         if self._module_stack:  # a module not reachable from any root seen so far
             parent = self._module_stack[-1]
@@ -122,24 +122,24 @@ class ModulesMixin(RecorderState):
             self._module_paths[module] = path
             self.trace.modules[path] = cls
             return path
-        if caller is not None:
+        if called_by is not None:
             # A part of a model called from one of the model's methods (training_step, encode):
             # the model is the root, and the part keeps its path in it.
-            owner = enclosing_module(caller, module)
+            owner = enclosing_module(called_by, module)
             if owner is not None and owner not in self._module_paths:
                 self._register_root(owner, None)
                 held = self._module_paths.get(module)
                 if held is not None:
                     return held
-        return self._register_root(module, caller)
+        return self._register_root(module, called_by)
 
-    def _register_root(self, module: torch.nn.Module, caller: FrameType | None) -> str:
+    def _register_root(self, module: torch.nn.Module, called_by: Caller | None) -> str:
         """Name a root module's tree: from ``""`` for the first root (``named_parameters()``'s
         names), else under the name its caller holds it by, else under its class."""
         cls = type(module).__name__
         prefix = ""
         if "" in self.trace.modules:
-            held_as = name_in_caller(caller, module) if caller is not None else None
+            held_as = name_in_caller(called_by, module) if called_by is not None else None
             prefix = held_as if held_as is not None and held_as not in self.trace.modules else cls
         k = 1
         while prefix in self.trace.modules and prefix:
