@@ -115,3 +115,49 @@ def test_an_error_raised_on_purpose_still_reaches_the_program() -> None:
     with pytest.raises(tracer.NonFiniteError, match="sqrt0"), tracer.check_numerics(raise_on_nonfinite=True) as t:
         torch.sqrt(x).sum()
     assert [c.name for c in t.calls] == ["sqrt0"] and not any("gradtrace failed" in n for n in t.notes)
+
+
+def _fail_after(monkeypatch: pytest.MonkeyPatch, owner: type, attr: str, after: int) -> None:
+    """Make ``owner.attr`` raise from its ``after+1``-th call on."""
+    real = getattr(owner, attr)
+    count = [0]
+
+    def broken(*args: object, **kwargs: object) -> object:
+        count[0] += 1
+        if count[0] > after:
+            raise Fault(f"injected in {attr}")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, attr, broken)
+
+
+def _accumulating_step() -> list[torch.Tensor]:
+    model = _model()
+    opt = torch.optim.Adam(model.parameters())
+    for _ in range(2):
+        model(X).pow(2).sum().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.usefixtures("lenient")
+@pytest.mark.parametrize(("where", "after"), [
+    ("OptimizerMixin.close_step", 0), ("AutogradMixin._accumulator", 2), ("RecorderState._new_tensor", 20),
+    ("AutogradMixin._collect_nodes", 3), ("AutogradMixin._start_step", 1), ("AutogradMixin._grad_names", 5),
+    ("LeafGradsMixin._name_accumulated", 2), ("RecorderState._write_through_aliases", 0)])
+def test_a_fault_anywhere_in_the_recorder_leaves_the_result_and_a_loadable_trace(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, where: str, after: int) -> None:
+    from tracer.record import leaf_grads, optimizer, state
+
+    owners = {"OptimizerMixin": optimizer.OptimizerMixin, "AutogradMixin": autograd.AutogradMixin,
+              "RecorderState": state.RecorderState, "LeafGradsMixin": leaf_grads.LeafGradsMixin}
+    want = _accumulating_step()
+    cls, attr = where.split(".")
+    _fail_after(monkeypatch, owners[cls], attr, after)
+    with pytest.warns(RuntimeWarning, match="gradtrace failed while recording"), tracer.trace(hash="md5") as t:
+        got = _accumulating_step()
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert f"injected in {attr}" in t.notes[0]
+    _check(t, tmp_path)
