@@ -126,3 +126,28 @@ def test_a_model_called_by_its_own_name_is_the_root_even_inside_an_averaged_copy
         ema.update_parameters(model)
     assert {"0.weight", "2.bias", "0.weight@grad"} <= set(t.tensors)
     assert t.modules[""] == "Sequential"
+
+
+def _forward_keeping_locals(model: nn.Module, x: torch.Tensor) -> dict[str, object]:
+    kept = locals()  # the function's own namespace dict, held across the traced call
+    with tracer.trace(hash="none"):
+        model(x)
+    return kept
+
+
+def test_the_callers_locals_are_read_without_keeping_its_tensors_or_emptying_its_locals() -> None:
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3))
+    x = torch.randn(2, 3)
+    kept = _forward_keeping_locals(model, x)  # a dict the program holds is left whole
+    assert kept["model"] is model and kept["x"] is x
+    with tracer.trace(hash="none"):
+        y = torch.randn(2, 3)
+        model(y)  # this frame's locals are read here, y among them
+    ref = weakref.ref(y)
+    del y
+    gc.collect()
+    assert ref() is None  # and not kept alive by a snapshot of them

@@ -62,13 +62,20 @@ _SNAPSHOT_LOCALS = sys.version_info < (3, 13)
 _CO_OPTIMIZED = 0x1  # inspect.CO_OPTIMIZED: a function's frame, whose f_locals is a snapshot
 
 
+# References to a snapshot no one else holds: the frame's, frame_locals' own and getrefcount's
+# argument. The user's code holds it too when it kept what ``locals()`` returned (the same dict).
+_SNAPSHOT_ALONE = 3
+
+
 def frame_locals(frame: FrameType) -> dict[str, object]:
     """A copy of ``frame``'s locals that leaves nothing held by the frame: a function frame's
-    snapshot is emptied after the copy (the next ``locals()`` there fills it again); a module's
-    or class body's namespace is the real one and is left alone."""
+    snapshot is emptied after the copy (the next ``locals()`` there fills it again), unless the
+    function keeps it itself (``ns = locals()``: emptying it would change the program); a
+    module's or class body's namespace is the real one and is left alone."""
     snapshot = frame.f_locals
     values = dict(snapshot)
-    if _SNAPSHOT_LOCALS and frame.f_code.co_flags & _CO_OPTIMIZED and snapshot is not frame.f_globals:
+    if _SNAPSHOT_LOCALS and frame.f_code.co_flags & _CO_OPTIMIZED and snapshot is not frame.f_globals \
+            and sys.getrefcount(snapshot) <= _SNAPSHOT_ALONE:
         snapshot.clear()
     return values
 
