@@ -129,3 +129,26 @@ def test_reading_data_for_its_dtype_looks_for_no_model(monkeypatch) -> None:
         m(x).sum().backward()
     assert dtypes == {torch.float32} and searches == []
     assert _call(t, "linear0").inputs == ["input0", "0.weight", "0.bias"]
+
+
+def test_an_averaged_model_written_through_detached_aliases_keeps_its_names_on_the_new_values() -> None:
+    """AveragedModel copies into ``p.detach()`` on its first update and lerps lists of detached
+    parameters after: each write is a new version of the averaged parameter itself
+    (``swa.module.0.weight@v1``, ``@v2``), whose checksum is its bytes'; before, the parameter
+    took the alias's name and its own name stayed on the value before the write."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+    swa = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tracer.trace(hash="md5") as t:
+        for _ in range(2):
+            model(torch.randn(2, 3)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            swa.update_parameters(model)
+    for name, p in swa.module.named_parameters(prefix="swa.module"):
+        assert t.tensors[f"{name}@v2"].md5 == _md5(p), name  # copied, then averaged
+        assert f"{name}@v3" not in t.tensors
+        assert t.tensors[f"{name}@v1"].previous == name

@@ -151,3 +151,27 @@ def test_the_callers_locals_are_read_without_keeping_its_tensors_or_emptying_its
     del y
     gc.collect()
     assert ref() is None  # and not kept alive by a snapshot of them
+
+
+def test_an_ema_met_through_its_own_update_method_is_named_by_its_callers_variable() -> None:
+    """The EMA's parameters are first met inside ``ema.update(model)`` (its frame holds it as
+    ``self``): the name comes from the frame that called it."""
+    import copy
+
+    class ModelEma(nn.Module):
+        def __init__(self, model: nn.Module) -> None:
+            super().__init__()
+            self.module = copy.deepcopy(model).requires_grad_(False)
+
+        @torch.no_grad()
+        def update(self, model: nn.Module) -> None:
+            torch._foreach_lerp_(list(self.module.parameters()), list(model.parameters()), 0.1)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+    ema = ModelEma(model)
+    with tracer.trace(hash="none") as t:
+        model(torch.randn(2, 3)).sum().backward()
+        ema.update(model)
+    assert t.modules["ema"] == "ModelEma" and t.modules["ema.module.0"] == "Linear"
+    assert {"ema.module.0.weight", "ema.module.0.weight@v1", "0.weight"} <= set(t.tensors)

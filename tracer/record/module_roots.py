@@ -145,6 +145,30 @@ def name_in_caller(caller: Caller, module: torch.nn.Module) -> str | None:
     return None
 
 
+def name_in_callers(module: torch.nn.Module, depth: int, frames: int = 6) -> str | None:
+    """The name the nearest of the user's frames from ``depth`` outwards holds ``module`` by
+    (looking at ``frames`` of them at most): for a model met through one of its own methods
+    (an EMA's ``update(model)``, whose frame holds it as ``self``), its caller's ``ema``."""
+    try:
+        f: FrameType | None = sys._getframe(depth + 1)
+    except ValueError:
+        return None
+    seen = 0
+    for _ in range(_MAX_FRAMES + frames):
+        if f is None or seen >= frames:
+            return None
+        if not f.f_code.co_filename.startswith((_TORCH_DIR, _OWN_DIR)):
+            seen += 1
+            local_vars = frame_locals(f)
+            code = f.f_code
+            held_as = name_in_caller(Caller(local_vars, local_vars.get(code.co_varnames[0]) if code.co_argcount
+                                            else None), module)
+            if held_as is not None:
+                return held_as
+        f = f.f_back
+    return None
+
+
 def parameter_path(module: torch.nn.Module, prefix: str, p: torch.Tensor) -> str | None:
     """The path of parameter ``p`` in ``module`` (whose own path is ``prefix``), if it holds it."""
     for name, q in module.named_parameters(prefix=prefix, remove_duplicate=False):

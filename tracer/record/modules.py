@@ -105,11 +105,12 @@ class ModulesMixin(RecorderState):
         elif path in stack:
             self._pop_modules(len(stack) - 1 - stack[::-1].index(path))
 
-    def register_root_module(self, module: torch.nn.Module) -> None:
+    def register_root_module(self, module: torch.nn.Module, held_as: str | None = None) -> None:
         """Name modules, parameters and buffers from ``module`` down, as if it were called first
-        (a trainer's model, whose forward may never be called itself)."""
+        (a trainer's model, whose forward may never be called itself). ``held_as``: the name the
+        user's code holds it by, the prefix of a second root."""
         if module not in self._module_paths:
-            self._register_module(module)
+            self._register_root(module, None, held_as)
 
     def _register_module(self, module: torch.nn.Module, called_by: Caller | None = None) -> str:
         """Name ``module`` (and, for a root, its tree). ``called_by``: what the user's frame that
@@ -133,13 +134,15 @@ class ModulesMixin(RecorderState):
                     return held
         return self._register_root(module, called_by)
 
-    def _register_root(self, module: torch.nn.Module, called_by: Caller | None) -> str:
+    def _register_root(self, module: torch.nn.Module, called_by: Caller | None, held_as: str | None = None) -> str:
         """Name a root module's tree: from ``""`` for the first root (``named_parameters()``'s
-        names), else under the name its caller holds it by, else under its class."""
+        names), else under the name its caller holds it by (``held_as`` when known already),
+        else under its class."""
         cls = type(module).__name__
         prefix = ""
         if "" in self.trace.modules:
-            held_as = name_in_caller(called_by, module) if called_by is not None else None
+            if held_as is None and called_by is not None:
+                held_as = name_in_caller(called_by, module)
             prefix = held_as if held_as is not None and held_as not in self.trace.modules else cls
         k = 1
         while prefix in self.trace.modules and prefix:

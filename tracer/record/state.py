@@ -22,7 +22,7 @@ from tracer.record.checksums.hasher import Hasher
 from tracer.record.failsafe import failure_note, passes_on
 from tracer.record.identity import identity
 from tracer.record.listeners import Listener
-from tracer.record.module_roots import parameter_path, swaps_parameters
+from tracer.record.module_roots import name_in_callers, parameter_path, swaps_parameters
 from tracer.record.owners import constructing_a_module, needs_search, owning_root_module
 from tracer.record.stacks import StackTable
 from tracer.record.tensors import (
@@ -54,6 +54,8 @@ if TYPE_CHECKING:
 _TRACE_IDS = itertools.count()
 # Searches of the live objects for a parameter's model per trace (each one gc pass; see owners.py).
 MAX_OWNER_SEARCHES = 4
+# Roles whose values have a name of their own, kept through writes by any alias.
+_OWNED_ROLES = frozenset({"param", "buffer", "state"})
 
 
 class RecorderState:
@@ -463,7 +465,9 @@ class RecorderState:
             return False
         if root in self._module_paths:
             return self._name_replaced(root, self._module_paths[root], p)
-        self.register_root_module(root)
+        # A second model (an EMA updated after the trained model's step) under the name the
+        # user's code holds it by.
+        self.register_root_module(root, name_in_callers(root, 1) if "" in self.trace.modules else None)
         return p in self._named
 
     def _name_replaced(self, module: torch.nn.Module, prefix: str, p: torch.Tensor) -> bool:
@@ -570,7 +574,17 @@ class RecorderState:
                     continue
                 done.add(k)
                 if same_view(o, t):  # the same bytes seen through another tensor object
-                    self._tensor_names[o] = (new, version_of(o))
+                    old = self.trace.tensors.get(hit[0])
+                    own = self._base_name(hit[0])
+                    if old is not None and old.role in _OWNED_ROLES and self._base_name(new) != own:
+                        # A parameter, buffer or optimizer state written through a detached
+                        # alias (an EMA's foreach update of ``p.detach()`` lists, AveragedModel's
+                        # first copy): its own next version, with the written value's checksum;
+                        # else its name would stay on the value before the write.
+                        self._new_tensor(o, self._bump(own), old.role, call, previous=hit[0],
+                                         same_as=self.trace.tensors.get(new))
+                    else:
+                        self._tensor_names[o] = (new, version_of(o))
                 else:
                     old = self.trace.tensors.get(hit[0])
                     role = old.role if old is not None else "input"
@@ -600,7 +614,7 @@ class RecorderState:
         def _collect_nodes(self, root: Any, seq0: int | None, seq1: int | None, call: str, stack_id: int | None,
                            out: list[str], local_kinds: dict[str, int]) -> str | None: ...
         def _install_module_hooks(self) -> None: ...
-        def register_root_module(self, module: torch.nn.Module) -> None: ...
+        def register_root_module(self, module: torch.nn.Module, held_as: str | None = None) -> None: ...
         def _remove_module_hooks(self) -> None: ...
         def _name_leaf_grad(self, t: torch.Tensor, version: int) -> str | None: ...
         def _module_backward_hooks(self) -> bool: ...
