@@ -14,9 +14,10 @@ trace and model): no search over the live objects."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from types import FrameType
 from typing import NamedTuple
 
@@ -36,22 +37,33 @@ class Caller(NamedTuple):
     bound: object
 
 
-def caller(depth: int) -> Caller | None:
-    """The innermost frame from ``depth`` outwards that is neither torch's nor gradtrace's, read
-    once."""
+def _user_frames(f: FrameType | None) -> Iterator[Caller]:
+    """What each of the user's frames from ``f`` outwards holds, innermost first: torch's and
+    gradtrace's frames are skipped, and after ``_MAX_FRAMES`` of those in a row the walk ends."""
+    skipped = 0
+    while f is not None and skipped < _MAX_FRAMES:
+        code = f.f_code
+        if code.co_filename.startswith((_TORCH_DIR, _OWN_DIR)):
+            skipped += 1
+        else:
+            skipped = 0
+            local_vars = frame_locals(f)
+            yield Caller(local_vars, local_vars.get(code.co_varnames[0]) if code.co_argcount else None)
+        f = f.f_back
+
+
+def _frame(depth: int) -> FrameType | None:
+    """The frame ``depth`` levels above the caller of the caller of this function."""
     try:
-        f: FrameType | None = sys._getframe(depth + 1)
+        return sys._getframe(depth + 2)
     except ValueError:
         return None
-    for _ in range(_MAX_FRAMES):
-        if f is None:
-            return None
-        if not f.f_code.co_filename.startswith((_TORCH_DIR, _OWN_DIR)):
-            local_vars = frame_locals(f)
-            code = f.f_code
-            return Caller(local_vars, local_vars.get(code.co_varnames[0]) if code.co_argcount else None)
-        f = f.f_back
-    return None
+
+
+def caller(depth: int) -> Caller | None:
+    """The innermost of the user's frames from ``depth`` outwards (torch's and gradtrace's
+    skipped), read once."""
+    return next(_user_frames(_frame(depth)), None)
 
 
 # A function's frame keeps the dict ``f_locals`` returns, a snapshot of its locals, until the
@@ -149,23 +161,10 @@ def name_in_callers(module: torch.nn.Module, depth: int, frames: int = 6) -> str
     """The name the nearest of the user's frames from ``depth`` outwards holds ``module`` by
     (looking at ``frames`` of them at most): for a model met through one of its own methods
     (an EMA's ``update(model)``, whose frame holds it as ``self``), its caller's ``ema``."""
-    try:
-        f: FrameType | None = sys._getframe(depth + 1)
-    except ValueError:
-        return None
-    seen = 0
-    for _ in range(_MAX_FRAMES + frames):
-        if f is None or seen >= frames:
-            return None
-        if not f.f_code.co_filename.startswith((_TORCH_DIR, _OWN_DIR)):
-            seen += 1
-            local_vars = frame_locals(f)
-            code = f.f_code
-            held_as = name_in_caller(Caller(local_vars, local_vars.get(code.co_varnames[0]) if code.co_argcount
-                                            else None), module)
-            if held_as is not None:
-                return held_as
-        f = f.f_back
+    for held in itertools.islice(_user_frames(_frame(depth)), frames):
+        held_as = name_in_caller(held, module)
+        if held_as is not None:
+            return held_as
     return None
 
 
