@@ -6,6 +6,7 @@ model, which meets the copy's modules half-built."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 from pathlib import Path
@@ -89,3 +90,34 @@ def test_a_model_copied_inside_the_block_leaves_the_program_running() -> None:
             out = frozen(x)
     assert out.shape == (4, 2) and t.status == "ok"
     assert {"0.weight", "0.weight@v1", "2.bias@v1"} <= set(t.tensors)
+
+
+def test_lazy_modules_materialised_in_the_block() -> None:
+    # A lazy module's first forward gives its UninitializedParameter real bytes (``.data =``);
+    # reading that parameter's address raised into the program before the first forward ran.
+    def train(traced: bool) -> tuple[nn.Module, tracer.Trace | None]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.LazyLinear(6), nn.LazyBatchNorm1d(), nn.ReLU(), nn.LazyLinear(1))
+        x = torch.randn(4, 5)
+        with tracer.trace(hash="md5") if traced else contextlib.nullcontext() as t:
+            opt = None
+            for _ in range(2):
+                loss = model(x).sum()
+                if opt is None:  # (parameters exist once the first forward made them)
+                    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+        return model, t
+
+    plain, _ = train(traced=False)
+    model, t = train(traced=True)
+    assert t is not None
+    materialise = [c for c in t.calls if c.api == "Tensor.data="]
+    assert [c.inputs[0] for c in materialise][:2] == ["0.weight", "0.bias"]
+    assert [c.mutated for c in materialise][:2] == [["0.weight@v1"], ["0.bias@v1"]]
+    for (name, p), (_, q) in zip([*model.named_parameters(), *model.named_buffers()],
+                                 [*plain.named_parameters(), *plain.named_buffers()]):
+        assert torch.equal(p, q), name
+        last = max((r for n, r in t.tensors.items() if n.split("@v")[0] == name), key=lambda r: r.seq)
+        assert last.md5 == _md5(p), name

@@ -177,8 +177,8 @@ def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     try:
         return a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape \
             and a.stride() == b.stride()
-    except (RuntimeError, NotImplementedError):
-        return False
+    except (RuntimeError, NotImplementedError, ValueError):  # (ValueError: a lazy module's
+        return False  # uninitialised parameter, whose first ``.data =`` materialises it)
 
 
 def same_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
