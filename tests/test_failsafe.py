@@ -161,3 +161,30 @@ def test_a_fault_anywhere_in_the_recorder_leaves_the_result_and_a_loadable_trace
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert f"injected in {attr}" in t.notes[0]
     _check(t, tmp_path)
+
+
+@pytest.mark.usefixtures("lenient")
+@pytest.mark.parametrize("where", ["same_view", "describe"])
+def test_a_fault_before_a_call_is_recorded_leaves_the_call(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                           where: str) -> None:
+    # Two checks that run in the mode's handler before record_call's own guard: whether a
+    # ``.data =`` changes anything (a lazy module's first forward made it raise), and the
+    # description of a torch function met for the first time.
+    from tracer.record import recorder
+
+    def materialise_and_step() -> list[torch.Tensor]:
+        model = _model()
+        for p in model.parameters():
+            p.data = p.data.clone()
+        return _step(model)
+
+    want = materialise_and_step()
+    if where == "same_view":
+        _fail_after(monkeypatch, recorder, "same_view", 0)  # type: ignore[arg-type]
+    else:
+        _fail_after(monkeypatch, naming.ApiNames, "describe", 0)
+    with pytest.warns(RuntimeWarning, match="gradtrace failed while recording"), tracer.trace(hash="md5") as t:
+        got = materialise_and_step()
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert f"injected in {where}" in t.notes[0]
+    _check(t, tmp_path)

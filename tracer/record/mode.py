@@ -74,7 +74,13 @@ class RecordingMode(TorchFunctionMode):
             hit = rec.api.cache.get(func)
         except TypeError:  # an unhashable callable
             hit = None
-        api, short, kind, writes = hit if hit is not None else rec.api.describe(func)
+        if hit is None:
+            try:
+                hit = rec.api.describe(func)
+            except Exception as exc:  # gradtrace's own fault: see tracer.record.failsafe
+                rec.recorder_failed(exc)
+                return func(*args, **kwargs)
+        api, short, kind, writes = hit
         if kind == "skip":
             return func(*args, **kwargs)
         if kind == "grad_alias" or kind == "data_alias":

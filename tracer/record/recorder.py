@@ -281,8 +281,13 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin):
         dtype it has already) changes nothing and is not recorded."""
         target = args[0] if args else None
         value = args[1] if len(args) > 1 else None
-        if not isinstance(target, torch.Tensor) or not isinstance(value, torch.Tensor) or value is target \
-                or same_view(target, value):
+        try:
+            unchanged = not isinstance(target, torch.Tensor) or not isinstance(value, torch.Tensor) \
+                or value is target or same_view(target, value)
+        except Exception as exc:  # gradtrace's own fault: see tracer.record.failsafe
+            self.recorder_failed(exc)
+            return func(*args, **kwargs)
+        if unchanged:
             return func(*args, **kwargs)
         return self.record_call(func, api, short, "op", args, kwargs, writes)
 
