@@ -7,12 +7,15 @@ function of the trace data: it works on a live trace and on a loaded file alike.
 NaN and Inf are hunted separately, because ``-inf`` is ordinary data in attention
 (``masked_fill(mask, -inf)``, ``where(m, x, -inf)``) while a NaN almost never is. An Inf written
 from a constant argument (an ``inf`` among the call's non-tensor arguments) is **intended**, and
-so is one that only carries intended Infs on; intended Infs are counted, never reported, and never
-hide a NaN. Every other Inf is reported like a NaN.
+so is one that only carries intended Infs on (``carries_intended_inf``: no more of them than the
+inputs bring, and not reduced into one element); intended Infs are counted, never reported, and
+never hide a NaN. Every other Inf is reported like a NaN.
 
 The **origin** of a NaN is the first record whose outputs hold NaN while none of its inputs did:
-the op that made it (an Inf among its inputs is allowed: ``inf - inf``). The origin of an Inf is
-the first record whose outputs hold an unintended Inf while its inputs held none. When the inputs
+the op that made it (an intended Inf among its inputs is allowed: ``-inf - -inf``; an unintended
+one is where the NaN came from). The origin of an Inf is the first record whose outputs hold an
+unintended Inf while its inputs held none (an intended one beside it does not count). Of a
+phase's first NaN and first Inf, the one made first is its headline. When the inputs
 already held the bad value (they came from outside the block, or an earlier phase) the first
 record is a **propagation** and the report says so. Later records holding the same kind of bad
 value are counted as contaminated, per module.
@@ -24,6 +27,7 @@ before the node's outputs; so the innermost op, with its line, is the one named.
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -31,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tracer.analysis import reprs
-from tracer.model import Call, Frame, GradNode, NodeRun, TensorRecord, Trace, install_view
+from tracer.model import BackwardRun, Call, Frame, GradNode, NodeRun, TensorRecord, Trace, install_view
 from tracer.model.display import all_finite, plural
 from tracer.model.frames import stack_lines
 from tracer.options import RaisedOnPurpose
@@ -67,6 +71,9 @@ class Anomaly:
     # An optimizer step made it from finite parameters and gradients, and its state (exp_avg...)
     # was not checked (a trace whose header says optimizer_state: false): it may come from there.
     state_unchecked: bool = False
+    # Position among the phase's non-finite records (which of the first NaN and the first Inf
+    # came first); not in the JSON, the analysis computes it again from the trace.
+    order: int = field(default=0, compare=False)
 
     @property
     def what(self) -> str:
@@ -194,17 +201,18 @@ class NumericsReport:
 
     @property
     def forward(self) -> Anomaly | None:
-        """The forward anomaly that matters most: the first NaN, else the first Inf."""
-        return self.forward_nan or self.forward_inf
+        """The forward anomaly that matters most: the first non-finite value made, NaN or Inf
+        (an unintended Inf that later turns into NaN, ``inf - inf``, is where it started)."""
+        return _first(self.forward_nan, self.forward_inf)
 
     @property
     def backward(self) -> Anomaly | None:
-        return self.backward_nan or self.backward_inf
+        return _first(self.backward_nan, self.backward_inf)
 
     def anomalies(self) -> list[Anomaly]:
-        """Every anomaly found, forward first, NaN before Inf."""
-        return [a for a in (self.forward_nan, self.forward_inf, self.backward_nan, self.backward_inf)
-                if a is not None]
+        """Every anomaly found, forward first, each phase's in the order they were made."""
+        return [a for pair in ((self.forward_nan, self.forward_inf), (self.backward_nan, self.backward_inf))
+                for a in _in_order(*pair)]
 
     @property
     def clean(self) -> bool:
@@ -222,7 +230,7 @@ class NumericsReport:
         parts = []
         for phase, found in (("forward", (self.forward_nan, self.forward_inf)),
                              ("backward", (self.backward_nan, self.backward_inf))):
-            present = [a.describe(full, all_frames) for a in found if a is not None]
+            present = [a.describe(full, all_frames) for a in _in_order(*found)]
             parts += present or [f"{phase}: no NaN, no unintended Inf"]
         if tail:
             parts.append(tail.strip(" ()"))
@@ -253,9 +261,44 @@ class NumericsReport:
                 "scaler_overflows": [o.to_json() for o in self.scaler_overflows]}
 
 
+def _in_order(nan: Anomaly | None, inf: Anomaly | None) -> list[Anomaly]:
+    """A phase's first NaN and first Inf, the one made first before the other."""
+    found = [a for a in (nan, inf) if a is not None]
+    return sorted(found, key=lambda a: a.order)
+
+
+def _first(nan: Anomaly | None, inf: Anomaly | None) -> Anomaly | None:
+    found = _in_order(nan, inf)
+    return found[0] if found else None
+
+
 def has_inf_constant(args: str) -> bool:
     """Whether a call's argument text holds an infinite constant (``masked_fill(m, -inf)``)."""
     return "inf" in args and _INF_CONSTANT.search(args) is not None
+
+
+def carries_intended_inf(outs: list[tuple[int, int]], ins: list[tuple[int, int, bool]]) -> bool:
+    """Whether a call whose outputs hold Infs only carries intended Infs of its inputs on.
+
+    ``outs``: (Inf count, elements) of each output holding an Inf; ``ins``: (Inf count, elements,
+    intended) of each input holding one. Every such input must be intended, no output may hold
+    more Infs than its inputs bring (each input's count times how many times the output is
+    larger: broadcasting a mask over heads), and no output may be a single element made from a
+    larger input: a reduction that yields Inf did not drop the masked values (a loss of +inf
+    from a target whose logit was masked, ``-masked.sum()``). Shared by the analysis and the
+    ``raise_on_nonfinite`` guard, so both call the same Infs intended."""
+    if not ins or not all(intended for _, _, intended in ins):
+        return False
+    for inf, numel in outs:
+        if numel == 1 and any(n > 1 for _, n, _ in ins):
+            return False
+        if inf > sum(count * max(1, numel // max(n, 1)) for count, n, _ in ins):
+            return False
+    return True
+
+
+def _numel(rec: TensorRecord) -> int:
+    return math.prod(rec.shape)
 
 
 def _nan(rec: TensorRecord | None) -> int:
@@ -278,15 +321,18 @@ class _Hunt:
         self.frames_of = frames_of
         self.first: dict[str, Anomaly] = {}
         self.counts: dict[str, Counter[str]] = {"nan": Counter(), "inf": Counter()}
+        self.seen = 0  # non-finite records met so far
 
     def stack(self, stack_id: int | None, recorded: tuple[Frame, ...]) -> tuple[Frame, ...]:
         return self.frames_of(stack_id) if self.frames_of is not None and not recorded else recorded
 
     def see(self, kind: str, module: str, make: Callable[[], Anomaly]) -> None:
+        self.seen += 1
         if kind in self.first:
             self.counts[kind][module] += 1
         else:
-            self.first[kind] = make()
+            a = self.first[kind] = make()
+            a.order = self.seen
 
     def result(self) -> tuple[Anomaly | None, Anomaly | None]:
         for kind, a in self.first.items():
@@ -341,7 +387,9 @@ def _check_call(hunt: _Hunt, trace: Trace, call: Call, intended: set[str], node:
     inf_out = [o for o in outs if _inf(tensors[o])]
     if inf_out:
         inf_in = [i for i in call.inputs if _inf(tensors.get(i))]
-        if has_inf_constant(call.args) or (inf_in and all(i in intended for i in inf_in)):
+        if has_inf_constant(call.args) or carries_intended_inf(
+                [(_inf(tensors[o]), _numel(tensors[o])) for o in inf_out],
+                [(_inf(tensors[i]), _numel(tensors[i]), i in intended) for i in inf_in]):
             intended.update(inf_out)
             inf_out = []
     for kind, bad_out, count in (("nan", nan_out, _nan), ("inf", inf_out, _inf)):
@@ -352,7 +400,11 @@ def _check_call(hunt: _Hunt, trace: Trace, call: Call, intended: set[str], node:
                  kind: str = kind) -> Anomaly:
             rec = tensors[bad_out[0]]
             assert rec.stats is not None
-            bad_in = [i for i in call.inputs if count(tensors.get(i))]
+            # A NaN made from an unintended Inf (inf - inf, inf * 0) started with that Inf.
+            # An intended Inf among the inputs of an unintended one (an overflow next to a -inf
+            # mask, a loss that kept a masked logit) is not where it came from.
+            bad_in = [i for i in call.inputs if (count(tensors.get(i)) and not (kind == "inf" and i in intended))
+                      or (kind == "nan" and i not in intended and _inf(tensors.get(i)))]
             return Anomaly(hunt.phase, rec.name, call.name, call.api, call.module, not bad_in, rec.stats.nan,
                            rec.stats.inf, hunt.stack(call.stack_id, call.stack), bad_in, kind=kind, node=node,
                            backward_run=backward_run,
@@ -390,31 +442,57 @@ def _backward(trace: Trace, calls: dict[str, Call], children: dict[str, list[Cal
     nodes = {n.name: n for n in trace.grad_nodes}
     hunt = _Hunt("backward", frames_of)
     hooked: set[str] = set()  # nodes whose hooks' calls were checked
+    # A run a node's own code started (autograd.grad in a custom backward) ran inside that
+    # node's step: walked there, before the node's outputs, not after the run it ran in.
+    nested: dict[str, list[BackwardRun]] = {}
     for run in trace.backward_runs:
+        if run.parent is not None and run.parent in nodes:
+            nested.setdefault(run.parent, []).append(run)
+    walked: set[str] = set()
+
+    def walk(run: BackwardRun) -> None:
+        walked.add(run.name)
         for step in run.steps:
-            node = nodes.get(step.node)
-            call = calls.get(node.call) if node is not None and node.call else None
-            module = call.module if call is not None else ""
-            # The node's hooks ran first (a tensor hook on its forward output, a hook on a leaf):
-            # their calls belong to the node without being its own code. (A node that runs in
-            # several backward runs has its hooks' calls checked at its first run.)
-            inner = [calls[c] for c in step.calls if c in calls]
-            if step.node not in hooked:
-                hooked.add(step.node)
-                own = set(step.calls)
-                inner[:0] = [c for c in children.get(step.node, ()) if c.name not in own]
-            # Then the node's own code (a custom backward): the innermost op is the origin.
-            for c in _post_order(inner, children):
-                _check_call(hunt, trace, c, intended, node=step.node, backward_run=run.name)
-            _check_step(hunt, trace, run.name, step, node, call, module, frames_of)
+            for sub in nested.pop(step.node, ()):
+                walk(sub)
+            _walk_step(hunt, trace, calls, children, intended, nodes, hooked, run, step, frames_of)
+
+    for run in trace.backward_runs:
+        if run.name not in walked and (run.parent is None or run.parent not in nodes):
+            walk(run)
+    for run in trace.backward_runs:  # (a parent whose step was not recorded)
+        if run.name not in walked:
+            walk(run)
     return hunt.result()
 
 
+def _walk_step(hunt: _Hunt, trace: Trace, calls: dict[str, Call], children: dict[str, list[Call]],
+               intended: set[str], nodes: dict[str, GradNode], hooked: set[str], run: BackwardRun,
+               step: NodeRun, frames_of: FramesOf | None) -> None:
+    """One node's run: its hooks' calls, its own code's calls, then what it produced."""
+    node = nodes.get(step.node)
+    call = calls.get(node.call) if node is not None and node.call else None
+    module = call.module if call is not None else ""
+    # The node's hooks ran first (a tensor hook on its forward output, a hook on a leaf):
+    # their calls belong to the node without being its own code. (A node that runs in
+    # several backward runs has its hooks' calls checked at its first run.)
+    inner = [calls[c] for c in step.calls if c in calls]
+    if step.node not in hooked:
+        hooked.add(step.node)
+        own = set(step.calls)
+        inner[:0] = [c for c in children.get(step.node, ()) if c.name not in own]
+    # Then the node's own code (a custom backward): the innermost op is the origin.
+    for c in _post_order(inner, children):
+        _check_call(hunt, trace, c, intended, node=step.node, backward_run=run.name)
+    _check_step(hunt, trace, run.name, step, node, call, module, frames_of, intended)
+
+
 def _check_step(hunt: _Hunt, trace: Trace, run: str, step: NodeRun, node: GradNode | None, call: Call | None,
-                module: str, frames_of: FramesOf | None) -> None:
+                module: str, frames_of: FramesOf | None, intended: set[str]) -> None:
     tensors = trace.tensors
     for kind, count in (("nan", _nan), ("inf", _inf)):
-        bad_in = [g for g in step.grads_in if g is not None and count(tensors.get(g))]
+        bad_in = [g for g in step.grads_in if g is not None and (
+            count(tensors.get(g)) or (kind == "nan" and g not in intended and _inf(tensors.get(g))))]
         bad_out = [g for g in step.grads_out if g is not None and count(tensors.get(g))]
         # An accumulator (no outputs) that received a bad gradient still shows where it ended.
         if not bad_out and not (bad_in and kind not in hunt.first and not step.grads_out):

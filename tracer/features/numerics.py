@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
-from tracer.analysis.numerics import NonFiniteError, find_anomalies, has_inf_constant
+from tracer.analysis.numerics import NonFiniteError, carries_intended_inf, find_anomalies, has_inf_constant
 from tracer.model import Trace
 from tracer.record.dispatch_modes import past_dispatch_modes
 from tracer.record.listeners import Listener
@@ -54,13 +55,27 @@ class NonFiniteGuard(Listener):
     def on_call(self, trace: Trace, call: Any, token: Any, outputs: list[torch.Tensor]) -> None:
         with torch._C.DisableTorchFunction():
             nan, inf = self._nonfinite(outputs)
-        if inf and not nan and (has_inf_constant(call.args) or any(i in self._intended for i in call.inputs)):
-            # An Inf from a constant, or carried on from one (any other Inf among the inputs
-            # would have stopped the run where it was made).
+        if inf and not nan and (has_inf_constant(call.args) or self._carries_intended(trace, call)):
+            # An Inf from a constant, or carried on from one.
             self._intended.update([*call.outputs, *call.mutated])
             return
         if nan or inf:
             self._raise(trace, call.phase)
+
+    def _carries_intended(self, trace: Trace, call: Any) -> bool:
+        """Whether the call's Infs only carry intended ones on, by the analysis's rule
+        (``carries_intended_inf``), from the counts in the records' stats: read now (a wait for
+        the checksums queued so far, paid only by a call that made an Inf)."""
+        self._recorder.hasher.drain(wait=True)
+        tensors = trace.tensors
+        outs = [(r.stats.inf, math.prod(r.shape)) for o in [*call.outputs, *call.mutated]
+                if (r := tensors.get(o)) is not None and r.producer == call.name and r.stats is not None
+                and r.stats.inf]
+        if not outs:  # no stats for them (a kind that is not hashed): carried on from any intended input
+            return any(i in self._intended for i in call.inputs)
+        ins = [(r.stats.inf, math.prod(r.shape), i in self._intended) for i in call.inputs
+               if (r := tensors.get(i)) is not None and r.stats is not None and r.stats.inf]
+        return carries_intended_inf(outs, ins)
 
     def on_node_end(self, trace: Trace, node: str, step: Any, grads: tuple[Any, ...]) -> None:
         with torch._C.DisableTorchFunction():

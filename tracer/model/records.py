@@ -365,6 +365,9 @@ class BackwardRun:
     error: str | None = None
     seq: int = 0
     stack: tuple[Frame, ...] = field(default=(), compare=False, repr=False)
+    # The grad node whose own code started this run (``torch.autograd.grad`` inside a custom
+    # backward, reentrant checkpointing): its steps ran inside that node's.
+    parent: str | None = None
 
     @property
     def order(self) -> list[str]:
@@ -379,11 +382,14 @@ class BackwardRun:
         return reprs.backward_html(self)
 
     def to_json(self) -> dict[str, Any]:
-        return {"t": "backward", "name": self.name, "api": self.api, "roots": self.roots,
-                "stack": self.stack_id, "outputs": self.outputs, "status": self.status,
-                "error": self.error, "seq": self.seq,
-                "steps": [[s.node, s.grads_in, s.grads_out, s.calls] if s.calls else [s.node, s.grads_in, s.grads_out]
-                          for s in self.steps]}
+        out = {"t": "backward", "name": self.name, "api": self.api, "roots": self.roots,
+               "stack": self.stack_id, "outputs": self.outputs, "status": self.status,
+               "error": self.error, "seq": self.seq,
+               "steps": [[s.node, s.grads_in, s.grads_out, s.calls] if s.calls else [s.node, s.grads_in, s.grads_out]
+                         for s in self.steps]}
+        if self.parent is not None:
+            out["parent"] = self.parent
+        return out
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> BackwardRun:
@@ -404,7 +410,7 @@ class BackwardRun:
         return cls(name=_str(d, "name"), api=_str(d, "api"), roots=_strs(d, "roots"),
                    stack_id=_opt_int(d, "stack"), steps=steps, outputs=_strs(d, "outputs"),
                    status=_choice(d, "status", RUN_STATUSES, "ok"), error=_opt_str(d, "error"),
-                   seq=_int(d, "seq"))
+                   seq=_int(d, "seq"), parent=_opt_str(d, "parent"))
 
 
 Record = Call | GradNode | TensorRecord | BackwardRun

@@ -350,8 +350,11 @@ class AutogradMixin(LeafGradsMixin):
             first = args[0] if args else kwargs.get("tensors", kwargs.get("outputs"))
             roots = [self.name_of(t) for t in unique(flat_tensors(first))]
             stack_id = self.stack_table.capture() if self.stack_table is not None else None
+            # Started by a running node's own code (autograd.grad in a custom backward): its parent.
+            parent = self._running[-1] if self._running else (self._engine_node() if self._in_backward else None)
             run = BackwardRun(name=self.counters.next("grad" if api.endswith(".grad") else "backward"),
-                              api=api, roots=roots, stack_id=stack_id, seq=len(self.trace.backward_runs))
+                              api=api, roots=roots, stack_id=stack_id, seq=len(self.trace.backward_runs),
+                              parent=parent)
             self._run_index = run.seq  # gradients of the k-th run are named ...#k
             self._run = run
             self.trace.backward_runs.append(run)
