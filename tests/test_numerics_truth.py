@@ -208,3 +208,44 @@ def test_the_rule_for_infs_carried_on() -> None:
     assert carries_intended_inf([(1, 1)], [(1, 1, True)])  # a scalar carried on
     assert not carries_intended_inf([(2, 4)], [(2, 4, True), (1, 4, False)])  # an unintended input
     assert not carries_intended_inf([(2, 4)], [])  # from finite inputs
+
+
+def test_values_that_no_later_value_keeps_are_not_anomalies() -> None:
+    # T5's relative position buckets: log(0) = -inf, cast to integers, then where() throws it
+    # away. And the idiom where(x > 0, log(x), 0). Made, never kept: not reported (counted).
+    import transformers as tf
+
+    torch.manual_seed(0)
+    t5 = tf.T5ForConditionalGeneration(tf.T5Config(num_layers=1, num_decoder_layers=1, d_model=16, d_ff=32,
+                                                   d_kv=8, num_heads=2, vocab_size=50, decoder_start_token_id=0,
+                                                   pad_token_id=0))
+    ids = torch.randint(1, 50, (2, 6))
+    with tracer.check_numerics() as t:
+        t5(input_ids=ids, labels=ids).loss.backward()
+    report = t.anomalies
+    assert report.clean and report.dropped >= 3  # log, div, mul of each attention's buckets
+    assert str(report).startswith(f"numerics: no NaN or Inf kept among {report.checked} checked tensors")
+    assert report.to_json()["dropped"] == report.dropped
+
+    x = torch.tensor([2.0, -1.0, 0.5, -3.0], requires_grad=True)
+    with tracer.check_numerics() as t:
+        y = torch.where(x > 0, torch.log(x), 0.0)
+        y.sum().backward()
+    assert t.anomalies.clean and t.anomalies.dropped == 1
+
+    def kept() -> None:
+        z = torch.exp(torch.log(x.detach() - 1))  # log's NaN reaches exp's output: kept
+        z.sum()
+
+    with tracer.check_numerics() as t:
+        kept()
+    a = t.anomalies.forward
+    assert a is not None and (a.producer, a.origin) == ("log0", True) and t.anomalies.dropped == 0
+
+
+def test_raise_mode_stops_where_a_value_is_made_even_one_dropped_later() -> None:
+    # Documented: raise_on_nonfinite cannot see ahead; it stops at log(0) in T5's buckets.
+    x = torch.tensor([2.0, 0.0])
+    with pytest.raises(tracer.NonFiniteError) as info, tracer.check_numerics(raise_on_nonfinite=True):
+        torch.log(x).to(torch.long)
+    assert info.value.anomaly.producer == "log0"

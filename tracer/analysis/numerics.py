@@ -195,6 +195,8 @@ class NumericsReport:
     checked: int  # tensors whose stats were available
     unchecked: int  # tensors without stats (not hashed: meta, sparse, uninitialised...; or stats off)
     intended_inf: int = 0
+    # Values with NaN/Inf that no later value keeps (``dropped_values``): not reported.
+    dropped: int = 0
     # GradScaler steps that found NaN/Inf and skipped the optimizer step (what the anomalies
     # may be: an overflow of the loss scale, which the scaler handles).
     scaler_overflows: list[ScalerOverflow] = field(default_factory=list)
@@ -223,17 +225,23 @@ class NumericsReport:
         that a phase was clean; ``full``/``all_frames`` as for ``Anomaly.describe``."""
         if self.checked == 0:
             return "numerics: no tensor stats in this trace (record with check_numerics=True)"
-        tail = f" ({plural(self.intended_inf, 'record')} with an intended Inf, e.g. -inf attention masks)" \
-            if self.intended_inf else ""
+        notes = []
+        if self.intended_inf:
+            notes.append(f"{plural(self.intended_inf, 'record')} with an intended Inf, e.g. -inf attention masks")
+        if self.dropped:
+            notes.append(f"{plural(self.dropped, 'record')} with NaN/Inf that no later value keeps: "
+                         "cast to integers or selected away")
+        tail = f" ({'; '.join(notes)})" if notes else ""
         if self.clean:
+            if self.dropped:
+                return f"numerics: no NaN or Inf kept among {self.checked} checked tensors{tail}"
             return f"numerics: {all_finite(self.checked)}{tail}"
         parts = []
         for phase, found in (("forward", (self.forward_nan, self.forward_inf)),
                              ("backward", (self.backward_nan, self.backward_inf))):
             present = [a.describe(full, all_frames) for a in _in_order(*found)]
             parts += present or [f"{phase}: no NaN, no unintended Inf"]
-        if tail:
-            parts.append(tail.strip(" ()"))
+        parts += notes
         parts += [o.describe() for o in self.scaler_overflows]
         return "\n".join(parts)
 
@@ -257,7 +265,8 @@ class NumericsReport:
         return {"forward": j(self.forward), "backward": j(self.backward),
                 "forward_nan": j(self.forward_nan), "forward_inf": j(self.forward_inf),
                 "backward_nan": j(self.backward_nan), "backward_inf": j(self.backward_inf),
-                "intended_inf": self.intended_inf, "checked": self.checked, "unchecked": self.unchecked,
+                "intended_inf": self.intended_inf, "dropped": self.dropped, "checked": self.checked,
+                "unchecked": self.unchecked,
                 "scaler_overflows": [o.to_json() for o in self.scaler_overflows]}
 
 
@@ -316,9 +325,10 @@ def _bad(rec: TensorRecord | None) -> bool:
 class _Hunt:
     """The first NaN and first unintended Inf of one phase, and what came after each."""
 
-    def __init__(self, phase: str, frames_of: FramesOf | None) -> None:
+    def __init__(self, phase: str, frames_of: FramesOf | None, dropped: set[str]) -> None:
         self.phase = phase
         self.frames_of = frames_of
+        self.dropped = dropped  # values no later value keeps (dropped_values): not anomalies
         self.first: dict[str, Anomaly] = {}
         self.counts: dict[str, Counter[str]] = {"nan": Counter(), "inf": Counter()}
         self.seen = 0  # non-finite records met so far
@@ -363,10 +373,58 @@ def find_anomalies(trace: Trace, frames_of: FramesOf | None = None) -> NumericsR
         if c.parent is not None:
             children.setdefault(c.parent, []).append(c)
     intended: set[str] = set()
-    fwd = _forward(trace, calls, children, intended, frames_of)
-    bwd = _backward(trace, calls, children, intended, frames_of)
+    dropped = dropped_values(trace)
+    fwd = _forward(trace, calls, children, intended, frames_of, dropped)
+    bwd = _backward(trace, calls, children, intended, frames_of, dropped)
     return NumericsReport(*fwd, *bwd, checked, len(tensors) - checked, intended_inf=len(intended),
-                          scaler_overflows=scaler_overflows(trace))
+                          scaler_overflows=scaler_overflows(trace), dropped=len(dropped))
+
+
+# Calls that keep some elements of a value and replace the others: a NaN or Inf in the replaced
+# ones is gone (``torch.where(x > 0, torch.log(x), 0)``).
+_SELECTING = frozenset({"torch.where", "Tensor.where", "torch.nan_to_num", "Tensor.nan_to_num",
+                        "Tensor.nan_to_num_", "torch.masked_fill", "Tensor.masked_fill", "Tensor.masked_fill_"})
+_FLOATING = ("float", "bfloat", "complex")
+_MAX_DEPTH = 64  # calls a dropped value may pass through first (deeper chains are reported)
+
+
+def dropped_values(trace: Trace) -> set[str]:
+    """The NaN/Inf-holding values that no later value keeps: every call that reads one makes
+    only integer or boolean values (a cast, a comparison), finite values by selection
+    (``where``, ``nan_to_num``, ``masked_fill``), or values that are dropped in turn. T5's
+    relative position buckets take ``log(0) = -inf`` and cast it to integers, which ``where``
+    then discards: made, never used. A value nothing reads (a loss) is not dropped."""
+    tensors = trace.tensors
+    readers: dict[str, list[Call]] = {}
+    for c in trace.calls:
+        for i in c.inputs:
+            readers.setdefault(i, []).append(c)
+    memo: dict[str, bool] = {}
+
+    def dropped(name: str, depth: int) -> bool:
+        if name not in memo:
+            memo[name] = False  # (while it is being decided)
+            users = readers.get(name, [])
+            memo[name] = bool(users) and depth < _MAX_DEPTH and all(drops(c, depth) for c in users)
+        return memo[name]
+
+    def drops(c: Call, depth: int) -> bool:
+        for o in [*c.outputs, *c.mutated]:
+            r = tensors.get(o)
+            if r is None or r.stats is None:
+                return False
+            if not r.dtype.startswith(_FLOATING):
+                continue
+            if not (r.stats.nan or r.stats.inf):
+                if c.api in _SELECTING:
+                    continue
+                return False
+            if not dropped(o, depth + 1):
+                return False
+        return True
+
+    return {name for name, r in tensors.items()
+            if r.stats is not None and (r.stats.nan or r.stats.inf) and name in readers and dropped(name, 0)}
 
 
 def _post_order(roots: list[Call], children: dict[str, list[Call]]) -> Iterator[Call]:
@@ -382,7 +440,8 @@ def _check_call(hunt: _Hunt, trace: Trace, call: Call, intended: set[str], node:
                 backward_run: str | None = None) -> None:
     """Look at one call's own outputs (and the versions it wrote) for NaN and Inf."""
     tensors = trace.tensors
-    outs = [o for o in [*call.outputs, *call.mutated] if (r := tensors.get(o)) is not None and r.producer == call.name]
+    outs = [o for o in [*call.outputs, *call.mutated]
+            if (r := tensors.get(o)) is not None and r.producer == call.name and o not in hunt.dropped]
     nan_out = [o for o in outs if _nan(tensors[o])]
     inf_out = [o for o in outs if _inf(tensors[o])]
     if inf_out:
@@ -414,9 +473,9 @@ def _check_call(hunt: _Hunt, trace: Trace, call: Call, intended: set[str], node:
 
 
 def _forward(trace: Trace, calls: dict[str, Call], children: dict[str, list[Call]], intended: set[str],
-             frames_of: FramesOf | None) -> tuple[Anomaly | None, Anomaly | None]:
+             frames_of: FramesOf | None, dropped: set[str]) -> tuple[Anomaly | None, Anomaly | None]:
     tensors = trace.tensors
-    hunt = _Hunt("forward", frames_of)
+    hunt = _Hunt("forward", frames_of, dropped)
     # Inside a custom Function whose own outputs are finite, a non-finite intermediate is the
     # Function's business (it did not escape), not an anomaly.
     sealed = {c.name for c in trace.calls
@@ -438,9 +497,9 @@ def _inside(parent: str | None, calls: dict[str, Call], sealed: set[str]) -> boo
 
 
 def _backward(trace: Trace, calls: dict[str, Call], children: dict[str, list[Call]], intended: set[str],
-              frames_of: FramesOf | None) -> tuple[Anomaly | None, Anomaly | None]:
+              frames_of: FramesOf | None, dropped: set[str]) -> tuple[Anomaly | None, Anomaly | None]:
     nodes = {n.name: n for n in trace.grad_nodes}
-    hunt = _Hunt("backward", frames_of)
+    hunt = _Hunt("backward", frames_of, dropped)
     hooked: set[str] = set()  # nodes whose hooks' calls were checked
     # A run a node's own code started (autograd.grad in a custom backward) ran inside that
     # node's step: walked there, before the node's outputs, not after the run it ran in.
