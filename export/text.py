@@ -13,7 +13,9 @@ tensor without a hash shows ``-``.
 
 After the forward lines, each backward run has a line (name, API, root tensors), then one line
 per grad node in the order the engine ran them: the gradients it received (``<-``, by name) and
-the ones it produced (``->``, described like forward outputs).
+the ones it produced (``->``, described like forward outputs). A value holding NaN or Inf adds
+its counts (``nan=3 inf=0``), and a trace with an anomaly ends with the first line of each
+phase's (``first NaN in forward: ...``).
 
 The text depends only on what the program computed: no times, hosts, absolute paths or ids, so
 two recordings of the same program give the same text, and tests compare it with inline
@@ -82,6 +84,9 @@ def describe_tensor(trace: Trace, name: str | None, *, hashes: bool = True) -> s
     text = f"{inert(name)} {inert(short_dtype(rec.dtype))}{shape_compact(rec.shape)}"
     if hashes:
         text += " " + short_hash(rec)
+    stats = rec.stats
+    if stats is not None and (stats.nan or stats.inf):  # (finite values read as before)
+        text += f" nan={stats.nan} inf={stats.inf}"
     return text
 
 
@@ -187,6 +192,9 @@ def to_text(trace: Trace, *, hashes: bool = True, backward: bool = True) -> str:
             for step in run.steps:
                 outs = ", ".join(describe_tensor(trace, g, hashes=hashes) for g in step.grads_out) or "-"
                 lines.append(f"{inert(run.name)}  {inert(step.node)}  <- {_names(step.grads_in)} -> {outs}")
+    report = trace.anomalies
+    if not report.clean:  # where the NaN/Inf started, one line per phase (gradtrace summary says more)
+        lines += [inert(a.describe().splitlines()[0]) for a in (report.forward, report.backward) if a is not None]
     if trace.status != "ok":
         err = trace.error or {}
         detail = f": {err.get('type', '')}: {err.get('message', '')}" if err else ""

@@ -176,3 +176,20 @@ def test_failed_trace_ends_with_status_line():
     text = to_text(t, hashes=False)
     assert text.splitlines()[-1] == "status failed: ValueError: boom"
     assert text.splitlines()[0] == "  linear0  F.linear  fc  (input0, fc.weight, fc.bias) -> linear0:out f32[2,3]"
+
+
+def test_a_trace_with_a_nan_says_where_it_started():
+    x = torch.tensor([0.5, 1.0, 2.0], requires_grad=True)
+    with pytest.warns(tracer.NumericsWarning), tracer.check_numerics() as t:
+        torch.log(x - 10).sum().backward()
+    assert to_text(t).splitlines() == [
+        "sub0  Tensor.sub  -  (input0) -> sub0:out f32[3] -",
+        "log0  torch.log  -  (sub0:out) -> log0:out f32[3] - nan=3 inf=0",
+        "sum0  Tensor.sum  -  (log0:out) -> sum0:out f32[] - nan=1 inf=0",
+        "backward0  Tensor.backward  (sum0:out)",
+        "backward0  sum0/SumBackward0  <- sum0:out@grad -> log0:out@grad f32[3] -",
+        "backward0  log0/LogBackward0  <- log0:out@grad -> sub0:out@grad f32[3] -",
+        "backward0  sub0/SubBackward0  <- sub0:out@grad -> input0@grad f32[3] -, -",
+        "backward0  input0/AccumulateGrad  <- input0@grad -> -",
+        "first NaN in forward: log0:out (3 NaN, 0 Inf) made by log0 [torch.log] in module <root> — origin",
+    ]
