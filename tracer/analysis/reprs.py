@@ -19,8 +19,8 @@ TOP_ROWS = 5  # owners listed in a memory card
 # ---- numerics --------------------------------------------------------------------------------------
 # An optimizer step made the first NaN/Inf from finite parameters and gradients, in a trace that
 # did not check its state (Anomaly.state_unchecked).
-STATE_UNCHECKED = ("the optimizer's state was not checked: a NaN or Inf in it shows first here; "
-                   "check_numerics(optimizer_state=True) checks it")
+STATE_UNCHECKED = ("the optimizer's state was not checked: a NaN or Inf in it shows first here, as does one "
+                   "its hyperparameters make (lr, eps); check_numerics(optimizer_state=True) checks the state")
 
 
 def anomaly_repr(a: Anomaly) -> str:
