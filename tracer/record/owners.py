@@ -20,14 +20,24 @@ from types import FrameType
 
 import torch
 
-from tracer.record.weakmap import IdWeakMap
+from tracer.record.identity import identity
 
 # What the searches found, by identity (a tensor's == compares values): each parameter a live
-# module held, with that module's root, and each parameter no module held then. A loop that
-# traces every step and meets its parameters first (weight clipping at the top of the step), or
-# a functional model of standalone parameters, searches once, not once per trace.
-_FOUND: IdWeakMap[weakref.ref[torch.nn.Module]] = IdWeakMap()
-_NO_MODULE: IdWeakMap[bool] = IdWeakMap()
+# module held, as (the module that registers it, its key there, that module's root), and each
+# parameter no module held then. A loop that traces every step and meets its parameters first
+# (weight clipping at the top of the step) searches once, not once per trace. No weak reference
+# to a parameter is kept past its trace: ``torch.utils.swap_tensors`` (``Module.to`` with
+# ``torch.__future__.set_swap_module_params_on_conversion(True)``, FSDP2's set-up) refuses a
+# tensor that has one. A parameter is told apart from a later object at the same address by
+# asking its module whether it still holds it, and a standalone one by its tensor's own address.
+_FOUND: dict[int, tuple[weakref.ref[torch.nn.Module], str, weakref.ref[torch.nn.Module]]] = {}
+_NO_MODULE: dict[int, int] = {}  # identity -> _tensor_key
+
+
+def _tensor_key(p: torch.Tensor) -> int:
+    """The address of ``p``'s C++ tensor (private ``_cdata``; else its data's address)."""
+    key = getattr(p, "_cdata", None)
+    return int(key) if isinstance(key, int) else p.data_ptr()
 
 
 def constructing_a_module() -> bool:
@@ -55,12 +65,18 @@ def owning_root_module(p: torch.Tensor, search: bool = True) -> torch.nn.Module 
 
 def needs_search(p: torch.Tensor) -> bool:
     """Whether no search has placed ``p`` yet (in a module, or in none)."""
-    return _found(p) is None and _NO_MODULE.get(p) is None
+    return _found(p) is None and _NO_MODULE.get(identity(p)) != _tensor_key(p)
 
 
 def _found(p: torch.Tensor) -> torch.nn.Module | None:
-    ref = _FOUND.get(p)
-    return ref() if ref is not None else None
+    hit = _FOUND.get(identity(p))
+    if hit is None:
+        return None
+    holder, key, root = hit[0](), hit[1], hit[2]()
+    if holder is None or (vars(holder).get("_parameters") or {}).get(key) is not p:
+        return None
+    return root
+
 
 
 def _search_all() -> None:
@@ -90,8 +106,9 @@ def _search_all() -> None:
             if child is not None and id(child) not in parent and child is not m:
                 parent[id(child)] = m
     roots: dict[int, weakref.ref[torch.nn.Module]] = {}
+    found: dict[int, tuple[weakref.ref[torch.nn.Module], str, weakref.ref[torch.nn.Module]]] = {}
     for m in modules:
-        held = [v for v in (vars(m).get("_parameters") or {}).values() if v is not None]
+        held = [(k, v) for k, v in (vars(m).get("_parameters") or {}).items() if v is not None]
         if not held:
             continue
         key = id(m)
@@ -101,11 +118,13 @@ def _search_all() -> None:
                 root = parent[id(root)]
                 seen.add(id(root))
             roots[key] = weakref.ref(root)
-        for v in held:
-            if _found(v) is None:
-                _FOUND[v] = roots[key]
-    global _NO_MODULE
-    _NO_MODULE = IdWeakMap()  # as of this search: a parameter attached since is found again
+        holder = weakref.ref(m)
+        for k, v in held:
+            if identity(v) not in found:  # (a parameter two modules hold: the first one's root)
+                found[identity(v)] = (holder, k, roots[key])
+    _FOUND.clear()  # (what dead modules held goes too)
+    _FOUND.update(found)
+    _NO_MODULE.clear()  # as of this search: a parameter attached since is found again
     for q in parameters:
         if _found(q) is None:
-            _NO_MODULE[q] = True
+            _NO_MODULE[identity(q)] = _tensor_key(q)

@@ -54,6 +54,7 @@ from tracer.record.mode import RecordingMode
 from tracer.record.modules import ModulesMixin
 from tracer.record.optimizer import OptimizerMixin
 from tracer.record.stacks import user_stacklevel
+from tracer.record.swaps import SwapsMixin, install_swap_wrapper, uninstall_swap_wrapper
 from tracer.record.tensors import (
     GRAD_FN,
     call_tensors,
@@ -83,7 +84,7 @@ class _Unhashed:
         return getattr(self._real, name)
 
 
-class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin):
+class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin, SwapsMixin):
     """Owns every hook of one active trace and turns what they see into trace records."""
 
     def __init__(self, trace: Trace, options: TraceOptions, *,
@@ -99,6 +100,7 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin):
         self._handles.append(register_optimizer_step_pre_hook(self._optimizer_pre))
         install_apply_wrapper(self)
         install_engine_wrapper()
+        install_swap_wrapper()
         self._mode.__enter__()
         self._compiled_functions.install()
 
@@ -126,6 +128,7 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin):
         finally:
             uninstall_apply_wrapper(self)
             uninstall_engine_wrapper()
+            uninstall_swap_wrapper()
             for h in self._handles:
                 try:
                     h.remove()

@@ -44,6 +44,16 @@ class IdWeakMap(Generic[V]):
         value: V = entry.value
         return value
 
+    def pop(self, obj: Any) -> V | None:
+        """Take ``obj``'s entry out (its weak reference with it); its value, or None."""
+        key = identity(obj)
+        entry = self._d.get(key)
+        if entry is None or entry() is not obj:
+            return None
+        del self._d[key]
+        value: V = entry.value
+        return value
+
     def __contains__(self, obj: Any) -> bool:
         return self.get(obj) is not None
 

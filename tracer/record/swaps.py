@@ -1,0 +1,123 @@
+"""``torch.utils.swap_tensors`` inside a traced block.
+
+``swap_tensors(t1, t2)`` exchanges what two tensor objects hold while each keeps its identity:
+``Module.to``/``.half()`` with ``torch.__future__.set_swap_module_params_on_conversion(True)``,
+``load_state_dict`` the same way, FSDP2's set-up, parametrizations. It refuses a tensor that has
+a weak reference, and the recorder keeps weak references to the tensors it names (never
+strong ones: a trace holds no tensor). So while a trace is on, swap_tensors is wrapped: the
+recorder takes its references to the two tensors off, the swap runs, and they are put back,
+each following what it describes. A name follows the value (the bytes and the version counter
+moved with it); a parameter's, buffer's, state's or ``.grad``'s path stays with its object,
+which then shows a new version of itself holding the swapped-in value (``0.weight@v1``,
+``0.weight@grad@v1``: its checksum the value's, ``previous`` what the object held before).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils
+
+from tracer.record.functions import active_recorder
+from tracer.record.state import RecorderState
+
+_REAL_SWAP: Callable[[torch.Tensor, torch.Tensor], None] = torch.utils.swap_tensors
+# Objects whose name is their place (a path, a parameter's .grad), not the value they hold.
+_OWNED_ROLES = ("param", "buffer", "state", "grad")
+
+
+def _traced_swap(t1: torch.Tensor, t2: torch.Tensor) -> None:
+    rec = active_recorder()
+    if rec is None or rec.closed or not (weakref.getweakrefs(t1) or weakref.getweakrefs(t2)):
+        return _REAL_SWAP(t1, t2)
+    rec.record_swap(_REAL_SWAP, t1, t2)
+
+
+def install_swap_wrapper() -> None:
+    torch.utils.swap_tensors = _traced_swap
+
+
+def uninstall_swap_wrapper() -> None:
+    torch.utils.swap_tensors = _REAL_SWAP
+
+
+@dataclass
+class _Held:
+    """What the recorder knew of one tensor object, taken off it for a swap."""
+
+    name: tuple[str, int] | None  # (name, version) of the value it held
+    owned: tuple[str, Any] | None  # (path, role) of the object, for a parameter, buffer or state
+    alias_keys: list[int] = field(default_factory=list)  # storages it was indexed under
+
+
+class SwapsMixin(RecorderState):
+    """``torch.utils.swap_tensors`` of tensors the trace knows (part of ``Recorder``)."""
+
+    def record_swap(self, swap: Callable[[torch.Tensor, torch.Tensor], None], t1: torch.Tensor,
+                    t2: torch.Tensor) -> None:
+        try:
+            with self.lock, torch._C.DisableTorchFunction():
+                self.hasher.before_write()  # values waiting for their checksum are read first
+                held = (self._release(t1), self._release(t2))
+        except Exception as exc:  # gradtrace's own fault: see tracer.record.failsafe
+            self.recorder_failed(exc)
+            swap(t1, t2)
+            return
+        swapped = False
+        try:
+            swap(t1, t2)
+            swapped = True
+        finally:
+            try:
+                with self.lock, torch._C.DisableTorchFunction():
+                    self._after_swap(t1, t2, held, swapped)
+            except Exception as exc:
+                self.recorder_failed(exc)
+
+    def _release(self, t: torch.Tensor) -> _Held:
+        """Take every weak reference of the recorder to ``t`` off, keeping what they said."""
+        held = _Held(self._tensor_names.pop(t), self._named.pop(t))
+        self._read_before_named.pop(t)
+        self._acc_by_var.pop(t)  # (swap_tensors poisons the accumulator it had: a new one follows)
+        for key, refs in self._aliases.items():
+            if any(r() is t for r in refs):
+                refs[:] = [r for r in refs if r() is not t]
+                held.alias_keys.append(key)
+        for name in [n for n, r in self._acc_vars.items() if r() is t]:
+            del self._acc_vars[name]
+        for key in [k for k, (r, _) in self._retained.items() if r() is t]:
+            del self._retained[key]
+        for slot in [k for k, v in self._passed_on.items() if v[1]() is t]:
+            del self._passed_on[slot]
+        for acc in [a for a, (r, _) in self._grad_unnamed.items() if r() is t]:
+            del self._grad_unnamed[acc]
+        return held
+
+    def _after_swap(self, t1: torch.Tensor, t2: torch.Tensor, held: tuple[_Held, _Held], swapped: bool) -> None:
+        """Put the references back: names with the values they name (exchanged when the swap
+        ran), paths with their objects, each owned object a new version of its path."""
+        pairs = ((t1, held[0], held[1]), (t2, held[1], held[0])) if swapped else \
+            ((t1, held[0], held[0]), (t2, held[1], held[1]))
+        for t, own, value in pairs:
+            if own.owned is not None:
+                self._named[t] = own.owned
+            if value.name is not None:
+                self._tensor_names[t] = value.name
+            for key in value.alias_keys:
+                self._aliases.setdefault(key, []).append(weakref.ref(t))
+        if not swapped:
+            return
+        for t, own, value in pairs:
+            if own.name is None:
+                continue
+            before = self.trace.tensors.get(own.name[0])
+            role = own.owned[1] if own.owned is not None else before.role if before is not None else None
+            if role not in _OWNED_ROLES:
+                continue
+            shown = self.trace.tensors.get(value.name[0]) if value.name is not None else None
+            self._new_tensor(t, self._bump(self._base_name(own.name[0])), role,
+                             shown.producer if shown is not None else None, previous=own.name[0], same_as=shown)
