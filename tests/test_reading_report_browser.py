@@ -220,14 +220,18 @@ def test_nan_only_in_backward_badges_only_grad_nodes(opened: Any) -> None:
     fwd, bwd = page.locator("#gt-nan-fwd"), page.locator("#gt-nan-bwd")
     assert fwd.is_disabled() and fwd.get_attribute("title") == "No NaN or unintended Inf in forward."
     assert bwd.is_enabled()
-    # backward ran sum, sqrt (Inf: 1/sqrt(0)), then pow (Inf × 0 = NaN): the first NaN is pow's
+    # backward ran sum, sqrt (Inf: 1/sqrt(0)), then pow (Inf × 0 = NaN): the Inf came first, and
+    # the NaN pow made from it is carried on from there
     run = t.backward_runs[0].order
-    first = next(n for n in run if any(t.tensors[g].stats.nan for g in t[n].grads_out if g in t.tensors))
-    assert first == "pow0/PowBackward0" == t.anomalies.backward.producer
-    assert run.index("sqrt0/SqrtBackward0") < run.index(first)
-    nan_grad = t.anomalies.backward.tensor
-    assert nan_grad == "relu0:out@grad" and t.tensors[nan_grad].stats.nan == 12   # Inf × 0 made it: the origin
-    assert bwd.get_attribute("title") == f"Select {first}: the first NaN in backward, {nan_grad} (12 NaN, 0 Inf), made there."
+    first = next(n for n in run if any(nonfinite(t, g) for g in t[n].grads_out if g in t.tensors))
+    assert first == "sqrt0/SqrtBackward0" == t.anomalies.backward.producer
+    nan = t.anomalies.backward_nan
+    assert nan is not None and nan.producer == "pow0/PowBackward0" and not nan.origin
+    bad_grad = t.anomalies.backward.tensor
+    rec = t.tensors[bad_grad]
+    assert t.anomalies.backward.kind == "inf" and rec.stats.inf and not rec.stats.nan
+    assert bwd.get_attribute("title") == (f"Select {first}: the first Inf in backward, {bad_grad} "
+                                          f"(0 NaN, {rec.stats.inf} Inf), made there.")
     bwd.click()
     assert o.details_title() == first
     assert "sel" in page.get_attribute(f'#gt-vp [data-name="{first}"]', "class").split()

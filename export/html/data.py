@@ -5,7 +5,7 @@ the page as ``<script type="application/json" id="gt-data">`` and tests read it 
 is part of the report's contract (``PAYLOAD_VERSION``):
 
 ``summary``   model class, devices, counts, parameter count, settings, status, notes, and
-              ``anomalies``: the first NaN (else unintended Inf) of forward and of backward
+              ``anomalies``: the first NaN or unintended Inf made, of forward and of backward
               (``tracer.analysis.numerics``: what ``gradtrace summary`` reports), or null;
               ``scaler_overflows``: the text of each GradScaler step that found NaN/Inf
 ``frames``    ``[file, line, function, code, class]`` rows (class: ``tracer.model.frames.frame_class``); ``stacks`` lists frame indices, outermost first
