@@ -65,6 +65,8 @@ class OptimizerMixin(RecorderState):
                                                 None, None)
                         elif hit[1] != version_of(g):
                             self.name_of(g)  # changed in place since it was named: a new version
+                        else:
+                            self.name_assigned_grad(pname, g, hit)
                     for key, v in optimizer.state.get(p, {}).items():
                         if isinstance(v, torch.Tensor) and v not in self._named:
                             self._named[v] = (f"{pname}.{key}", "state")

@@ -271,9 +271,16 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin, Swap
 
     def grad_alias(self, param: Any, grad: Any) -> None:
         """``param.grad`` returned ``grad`` (see ``name_grad_alias``)."""
-        if self._tensor_names.get(grad) is None and isinstance(param, torch.Tensor):  # (usually named)
-            with self.lock, torch._C.DisableTorchFunction():
-                self.name_grad_alias(param, grad)
+        hit = self._tensor_names.get(grad)
+        if hit is None:
+            if isinstance(param, torch.Tensor):
+                with self.lock, torch._C.DisableTorchFunction():
+                    self.name_grad_alias(param, grad)
+        elif not self._in_backward and not hit[0].endswith("@grad"):  # (usually <param>@grad)
+            named = self._named.get(param)
+            if named is not None and named[1] == "param" and hit[1] == version_of(grad):
+                with self.lock, torch._C.DisableTorchFunction():
+                    self.name_assigned_grad(named[0], grad, hit)
 
     def record_set_data(self, func: Any, api: str, short: str, args: tuple[Any, ...], kwargs: dict[str, Any],
                         writes: Writes | None) -> Any:

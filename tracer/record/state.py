@@ -432,6 +432,20 @@ class RecorderState:
         elif named[1] == "param":
             self._named[grad] = (f"{named[0]}@grad", "grad")
 
+    def name_assigned_grad(self, pname: str, g: torch.Tensor, hit: tuple[str, int]) -> None:
+        """``g``, the ``.grad`` of the parameter named ``pname``, is a value the trace named
+        otherwise (``hit``): one the program assigned (``p.grad = torch.stack(grads).mean(0)``,
+        as parameter-server and hand-made all-reduce loops do). It is also recorded as
+        ``<pname>@grad`` (a later one ``@grad@v<k>``), with that value's checksum, and goes by
+        that name from now on."""
+        if hit[0].startswith(f"{pname}@grad"):
+            return
+        base = f"{pname}@grad"
+        shown = self.trace.tensors.get(hit[0])
+        name = self._new_tensor(g, self._bump(base) if base in self.trace.tensors else base, "grad",
+                                shown.producer if shown is not None else None, same_as=shown)
+        self._named[g] = (name, "grad")
+
     def _name_read_before(self, t: torch.Tensor, owner: torch.Tensor, how: str) -> bool:
         """Name ``t``, read as ``owner.data`` or ``owner.grad`` before ``owner`` (a parameter)
         had a name, now that a call uses it: ``owner``'s model named first if need be. Whether
