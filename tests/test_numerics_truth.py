@@ -249,3 +249,24 @@ def test_raise_mode_stops_where_a_value_is_made_even_one_dropped_later() -> None
     with pytest.raises(tracer.NonFiniteError) as info, tracer.check_numerics(raise_on_nonfinite=True):
         torch.log(x).to(torch.long)
     assert info.value.anomaly.producer == "log0"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_an_inf_loss_from_a_masked_target_logit_on_the_gpu() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 5).cuda()
+    x = torch.randn(3, 4, device="cuda")
+    allowed = torch.tensor([True, False, True, True, True], device="cuda")
+    target = torch.tensor([1, 0, 2], device="cuda")
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(x).float().masked_fill(~allowed, float("-inf"))
+        F.cross_entropy(logits, target).backward()
+
+    with tracer.check_numerics() as t:
+        step()
+    a = t.anomalies.forward
+    assert a is not None and (a.what, a.producer, a.origin) == ("Inf", "cross_entropy0", True)
+    assert _raised(step).producer == "cross_entropy0"

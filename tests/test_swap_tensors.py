@@ -111,3 +111,27 @@ def test_no_weak_reference_outlives_the_trace(options: dict[str, Any]) -> None:
     assert [tuple(v.shape) for v in tensors if weakref.getweakrefs(v)] == []
     model.to(torch.float64)  # swaps every parameter
     assert next(model.parameters()).dtype == torch.float64
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.usefixtures("swapping")
+@pytest.mark.parametrize("hash_kind", ["md5", "fast"])
+def test_a_model_moved_to_the_gpu_by_swapping_inside_the_block(hash_kind: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 1))
+    x = torch.randn(5, 4)
+    with tracer.trace(hash=hash_kind) as t:  # type: ignore[arg-type]
+        model(x).sum().backward()
+        model.cuda()
+        opt = torch.optim.AdamW(model.parameters())
+        model(x.cuda()).sum().backward()
+        opt.step()
+    for name, p in model.named_parameters():
+        moved = t.tensors[f"{name}@v1"]
+        assert (moved.device, moved.previous) == ("cuda:0", name)
+        if hash_kind == "md5":
+            assert _latest(t, name).md5 == _md5(p.cpu())
+            assert _latest(t, f"{name}@grad").md5 == _md5(p.grad.cpu())
+        else:
+            assert moved.fingerprint == t.tensors[name].fingerprint  # the same bytes, moved
