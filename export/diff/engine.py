@@ -32,6 +32,7 @@ import math
 import os
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from export.diff.align import Pair, align_calls, align_steps, call_mapping
@@ -41,7 +42,7 @@ from export.errors import DiffError
 from export.load import load_with_notes
 from export.views import checksum
 from tracer.model import SCHEMA_VERSION, Call, GradNode, NodeRun, Stats, TensorRecord, Trace
-from tracer.model.display import format_number, param_module
+from tracer.model.display import format_number, param_module, plural
 from tracer.model.names import gradient_of
 
 INF = math.inf
@@ -56,6 +57,7 @@ _CAST_NODES = frozenset({"ToCopyBackward0"})
 # verdict says so instead of listing every call as inserted or removed. Runs of one program that
 # diverge (an extra op, a changed branch, fp32 against bf16 autocast) align far above it.
 UNRELATED_SHARE = 0.10
+SAME_MODEL_SHARE = 0.9  # of the parameters matching by name and shape: one model, whatever the calls
 
 
 # ---- comparing two tensors ---------------------------------------------------------------------
@@ -114,6 +116,8 @@ class Comparer:
                 return Compared("differ", ab, rel, "stats", basis)
             return Compared("unknown", ab, rel, ra.hash_note or rb.hash_note or "no checksum", basis)
         if da and db and da == db and ra.dtype == rb.dtype:
+            return Compared("equal", 0.0, 0.0)
+        if 0 in ra.shape:  # no elements (of the same shape): nothing to differ
             return Compared("equal", 0.0, 0.0)
         if sd is None:
             return Compared("unknown", why="no stats")
@@ -354,6 +358,8 @@ def _backward(a: Trace, b: Trace, cmp: Comparer, calls: dict[str, str],
     sec = _Section("backward")
     d = sec.div
     cause: dict[str, str] = {}  # A node -> cause of its differing gradients
+    hooked: set[str] = set()  # nodes whose hooks' calls were compared (at their first run)
+    by_name = _Calls.of(a, b)
     rank = 0
     ranks: dict[int, int] = {}
     runs = max(len(a.backward_runs), len(b.backward_runs))
@@ -365,6 +371,9 @@ def _backward(a: Trace, b: Trace, cmp: Comparer, calls: dict[str, str],
             d.notes.append(f"backward run {only.name} is only in {'A' if rb is None else 'B'}")
         a_steps = ra.steps if ra is not None else []
         b_steps = rb.steps if rb is not None else []
+        # The run's seed gradients (loss.backward(g)); any other gradient no node made is a sum
+        # the engine took of several edges' gradients, which differs because they do.
+        seeds = {f"{r}@grad" for r in (ra.roots if ra is not None else [])}
         inserted_b: set[str] = set()
         pairs = align_steps([s.node for s in a_steps], [s.node for s in b_steps], a, calls)
         for p in pairs:
@@ -385,9 +394,10 @@ def _backward(a: Trace, b: Trace, cmp: Comparer, calls: dict[str, str],
                 continue
             sa, sb = a_steps[p.a], b_steps[p.b]
             node, kind = _node_kind(a, sa.node)
-            # The node's own code first (the ops of a custom backward): the first of them whose
-            # inputs match but outputs differ is where the difference entered.
-            inner = _inner_origin(a, b, cmp, sa, sb, calls, d)
+            # The node's hooks' and own code's calls first (a tensor or module backward hook, the
+            # ops of a custom backward): the first of them whose inputs match but outputs differ
+            # is where the difference entered.
+            inner = _inner_origin(cmp, sa, calls, d, hooked, by_name)
             if inner is not None:
                 ranks[id(inner[0])] = rank
                 rank += 1
@@ -399,15 +409,24 @@ def _backward(a: Trace, b: Trace, cmp: Comparer, calls: dict[str, str],
             ins = _compare_lists(cmp, sa.grads_in, sb.grads_in)
             outs = _compare_lists(cmp, sa.grads_out, sb.grads_out)
             sec.finish_row(row, outs)
+            # Gradients in that differ only because the node's own hooks made them (a tensor hook's
+            # result is what the node receives) leave the hook's call the origin.
+            ins_match = not any(c.status == "differ" and not by_name.made_inside(a, x, sa.node) for x, _, c in ins)
+            if inner is not None and ins_match and not any(c.status == "differ" for _, _, c in outs):
+                # (a hook of an accumulator, which produces nothing: its leaf's .grad differs)
+                irow, reason = inner
+                irow.status, irow.note = "new", reason
+                sec.candidates.append((ranks[id(irow)], irow, reason))
+                continue
             if not any(c.status == "differ" for _, _, c in outs):
                 if any(c.status == "unknown" for _, _, c in outs):
                     row.status = "unknown"
                     d.unknown += 1
                 continue
-            if inner is not None and not any(c.status == "differ" for _, _, c in ins):
+            if inner is not None and ins_match:
                 irow, reason = inner
                 call = node.call if node is not None else None
-                if call is not None and not touched.get(call):
+                if call is not None and not touched.get(call) and " in a backward hook of " not in reason:
                     same = "matched" if cmp.tol is None else "stayed within tolerance"
                     reason = f"backward-only: {reason} while {call} {same} in forward (nondeterministic backward?)"
                 cause[sa.node] = "backward"
@@ -425,8 +444,10 @@ def _backward(a: Trace, b: Trace, cmp: Comparer, calls: dict[str, str],
                     kinds.add("structure")
                 elif ta is not None and ta.producer is not None:
                     kinds.add(cause.get(ta.producer, "backward"))
-                else:
+                elif ta is None or (x or "").split("#")[0] in seeds:
                     kinds.add("source")  # the seed gradient of the run (loss.backward(g))
+                else:
+                    kinds.add("backward")  # a sum of edges' gradients (their nodes differ)
             if kinds <= {"source"}:
                 call = node.call if node is not None else None
                 if call is not None and touched.get(call):
@@ -453,18 +474,43 @@ def _backward(a: Trace, b: Trace, cmp: Comparer, calls: dict[str, str],
     return d
 
 
-def _inner_origin(a: Trace, b: Trace, cmp: Comparer, sa: NodeRun, sb: NodeRun, calls: dict[str, str],
-                  d: Divergence) -> tuple[Row, str] | None:
-    """The first call a node's own code made (nested calls first) whose inputs match but whose
-    outputs differ: a row for it (added to ``d``) and the reason, or None."""
-    if not sa.calls:
+@dataclass
+class _Calls:
+    """The calls of A and B by name, and A's by parent: built once per diff."""
+
+    a: dict[str, Call]
+    b: dict[str, Call]
+    children: dict[str, list[Call]]
+
+    @classmethod
+    def of(cls, a: Trace, b: Trace) -> _Calls:
+        children: dict[str, list[Call]] = {}
+        for c in a.calls:
+            if c.parent is not None:
+                children.setdefault(c.parent, []).append(c)
+        return cls({c.name: c for c in a.calls}, {c.name: c for c in b.calls}, children)
+
+    def made_inside(self, a: Trace, tensor: str | None, node: str) -> bool:
+        """Whether A's ``tensor`` was made by a call of ``node``'s hooks or own code."""
+        rec = a.tensors.get(tensor) if tensor else None
+        call = self.a.get(rec.producer) if rec is not None and rec.producer else None
+        return call is not None and call.parent == node
+
+
+def _inner_origin(cmp: Comparer, sa: NodeRun, calls: dict[str, str], d: Divergence, hooked: set[str],
+                  by_name: _Calls) -> tuple[Row, str] | None:
+    """The first call of a node's hooks (a tensor hook on its forward output, a hook on a leaf,
+    a module backward hook: at the node's first run) or of its own code (nested calls first)
+    whose inputs match but whose outputs differ: a row for it (added to ``d``) and the reason,
+    or None."""
+    children, a_calls, b_calls = by_name.children, by_name.a, by_name.b
+    names = list(sa.calls)
+    if sa.node not in hooked:
+        hooked.add(sa.node)
+        own = set(sa.calls)
+        names[:0] = [c.name for c in children.get(sa.node, ()) if c.name not in own]
+    if not names:
         return None
-    a_calls = {c.name: c for c in a.calls}
-    b_calls = {c.name: c for c in b.calls}
-    children: dict[str, list[Call]] = {}
-    for c in a.calls:
-        if c.parent is not None:
-            children.setdefault(c.parent, []).append(c)
 
     def post_order(names: list[str]) -> list[Call]:
         out: list[Call] = []
@@ -475,7 +521,7 @@ def _inner_origin(a: Trace, b: Trace, cmp: Comparer, sa: NodeRun, sb: NodeRun, c
                 out.append(c)
         return out
 
-    for ca in post_order(sa.calls):
+    for ca in post_order(names):
         cb = b_calls.get(calls.get(ca.name, ""))
         if cb is None:
             continue
@@ -486,8 +532,20 @@ def _inner_origin(a: Trace, b: Trace, cmp: Comparer, sa: NodeRun, sb: NodeRun, c
             for _, _, x in outs:
                 row.absorb(x)
             d.rows.append(row)
-            return row, f"{ca.name} in the backward of {sa.node}: {_out_reason(outs, row, cmp.tol)}"
+            where = "the backward of" if ca.name in sa.calls or _nested_in(ca, set(sa.calls), a_calls) \
+                else "a backward hook of"
+            return row, f"{ca.name} in {where} {sa.node}: {_out_reason(outs, row, cmp.tol)}"
     return None
+
+
+def _nested_in(call: Call, names: set[str], calls: dict[str, Call]) -> bool:
+    """Whether ``call`` runs inside one of the calls ``names`` (a parent chain reaches one)."""
+    parent = call.parent
+    while parent is not None and parent in calls:
+        if parent in names:
+            return True
+        parent = calls[parent].parent
+    return False
 
 
 # ---- parameters ----------------------------------------------------------------------------------
@@ -511,6 +569,18 @@ def _grad_name(t: Trace, p: str) -> str | None:
     return last if last is not None else (f"{p}@grad" if f"{p}@grad" in t.tensors else None)
 
 
+def _step_versions(t: Trace) -> dict[str, list[str]]:
+    """Per parameter, the versions the optimizer steps made, in order."""
+    out: dict[str, list[str]] = {}
+    for c in t.calls:
+        if c.kind == "optimizer":
+            for m in c.mutated:
+                rec = t.tensors.get(m)
+                if rec is not None and rec.role in ("param", "buffer"):
+                    out.setdefault(m.split("@v")[0], []).append(m)
+    return out
+
+
 def _last_version(t: Trace, p: str) -> str | None:
     best, name = 0, None
     prefix = f"{p}@v"
@@ -520,10 +590,18 @@ def _last_version(t: Trace, p: str) -> str | None:
     return name
 
 
-def _params(a: Trace, b: Trace, cmp: Comparer) -> list[ParamDiff]:
+def _params(a: Trace, b: Trace, cmp: Comparer, notes: list[str]) -> list[ParamDiff]:
     pa, pb = _leaf_params(a), _leaf_params(b)
     in_b = set(pb)
     out = []
+    # Runs of different lengths: each parameter after the last optimizer step both made.
+    steps_a = sum(1 for c in a.calls if c.kind == "optimizer")
+    steps_b = sum(1 for c in b.calls if c.kind == "optimizer")
+    common = min(steps_a, steps_b)
+    made_a, made_b = (_step_versions(a), _step_versions(b)) if steps_a != steps_b and common else ({}, {})
+    if made_a:
+        notes.append(f"A made {plural(steps_a, 'optimizer step')}, B {steps_b}: each parameter is compared "
+                     f"after step {common}, the last both made")
     for p in pa:
         if p not in in_b:
             out.append(ParamDiff(p, Compared("unknown"), only_in="A"))
@@ -532,7 +610,13 @@ def _params(a: Trace, b: Trace, cmp: Comparer) -> list[ParamDiff]:
         ga, gb = _grad_name(a, p), _grad_name(b, p)
         if ga or gb:
             pd.grad = cmp(ga, gb) if ga and gb else Compared("differ", why="gradient only on one side")
-        ua, ub = _last_version(a, p), _last_version(b, p)
+        va, vb = made_a.get(p, []), made_b.get(p, [])
+        ua: str | None
+        ub: str | None
+        if len(va) >= common and len(vb) >= common and made_a:
+            ua, ub = va[common - 1], vb[common - 1]
+        else:
+            ua, ub = _last_version(a, p), _last_version(b, p)
         if ua or ub:
             pd.updated = cmp(ua, ub) if ua and ub else Compared("differ", why="updated on one side only")
         out.append(pd)
@@ -594,6 +678,8 @@ def diff(a: Trace | str | os.PathLike[str], b: Trace | str | os.PathLike[str], *
         if t.status != "ok":
             what = t.error.get("type", "") if t.error else ""
             notes.append(f"{label} is {t.status}{': ' + what if what else ''}; records past that point are missing")
+    for label, t in (("A", ta), ("B", tb)):  # a bound reached (max_calls): the rest is missing
+        notes += [f"{label}: {n}" for n in t.notes if n.startswith("recording stopped")]
     if ta.header.get("torch") != tb.header.get("torch"):
         notes.append(f"torch versions differ (A: {ta.header.get('torch')}, B: {tb.header.get('torch')})")
     cmp = Comparer(ta, tb, tol)
@@ -602,7 +688,7 @@ def diff(a: Trace | str | os.PathLike[str], b: Trace | str | os.PathLike[str], *
     fwd, touched = _forward(ta, tb, cmp, rows)
     bwd = _backward(ta, tb, cmp, calls, touched)
     fwd.unrelated = unrelated(ta, tb, fwd)
-    params = _params(ta, tb, cmp)
+    params = _params(ta, tb, cmp, notes)
     result = DiffResult(la, lb, tol, fwd, bwd, params, notes, ta, tb)
     if not result.equal or tol is not None:
         kept = [any(r.values is not None for r in t.tensors.values()) for t in (ta, tb)]
@@ -626,6 +712,19 @@ def unrelated(a: Trace, b: Trace, fwd: Divergence) -> str:
     aligned = sum(1 for r in fwd.rows if r.a is not None and r.b is not None)
     total = max(n_a, n_b)
     if total == 0 or aligned >= UNRELATED_SHARE * total:
+        return ""
+    if min(n_a, n_b) == 0:
+        side = "A" if n_a == 0 else "B"
+        return f"{side} recorded no forward calls ({max(n_a, n_b)} in the other): an empty or cut-off trace?"
+    shapes_a = {p: a.tensors[p].shape for p in _leaf_params(a)}
+    shapes_b = {p: b.tensors[p].shape for p in _leaf_params(b)}
+    same = sum(1 for p, shape in shapes_a.items() if shapes_b.get(p) == shape)
+    if shapes_a and same >= SAME_MODEL_SHARE * max(len(shapes_a), len(shapes_b)):
+        # One model run with other shapes (batch sizes, a different number of micro-batches):
+        # the calls do not align, the parameters do, and they are what to read.
+        fwd.notes.append(f"few calls align ({aligned} of {total} by module, op and shapes), but {same} of "
+                         f"{max(len(shapes_a), len(shapes_b))} parameters match by name and shape: the same "
+                         "model run with other shapes (batch size, micro-batches?); read the parameters")
         return ""
     if aligned == 0:
         return (f"these traces share no calls: different models or programs? (A: {n_a} calls, B: {n_b}; "

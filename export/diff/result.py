@@ -54,7 +54,10 @@ class Compared:
                 "elements": None if self.elements is None else self.elements.to_json()}
 
     def describe(self) -> str:
-        """The difference in words that say where it came from (``difference_text``)."""
+        """The difference in words that say where it came from (``difference_text``); nothing
+        for an equal tensor (its stats match, and its checksums, or they are within tolerance)."""
+        if self.status == "equal":
+            return ""
         return difference_text(self.abs, self.rel, self.basis, self.elements)
 
 
