@@ -25,6 +25,13 @@ import torch
 UNINITIALISED = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided",
                            "empty_permuted"})
 
+# Calls that write every byte of their first argument without reading any (initialisers, by
+# their short name): a tensor first met as their target is not hashed before they run.
+OVERWRITING = frozenset({"uniform_", "normal_", "zero_", "fill_", "random_", "bernoulli_", "exponential_",
+                         "geometric_", "log_normal_", "cauchy_", "kaiming_uniform_", "kaiming_normal_",
+                         "xavier_uniform_", "xavier_normal_", "trunc_normal_", "constant_", "ones_", "zeros_",
+                         "orthogonal_", "sparse_", "eye_", "dirac_"})
+
 _INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
                               "__imod__", "__ipow__", "__ilshift__", "__irshift__", "__iand__", "__ior__",
                               "__ixor__", "__imatmul__"})

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch.nn.modules import module as nn_module
 
+from tracer.model.records import Role
 from tracer.record.calls import PendingCall
 from tracer.record.module_roots import Caller, caller, enclosing_module, name_in_caller
 from tracer.record.opaque import COMPILED_NOTE, ModeOff, OpaqueRegion
@@ -18,7 +19,13 @@ from tracer.record.state import RecorderState
 from tracer.record.tensors import (
     flat_tensors,
     unique,
+    version_of,
 )
+
+
+def _holds_tensors(module: torch.nn.Module) -> bool:
+    """Whether ``module`` or a module inside it has a parameter or a buffer."""
+    return any(m._parameters or m._buffers for m in module.modules())
 
 
 class ModulesMixin(RecorderState):
@@ -140,7 +147,9 @@ class ModulesMixin(RecorderState):
         else under its class."""
         cls = type(module).__name__
         prefix = ""
-        if "" in self.trace.modules:
+        # The unprefixed names are the model's: the first root that holds parameters or buffers
+        # (a transform or a loss module called before it holds none, and is named as a second root).
+        if "" in self.trace.modules or not _holds_tensors(module):
             if held_as is None and called_by is not None:
                 held_as = name_in_caller(called_by, module)
             prefix = held_as if held_as is not None and held_as not in self.trace.modules else cls
@@ -162,13 +171,34 @@ class ModulesMixin(RecorderState):
             dot = f"{full}." if full else ""
             params += [(dot + k, v) for k, v in sub._parameters.items() if v is not None]
             buffers += [(dot + k, v) for k, v in sub._buffers.items() if v is not None]
+        renamed: list[tuple[torch.Tensor, str, Role]] = []
         for pname, p in params:
             if p not in named:
                 named[p] = (pname, "param")
+                renamed.append((p, pname, "param"))
         for bname, b in buffers:
             if b not in named:
                 named[b] = (bname, "buffer")
+                renamed.append((b, bname, "buffer"))
+        self._take_paths(renamed)
         return self._module_paths[module]
+
+    def _take_paths(self, tensors: list[tuple[torch.Tensor, str, Role]]) -> None:
+        """Parameters and buffers the trace met before their module ran (made and initialised in
+        the block, by the model's own constructor: ``input4``, ``zeros0:out``) take their paths
+        now: a record of that name holding the value they hold (its checksum copied),
+        ``previous`` the name they had."""
+        known = self._tensor_names
+        with self.lock, torch._C.DisableTorchFunction():
+            for t, path, role in tensors:
+                hit = known.get(t)
+                if hit is None:
+                    continue
+                rec = self.trace.tensors.get(hit[0])
+                if rec is None or rec.role in ("param", "buffer"):
+                    continue
+                same = rec if hit[1] == version_of(t) and not rec.uninitialized else None
+                self._new_tensor(t, path, role, rec.producer, previous=hit[0], same_as=same)
 
     # ---- compiled regions ----------------------------------------------------------------------
     def open_region(self, owner: object, ins: list[torch.Tensor], hook: Any = None) -> OpaqueRegion:

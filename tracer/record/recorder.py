@@ -40,7 +40,7 @@ from tracer.record.autograd import AutogradMixin
 from tracer.record.calls import CAPTURE_NOW, PendingCall
 from tracer.record.checksums.hasher import BATCH_MIN, Hasher
 from tracer.record.compiled_functions import CompiledFunctionWatch
-from tracer.record.effects import SET_DATA_API, UNINITIALISED, Writes
+from tracer.record.effects import OVERWRITING, SET_DATA_API, UNINITIALISED, Writes
 from tracer.record.engine import install_engine_wrapper, uninstall_engine_wrapper
 from tracer.record.failsafe import passes_on
 from tracer.record.functions import (
@@ -180,7 +180,7 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin, Swap
         # before or after stops the recording and leaves the op to run (tracer.record.failsafe);
         # the op's own exception is recorded and goes on to the program.
         try:
-            before = self._before_call(api, kind, args, kwargs, writes)
+            before = self._before_call(api, short, kind, args, kwargs, writes)
         except Exception as exc:
             self.recorder_failed(exc)
             return func(*args, **kwargs)
@@ -205,7 +205,7 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin, Swap
             self.recorder_failed(exc)
         return out
 
-    def _before_call(self, api: str, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+    def _before_call(self, api: str, short: str, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any],
                      writes: Writes | None) -> tuple[list[torch.Tensor], list[int], list[str], int,
                                                      list[Any] | None, int | None, list[torch.Tensor] | None]:
         """Name a call's inputs and take its place, before the op runs."""
@@ -217,7 +217,8 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin, Swap
             known = self._tensor_names.get
             for i, t in enumerate(ins):
                 hit = known(t)  # _name_at's usual outcome inlined: a tensor named before, unchanged
-                in_names[i] = hit[0] if hit is not None and hit[1] == vers[i] else self._name_at(t, vers[i])
+                in_names[i] = hit[0] if hit is not None and hit[1] == vers[i] else self._name_at(
+                    t, vers[i], short if i == 0 and short in OVERWRITING else None)
             seq = self._call_seq
             self._call_seq += 1
         tokens = [li.before_call() for li in self.listeners] if self.listeners else None

@@ -342,8 +342,10 @@ class RecorderState:
         """The current name of a tensor, registering it (and hashing it) on first sight."""
         return self._name_at(t, version_of(t))
 
-    def _name_at(self, t: torch.Tensor, version: int) -> str:
-        """``name_of`` for a tensor whose current version the caller has just read."""
+    def _name_at(self, t: torch.Tensor, version: int, overwritten_by: str | None = None) -> str:
+        """``name_of`` for a tensor whose current version the caller has just read.
+        ``overwritten_by``: the call about to run writes every byte of ``t`` without reading them
+        (an initialiser: ``uniform_``, ``kaiming_uniform_``, ``fill_``)."""
         hit = self._tensor_names.get(t)
         if hit is not None:
             name, ver = hit
@@ -381,6 +383,15 @@ class RecorderState:
             if read is not None and self._name_read_before(t, *read):
                 return self._name_at(t, version)
         self._inputs += 1
+        if overwritten_by is not None:
+            # Met first as what an initialiser overwrites (``nn.Parameter(torch.empty(...))`` in a
+            # constructor that runs in the block): bytes nobody wrote or will read, not hashed.
+            name = self._new_tensor(t, f"input{self._inputs - 1}", "input", None, uninitialized=True)
+            rec = self.trace.tensors[name]
+            rec.hash_note = (f"not hashed: first seen being overwritten by {overwritten_by}, which reads none "
+                             "of its bytes; its new value is the next version")
+            self._index_alias(t)
+            return name
         name = self._new_tensor(t, f"input{self._inputs - 1}", "input", None)
         if self._in_backward and self._unhooked:
             self._note_unrecorded_node_hook(name)
@@ -470,7 +481,10 @@ class RecorderState:
         if self._module_stack:  # used by a module running now: the one that holds it, if any
             running = self._module_stack[-1]
             module = next((m for m, path in self._module_paths.items() if path == running), None)
-            return module is not None and self._name_replaced(module, running, p)
+            if module is not None and self._name_replaced(module, running, p):
+                return True
+            # Not its own: another model's, reached by the walk over the graph (a GAN's generator,
+            # whose forward ran in the step before, met from the discriminator's output).
         search = needs_search(p) and self._owner_searches < MAX_OWNER_SEARCHES
         if search:
             self._owner_searches += 1
