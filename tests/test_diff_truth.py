@@ -152,3 +152,18 @@ def test_an_empty_trace_and_equal_values_in_words(tmp_path: Path) -> None:
     with tracer.trace(hash="md5") as t2:
         torch.tensor([], dtype=torch.bfloat16) + 1
     assert export.diff(t1, t2, rtol=0.05, atol=0.05).equal
+
+
+def test_a_numpy_index_is_recorded_by_value_and_named_as_the_difference() -> None:
+    import numpy as np
+
+    traces = []
+    for i in (3, 5):  # (a row picked by the program: siamese_network's unseeded random index)
+        with tracer.trace(hash="md5") as t:
+            x = torch.arange(10.0) * 2
+            x[np.int64(i)] * np.float32(0.5)
+        traces.append(t)
+    assert [c.args for c in traces[0].calls][-2:] == ["3", "0.5"]
+    r = export.diff(*traces)
+    assert r.forward.origin is not None and r.forward.origin.a == "getitem0"
+    assert r.forward.origin.note == "inputs match, arguments differ ('3' vs '5'), outputs differ"

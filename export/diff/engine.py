@@ -311,6 +311,8 @@ def _forward(a: Trace, b: Trace, cmp: Comparer, rows: list[Pair]) -> tuple[Diver
             changed = [x or y or "?" for (x, y), (k, _) in zip(diff_in, causes) if k == "source"]
             if not leaves:
                 reason = _out_reason(outs, row, cmp.tol)
+                if ca.args != cb.args:  # (an index or a scalar the program chose differently)
+                    reason = reason.replace("inputs match, ", f"inputs match, arguments differ ({_args_pair(ca, cb)}), ")
             else:
                 earlier = sorted({first_reader[n] for n in changed if first_reader.get(n, ca.name) != ca.name})
                 if not earlier:
@@ -334,6 +336,13 @@ def _forward(a: Trace, b: Trace, cmp: Comparer, rows: list[Pair]) -> tuple[Diver
         d.stack_a = getattr(oa, "stack", ())
         d.stack_b = getattr(ob, "stack", ())
     return d, touched
+
+
+def _args_pair(ca: Call, cb: Call) -> str:
+    """``3`` vs ``5``: the two calls' argument texts, each cut to a readable length."""
+    def cut(text: str) -> str:
+        return text if len(text) <= 40 else text[:39] + "…"
+    return f"{cut(ca.args)!r} vs {cut(cb.args)!r}"
 
 
 # ---- backward -----------------------------------------------------------------------------------

@@ -221,4 +221,11 @@ def _short_value(v: Any, depth: int = 0) -> str | None:
         return f"[{body}]" if isinstance(v, list) else f"({body})"
     if callable(v):
         return getattr(v, "__name__", type(v).__name__)
+    if t.__module__ == "numpy" and getattr(v, "ndim", None) == 0:
+        # A NumPy scalar (``data[np.int64(i)]``): its value, as for a Python number; the type's
+        # name alone hid which row a call read.
+        try:
+            return repr(v.item())[:40]
+        except (AttributeError, TypeError, ValueError):
+            pass
     return type(v).__name__
