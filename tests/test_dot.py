@@ -481,3 +481,18 @@ def test_backward_graph_holds_nothing_and_rejects_nothing_to_draw():
         backward_graph({"x": torch.ones(2)})
     with pytest.raises(TypeError, match="params must be"):
         backward_graph(model(torch.randn(1, 4)), params=[1, 2])
+
+
+def test_auto_depth_says_when_top_level_calls_leave_too_many_nodes():
+    model = nn.Linear(4, 2)
+    with tracer.trace(hash="none") as t:
+        x = torch.randn(8, 4)
+        for _ in range(60):  # data preparation at the top level: no module to fold it into
+            x = x * 1.01 + 0.1
+        model(x).sum().backward()
+    from export.dot import fold
+
+    g = fold.build(t, depth="auto")
+    assert len(g.nodes) > fold.AUTO_NODES
+    assert g.title[-1] == (f"still {len(g.nodes)} nodes, folded as far as modules go: 123 calls at the top level "
+                           "(in no module below the root) cannot be folded (gradtrace report groups them)")

@@ -32,7 +32,8 @@ def _arguments(p: argparse.ArgumentParser) -> None:
                    help="draw each module at depth N (blocks.0 has depth 2) as one node holding its "
                         "calls and its submodules'; 0 draws the whole model as one node; full draws "
                         "every call; auto (the default) folds repeated blocks and then modules until "
-                        "the picture has at most 80 nodes")
+                        "the picture has at most 80 nodes (calls at the top level are never folded: "
+                        "the title says when that leaves more)")
     p.add_argument("--fold-repeats", action="store_true",
                    help="draw identical sibling blocks (h.0 .. h.11) once, marked ×N")
     half = p.add_mutually_exclusive_group()

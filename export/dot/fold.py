@@ -755,6 +755,12 @@ def build(trace: Trace, *, depth: int | Literal["auto"] | None = None, fold_repe
         opts.append("repeated blocks drawn once")
     if depth == "auto" and (chosen is not None or (b.rep.groups and not fold_repeats)):
         opts[-1] += " (chosen to fit; --depth full draws every call)"
+    if depth == "auto" and _drawn(g) > AUTO_NODES:
+        # Folding works on modules: calls made outside any module (data loading, a loss computed
+        # by hand, an optimizer's ops) stay one node each.
+        loose = sum(1 for c in trace.calls if not c.module and c.phase == "forward")
+        opts.append(f"still {_drawn(g)} nodes, folded as far as modules go: {plural(loose, 'call')} at the top "
+                    "level (in no module below the root) cannot be folded (gradtrace report groups them)")
     if not forward:
         opts.append("backward only")
     if not backward:
