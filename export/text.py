@@ -29,44 +29,20 @@ Names, shapes, dtypes and numbers are written with ``tracer.model.display``.
 from __future__ import annotations
 
 import os
-import re
 
 from tracer.model import Call, Frame, Stats, TensorRecord, Trace
-from tracer.model.display import format_number, module_depth, shape_compact, short_api, short_dtype
+from tracer.model.display import (  # (re-exported: export's text pieces)
+    format_number,
+    inert,
+    inert_lines,
+    module_depth,
+    shape_compact,
+    short_api,
+    short_dtype,
+)
 from tracer.model.frames import stack_lines
 
 HASH_CHARS = 8
-
-
-# ---- inert text ----------------------------------------------------------------------------------------
-# What a terminal acts on or a reader is misled by: C0/C1 control characters (ESC starts the
-# sequences that clear a screen or set a window title; a newline would forge an output line),
-# the Unicode line separators, the bidirectional overrides that reorder what is shown, and lone
-# surrogates (not text at all).
-_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
-_UNSAFE_BUT_NEWLINE = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e"
-                                 "\u2066-\u2069\ud800-\udfff]")
-_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
-
-
-def _escape(m: re.Match[str]) -> str:
-    ch = m.group()
-    named = _NAMED.get(ch)
-    if named is not None:
-        return named
-    code = ord(ch)
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
-
-
-def inert(text: str) -> str:
-    """``text`` with every control character shown as an escape (``\\x1b``, ``\\n``): a string
-    from a trace file, safe to print on one line of a terminal."""
-    return _UNSAFE.sub(_escape, text)
-
-
-def inert_lines(text: str) -> str:
-    """``inert`` but for the newlines, which stay: text that gradtrace laid out in lines."""
-    return _UNSAFE_BUT_NEWLINE.sub(_escape, text)
 
 
 # ---- tensors -----------------------------------------------------------------------------------------

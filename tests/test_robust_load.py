@@ -378,3 +378,18 @@ def test_open_trace_lists_steps_of_a_plain_file(good):
     loaded = open_trace(good)
     assert not loaded.several_steps and [s.status for s in loaded.steps] == ["ok"]
     assert loaded.steps[0].calls == len(loaded.trace.calls)
+
+
+def test_record_reprs_print_a_traces_control_characters_inertly():
+    # A REPL shows records by repr: a module name from a hostile file must not clear the screen,
+    # set the window title or reorder the line.
+    hostile = "\x1b[2J\x1b]0;PWNED\x07\u202e"
+    with tracer.trace(hash="md5") as t:
+        torch.nn.functional.linear(torch.randn(2, 4), torch.randn(3, 4))
+    call = t.calls[-1]
+    call.module = hostile
+    rec = t.tensors[call.outputs[0]]
+    rec.name = hostile + ".weight"
+    for text in (repr(call), repr(rec), repr(t.grad_nodes[0]) if t.grad_nodes else "", repr(t)):
+        assert not any(ch in text for ch in "\x1b\x07\u202e")
+    assert "\\x1b[2J" in repr(call) and "\\u202e.weight" in repr(rec)

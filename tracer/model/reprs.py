@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 from urllib.parse import quote
 
-from tracer.model.display import clip, format_number, shape_compact, short_api, short_dtype
+from tracer.model.display import clip, format_number, inert, shape_compact, short_api, short_dtype
 
 if TYPE_CHECKING:
     from tracer.model.records import BackwardRun, Call, Frame, GradNode, TensorRecord
@@ -101,7 +101,7 @@ def tensor_repr(t: TensorRecord) -> str:
         parts.append(f"not hashed: {clip(t.hash_note, NAME_LIMIT)}")
     if t.stats is not None and not t.stats.finite:
         parts.append(f"NaN {t.stats.nan} Inf {t.stats.inf}")
-    return " ".join(parts) + ">"
+    return inert(" ".join(parts) + ">")
 
 
 def tensor_html(t: TensorRecord) -> str:
@@ -127,8 +127,8 @@ def call_repr(c: Call) -> str:
     where = f" in {clip(c.module, NAME_LIMIT)}" if c.module else ""
     kind = c.kind if c.phase == "forward" else f"{c.kind}, {c.phase}"
     error = f" raised {clip(c.error, NAME_LIMIT)}" if c.error else ""
-    return (f"<Call {clip(c.name, NAME_LIMIT)} {clip(short_api(c.api), NAME_LIMIT)} {kind}{where}: "
-            f"{names(c.inputs)} -> {names(c.outputs)}{error}>")
+    return inert(f"<Call {clip(c.name, NAME_LIMIT)} {clip(short_api(c.api), NAME_LIMIT)} {kind}{where}: "
+                 f"{names(c.inputs)} -> {names(c.outputs)}{error}>")
 
 
 def call_html(c: Call) -> str:
@@ -162,7 +162,7 @@ def node_repr(n: GradNode) -> str:
     tail = f" -> {edges} edge{'s' if edges != 1 else ''}" if edges else ""
     name = clip(n.name, NAME_LIMIT)
     kind = "" if n.name.endswith(n.kind) else f" {clip(n.kind, NAME_LIMIT)}"
-    return f"<GradNode {name}{kind} {origin}{tail}>"
+    return inert(f"<GradNode {name}{kind} {origin}{tail}>")
 
 
 def node_html(n: GradNode) -> str:
@@ -184,8 +184,8 @@ def node_html(n: GradNode) -> str:
 
 def backward_repr(b: BackwardRun) -> str:
     """``<BackwardRun backward0 Tensor.backward from mean0:out: 9 steps, ok>``."""
-    return (f"<BackwardRun {clip(b.name, NAME_LIMIT)} {clip(b.api, NAME_LIMIT)} from {names(b.roots)}: "
-            f"{len(b.steps)} step{'s' if len(b.steps) != 1 else ''}, {b.status}>")
+    return inert(f"<BackwardRun {clip(b.name, NAME_LIMIT)} {clip(b.api, NAME_LIMIT)} from {names(b.roots)}: "
+                 f"{len(b.steps)} step{'s' if len(b.steps) != 1 else ''}, {b.status}>")
 
 
 def backward_html(b: BackwardRun) -> str:
