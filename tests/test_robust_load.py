@@ -393,3 +393,14 @@ def test_record_reprs_print_a_traces_control_characters_inertly():
     for text in (repr(call), repr(rec), repr(t.grad_nodes[0]) if t.grad_nodes else "", repr(t)):
         assert not any(ch in text for ch in "\x1b\x07\u202e")
     assert "\\x1b[2J" in repr(call) and "\\u202e.weight" in repr(rec)
+
+
+def test_a_gzip_of_blank_lines_is_refused_at_once(tmp_path: Path) -> None:
+    # 64 KB that decompress to 64 MiB of newlines: reading them one by one up to the 4 GiB limit
+    # would take most of an hour.
+    path = tmp_path / "blank.gtrace.gz"
+    path.write_bytes(gzip.compress(b"\n" * (64 << 20)))
+    start = time.perf_counter()
+    with pytest.raises(TraceFormatError, match="more than 10,000 blank lines: not a trace gradtrace wrote"):
+        tracer.load(path)
+    assert time.perf_counter() - start < 5

@@ -53,6 +53,7 @@ ENV_MAX_DECOMPRESSED = "GRADTRACE_MAX_DECOMPRESSED"
 # Generous: the largest real traces (a multi-billion-parameter model's step with stacks) stay
 # well under it, and a gzip bomb stops there instead of filling memory or disk time.
 DEFAULT_MAX_DECOMPRESSED = 4 << 30
+MAX_BLANK_LINES = 10_000  # in one file (gradtrace writes none)
 # One record (one line). The longest real records are backward runs of large models (a step per
 # grad node run) at a few MB; parsing a line costs several times its size in memory.
 MAX_RECORD_BYTES = 64 << 20
@@ -314,8 +315,15 @@ def _read(fh: IO[bytes], path: str, step: int | None, all_steps: bool,
     segments: list[_Segment] = []
     current: _Segment | None = None
     found = False
+    blank = 0
     for lineno, raw, terminated in _lines(chunks, path, min(MAX_RECORD_BYTES, limit)):
         if not raw.strip():
+            # gradtrace writes none; a file of them (a small gzip of newlines) would otherwise
+            # take minutes to read up to the decompression limit.
+            blank += 1
+            if blank > MAX_BLANK_LINES:
+                raise TraceFormatError(f"{path}: more than {MAX_BLANK_LINES:,} blank lines: not a trace "
+                                       "gradtrace wrote")
             continue
         try:
             rec = _parse(raw)
