@@ -566,3 +566,19 @@ def test_a_scope_on_another_thread_than_the_trace_is_refused(logs):
         th.join(10)
     assert len(errors) == 1 and "another thread is being traced" in str(errors[0])
     assert isinstance(log_scope(), LogScope)
+
+
+def test_a_scope_without_a_trace_leaves_no_hooks_on_the_parameters_accumulators(logs):
+    # A parameter's accumulator outlives the scope's graph (the next graph through the parameter
+    # reuses it): the scope's hooks on it went with nothing, and every later backward logged it.
+    lin = exact_linear(4, 4, seed=1)
+    x = halves(2, 4, seed=2)
+    for _ in range(3):
+        with log_scope(level="DEBUG"):
+            y = lin(x)
+        y.sum().backward()
+        assert [m for m in logs.lines if m.startswith("bwd<") and "AccumulateGrad" in m] == [
+            "bwd< bias/AccumulateGrad", "bwd< weight/AccumulateGrad"]
+        logs.lines.clear()
+    lin(x).sum().backward()  # outside any scope
+    assert logs.lines == []

@@ -57,6 +57,15 @@ def _hook_end(fol: Follow, grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any
         internal_error(exc)
 
 
+def _hook_end_once(fol: Follow, handles: list[Any], grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
+    """An accumulator's end, once: a parameter's accumulator outlives the scope's graph (the next
+    graph through the parameter reuses it), so its hooks go after the run the scope caused."""
+    _hook_end(fol, grad_inputs, grad_outputs)
+    for h in handles:
+        h.remove()
+    handles.clear()
+
+
 # The recorder a ``log_scope`` runs when no trace is active: names only, no hashing, every op of
 # an optimizer step (as a log scope always showed them).
 LIGHT = TraceOptions(hash="none", stacks=False, stats=False, optimizer_ops=True)
@@ -224,8 +233,13 @@ class LogScope:
         with self._lock:
             self._follows.append(fol)
             if node is not None:
-                self._handles.append(node.register_prehook(functools.partial(_hook_begin, fol)))
-                self._handles.append(node.register_hook(functools.partial(_hook_end, fol)))
+                pre = node.register_prehook(functools.partial(_hook_begin, fol))
+                if fol.acc:
+                    own: list[Any] = [pre]
+                    own.append(node.register_hook(functools.partial(_hook_end_once, fol, own)))
+                    self._handles += own
+                else:
+                    self._handles += (pre, node.register_hook(functools.partial(_hook_end, fol)))
 
     def close(self) -> None:
         """Stop logging this scope's grad nodes now (they stop anyway when their graph is freed)."""
