@@ -73,3 +73,33 @@ def test_a_generator_met_from_the_discriminators_graph_is_named_by_its_variable(
     assert step.inputs == ["netG.weight", "netG.weight@grad", "netG.bias", "netG.bias@grad"]
     assert t.modules == {"": "Linear", "netG": "Linear"}
     assert t.tensors["netG.weight@v1"].md5 == _md5(netG.weight)
+
+
+def test_a_deep_generator_met_from_the_discriminators_graph_keeps_its_variable() -> None:
+    # (pytorch/examples dcgan: the walk over the generator's graph, made in the step before, was
+    # recursive, and the frames it took hid the script's variable: Sequential.0.weight)
+    torch.manual_seed(0)
+    netG = nn.Sequential(*[nn.Linear(4, 4, bias=False) for _ in range(12)])
+    netD = nn.Linear(4, 1)
+    optG = torch.optim.SGD(netG.parameters(), lr=0.1)
+    fake = netG(torch.randn(3, 4))
+    with tracer.trace(hash="md5") as t:
+        netD(fake).mean().backward()
+        optG.step()
+    step = next(c for c in t.calls if c.kind == "optimizer")
+    assert step.inputs[:4] == ["netG.0.weight", "netG.0.weight@grad", "netG.1.weight", "netG.1.weight@grad"]
+
+
+def test_a_graph_thousands_of_nodes_deep_made_before_the_block() -> None:
+    # A hidden state carried over from earlier steps: the walk over it raised RecursionError
+    # (recording stopped, nothing recorded) from about 500 nodes deep.
+    lin = nn.Linear(4, 4)
+    h = torch.randn(2, 4, requires_grad=True)
+    for _ in range(3000):
+        h = torch.tanh(h)
+    with tracer.trace(hash="none") as t:
+        lin(h).mean().backward()
+    assert not t.notes and [c.name for c in t.calls] == ["linear0", "mean0"]
+    external = [n for n in t.grad_nodes if n.external and n.kind == "TanhBackward0"]
+    assert len(external) == 3000
+    assert all(n.next[0] is not None for n in external)  # each linked to the one before it

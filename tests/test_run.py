@@ -194,3 +194,15 @@ def test_register_sends_options_after_the_program_to_the_program():
     args = parser.parse_args(["run", "--every", "2", "-m", "pkg.mod", "--every", "7"])
     assert args.every == 2 and args.module == ["pkg.mod", "--every", "7"]
     assert args.func.__name__ == "run_command"
+
+
+def test_a_step_whose_recording_gradtrace_stopped_says_why():
+    from export.cli.run import why_stopped
+    from tracer.model import Trace
+
+    t = Trace()
+    assert why_stopped(t) == ""
+    t.notes.append("recording stopped at max_calls=3: later calls, grad nodes and backward runs were not recorded")
+    assert why_stopped(t) == "recording stopped at a bound"
+    t.notes[0] = "recording stopped: gradtrace failed while recording (RecursionError: ... at tracer/x.py:1 (f)); ..."
+    assert why_stopped(t) == "recording stopped: gradtrace failed, see the trace's notes"

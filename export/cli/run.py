@@ -75,6 +75,16 @@ def _facts(trace: Trace) -> str:
             f"{plural(len(trace.backward_runs), 'backward run')}")
 
 
+def why_stopped(trace: Trace) -> str:
+    """Why recording stopped early in this step, in a few words ("" when it did not)."""
+    note = next((n for n in trace.notes if n.startswith("recording stopped")), None)
+    if note is None:
+        return ""
+    if "gradtrace failed" in note:  # (tracer.record.failsafe: the program went on untraced)
+        return "recording stopped: gradtrace failed, see the trace's notes"
+    return "recording stopped at a bound"
+
+
 class PlainProgress(StepObserver):
     """One line per traced or skipped step on a stream (deterministic: for logs, pipes, tests)."""
 
@@ -82,8 +92,7 @@ class PlainProgress(StepObserver):
         self.stream = stream
 
     def step_end(self, step: int, trace: Trace, path: str | None) -> None:
-        stopped = " (recording stopped at a bound)" if any(n.startswith("recording stopped") for n in trace.notes) \
-            else ""
+        stopped = f" ({why_stopped(trace)})" if why_stopped(trace) else ""
         status = "" if trace.status == "ok" else f" [{trace.status}]"
         print(f"gradtrace: step {step} traced: {_facts(trace)}{stopped}{status}", file=self.stream, flush=True)
 
@@ -128,8 +137,7 @@ class LiveProgress(PlainProgress):
 
     def step_end(self, step: int, trace: Trace, path: str | None) -> None:
         self._stop()
-        stopped = " [yellow](recording stopped at a bound)[/]" if any(
-            n.startswith("recording stopped") for n in trace.notes) else ""
+        stopped = f" [yellow]({why_stopped(trace)})[/]" if why_stopped(trace) else ""
         status = "" if trace.status == "ok" else f" [red]{trace.status}[/]"
         self.console.print(f"[green]✓[/] gradtrace: step {step} traced: {_facts(trace)}{stopped}{status}",
                            highlight=False)

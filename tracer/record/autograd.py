@@ -339,7 +339,19 @@ class AutogradMixin(LeafGradsMixin):
         # Created before the traced block (or by code the trace could not see).
         name = self.counters.next(f"external/{kind}")
         self._register_node(node, name, kind, None, None, None, external=True)
-        self._link_edges(node)
+        # Their edges are linked one node after another, not by recursion: a graph made before
+        # the block (a hidden state carried over, a GAN's generator output from the step before)
+        # may be thousands of nodes deep.
+        pending = self._external_pending
+        pending.append((node, name))
+        if len(pending) == 1:
+            try:
+                i = 0
+                while i < len(pending):
+                    self._link_edges(*pending[i])
+                    i += 1
+            finally:
+                pending.clear()
         return name
 
     # ---- backward -----------------------------------------------------------------------------

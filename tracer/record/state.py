@@ -149,6 +149,7 @@ class RecorderState:
         self._reads_queued: object = None  # the backward run whose final reading is queued
         self._edges: dict[str, tuple[tuple[str | None, int], ...]] = {}  # node -> (dest node, slot) per output
         self._node_recs: dict[str, GradNode] = {}
+        self._external_pending: list[tuple[Any, str]] = []  # external nodes to link (_dest_name)
         self._slot_tensor: dict[tuple[str, int], str] = {}
         # Edges into each (node, input slot) in the graph the running backward walks: a gradient
         # that alone flows into a tensor's slot is that tensor's gradient (see _grad_names).
