@@ -452,3 +452,27 @@ def test_processes_forked_inside_a_streamed_block_record_nothing_and_leave_its_f
     assert not any(c.api == "torch.stack" for c in back.calls)  # the collate ran in the workers only
     assert sum(c.api == "torch.nn.functional.linear" for c in back.calls) == 8  # 2 epochs x 4 batches
     assert len(back.backward_runs) == 8
+
+
+def test_a_program_that_wraps_tensor_backward_runs_its_wrapper_once():
+    # torch's Tensor.backward hands its call to a torch-function mode through the class
+    # attribute, i.e. through the program's wrapper again: a loss-scaling wrapper scaled twice.
+    real = torch.Tensor.backward
+    calls = []
+
+    def scaled_backward(self, *args, **kwargs):
+        calls.append(1)
+        return real(self * 2, *args, **kwargs)
+
+    model = torch.nn.Linear(4, 1)
+    torch.Tensor.backward = scaled_backward
+    try:
+        model(torch.ones(1, 4)).sum().backward()
+        want, calls[:] = model.bias.grad.clone(), []
+        model.zero_grad()
+        with tracer.trace(hash="md5") as t:
+            model(torch.ones(1, 4)).sum().backward()
+    finally:
+        torch.Tensor.backward = real
+    assert torch.equal(model.bias.grad, want) and want.item() == 2.0 and calls == [1]
+    assert [(r.name, r.api) for r in t.backward_runs] == [("backward0", "Tensor.backward")]

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from tracer.record.naming import tensor_backward
+
 if TYPE_CHECKING:
     from tracer.record.recorder import Recorder
 
@@ -101,6 +103,8 @@ class RecordingMode(TorchFunctionMode):
                 rec.close_step("optimizer.step() raised; its changes up to there are recorded")
             except Exception as exc:
                 rec.recorder_failed(exc)
+        if kind == "backward" and api == "Tensor.backward":
+            func = tensor_backward  # (not a program's wrapper of it again: see naming.tensor_backward)
         if rec.paused or rec.stopped:
             return func(*args, **kwargs)
         if kind == "backward":

@@ -146,7 +146,21 @@ class ApiNames:
         return hit
 
 
+def tensor_backward(self: torch.Tensor, gradient: Any = None, retain_graph: Any = None, create_graph: bool = False,
+                    inputs: Any = None) -> None:
+    """What ``Tensor.backward`` does once a mode has the call (torch/_tensor.py). A program may
+    replace the class attribute with a wrapper (loss scaling, a counter); torch's own
+    ``Tensor.backward`` hands its call to a mode through that attribute, i.e. through the
+    wrapper again, which would then run twice (a loss scaled twice): the mode calls this."""
+    torch.autograd.backward(self, gradient, retain_graph, create_graph, inputs=inputs)
+
+
+_TENSOR_BACKWARD: Described = ("Tensor.backward", "backward", "backward", None)
+
+
 def _described(func: Any) -> Described:
+    if func is getattr(torch.Tensor, "backward", None):  # torch's, or the program's wrapper of it
+        return _TENSOR_BACKWARD
     api, short, kind = _describe(func)
     return api, short, kind, (op_writes(func, api) if kind in ("op", "custom_op", "set_data") else None)
 
