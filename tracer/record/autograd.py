@@ -401,6 +401,7 @@ class AutogradMixin(LeafGradsMixin):
             self.recorder_failed(exc)
             return func(*args, **kwargs)
         first = args[0] if args else kwargs.get("tensors", kwargs.get("outputs"))
+        depth = len(self._running)  # the nodes running when this run started (an enclosing run's)
         self._in_backward += 1
         error: BaseException | None = None
         try:
@@ -416,23 +417,36 @@ class AutogradMixin(LeafGradsMixin):
             run.error = f"{type(exc).__name__}: {exc}"
             error = exc
             # The outermost run explains the error once, with every level still running (a
-            # nested run leaves its running nodes in place for it).
-            if isinstance(exc, Exception) and outer[0] is None:
-                running = list(self._running)
+            # nested run leaves its running nodes in place for it, and the node of its own that
+            # failed: an autograd.grad in a custom backward over a graph whose saved tensor
+            # changed in place).
+            if isinstance(exc, Exception):
                 unknown = False
-                try:  # a node with no pre-hook does not show in _running: find it from the graph
-                    with torch._C.DisableTorchFunction():
-                        from_tensors = unique(flat_tensors(first))
-                        # ... from the runs that finished, unless some it could reach had no
-                        # hook: then only a node that runs Python (hooked) can be named.
-                        partial = self._reaches_unhooked(from_tensors)
-                        unknown = partial and not running
-                        failing = None if partial else self._infer_failing_node(from_tensors)
-                except Exception:  # never let the explanation hide the user's error
-                    failing = None
-                if failing is not None and failing not in running:
-                    running.append(failing)
-                self._explain(exc, run, running, unknown)
+                failing = None
+                last = run.steps[-1].node if run.steps else ""
+                if len(self._running) <= depth and last.endswith("/BackwardHookFunctionBackward") \
+                        and raised_in_backward_python(exc) is not None:
+                    # A module's backward hook raised: torch runs it as a hook of that node,
+                    # after the node's own (gradtrace's) hook recorded its run.
+                    failing = last
+                elif len(self._running) <= depth:
+                    # No node of this run is running (a node with no pre-hook failed: it does not
+                    # show in _running): find it from the graph, from the runs that finished,
+                    # unless some it could reach had no hook: then only a node that runs Python
+                    # (hooked) can be named. A node still running (its hooks or its own code
+                    # raised: a module's backward hook) is the one.
+                    try:
+                        with torch._C.DisableTorchFunction():
+                            from_tensors = unique(flat_tensors(first))
+                            partial = self._reaches_unhooked(from_tensors)
+                            unknown = partial
+                            failing = None if partial else self._infer_failing_node(from_tensors)
+                    except Exception:  # never let the explanation hide the user's error
+                        failing = None
+                if failing is not None and failing not in self._running:
+                    self._running.append(failing)
+                if outer[0] is None:
+                    self._explain(exc, run, list(self._running), unknown and len(self._running) <= depth)
             raise
         finally:
             if self._retained:
