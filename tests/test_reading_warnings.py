@@ -72,3 +72,19 @@ def test_the_numerics_warning_points_at_the_users_with_line() -> None:
             torch.sqrt(x)
     found = [w for w in caught if w.category is tracer.NumericsWarning]
     assert [(w.filename, w.lineno) for w in found] == [(__file__, line)]
+
+
+def test_a_warning_shows_once_across_traced_steps() -> None:
+    # Each trace used to add and remove a warnings filter, which resets every module's
+    # once-per-location registry: a deprecation warning of a module the program calls
+    # (nn.Dropout2d on 2-D input) printed again at every traced step.
+    script = textwrap.dedent("""
+        import torch, tracer
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout2d(0.5))
+        for _ in range(3):
+            with tracer.trace(hash="none"):
+                model(torch.randn(2, 4)).sum().backward()
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert sum("UserWarning: dropout2d" in line for line in proc.stderr.splitlines()) == 1

@@ -110,18 +110,21 @@ _GLOBAL_HOOKS_WARNING = "Using `torch.compile(module)` when there are global hoo
 
 def quiet_global_hooks_warning(rec: Recorder) -> Callable[[], None] | None:
     """Ignore torch's warning about global module hooks while ``rec``'s are the only ones;
-    returns what removes the filter again (None: other global hooks exist, the warning stays)."""
+    returns what removes the filter again (None: other global hooks exist, the warning stays).
+
+    The filter goes into ``warnings.filters`` directly, without ``_filters_mutated()``: that
+    call (made by ``filterwarnings``) resets every module's once-per-location registry, and a
+    warning of the user's program (a deprecation in a module it calls) then printed again at
+    every traced step. A new "ignore" filter needs no reset: an ignored warning is never
+    entered in a registry, and what the registries hold stays true."""
     if not rec.holds_every_global_module_hook():
         return None
-    warnings.filterwarnings("ignore", message=re.escape(_GLOBAL_HOOKS_WARNING), category=UserWarning)
-    entry = warnings.filters[0]
+    entry = ("ignore", re.compile(re.escape(_GLOBAL_HOOKS_WARNING), re.I), UserWarning, None, 0)
+    filters = cast(list[Any], warnings.filters)  # a list at run time
+    filters.insert(0, entry)
 
     def undo() -> None:
-        filters = cast(list[Any], warnings.filters)  # a list at run time
         if entry in filters:
             filters.remove(entry)
-            mutated = getattr(warnings, "_filters_mutated", None)  # invalidates the once-registries
-            if mutated is not None:
-                mutated()
 
     return undo
