@@ -103,12 +103,14 @@ class RecordingMode(TorchFunctionMode):
                 rec.close_step("optimizer.step() raised; its changes up to there are recorded")
             except Exception as exc:
                 rec.recorder_failed(exc)
-        if kind == "backward" and api == "Tensor.backward":
-            func = tensor_backward  # (not a program's wrapper of it again: see naming.tensor_backward)
+        # Tensor.backward is run as naming.tensor_backward: the function the mode was handed may
+        # be a program's wrapper of it, which has run already (it handed the call on).
         if rec.paused or rec.stopped:
+            if kind == "backward" and api == "Tensor.backward":
+                func = tensor_backward
             return func(*args, **kwargs)
         if kind == "backward":
-            return rec.record_backward(func, api, args, kwargs)
+            return rec.record_backward(tensor_backward if api == "Tensor.backward" else func, api, args, kwargs)
         if kind == "hook":
             try:
                 rec.tensor_hook_registered()
