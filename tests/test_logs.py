@@ -583,3 +583,25 @@ def test_a_scope_without_a_trace_leaves_no_hooks_on_the_parameters_accumulators(
     seen = len(logs.lines)
     lin(x).sum().backward()  # outside any scope
     assert logs.lines[seen:] == []
+
+
+@pytest.mark.parametrize("hash_kind", ["none", "md5"])
+def test_scoped_blocks_in_a_trace_log_the_accumulators_every_time(logs, hash_kind):
+    # A parameter's accumulator is one node for the whole trace: a scope after an unscoped use
+    # of the parameter logged it no more.
+    lin = exact_linear(4, 4, seed=1)
+    x = halves(2, 4, seed=2)
+    logged, listed = [], []
+    with tracer.trace(hash=hash_kind):
+        for scoped in (True, True, False, True):
+            seen = len(logs.lines)
+            if scoped:
+                with log_scope(level="INFO") as scope:
+                    loss = lin(x).sum()
+                listed.append(sorted(n for n in scope.nodes if n.endswith("AccumulateGrad")))
+            else:
+                loss = lin(x).sum()
+            loss.backward()
+            logged.append(sum("AccumulateGrad" in m for m in logs.lines[seen:]))
+    assert logged == [4, 4, 0, 4]
+    assert listed == [["bias/AccumulateGrad", "weight/AccumulateGrad"]] * 3

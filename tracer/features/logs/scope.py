@@ -146,6 +146,17 @@ class _LogListener(Listener):
                     fol.level = level
                     followed.add(g.name)
                     scope._follow(fol, self.fresh.get(g.name) if self.light else None)
+            if not self.light:
+                # A parameter's accumulator is one node for the whole trace, made at its first
+                # use: a later scope that reaches it follows it again (an unscoped use in between
+                # stopped it), as a scope without a trace does with the node of each graph.
+                made = {g.name for g in new}
+                for name in reached - made:
+                    fol = self.nodes.get(name)
+                    if fol is not None and fol.acc:
+                        fol.level, fol.active = level, True
+                        followed.add(name)
+                        scope._follow(fol, None)
         # A leaf accumulator of a scope reached from a node outside it: no longer only the scope's.
         for g in new:
             if g.name in followed:
