@@ -152,11 +152,11 @@ class _LogListener(Listener):
                 # stopped it), as a scope without a trace does with the node of each graph.
                 made = {g.name for g in new}
                 for name in reached - made:
-                    fol = self.nodes.get(name)
-                    if fol is not None and fol.acc:
-                        fol.level, fol.active = level, True
+                    acc = self.nodes.get(name)
+                    if acc is not None and acc.acc:
+                        acc.level, acc.active = level, True
                         followed.add(name)
-                        scope._follow(fol, None)
+                        scope._follow(acc, None)
         # A leaf accumulator of a scope reached from a node outside it: no longer only the scope's.
         for g in new:
             if g.name in followed:
