@@ -225,6 +225,7 @@ def test_values_that_no_later_value_keeps_are_not_anomalies() -> None:
     report = t.anomalies
     assert report.clean and report.dropped >= 3  # log, div, mul of each attention's buckets
     assert str(report).startswith(f"numerics: no NaN or Inf kept among {report.checked} checked tensors")
+    assert "that no later value keeps: cast to integers, selected away or masked by a softmax" in str(report)
     assert report.to_json()["dropped"] == report.dropped
 
     x = torch.tensor([2.0, -1.0, 0.5, -3.0], requires_grad=True)
@@ -270,3 +271,20 @@ def test_an_inf_loss_from_a_masked_target_logit_on_the_gpu() -> None:
     a = t.anomalies.forward
     assert a is not None and (a.what, a.producer, a.origin) == ("Inf", "cross_entropy0", True)
     assert _raised(step).producer == "cross_entropy0"
+
+
+def test_two_finfo_min_masks_that_overflow_where_softmax_masks_are_not_anomalies() -> None:
+    # GPT-Neo's attention: where(causal, w, finfo.min) plus a finfo.min padding mask overflows to
+    # -inf at the masked positions, which softmax turns into 0. A +inf there is still NaN.
+    torch.manual_seed(0)
+    w = torch.randn(2, 4, 4, requires_grad=True)
+    causal = torch.ones(4, 4, dtype=torch.bool).tril()
+    low = torch.finfo(torch.float32).min
+    with tracer.check_numerics() as t:
+        scores = torch.where(causal, w, torch.tensor(low))
+        mask = torch.zeros(2, 1, 4).masked_fill(torch.tensor([[[False, False, False, True]]]), low)
+        (scores + mask).softmax(-1).sum().backward()
+    assert t.anomalies.clean and t.anomalies.dropped == 1
+    with tracer.check_numerics() as t:
+        (w + torch.full((2, 4, 4), torch.finfo(torch.float32).max) * 2).softmax(-1).sum()
+    assert t.anomalies.forward is not None and t.anomalies.forward.what == "Inf"

@@ -230,7 +230,7 @@ class NumericsReport:
             notes.append(f"{plural(self.intended_inf, 'record')} with an intended Inf, e.g. -inf attention masks")
         if self.dropped:
             notes.append(f"{plural(self.dropped, 'record')} with NaN/Inf that no later value keeps: "
-                         "cast to integers or selected away")
+                         "cast to integers, selected away or masked by a softmax")
         tail = f" ({'; '.join(notes)})" if notes else ""
         if self.clean:
             if self.dropped:
@@ -380,10 +380,13 @@ def find_anomalies(trace: Trace, frames_of: FramesOf | None = None) -> NumericsR
                           scaler_overflows=scaler_overflows(trace), dropped=len(dropped))
 
 
-# Calls that keep some elements of a value and replace the others: a NaN or Inf in the replaced
-# ones is gone (``torch.where(x > 0, torch.log(x), 0)``).
+# Calls whose finite output leaves a NaN or Inf of their input behind: selections, which keep
+# some elements and replace the others (``torch.where(x > 0, torch.log(x), 0)``), and softmax,
+# which reads ``-inf`` as a masked position (0): a mask made by adding two ``finfo.min`` masks
+# overflows to ``-inf`` there (GPT-Neo's attention), and softmax drops it.
 _SELECTING = frozenset({"torch.where", "Tensor.where", "torch.nan_to_num", "Tensor.nan_to_num",
-                        "Tensor.nan_to_num_", "torch.masked_fill", "Tensor.masked_fill", "Tensor.masked_fill_"})
+                        "Tensor.nan_to_num_", "torch.masked_fill", "Tensor.masked_fill", "Tensor.masked_fill_",
+                        "torch.softmax", "Tensor.softmax", "torch.nn.functional.softmax", "torch.special.softmax"})
 _FLOATING = ("float", "bfloat", "complex")
 _MAX_DEPTH = 64  # calls a dropped value may pass through first (deeper chains are reported)
 
@@ -391,7 +394,8 @@ _MAX_DEPTH = 64  # calls a dropped value may pass through first (deeper chains a
 def dropped_values(trace: Trace) -> set[str]:
     """The NaN/Inf-holding values that no later value keeps: every call that reads one makes
     only integer or boolean values (a cast, a comparison), finite values by selection
-    (``where``, ``nan_to_num``, ``masked_fill``), or values that are dropped in turn. T5's
+    (``where``, ``nan_to_num``, ``masked_fill``) or by a softmax (``-inf`` a masked position),
+    or values that are dropped in turn. T5's
     relative position buckets take ``log(0) = -inf`` and cast it to integers, which ``where``
     then discards: made, never used. A value nothing reads (a loss) is not dropped."""
     tensors = trace.tensors
