@@ -377,7 +377,7 @@ def find_anomalies(trace: Trace, frames_of: FramesOf | None = None) -> NumericsR
     fwd = _forward(trace, calls, children, intended, frames_of, dropped)
     bwd = _backward(trace, calls, children, intended, frames_of, dropped)
     return NumericsReport(*fwd, *bwd, checked, len(tensors) - checked, intended_inf=len(intended),
-                          scaler_overflows=scaler_overflows(trace), dropped=len(dropped))
+                          scaler_overflows=scaler_overflows(trace), dropped=len(dropped - intended))
 
 
 # Calls whose finite output leaves a NaN or Inf of their input behind: selections, which keep
@@ -444,9 +444,8 @@ def _check_call(hunt: _Hunt, trace: Trace, call: Call, intended: set[str], node:
                 backward_run: str | None = None) -> None:
     """Look at one call's own outputs (and the versions it wrote) for NaN and Inf."""
     tensors = trace.tensors
-    outs = [o for o in [*call.outputs, *call.mutated]
-            if (r := tensors.get(o)) is not None and r.producer == call.name and o not in hunt.dropped]
-    nan_out = [o for o in outs if _nan(tensors[o])]
+    outs = [o for o in [*call.outputs, *call.mutated] if (r := tensors.get(o)) is not None and r.producer == call.name]
+    nan_out = [o for o in outs if _nan(tensors[o]) and o not in hunt.dropped]
     inf_out = [o for o in outs if _inf(tensors[o])]
     if inf_out:
         inf_in = [i for i in call.inputs if _inf(tensors.get(i))]
@@ -455,6 +454,7 @@ def _check_call(hunt: _Hunt, trace: Trace, call: Call, intended: set[str], node:
                 [(_inf(tensors[i]), _numel(tensors[i]), i in intended) for i in inf_in]):
             intended.update(inf_out)
             inf_out = []
+        inf_out = [o for o in inf_out if o not in hunt.dropped]  # (an intended Inf counts as intended)
     for kind, bad_out, count in (("nan", nan_out, _nan), ("inf", inf_out, _inf)):
         if not bad_out:
             continue
