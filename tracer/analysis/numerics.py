@@ -306,7 +306,8 @@ def carries_intended_inf(outs: list[tuple[int, int]], ins: list[tuple[int, int, 
     return True
 
 
-def _numel(rec: TensorRecord) -> int:
+def numel(rec: TensorRecord) -> int:
+    """The elements of a recorded tensor (its shape's product)."""
     return math.prod(rec.shape)
 
 
@@ -450,8 +451,8 @@ def _check_call(hunt: _Hunt, trace: Trace, call: Call, intended: set[str], node:
     if inf_out:
         inf_in = [i for i in call.inputs if _inf(tensors.get(i))]
         if has_inf_constant(call.args) or carries_intended_inf(
-                [(_inf(tensors[o]), _numel(tensors[o])) for o in inf_out],
-                [(_inf(tensors[i]), _numel(tensors[i]), i in intended) for i in inf_in]):
+                [(_inf(tensors[o]), numel(tensors[o])) for o in inf_out],
+                [(_inf(tensors[i]), numel(tensors[i]), i in intended) for i in inf_in]):
             intended.update(inf_out)
             inf_out = []
         inf_out = [o for o in inf_out if o not in hunt.dropped]  # (an intended Inf counts as intended)

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
-from tracer.analysis.numerics import NonFiniteError, carries_intended_inf, find_anomalies, has_inf_constant
+from tracer.analysis.numerics import (
+    NonFiniteError,
+    carries_intended_inf,
+    find_anomalies,
+    has_inf_constant,
+    numel,
+)
 from tracer.model import Trace
 from tracer.record.dispatch_modes import past_dispatch_modes
 from tracer.record.listeners import Listener
@@ -68,12 +73,12 @@ class NonFiniteGuard(Listener):
         the checksums queued so far, paid only by a call that made an Inf)."""
         self._recorder.hasher.drain(wait=True)
         tensors = trace.tensors
-        outs = [(r.stats.inf, math.prod(r.shape)) for o in [*call.outputs, *call.mutated]
+        outs = [(r.stats.inf, numel(r)) for o in [*call.outputs, *call.mutated]
                 if (r := tensors.get(o)) is not None and r.producer == call.name and r.stats is not None
                 and r.stats.inf]
         if not outs:  # no stats for them (a kind that is not hashed): carried on from any intended input
             return any(i in self._intended for i in call.inputs)
-        ins = [(r.stats.inf, math.prod(r.shape), i in self._intended) for i in call.inputs
+        ins = [(r.stats.inf, numel(r), i in self._intended) for i in call.inputs
                if (r := tensors.get(i)) is not None and r.stats is not None and r.stats.inf]
         return carries_intended_inf(outs, ins)
 

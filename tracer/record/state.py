@@ -55,7 +55,7 @@ _TRACE_IDS = itertools.count()
 # Searches of the live objects for a parameter's model per trace (each one gc pass; see owners.py).
 MAX_OWNER_SEARCHES = 4
 # Roles whose values have a name of their own, kept through writes by any alias.
-_OWNED_ROLES = frozenset({"param", "buffer", "state"})
+OWNED_ROLES = frozenset({"param", "buffer", "state"})
 
 
 class RecorderState:
@@ -605,7 +605,7 @@ class RecorderState:
                 if same_view(o, t):  # the same bytes seen through another tensor object
                     old = self.trace.tensors.get(hit[0])
                     own = self._base_name(hit[0])
-                    if old is not None and old.role in _OWNED_ROLES and self._base_name(new) != own:
+                    if old is not None and old.role in OWNED_ROLES and self._base_name(new) != own:
                         # A parameter, buffer or optimizer state written through a detached
                         # alias (an EMA's foreach update of ``p.detach()`` lists, AveragedModel's
                         # first copy): its own next version, with the written value's checksum;

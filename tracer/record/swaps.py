@@ -23,11 +23,11 @@ import torch
 import torch.utils
 
 from tracer.record.functions import active_recorder
-from tracer.record.state import RecorderState
+from tracer.record.state import OWNED_ROLES, RecorderState
 
 _REAL_SWAP: Callable[[torch.Tensor, torch.Tensor], None] = torch.utils.swap_tensors
 # Objects whose name is their place (a path, a parameter's .grad), not the value they hold.
-_OWNED_ROLES = ("param", "buffer", "state", "grad")
+_PLACED_ROLES = OWNED_ROLES | {"grad"}
 
 
 def _traced_swap(t1: torch.Tensor, t2: torch.Tensor) -> None:
@@ -116,7 +116,7 @@ class SwapsMixin(RecorderState):
                 continue
             before = self.trace.tensors.get(own.name[0])
             role = own.owned[1] if own.owned is not None else before.role if before is not None else None
-            if role not in _OWNED_ROLES:
+            if role not in _PLACED_ROLES:
                 continue
             shown = self.trace.tensors.get(value.name[0]) if value.name is not None else None
             self._new_tensor(t, self._bump(self._base_name(own.name[0])), role,
