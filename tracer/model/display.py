@@ -45,6 +45,20 @@ def param_module(name: str) -> str:
     return name.rpartition(".")[0]
 
 
+# ---- phases ----------------------------------------------------------------------------------------
+# The order a step runs its phases in, for every view that sorts or groups by phase; a phase
+# a newer file names that this list does not know comes last, by name.
+PHASE_ORDER = ("forward", "backward", "optimizer")
+
+
+def phase_key(phase: str) -> tuple[int, str]:
+    """Sort key of a ``Call.phase``: forward, backward, optimizer, then anything else by name."""
+    try:
+        return PHASE_ORDER.index(phase), ""
+    except ValueError:
+        return len(PHASE_ORDER), phase
+
+
 # ---- tensors ----------------------------------------------------------------------------------------
 _DTYPE_SHORT = {
     "float64": "f64", "float32": "f32", "float16": "f16", "bfloat16": "bf16",
@@ -122,6 +136,12 @@ def json_number(x: float | None) -> float | str | None:
 def plural(n: int, noun: str, nouns: str | None = None) -> str:
     """``1 backward run``, ``2 backward runs``, ``1,024 calls``."""
     return f"{n:,} {noun}" if n == 1 else f"{n:,} {nouns or noun + 's'}"
+
+
+def plural_verb(n: int, noun: str, verb: str, verbs: str, nouns: str | None = None) -> str:
+    """A count, its noun and a verb that agree: ``1 parameter differs``, ``2 parameters differ``
+    (``verb`` for one, ``verbs`` for several: ``plural_verb(n, "call", "differs", "differ")``)."""
+    return f"{plural(n, noun, nouns)} {verb if n == 1 else verbs}"
 
 
 def all_finite(checked: int) -> str:

@@ -18,7 +18,8 @@ checkout of either is not under ``site-packages``). Notebook cells (``/tmp/ipyke
 ``<ipython-input-...>``) are the user's.
 
 ``folded(frames)`` says which frames a short view shows: the user's frames and the innermost
-frame (where the call was made, often a library's line), the rest folded.
+frame (where the call was made, often a library's line), the rest folded. ``user_frame(frames)``
+is the one line to name when there is room for one: the user's innermost frame.
 """
 
 from __future__ import annotations
@@ -108,6 +109,16 @@ def folded(frames: Sequence[Frame]) -> list[bool]:
     return [i != last and frame_class(f.file) != USER for i, f in enumerate(frames)]
 
 
+def user_frame(frames: Sequence[Frame]) -> Frame | None:
+    """The line to name for a record in one line: the user's innermost frame (the line they wrote
+    that made the call, also when the call ran inside a library), else the innermost frame;
+    None for an empty stack."""
+    for f in reversed(frames):
+        if frame_class(f.file) == USER:
+            return f
+    return frames[-1] if frames else None
+
+
 def fold_label(frames: Sequence[Frame]) -> str:
     """``3 frames folded (2 library, 1 notebook kernel)`` for a run of folded frames."""
     counts = Counter(frame_class(f.file) for f in frames)
@@ -136,4 +147,4 @@ def stack_lines(frames: Sequence[Frame], all_frames: bool = False, indent: str =
 
 
 __all__ = ["CLASSES", "CLASS_LABELS", "FRAMEWORK", "KERNEL", "LIBRARY", "USER", "fold_label", "folded",
-           "frame_class", "stack_lines"]
+           "frame_class", "stack_lines", "user_frame"]
