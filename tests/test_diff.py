@@ -217,8 +217,9 @@ def test_nondeterministic_backward_found_in_backward_while_forward_matches() -> 
     assert r.forward.summary().startswith("equal up to backward;")
     # The op inside Noisy's backward() that drew the noise, named with its line.
     assert r.backward.origin_a == "randn0" and a["randn0"].parent == "Noisy0/NoisyBackward"
-    assert r.backward.reason.startswith("backward-only: randn0 in the backward of Noisy0/NoisyBackward: "
-                                        "inputs match, outputs differ while Noisy0 matched")
+    # (issue 42: a random op whose inputs match says the RNG state differs, not "outputs differ")
+    assert r.backward.reason == ("backward-only: randn0 in the backward of Noisy0/NoisyBackward: random op with "
+                                 "equal inputs: the RNG state differs (Noisy0 matched in forward)")
     assert r.backward.stack_a[-1].code == "return g + 1e-3 * torch.randn(g.shape, generator=gen)"
     order = a.backward_runs[0].order
     before = order[: order.index("Noisy0/NoisyBackward")]
@@ -235,7 +236,8 @@ def test_nested_function_origin_is_the_inner_call() -> None:
     inner = [c for c in a.calls if c.parent == "NoisyForward0"]
     assert [c.api for c in inner] == ["torch.randn", "Tensor.add"]
     # the Function starts before the ops inside it, but the difference enters inside
-    assert r.forward.origin_a == "randn0" and r.forward.reason == "inputs match, outputs differ"
+    assert r.forward.origin_a == "randn0"
+    assert r.forward.reason == "random op with equal inputs: the RNG state differs"  # (issue 42: was "inputs match, …")
     assert "NoisyForward0" in r.forward.independent
 
 

@@ -8,9 +8,17 @@ record whose inputs match but whose outputs differ. Every later record with a di
 the first call that reads it: that call is the origin. A record that differs only because it reads
 a gradient (an optimizer step after a nondeterministic backward) is counted apart, so "forward
 matches" stays true when only backward went astray. The forward section holds every API call of
-the block (optimizer steps included); the backward section every grad-node execution, matched by
-node name through the call alignment, with the origin's reason telling a node whose saved forward
-values differ from a backward-only difference.
+the block but those a backward made, whatever their ``Call.phase`` (forward, the optimizer's, one
+a newer file names); the backward section every grad-node execution, matched by node name through
+the call alignment, with the origin's reason telling a node whose saved forward values differ from
+a backward-only difference. How each record is classified (its status and note) is one registry
+of named rules, ``export.diff.rules``; the engine gathers the facts a rule reads.
+
+Parameters and buffers are compared by name at the value the step read (the first call that
+reads one without changing it), also where the block made them (a model built inside the traced
+step: ``gradtrace run --steps 0``), then by their gradient and their value after the step. Every
+parameter already different as the step began, in values from before it, means the runs parted
+at an earlier step: the verdict says so first (``DiffResult.parted_earlier``).
 
 Comparisons are bit-exact by default (MD5 of each tensor). With ``rtol``/``atol`` they use the
 recorded stats (min, max, mean, absmax and NaN/Inf counts): a record is within tolerance when for
@@ -32,27 +40,22 @@ import math
 import os
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from export.diff.align import Pair, align_calls, align_steps, call_mapping
 from export.diff.elements import ONLY_STATS, STATS_WORDS, comparable, element_diff
 from export.diff.result import Compared, DiffResult, Divergence, ModuleStat, ParamDiff, Row, Tolerance
+from export.diff.rules import BACKWARD, CAST_APIS, CAST_NODES, FORWARD, SOURCE, STRUCTURE, Facts, classify
 from export.errors import DiffError
 from export.load import load_with_notes
 from export.views import checksum
 from tracer.model import SCHEMA_VERSION, Call, GradNode, NodeRun, Stats, TensorRecord, Trace
-from tracer.model.display import format_number, param_module, plural
-from tracer.model.names import gradient_of
+from tracer.model.display import param_module, plural
+from tracer.model.names import base_name, gradient_of
 
 INF = math.inf
 _STATS = ("min", "max", "mean", "absmax")
-# Work that only changes a dtype. Comparing across precisions (fp32 vs bf16 autocast) adds or
-# drops such steps (autocast's casts show up as ToCopyBackward0 nodes); with a tolerance they are
-# expected and listed apart instead of counting as a change of structure.
-_CAST_APIS = frozenset({"Tensor.to", "Tensor.float", "Tensor.half", "Tensor.bfloat16", "Tensor.double",
-                        "Tensor.type", "Tensor.type_as"})
-_CAST_NODES = frozenset({"ToCopyBackward0"})
 # Below this share of aligned forward calls two traces are not two runs of one program: the
 # verdict says so instead of listing every call as inserted or removed. Runs of one program that
 # diverge (an extra op, a changed branch, fp32 against bf16 autocast) align far above it.
@@ -100,7 +103,7 @@ class Comparer:
         if ra.uninitialized or rb.uninitialized:  # memory nobody wrote (torch.empty_like): never compared
             return Compared("skipped", why="uninitialised memory")
         if ra.shape != rb.shape:
-            return Compared("differ", INF, INF, f"shape {list(ra.shape)} vs {list(rb.shape)}")
+            return Compared("differ", INF, INF, f"shape {list(ra.shape)} vs {list(rb.shape)}", mismatch=True)
         da, db = checksum(ra), checksum(rb)
         if ra.values is not None and rb.values is not None and comparable(ra.dtype, rb.dtype):
             return self._compare_values(ra, rb, da, db)
@@ -109,7 +112,7 @@ class Comparer:
         basis = "" if sd is None else "stats"
         if self.tol is None:
             if ra.dtype != rb.dtype:
-                return Compared("differ", ab, rel, f"dtype {ra.dtype} vs {rb.dtype}", basis)
+                return Compared("differ", ab, rel, f"dtype {ra.dtype} vs {rb.dtype}", basis, mismatch=True)
             if da and db:
                 return Compared("equal" if da == db else "differ", ab, rel, "" if da == db else "checksum", basis)
             if sd is not None and sd[0] > 0:  # stats differ: the values differ, hashed or not
@@ -133,7 +136,8 @@ class Comparer:
         e = element_diff(ra.values, rb.values, ra.dtype, ra.shape, tol.rtol, tol.atol, rb.dtype)
         if self.tol is None:
             if ra.dtype != rb.dtype:  # never bit-identical; the numbers say how far apart
-                return Compared("differ", e.max_abs, e.max_rel, f"dtype {ra.dtype} vs {rb.dtype}", "values", e)
+                return Compared("differ", e.max_abs, e.max_rel, f"dtype {ra.dtype} vs {rb.dtype}", "values", e,
+                                mismatch=True)
             same = e.differing == 0 and not (da and db and da != db)
             return Compared("equal" if same else "differ", e.max_abs, e.max_rel, "" if same else "values", "values", e)
         within = e.beyond == 0
@@ -150,18 +154,26 @@ def _max_opt(x: float | None, y: float | None) -> float | None:
     return max(x, y)
 
 
-def _out_reason(outs: list[tuple[str | None, str | None, Compared]], row: Row, tol: Tolerance | None,
-                what: str = "inputs") -> str:
-    """Why a record whose inputs match is an origin, in the words of the comparison mode."""
-    if tol is not None:
-        return f"{what} within tolerance, outputs beyond it (rel {format_number(row.max_rel, 3)})"
+def _mismatch(outs: list[tuple[str | None, str | None, Compared]]) -> str:
+    """The first differing output's shape or dtype mismatch in words (``dtype float32 vs
+    bfloat16``), or ``""``."""
     first = next((c for _, _, c in outs if c.status == "differ"), None)
-    extra = f" ({first.why})" if first is not None and first.why.startswith(("dtype", "shape")) else ""
-    return f"{what} match, outputs differ{extra}"
+    return first.why if first is not None and first.mismatch else ""
 
 
-def _structural(status: str, is_cast: bool, cmp: Comparer) -> str:
-    return "cast" if is_cast and cmp.tol is not None else status
+def _classify(row: Row, facts: Facts) -> str:
+    """Give ``row`` the status and note of the rule its facts match (``export.diff.rules``);
+    returns the status."""
+    rule = classify(facts)
+    row.status, row.rule, row.note = rule.status, rule.name, rule.note(facts)
+    return row.status
+
+
+def _only_row(row: Row, side: str, is_cast: bool, cmp: Comparer) -> Row:
+    """A record only one trace has: inserted, removed, or a cast one side made."""
+    _classify(row, Facts("only", row.a or row.b or "", row.what, tolerance=cmp.tol is not None, only_in=side,
+                         cast=is_cast))
+    return row
 
 
 def _post_order(trace: Trace) -> dict[int, int]:
@@ -253,9 +265,9 @@ def _forward(a: Trace, b: Trace, cmp: Comparer, rows: list[Pair]) -> tuple[Diver
     cause: dict[str, str] = {}  # A call -> why its outputs differ
     touched: dict[str, str] = {}  # A call -> what of it differs ("" when nothing)
     ranks = _post_order(a)
-    first_reader: dict[str, str] = {}  # A tensor -> the first forward call that read it
+    first_reader: dict[str, str] = {}  # A tensor -> the first call outside backward that read it
     for c in a.calls:
-        if c.phase == "forward":
+        if c.phase != "backward":
             for i in c.inputs:
                 first_reader.setdefault(i, c.name)
 
@@ -265,31 +277,32 @@ def _forward(a: Trace, b: Trace, cmp: Comparer, rows: list[Pair]) -> tuple[Diver
         pa = ra.producer if ra else None
         pb = rb.producer if rb else None
         if (pb is not None and pb in inserted_b) or (pa is not None and pa in removed_a):
-            return "structure", f"reads {nb or na}, made by a call only one trace has"
+            return STRUCTURE, f"reads {nb or na}, made by a call only one trace has"
         if pa is not None and pa in a_calls:
-            return cause.get(pa, "forward"), ""
+            return cause.get(pa, FORWARD), ""
         if (ra is not None and ra.role == "grad") or pa is not None:  # made by a grad node
-            return "backward", ""
+            return BACKWARD, ""
         # A parameter, buffer, input or optimizer state that existed before the block: a
         # difference in it is where a divergence enters, not something an earlier call caused.
         role = ra.role if ra is not None else "tensor"
-        return "source", f"{role} {na}"
+        return SOURCE, f"{role} {na}"
 
     for r in rows:
-        # Calls a grad node's own code made (a custom backward) belong to the backward section.
-        if (r.a is not None and a.calls[r.a].phase != "forward") or (r.b is not None and b.calls[r.b].phase != "forward"):
+        # Calls a grad node's own code made (a custom backward) belong to the backward section;
+        # every other phase's calls (forward, the optimizer's, any later one) to this one.
+        if (r.a is not None and a.calls[r.a].phase == "backward") or (r.b is not None and b.calls[r.b].phase == "backward"):
             continue
         if r.b is None:
             assert r.a is not None
             c = a.calls[r.a]
-            d.rows.append(Row(c.name, None, c.module, c.api, _structural("removed", c.api in _CAST_APIS, cmp)))
+            d.rows.append(_only_row(Row(c.name, None, c.module, c.api, phase=c.phase), "A", c.api in CAST_APIS, cmp))
             continue
         if r.a is None:
             c = b.calls[r.b]
-            d.rows.append(Row(None, c.name, c.module, c.api, _structural("inserted", c.api in _CAST_APIS, cmp)))
+            d.rows.append(_only_row(Row(None, c.name, c.module, c.api, phase=c.phase), "B", c.api in CAST_APIS, cmp))
             continue
         ca, cb = a.calls[r.a], b.calls[r.b]
-        row = Row(ca.name, cb.name, ca.module, ca.api)
+        row = Row(ca.name, cb.name, ca.module, ca.api, phase=ca.phase)
         d.rows.append(row)
         d.compared += 1
         ins = _compare_lists(cmp, ca.inputs, cb.inputs)
@@ -305,31 +318,23 @@ def _forward(a: Trace, b: Trace, cmp: Comparer, rows: list[Pair]) -> tuple[Diver
                 d.unknown += 1
             continue
         causes = [input_cause(x, y) for x, y in diff_in]
-        kinds = {k for k, _ in causes}
-        if kinds <= {"source"}:
-            leaves = [t for k, t in causes if k == "source"]
-            changed = [x or y or "?" for (x, y), (k, _) in zip(diff_in, causes) if k == "source"]
-            if not leaves:
-                reason = _out_reason(outs, row, cmp.tol)
-                if ca.args != cb.args:  # (an index or a scalar the program chose differently)
-                    reason = reason.replace("inputs match, ", f"inputs match, arguments differ ({_args_pair(ca, cb)}), ")
-            else:
-                earlier = sorted({first_reader[n] for n in changed if first_reader.get(n, ca.name) != ca.name})
-                if not earlier:
-                    reason = f"first call to read the changed {', '.join(leaves)}: input differs, outputs differ"
-                else:  # an earlier reader's outputs came out equal (the change was rounded away)
-                    reason = (f"reads the changed {', '.join(leaves)} (read first by {', '.join(earlier)}, whose "
-                              "outputs matched): input differs, outputs differ")
-            cause[ca.name] = "forward"
-            row.status, row.note = "new", reason
-            sec.candidates.append((ranks[r.a], row, reason))
-        elif "forward" in kinds or "structure" in kinds:
-            cause[ca.name] = "forward" if "forward" in kinds else "structure"
-            row.status = "contaminated"
-            row.note = next((t for k, t in causes if k == "structure"), "") if "forward" not in kinds else ""
+        kinds = frozenset(k for k, _ in causes)
+        changed = [x or y or "?" for (x, y), (k, _) in zip(diff_in, causes) if k == SOURCE]
+        facts = Facts("call", ca.name, ca.api, kinds, cmp.tol is not None, row.max_rel, _mismatch(outs),
+                      # (an index or a scalar the program chose differently)
+                      args=_args_pair(ca, cb) if ca.args != cb.args else "",
+                      sources=tuple(t for k, t in causes if k == SOURCE),
+                      read_first_by=tuple(sorted({first_reader[n] for n in changed
+                                                  if first_reader.get(n, ca.name) != ca.name})),
+                      structure=next((t for k, t in causes if k == STRUCTURE), ""))
+        status = _classify(row, facts)
+        if status == "new":
+            cause[ca.name] = FORWARD
+            sec.candidates.append((ranks[r.a], row, row.note))
+        elif status == "contaminated":
+            cause[ca.name] = FORWARD if FORWARD in kinds else STRUCTURE
         else:
-            cause[ca.name] = "backward"
-            row.status, row.note = "gradient", "reads gradients that differ"
+            cause[ca.name] = BACKWARD
     sec.close()
     if d.origin is not None:
         oa, ob = a.get(d.origin.a or ""), b.get(d.origin.b or "")
@@ -393,13 +398,13 @@ def _backward(a: Trace, b: Trace, cmp: Comparer, calls: dict[str, str],
             if p.b is None:
                 assert p.a is not None
                 node, kind = _node_kind(a, a_steps[p.a].node)
-                d.rows.append(Row(a_steps[p.a].node, None, _node_module(a, node), kind,
-                                  _structural("removed", kind in _CAST_NODES, cmp)))
+                d.rows.append(_only_row(Row(a_steps[p.a].node, None, _node_module(a, node), kind, phase="backward"),
+                                        "A", kind in CAST_NODES, cmp))
                 continue
             if p.a is None:
                 node, kind = _node_kind(b, b_steps[p.b].node)
-                d.rows.append(Row(None, b_steps[p.b].node, _node_module(b, node), kind,
-                                  _structural("inserted", kind in _CAST_NODES, cmp)))
+                d.rows.append(_only_row(Row(None, b_steps[p.b].node, _node_module(b, node), kind, phase="backward"),
+                                        "B", kind in CAST_NODES, cmp))
                 continue
             sa, sb = a_steps[p.a], b_steps[p.b]
             node, kind = _node_kind(a, sa.node)
@@ -410,7 +415,7 @@ def _backward(a: Trace, b: Trace, cmp: Comparer, calls: dict[str, str],
             if inner is not None:
                 ranks[id(inner[0])] = rank
                 rank += 1
-            row = Row(sa.node, sb.node, _node_module(a, node), kind)
+            row = Row(sa.node, sb.node, _node_module(a, node), kind, phase="backward")
             d.rows.append(row)
             d.compared += 1
             ranks[id(row)] = rank
@@ -421,11 +426,13 @@ def _backward(a: Trace, b: Trace, cmp: Comparer, calls: dict[str, str],
             # Gradients in that differ only because the node's own hooks made them (a tensor hook's
             # result is what the node receives) leave the hook's call the origin.
             ins_match = not any(c.status == "differ" and not by_name.made_inside(a, x, sa.node) for x, _, c in ins)
+            call = node.call if node is not None else None
+            touched_call = touched.get(call, "") if call is not None else ""
             if inner is not None and ins_match and not any(c.status == "differ" for _, _, c in outs):
                 # (a hook of an accumulator, which produces nothing: its leaf's .grad differs)
-                irow, reason = inner
-                irow.status, irow.note = "new", reason
-                sec.candidates.append((ranks[id(irow)], irow, reason))
+                irow, facts = inner
+                _classify(irow, facts)
+                sec.candidates.append((ranks[id(irow)], irow, irow.note))
                 continue
             if not any(c.status == "differ" for _, _, c in outs):
                 if any(c.status == "unknown" for _, _, c in outs):
@@ -433,15 +440,11 @@ def _backward(a: Trace, b: Trace, cmp: Comparer, calls: dict[str, str],
                     d.unknown += 1
                 continue
             if inner is not None and ins_match:
-                irow, reason = inner
-                call = node.call if node is not None else None
-                if call is not None and not touched.get(call) and " in a backward hook of " not in reason:
-                    same = "matched" if cmp.tol is None else "stayed within tolerance"
-                    reason = f"backward-only: {reason} while {call} {same} in forward (nondeterministic backward?)"
-                cause[sa.node] = "backward"
-                irow.status, irow.note = "new", reason
+                irow, facts = inner
+                _classify(irow, replace(facts, node_call=call, call_touched=touched_call))
+                cause[sa.node] = BACKWARD
                 row.status = "contaminated"
-                sec.candidates.append((ranks[id(irow)], irow, reason))
+                sec.candidates.append((ranks[id(irow)], irow, irow.note))
                 continue
             kinds = set()
             for x, y, c in ins:
@@ -450,31 +453,20 @@ def _backward(a: Trace, b: Trace, cmp: Comparer, calls: dict[str, str],
                 ta = a.tensors.get(x) if x else None
                 tb = b.tensors.get(y) if y else None
                 if tb is not None and tb.producer in inserted_b:
-                    kinds.add("structure")
+                    kinds.add(STRUCTURE)
                 elif ta is not None and ta.producer is not None:
-                    kinds.add(cause.get(ta.producer, "backward"))
+                    kinds.add(cause.get(ta.producer, BACKWARD))
                 elif ta is None or (x or "").split("#")[0] in seeds:
-                    kinds.add("source")  # the seed gradient of the run (loss.backward(g))
+                    kinds.add(SOURCE)  # the seed gradient of the run (loss.backward(g))
                 else:
-                    kinds.add("backward")  # a sum of edges' gradients (their nodes differ)
-            if kinds <= {"source"}:
-                call = node.call if node is not None else None
-                if call is not None and touched.get(call):
-                    reason = f"forward values saved by {call} differ ({touched[call]})"
-                elif call is not None:
-                    same = "matched" if cmp.tol is None else "stayed within tolerance"
-                    reason = (f"backward-only: {_out_reason(outs, row, cmp.tol, 'gradients in')} while "
-                              f"{call} {same} in forward (nondeterministic backward?)")
-                else:
-                    reason = _out_reason(outs, row, cmp.tol, "gradients in")
-                if "source" in kinds:
-                    reason += "; the seed gradient differs"
-                cause[sa.node] = "backward"
-                row.status, row.note = "new", reason
-                sec.candidates.append((ranks[id(row)], row, reason))
+                    kinds.add(BACKWARD)  # a sum of edges' gradients (their nodes differ)
+            facts = Facts("node", sa.node, kind, frozenset(kinds), cmp.tol is not None, row.max_rel, _mismatch(outs),
+                          node_call=call, call_touched=touched_call)
+            if _classify(row, facts) == "new":
+                cause[sa.node] = BACKWARD
+                sec.candidates.append((ranks[id(row)], row, row.note))
             else:
-                cause[sa.node] = "structure" if kinds == {"structure"} else "backward"
-                row.status = "contaminated"
+                cause[sa.node] = STRUCTURE if kinds == {STRUCTURE} else BACKWARD
     sec.close()
     if d.origin is not None:
         na, nb = a.get(d.origin.a or ""), b.get(d.origin.b or "")
@@ -507,11 +499,11 @@ class _Calls:
 
 
 def _inner_origin(cmp: Comparer, sa: NodeRun, calls: dict[str, str], d: Divergence, hooked: set[str],
-                  by_name: _Calls) -> tuple[Row, str] | None:
+                  by_name: _Calls) -> tuple[Row, Facts] | None:
     """The first call of a node's hooks (a tensor hook on its forward output, a hook on a leaf,
     a module backward hook: at the node's first run) or of its own code (nested calls first)
-    whose inputs match but whose outputs differ: a row for it (added to ``d``) and the reason,
-    or None."""
+    whose inputs match but whose outputs differ: a row for it (added to ``d``, classified by the
+    caller, who knows the node's forward call) and its facts, or None."""
     children, a_calls, b_calls = by_name.children, by_name.a, by_name.b
     names = list(sa.calls)
     if sa.node not in hooked:
@@ -537,13 +529,13 @@ def _inner_origin(cmp: Comparer, sa: NodeRun, calls: dict[str, str], d: Divergen
         ins = _compare_lists(cmp, ca.inputs, cb.inputs)
         outs = _compare_lists(cmp, ca.outputs, cb.outputs)
         if any(x.status == "differ" for _, _, x in outs) and not any(x.status == "differ" for _, _, x in ins):
-            row = Row(ca.name, cb.name, ca.module, ca.api)
+            row = Row(ca.name, cb.name, ca.module, ca.api, phase=ca.phase)
             for _, _, x in outs:
                 row.absorb(x)
             d.rows.append(row)
-            where = "the backward of" if ca.name in sa.calls or _nested_in(ca, set(sa.calls), a_calls) \
-                else "a backward hook of"
-            return row, f"{ca.name} in {where} {sa.node}: {_out_reason(outs, row, cmp.tol)}"
+            in_own_code = ca.name in sa.calls or _nested_in(ca, set(sa.calls), a_calls)
+            return row, Facts("call", ca.name, ca.api, frozenset(), cmp.tol is not None, row.max_rel, _mismatch(outs),
+                              inside=sa.node, hook=not in_own_code)
     return None
 
 
@@ -558,9 +550,26 @@ def _nested_in(call: Call, names: set[str], calls: dict[str, Call]) -> bool:
 
 
 # ---- parameters ----------------------------------------------------------------------------------
-def _leaf_params(t: Trace) -> list[str]:
+def _param_names(t: Trace) -> list[str]:
+    """Every parameter and buffer of the trace by name, in the order the trace met them: those
+    from before the block, and those the block made (a model built inside the traced step:
+    ``gradtrace run --steps 0``), whose first record names a value an init call produced."""
     return [r.name for r in t.tensors_in_order()
-            if r.role in ("param", "buffer") and r.producer is None and r.previous is None]
+            if r.role in ("param", "buffer") and base_name(r.name) == r.name and gradient_of(r.name) is None]
+
+
+def _values_read(t: Trace, params: set[str]) -> dict[str, str]:
+    """Per parameter, the version the step read: the first input of a call that reads it without
+    changing it (an in-place init of a weight reads the value it overwrites: the next reader's
+    value is the one the step computed with). A parameter no call reads keeps its own name."""
+    read: dict[str, str] = {}
+    for c in t.calls:
+        changed = {base_name(m) for m in c.mutated}
+        for i in c.inputs:
+            p = base_name(i)
+            if p in params and p not in read and p not in changed:
+                read[p] = i
+    return read
 
 
 def _grad_name(t: Trace, p: str) -> str | None:
@@ -600,8 +609,9 @@ def _last_version(t: Trace, p: str) -> str | None:
 
 
 def _params(a: Trace, b: Trace, cmp: Comparer, notes: list[str]) -> list[ParamDiff]:
-    pa, pb = _leaf_params(a), _leaf_params(b)
+    pa, pb = _param_names(a), _param_names(b)
     in_b = set(pb)
+    read_a, read_b = _values_read(a, set(pa)), _values_read(b, in_b)
     out = []
     # Runs of different lengths: each parameter after the last optimizer step both made.
     steps_a = sum(1 for c in a.calls if c.kind == "optimizer")
@@ -615,7 +625,11 @@ def _params(a: Trace, b: Trace, cmp: Comparer, notes: list[str]) -> list[ParamDi
         if p not in in_b:
             out.append(ParamDiff(p, Compared("unknown"), only_in="A"))
             continue
-        pd = ParamDiff(p, cmp(p, p))
+        # The value the step read (a model built inside the step: the one its init made).
+        seen_a, seen_b = read_a.get(p, p), read_b.get(p, p)
+        made = [t.tensors[v].producer for t, v in ((a, seen_a), (b, seen_b)) if v in t.tensors]
+        pd = ParamDiff(p, cmp(seen_a, seen_b), read=seen_a, made_in_step=any(m is not None for m in made),
+                       buffer=a.tensors[p].role == "buffer")
         ga, gb = _grad_name(a, p), _grad_name(b, p)
         if ga or gb:
             pd.grad = cmp(ga, gb) if ga and gb else Compared("differ", why="gradient only on one side")
@@ -716,8 +730,8 @@ def unrelated(a: Trace, b: Trace, fwd: Divergence) -> str:
     ``UNRELATED_SHARE`` of the larger one's forward calls), else ``""``. Two runs of one program
     that diverge still align almost everywhere; an alignment this poor means two programs, and
     a list of insertions and removals would only hide that."""
-    n_a = sum(1 for c in a.calls if c.phase == "forward")
-    n_b = sum(1 for c in b.calls if c.phase == "forward")
+    n_a = sum(1 for c in a.calls if c.phase != "backward")  # the calls the forward section aligns
+    n_b = sum(1 for c in b.calls if c.phase != "backward")
     aligned = sum(1 for r in fwd.rows if r.a is not None and r.b is not None)
     total = max(n_a, n_b)
     if total == 0 or aligned >= UNRELATED_SHARE * total:
@@ -725,8 +739,8 @@ def unrelated(a: Trace, b: Trace, fwd: Divergence) -> str:
     if min(n_a, n_b) == 0:
         side = "A" if n_a == 0 else "B"
         return f"{side} recorded no forward calls ({max(n_a, n_b)} in the other): an empty or cut-off trace?"
-    shapes_a = {p: a.tensors[p].shape for p in _leaf_params(a)}
-    shapes_b = {p: b.tensors[p].shape for p in _leaf_params(b)}
+    shapes_a = {p: a.tensors[p].shape for p in _param_names(a)}
+    shapes_b = {p: b.tensors[p].shape for p in _param_names(b)}
     same = sum(1 for p, shape in shapes_a.items() if shapes_b.get(p) == shape)
     if shapes_a and same >= SAME_MODEL_SHARE * max(len(shapes_a), len(shapes_b)):
         # One model run with other shapes (batch sizes, a different number of micro-batches):

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from tracer.model.display import clip, format_number, plural
+from tracer.model.frames import user_frame
 from tracer.model.reprs import NAME_LIMIT, card, esc, names, names_html, source_link
 
 if TYPE_CHECKING:
@@ -50,8 +51,8 @@ def result_repr(r: DiffResult) -> str:
 
 def _section(d: Divergence) -> str:
     text = esc(d.summary(), VERDICT_LIMIT)
-    stack = d.stack_a or d.stack_b
-    return text + (f" at {source_link(stack[-1])}" if stack else "")
+    where = user_frame(d.stack_a or d.stack_b)  # the user's line, also when a library made the call
+    return text + (f" at {source_link(where)}" if where is not None else "")
 
 
 def result_html(r: DiffResult) -> str:

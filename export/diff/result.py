@@ -5,6 +5,7 @@ strict JSON (non-finite numbers as strings); ``render(console)`` prints it (``ex
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,9 +14,10 @@ from rich.console import Console
 from export.diff import reprs
 from export.diff.console import render_diff
 from export.diff.elements import STATS_WORDS, ElementDiff, difference_text
+from export.diff.rules import parted_earlier
 from tracer.analysis.numerics import NumericsReport, find_anomalies
 from tracer.model import Frame, Trace
-from tracer.model.display import format_number, json_number, plural
+from tracer.model.display import PHASE_ORDER, format_number, json_number, phase_key, plural, plural_verb
 
 TOP_NAMED = 5  # parameters named in a verdict before "… N more"
 
@@ -38,7 +40,8 @@ class Compared:
     judge by) or ``skipped`` (uninitialised memory: nothing to compare). ``abs``/``rel`` are the
     largest differences, and ``basis`` says of what: ``values`` (element-wise, both traces kept
     the values: ``elements`` has the details), ``stats`` (of min/max/mean/absmax only), or
-    ``""`` (no number, or a shape or dtype mismatch).
+    ``""`` (no number, or a shape or dtype mismatch). ``mismatch``: ``why`` is a shape or dtype
+    mismatch.
     """
 
     status: str
@@ -47,11 +50,19 @@ class Compared:
     why: str = ""
     basis: str = ""
     elements: ElementDiff | None = None
+    mismatch: bool = False
+
+    @property
+    def checksum_only(self) -> bool:
+        """It differs by checksum alone: every recorded stat is equal (a permutation, a change
+        smaller than the stats round to)."""
+        return self.status == "differ" and checksum_only(self.abs, self.basis)
 
     def to_json(self) -> dict[str, Any]:
         return {"status": self.status, "max_abs": json_number(self.abs), "max_rel": json_number(self.rel),
                 "basis": self.basis or None, "difference": self.describe() or None,
-                "elements": None if self.elements is None else self.elements.to_json()}
+                "elements": None if self.elements is None else self.elements.to_json(),
+                "checksum_only": self.checksum_only}
 
     def describe(self) -> str:
         """The difference in words that say where it came from (``difference_text``); nothing
@@ -70,7 +81,9 @@ class Row:
     match but outputs differ: another place where a difference enters), ``contaminated``,
     ``gradient`` (differs only because it reads gradients), ``inserted`` (only in B), ``removed``
     (only in A), ``cast`` (a dtype conversion only one side made, compared with a tolerance),
-    ``unknown`` (could not be compared).
+    ``unknown`` (could not be compared). ``rule`` names the rule of ``export.diff.rules`` that
+    gave the status and the note; ``phase`` is the call's ``Call.phase`` (``backward`` for a grad
+    node's step).
     """
 
     a: str | None
@@ -84,10 +97,17 @@ class Row:
     # What max_abs/max_rel are differences of: "values" (element-wise), "stats", "mixed", "".
     basis: str = ""
     elements: ElementDiff | None = None  # of the first output compared element-wise that differs
+    rule: str = ""
+    phase: str = ""
 
     # One line in a REPL (export/diff/reprs.py).
     def __repr__(self) -> str:
         return reprs.row_repr(self)
+
+    @property
+    def checksum_only(self) -> bool:
+        """It differs, and by checksums alone: every recorded stat of its outputs is equal."""
+        return self.differs and checksum_only(self.max_abs, self.basis)
 
     def absorb(self, c: Compared) -> None:
         """Take in one compared tensor of this record: the largest numbers, and their basis."""
@@ -112,7 +132,13 @@ class Row:
         return {"a": self.a, "b": self.b, "module": self.module, "what": self.what, "status": self.status,
                 "max_abs": json_number(self.max_abs), "max_rel": json_number(self.max_rel), "note": self.note,
                 "basis": self.basis or None, "difference": self.describe() or None,
-                "elements": None if self.elements is None else self.elements.to_json()}
+                "elements": None if self.elements is None else self.elements.to_json(),
+                "rule": self.rule or None, "phase": self.phase or None}
+
+
+def checksum_only(max_abs: float | None, basis: str) -> bool:
+    """A difference measured on the stats as 0: only the checksums tell the values apart."""
+    return basis == "stats" and max_abs == 0
 
 
 @dataclass
@@ -193,24 +219,34 @@ class Divergence:
         if self.unrelated:
             return self.unrelated
         n = sum(self.contaminated.values())
+        k = sum(self.from_backward.values())
         if self.origin is not None:
             o = self.origin
             where = o.a if o.a == o.b else f"{o.a} (B: {o.b})"
-            tail = f"; {n} later record{'s' if n != 1 else ''} contaminated" if n else ""
-            k = sum(self.from_backward.values())
-            tail += f"; {k} call{'s' if k != 1 else ''} after backward differ via gradients" if k else ""
-            return f"first at {where} ({o.what} in {o.module or '<root>'}): {self.reason}{tail}"
+            tail = f"; {plural(n, 'later record')} contaminated{self._phases('contaminated')}" if n else ""
+            tail += f"; {plural_verb(k, 'call after backward', 'differs', 'differ', 'calls after backward')} " \
+                    "via gradients" if k else ""
+            return f"first at {where} ({o.what} in {o.module or '<root>'}{_phase_words(o.phase)}): {self.reason}{tail}"
         if self.inserted or self.removed:
             s = self.first_structural
-            first = "" if s is None else f"; first {s.status}: {s.a or s.b} ({s.what} in {s.module or '<root>'})"
-            rest = "all aligned records equal" if not n else f"{plural(n, 'aligned record')} differ"
+            first = "" if s is None else (f"; first {s.status}: {s.a or s.b} ({s.what} in {s.module or '<root>'}"
+                                          f"{_phase_words(s.phase)})")
+            rest = "all aligned records equal" if not n else plural_verb(n, "aligned record", "differs", "differ")
             return f"{len(self.inserted)} inserted in B, {len(self.removed)} removed from A{first}; {rest}"
         if n:
-            return f"{plural(n, 'record')} differ with no single origin"
+            return f"{plural_verb(n, 'record', 'differs', 'differ')} with no single origin"
         if self.from_backward:
-            k = sum(self.from_backward.values())
-            return f"equal up to backward; {k} call{'s' if k != 1 else ''} after it differ only because gradients differ"
+            return (f"equal up to backward; {plural_verb(k, 'call after it', 'differs', 'differ', 'calls after it')} "
+                    "only because gradients differ")
         return f"equal ({self.compared} aligned)"
+
+    def _phases(self, status: str) -> str:
+        """`` (3 forward, 2 optimizer)``: the rows of ``status`` per phase, in the order a step runs
+        them, when they span more than one phase; else ``""``."""
+        counts = Counter(r.phase for r in self.rows if r.status == status)
+        if len(counts) < 2:
+            return ""
+        return " (" + ", ".join(f"{counts[p]} {p or 'unknown'}" for p in sorted(counts, key=phase_key)) + ")"
 
     def to_json(self) -> dict[str, Any]:
         o = self.origin
@@ -236,13 +272,18 @@ class Divergence:
 
 @dataclass
 class ParamDiff:
-    """A parameter or buffer compared by name: its value, gradient and value after the step."""
+    """A parameter or buffer compared by name: the value the step read (``read``: that version's
+    name in A; ``made_in_step``: the block made it, a model built inside the traced step), its
+    gradient and its value after the step. ``buffer``: a buffer, not a parameter."""
 
     name: str
     value: Compared
     grad: Compared | None = None
     updated: Compared | None = None
     only_in: str | None = None
+    read: str = ""
+    made_in_step: bool = False
+    buffer: bool = False
 
     # One line in a REPL (export/diff/reprs.py).
     def __repr__(self) -> str:
@@ -257,7 +298,7 @@ class ParamDiff:
         def c(x: Compared | None) -> Any:
             return None if x is None else x.to_json()
         return {"name": self.name, "value": c(self.value), "grad": c(self.grad), "updated": c(self.updated),
-                "only_in": self.only_in}
+                "only_in": self.only_in, "read": self.read or None}
 
 
 @dataclass
@@ -311,16 +352,25 @@ class DiffResult:
             return ""
         n = len(changed)
         text = ", ".join(p.name for p in changed[:TOP_NAMED]) + (f" … {n - TOP_NAMED} more" if n > TOP_NAMED else "")
-        head = f"{n} parameter{'s' if n != 1 else ''} differ{'s' if n == 1 else ''}: {text}"
+        head = f"{plural_verb(n, 'parameter', 'differs', 'differ')}: {text}"
         how = changed[0].value.describe() if n == 1 and not changed[0].only_in else ""
         if how:
             head += f" ({how})"
         if self.forward.origin is None and self.trace_a is not None:
             first = changed[0].name
-            reader = next((c.name for c in self.trace_a.calls if c.phase == "forward" and first in c.inputs), None)
+            reader = next((c.name for c in self.trace_a.calls if c.phase != "backward" and first in c.inputs), None)
             if reader is not None:
                 head += f"; first read by {reader}, whose outputs matched"
         return head
+
+    @property
+    def parted_earlier(self) -> bool:
+        """Every parameter (two or more; buffers aside: a step counter stays equal) already differed
+        as the traced step began, in values from before the step: the runs parted at an earlier
+        step, and the first call to read them is no origin worth a headline."""
+        params = [p for p in self.params if not p.buffer]
+        return len(params) >= 2 and all(p.only_in is None and p.value.status == "differ" and not p.made_in_step
+                                        for p in params)
 
     def verdict(self) -> str:
         """The one-line answer, printed first."""
@@ -331,8 +381,8 @@ class DiffResult:
             unknown = f.unknown + b.unknown
             tail = f" ({unknown} records could not be compared: no checksum or stats)" if unknown else ""
             if self.tolerance is None:
-                return (f"EQUAL: {f.compared} calls, {b.compared} backward steps and {len(self.params)} "
-                        f"parameters bit-identical{tail}")
+                return (f"EQUAL: {plural(f.compared, 'call')}, {plural(b.compared, 'backward step')} and "
+                        f"{plural(len(self.params), 'parameter')} bit-identical{tail}")
             top = max((d.largest for d in (f, b) if d.largest is not None),
                       key=lambda r: r.max_rel or 0.0, default=None)
             if top is None or not top.max_rel:
@@ -347,7 +397,9 @@ class DiffResult:
             tail += f"; {plural(casts, 'dtype cast')} made by one side only, ignored" if casts else ""
             return f"EQUAL within {self.tolerance}{at}{tail}"
         parts = [f"forward: {f.summary()}", f"backward: {b.summary()}"]
-        if self.differing_params:
+        if self.parted_earlier:  # the cause lies before this step: say so first, and how to find it
+            parts.insert(0, parted_earlier(sum(1 for p in self.params if not p.buffer)))
+        elif self.differing_params:
             changed = self._changed_values()
             n = len(self.differing_params)
             values = sum(1 for p in self.params if p.value.status == "differ" or p.only_in)
@@ -355,7 +407,7 @@ class DiffResult:
                 parts.insert(0, changed + (f"; {n} differ in all (value, gradient or value after the step)"
                                            if n > values else ""))
             else:
-                parts.append(f"{plural(n, 'parameter')} differ (gradient or value after the step)")
+                parts.append(f"{plural_verb(n, 'parameter', 'differs', 'differ')} (gradient or value after the step)")
         head = "DIVERGED" if self.tolerance is None else f"BEYOND TOLERANCE ({self.tolerance})"
         if self.tolerance is not None and f.origin is not None:
             basis = "element-wise" if f.origin.basis == "values" else "by stats"
@@ -382,13 +434,20 @@ class DiffResult:
                     out[side] = report
         return out
 
-    def render(self, console: Console) -> None:
-        """Rich output: the verdict line first, then the tables."""
-        render_diff(self, console)
+    def render(self, console: Console, *, all_frames: bool = False) -> None:
+        """Rich output: the verdict line first, then the tables (``all_frames``: every frame of
+        the origins' stacks, not only the user's and the innermost)."""
+        render_diff(self, console, all_frames=all_frames)
 
     def modules(self) -> list[dict[str, Any]]:
         """``module_table(self)``."""
         return module_table(self)
+
+
+def _phase_words(phase: str) -> str:
+    """``, optimizer`` after a module where a record's phase is not the section's plain one: the
+    forward section's calls of a later phase (the optimizer's) and any phase a newer file names."""
+    return "" if phase in ("", PHASE_ORDER[0], PHASE_ORDER[1]) else f", {phase}"
 
 
 def frame_json(f: Frame) -> dict[str, Any]:
@@ -398,7 +457,8 @@ def frame_json(f: Frame) -> dict[str, Any]:
 
 def module_table(result: DiffResult) -> list[dict[str, Any]]:
     """Per module: differing records forward/backward, after-backward calls, largest differences
-    (``basis``: of what, ``stats``, ``values`` element-wise, or ``mixed``).
+    (``basis``: of what, ``stats``, ``values`` element-wise, or ``mixed``; ``checksum_only``:
+    records differ there by checksum alone, every stat equal).
 
     Only modules where something differs, or, with a tolerance, where any difference was measured;
     sorted by largest relative difference with a tolerance, by module path otherwise.
@@ -416,7 +476,8 @@ def module_table(result: DiffResult) -> list[dict[str, Any]]:
         basis = "" if not bases else bases.pop() if len(bases) == 1 else "mixed"
         if fwd or bwd or after or (result.tolerance is not None and rel > 0):
             out.append({"module": m, "forward": fwd, "backward": bwd, "after_backward": after,
-                        "max_abs": ab, "max_rel": rel, "basis": basis or None, "origin": m in origins})
+                        "max_abs": ab, "max_rel": rel, "basis": basis or None, "origin": m in origins,
+                        "checksum_only": bool(fwd or bwd or after) and checksum_only(ab, basis)})
     if result.tolerance is not None:
         out.sort(key=lambda r: -r["max_rel"])
     return out
