@@ -10,6 +10,11 @@
   const fmt = x => (x === null || x === undefined) ? "" :
       (typeof x === "number" ? (x === 0 ? "0" : x.toPrecision(3)) : String(x));
   const BASIS = {stats: "stats", values: "values", mixed: "stats+values"};
+  // checksums differ while every recorded stat is equal: there is no number to show
+  const CHECKSUM_ONLY = "checksum only";
+  // the phases of a step in the order it runs them; one this page does not know comes last
+  const PHASES = ["forward", "backward", "optimizer"];
+  const phaseRank = p => { const k = PHASES.indexOf(p); return k < 0 ? PHASES.length : k; };
   const COLORS = {origin: "#f8b4b4", new: "#fcd0d0", contaminated: "#fed7aa", gradient: "#ddd0ff",
                   inserted: "#fff3a0", removed: "#fff3a0", cast: "#eee", unknown: "#eee",
                   equal: "#c9f0d3", source: "#e6eefc"};
@@ -65,12 +70,25 @@
     return svg;
   }
 
+  // A stack folded as `gradtrace show` folds it: the user's frames and the innermost one; each
+  // run of other frames is one line that opens to show them.
   function stacks(s) {
     const box = el("div", "stacks");
+    const frame = f => el("div", "frame", f.file + ":" + f.line + " in " + f.function + "\n    " + f.code);
     for (const [side, frames] of [["A", s.stack_a], ["B", s.stack_b]]) {
-      const pre = el("pre");
-      pre.textContent = side + ": " + (side === "A" ? s.origin.a : s.origin.b) + "\n" + frames.map(
-        f => f.file + ":" + f.line + " in " + f.function + "\n    " + f.code).join("\n");
+      const pre = el("div", "stack");
+      pre.appendChild(el("div", "frame", side + ": " + (side === "A" ? s.origin.a : s.origin.b) +
+          (s.origin_phase ? " (" + s.origin_phase + ")" : "")));
+      let run = null;
+      for (const f of frames) {
+        if (!f.folded) { run = null; pre.appendChild(frame(f)); continue; }
+        if (f.fold) {
+          run = el("details", "fold");
+          run.appendChild(el("summary", null, "... " + f.fold));
+          pre.appendChild(run);
+        }
+        run.appendChild(frame(f));
+      }
       box.appendChild(pre);
     }
     return box;
@@ -87,17 +105,23 @@
       const x = el("span", null, k); x.style.background = COLORS[k]; legend.appendChild(x);
     }
     tools.appendChild(legend);
-    const box = el("div", "scroll"), t = el("table"), head = el("tr");
+    const box = el("div", "scroll"), t = el("table", "records"), head = el("tr");
     // "of": what max abs / max rel are differences of; "stats" means of min/max/mean/absmax, not of elements
     for (const h of ["#", "A", "module", "op", "status", "B", "max abs", "max rel", "of", "note"]) head.appendChild(el("th", null, h));
     const thead = el("thead"); thead.appendChild(head); t.appendChild(thead);
     const body = el("tbody");
     s.rows.forEach((r, i) => {
-      const [a, b, module, what, status, ab, rel, note, basis] = r;
+      const [a, b, module, what, status, ab, rel, note, basis, phase, checksumOnly, line] = r;
       const tr = el("tr", status);
       tr.dataset.a = a || ""; tr.dataset.b = b || "";
-      for (const [txt, cls] of [[i, "n"], [a || "—", "n"], [module || "<root>"], [what], [status], [b || "—", "n"],
-                                [fmt(ab), "n"], [fmt(rel), "n"], [BASIS[basis] || ""], [note]]) tr.appendChild(el("td", cls, txt));
+      // the phase beside the op where it is not the section's own (an optimizer step among the calls)
+      const op = what + (phase && phase !== "forward" && phase !== "backward" ? " · " + phase : "");
+      const size = checksumOnly ? [CHECKSUM_ONLY, ""] : [fmt(ab), fmt(rel)];
+      const words = [note, line ? "at " + line : ""].filter(Boolean).join("; ");
+      for (const [txt, cls] of [[i, "n"], [a || "—", "n name"], [module || "<root>", "name"], [op, "name"], [status],
+                                [b || "—", "n name"], [size[0], "n"], [size[1], "n"], [BASIS[basis] || ""],
+                                [words, "note"]]) tr.appendChild(el("td", cls, txt));
+      if (phase) tr.title = "phase: " + phase;
       body.appendChild(tr);
     });
     t.appendChild(body); box.appendChild(t);
@@ -110,7 +134,10 @@
 
   for (const s of data.sections) {
     const sec = el("section"); sec.id = "section-" + s.name;
-    sec.appendChild(el("h2", null, s.name === "forward" ? "Forward API calls" : "Backward grad-node steps"));
+    // the calls of every phase but backward (forward, the optimizer's...), in the order a step runs them
+    const phases = [...new Set(s.rows.map(r => r[9]).filter(Boolean))].sort((x, y) => phaseRank(x) - phaseRank(y) || (x < y ? -1 : 1));
+    sec.appendChild(el("h2", null, s.name === "forward" ? "API calls" + (phases.length ? " (" + phases.join(", ") + ")" : "")
+                                                        : "Backward grad-node steps"));
     sec.appendChild(el("div", "summary", s.summary));
     if (s.origin && s.origin.difference) sec.appendChild(el("div", "note", "At the origin: " + s.origin.difference));
     if (s.graph.nodes.length) {
@@ -122,7 +149,7 @@
     sec.appendChild(table(s));
     main.appendChild(sec);
     // stacks are outermost first: start scrolled to the innermost frames, the user's line
-    for (const pre of sec.querySelectorAll(".stacks pre")) pre.scrollTop = pre.scrollHeight;
+    for (const pre of sec.querySelectorAll(".stacks .stack")) pre.scrollTop = pre.scrollHeight;
   }
   if (data.modules.length) {
     const sec = el("section"); sec.appendChild(el("h2", null, "Per module"));
@@ -131,7 +158,8 @@
     t.appendChild(head);
     for (const m of data.modules) {
       const tr = el("tr", m.origin ? "origin-module" : "");
-      for (const x of [m.module || "<root>", m.forward, m.backward, m.after_backward, fmt(m.max_abs), fmt(m.max_rel),
+      for (const x of [m.module || "<root>", m.forward, m.backward, m.after_backward,
+                       m.checksum_only ? CHECKSUM_ONLY : fmt(m.max_abs), m.checksum_only ? "" : fmt(m.max_rel),
                        BASIS[m.basis] || ""]) tr.appendChild(el("td", null, x));
       t.appendChild(tr);
     }
@@ -142,7 +170,8 @@
     const t = el("table"), head = el("tr");
     for (const h of ["parameter", "value", "gradient", "after step"]) head.appendChild(el("th", null, h));
     t.appendChild(head);
-    const cell = c => c === null ? "-" : c.status + (c.difference && c.status === "differ" ? " (" + c.difference + ")" : "");
+    const cell = c => c === null ? "-" : c.checksum_only ? CHECKSUM_ONLY :
+        c.status + (c.difference && c.status === "differ" ? " (" + c.difference + ")" : "");
     for (const p of data.params) {
       const tr = el("tr");
       for (const x of [p.name, p.only_in ? "only in " + p.only_in : cell(p.value), cell(p.grad), cell(p.updated)]) tr.appendChild(el("td", null, x));

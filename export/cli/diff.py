@@ -32,6 +32,8 @@ def _diff_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rtol", type=float, help="relative tolerance: compare by recorded stats, not checksums")
     p.add_argument("--atol", type=float, help="absolute tolerance: compare by recorded stats, not checksums")
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of tables")
+    p.add_argument("--all-frames", action="store_true",
+                   help="print every frame of the origins' stacks (default: the user's frames and the innermost one)")
     add_trace_options(p)
 
 
@@ -55,7 +57,7 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.to_json(), indent=2, sort_keys=True, allow_nan=False))
     else:
-        result.render(make_console())
+        result.render(make_console(), all_frames=args.all_frames)
     if args.html:
         assert result.trace_a is not None and result.trace_b is not None
         diff_html(result, result.trace_a, result.trace_b, args.html)

@@ -8,28 +8,33 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from export.text import frame_text
-from tracer.model.display import format_number
+from export.diff.elements import STATS_WORDS
+from export.text import format_stack, frame_text, short_path
+from tracer.model import Frame, Trace
+from tracer.model.display import format_number, plural, plural_verb
+from tracer.model.frames import fold_label, folded, user_frame
 
 if TYPE_CHECKING:  # the results call these from their render(): no import back at run time
     from export.diff.ranks import RankDiffResult
-    from export.diff.result import Compared, DiffResult, ParamDiff
+    from export.diff.result import Compared, DiffResult, Divergence, ParamDiff, Row
 
 _MAX_ROWS = 30
+# Modules in the per-module table: where every module differs (runs that parted earlier) the
+# table is a list of the model; --json and the HTML page have every one.
+_MAX_MODULES = 12
 _BASIS = {"stats": "stats", "values": "values", "mixed": "stats+values"}
+# A record whose checksums differ while every recorded stat is equal: no number to show.
+CHECKSUM_ONLY = "checksum only"
 
 
 def _tx(s: object, style: str = "") -> Text:  # plain text: names and code may contain [brackets]
     return Text("" if s is None else str(s), style=style)
 
 
-def render_diff(result: DiffResult, console: Console) -> None:
-    """Print a ``DiffResult``: the verdict, notes, the summary table, each origin with both stacks,
-    insertions and removals, the per-module table and the parameters that differ."""
-
-    def mod(m: str) -> str:
-        return m or "<root>"
-
+def render_diff(result: DiffResult, console: Console, *, all_frames: bool = False) -> None:
+    """Print a ``DiffResult``: the verdict, notes, the summary table, each origin with both stacks
+    (folded as ``gradtrace show`` folds them), insertions and removals with their line, the
+    per-module table and the parameters that differ, one line each."""
     console.print(_tx(result.verdict(), "bold green" if result.equal else "bold red"))
     for n in result.notes + result.forward.notes + result.backward.notes:
         console.print(_tx(f"note: {n}", "dim"))
@@ -38,7 +43,20 @@ def render_diff(result: DiffResult, console: Console) -> None:
         for anomaly in report.anomalies():
             if anomaly is not None:
                 console.print(_tx(f"{side}: {anomaly.describe()}", "red"))
+    _summary_table(result, console)
+    for d in (result.forward, result.backward):
+        if d.origin is not None:
+            _origin(d, d.origin, console, all_frames)
+        _structural(result, d, console)
+    _module_table(result, console)
+    _param_table(result, console)
 
+
+def _mod(m: str) -> str:
+    return m or "<root>"
+
+
+def _summary_table(result: DiffResult, console: Console) -> None:
     t = Table(title="Summary", title_justify="left")
     for col in ("section", "compared", "differing", "inserted", "removed", "verdict"):
         t.add_column(col, justify="left" if col in ("section", "verdict") else "right", overflow="fold")
@@ -47,68 +65,158 @@ def render_diff(result: DiffResult, console: Console) -> None:
         t.add_row(_tx(d.section), _tx(d.compared), _tx(differing), _tx(len(d.inserted)), _tx(len(d.removed)),
                   _tx(d.summary()), style=None if d.equal and not d.from_backward else "red")
     bad = result.differing_params
-    t.add_row(_tx("parameters"), _tx(len(result.params)), _tx(len(bad)), _tx(""), _tx(""),
-              _tx(f"{len(bad)} differ (value, gradient or value after the step)" if bad else "equal"),
+    words = (f"{plural_verb(len(bad), 'parameter', 'differs', 'differ')} (value, gradient or value after the step)"
+             if bad else "equal")
+    t.add_row(_tx("parameters"), _tx(len(result.params)), _tx(len(bad)), _tx(""), _tx(""), _tx(words),
               style="red" if bad else None)
     console.print(t)
 
-    for d in (result.forward, result.backward):
-        o = d.origin
-        if o is not None:
-            s = Table(title=f"First {d.section} divergence: {d.reason}", title_justify="left", show_lines=True)
-            s.add_column("")
-            s.add_column("A", overflow="fold")
-            s.add_column("B", overflow="fold")
-            s.add_row(_tx("record"), _tx(o.a), _tx(o.b), style="red")
-            s.add_row(_tx("module"), _tx(mod(o.module)), _tx(mod(o.module)))
-            s.add_row(_tx("op"), _tx(o.what), _tx(o.what))
-            if o.max_abs is not None or o.elements is not None:
-                s.add_row(_tx("difference"), _tx(o.describe()), _tx(""))
-            s.add_row(_tx("stack"), _tx("\n".join(frame_text(f) for f in d.stack_a[-6:])),
-                      _tx("\n".join(frame_text(f) for f in d.stack_b[-6:])))
-            console.print(s)
-        shown = [r for r in d.rows if r.status in ("inserted", "removed")][:_MAX_ROWS // 2]
-        if shown:
-            s = Table(title=f"{d.section}: inserted in B / removed from A", title_justify="left")
-            for col in ("A", "B", "module", "op"):
-                s.add_column(col, overflow="fold")
-            for r in shown:
-                s.add_row(_tx(r.a or "—"), _tx(r.b or "—"), _tx(mod(r.module)), _tx(r.what), style="yellow")
-            extra = len(d.inserted) + len(d.removed) - len(shown)
-            if extra > 0:
-                s.add_row(_tx(f"… {extra} more"), _tx(""), _tx(""), _tx(""))
-            console.print(s)
 
+def _origin(d: Divergence, o: Row, console: Console, all_frames: bool) -> None:
+    """The origin's facts side by side, then its stack in each trace, folded as ``gradtrace show``
+    folds it unless ``all_frames``."""
+    s = Table(title=f"First {d.section} divergence: {d.reason}", title_justify="left", show_lines=True)
+    s.add_column("")
+    s.add_column("A", overflow="fold")
+    s.add_column("B", overflow="fold")
+    s.add_row(_tx("record"), _tx(o.a), _tx(o.b), style="red")
+    s.add_row(_tx("module"), _tx(_mod(o.module)), _tx(_mod(o.module)))
+    s.add_row(_tx("op"), _tx(o.what), _tx(o.what))
+    if o.phase:
+        s.add_row(_tx("phase"), _tx(o.phase), _tx(o.phase))
+    if o.max_abs is not None or o.elements is not None:
+        s.add_row(_tx("difference"), _tx(o.describe()), _tx(""))
+    console.print(s)
+    same = [(f.file, f.line, f.function) for f in d.stack_a] == [(f.file, f.line, f.function) for f in d.stack_b]
+    console.print(Text(format_stack(d.stack_a, f"A: {o.a} (most recent call last):", all_frames=all_frames)),
+                  soft_wrap=True)
+    if same and d.stack_a:
+        console.print(_tx(f"B: {o.b}, the same stack"))
+    else:
+        console.print(Text(format_stack(d.stack_b, f"B: {o.b} (most recent call last):", all_frames=all_frames)),
+                      soft_wrap=True)
+    hidden = 0 if all_frames else sum(folded(d.stack_a)) + (0 if same else sum(folded(d.stack_b)))
+    if hidden:
+        console.print(_tx(f"({plural(hidden, 'frame')} folded: --all-frames shows every frame)", "dim"))
+
+
+def _structural(result: DiffResult, d: Divergence, console: Console) -> None:
+    """Records only one trace has, each with the user's line that made it."""
+    shown = [r for r in d.rows if r.status in ("inserted", "removed")][:_MAX_ROWS // 2]
+    if not shown:
+        return
+    s = Table(title=f"{d.section}: inserted in B / removed from A", title_justify="left")
+    for col in ("A", "B", "phase", "module", "op", "line"):
+        s.add_column(col, overflow="fold")
+    for r in shown:
+        trace, name = (result.trace_a, r.a) if r.a is not None else (result.trace_b, r.b)
+        s.add_row(_tx(r.a or "—"), _tx(r.b or "—"), _tx(r.phase), _tx(_mod(r.module)), _tx(r.what),
+                  _tx(record_line(trace, name)), style="yellow")
+    extra = len(d.inserted) + len(d.removed) - len(shown)
+    if extra > 0:
+        s.add_row(_tx(f"… {extra} more"), *[_tx("")] * 5)
+    console.print(s)
+
+
+def record_line(trace: Trace | None, name: str | None) -> str:
+    """``train.py:12  h = h * 0.5``: the user's line that made a record (a grad node: the line of
+    the call that made it), or ``-``."""
+    rec = trace.get(name) if trace is not None and name else None
+    f = user_frame(getattr(rec, "stack", ()))
+    if f is None:
+        return "-"
+    return f"{short_path(f.file)}:{f.line}  {f.code}".rstrip()
+
+
+def _module_table(result: DiffResult, console: Console) -> None:
     mods = result.modules()
-    if mods:
-        p = Table(title="Per module", title_justify="left")
-        # "of": what max abs / max rel are differences of (stats: of min/max/mean/absmax only).
-        for col in ("module", "forward differing", "backward differing", "after backward", "max abs", "max rel", "of"):
-            p.add_column(col, justify="left" if col in ("module", "of") else "right")
-        for m in mods[:_MAX_ROWS]:
-            p.add_row(_tx(mod(m["module"])), _tx(m["forward"]), _tx(m["backward"]), _tx(m["after_backward"]),
-                      _tx(format_number(m["max_abs"], 3)), _tx(format_number(m["max_rel"], 3)),
-                      _tx(_BASIS.get(m.get("basis") or "", "")), style="red" if m["origin"] else None)
-        if len(mods) > _MAX_ROWS:
-            p.add_row(_tx(f"… {len(mods) - _MAX_ROWS} more modules"), *[_tx("")] * 6)
-        console.print(p)
+    if not mods:
+        return
+    p = Table(title="Per module", title_justify="left")
+    # "of": what max abs / max rel are differences of (stats: of min/max/mean/absmax only).
+    for col in ("module", "forward differing", "backward differing", "after backward", "max abs", "max rel", "of"):
+        p.add_column(col, justify="left" if col in ("module", "of") else "right")
+    for m in mods[:_MAX_MODULES]:
+        size = ((CHECKSUM_ONLY, "") if m["checksum_only"]
+                else (format_number(m["max_abs"], 3), format_number(m["max_rel"], 3)))
+        p.add_row(_tx(_mod(m["module"])), _tx(m["forward"]), _tx(m["backward"]), _tx(m["after_backward"]),
+                  _tx(size[0]), _tx(size[1]), _tx(_BASIS.get(m.get("basis") or "", "")),
+                  style="red" if m["origin"] else None)
+    if len(mods) > _MAX_MODULES:
+        p.add_row(_tx(f"… {len(mods) - _MAX_MODULES} more modules"), *[_tx("")] * 6)
+    console.print(p)
 
-    if bad:
-        q = Table(title=f"Parameters that differ ({len(bad)} of {len(result.params)})", title_justify="left")
-        for col in ("parameter", "value", "gradient", "after step"):
-            q.add_column(col)
-        for pd in bad[:_MAX_ROWS]:
-            def cell(c: Compared | None, pd: ParamDiff = pd) -> Text:
-                if pd.only_in:
-                    return _tx(f"only in {pd.only_in}")
-                if c is None:
-                    return _tx("-")
-                how = c.describe() if c.status == "differ" else ""
-                return _tx(f"{c.status} ({how})" if how else c.status)
-            q.add_row(_tx(pd.name), cell(pd.value), cell(pd.grad), cell(pd.updated))
-        if len(bad) > _MAX_ROWS:
-            q.add_row(_tx(f"… {len(bad) - _MAX_ROWS} more"), _tx(""), _tx(""), _tx(""))
-        console.print(q)
+
+def compared_cell(c: Compared | None) -> str:
+    """One compared tensor in a table cell of one short line: ``equal``, ``0.0996 (rel 0.18)`` (the
+    largest difference of the stats), ``0.00031 (rel 0.0057) 1/4096`` (element-wise: how many
+    elements differ), ``checksum only``, a shape or dtype mismatch. What the numbers are of is
+    said once, under the table (``param_legend``)."""
+    if c is None:
+        return "-"
+    if c.status != "differ":
+        return c.status
+    if c.mismatch:
+        return c.why
+    if c.checksum_only:
+        return CHECKSUM_ONLY
+    size = "" if c.abs is None else f"{format_number(c.abs, 2)} (rel {format_number(c.rel, 2)})"
+    if c.basis == "values" and c.elements is not None:
+        size = f"{size} {c.elements.differing}/{c.elements.total}".strip()
+    if size:
+        return size
+    return f"differs ({c.why})" if c.why else "differs"
+
+
+def param_legend(params: list[ParamDiff]) -> str:
+    """What the numbers of the parameters' table are, said once for the table."""
+    cells = [c for p in params for c in (p.value, p.grad, p.updated) if c is not None and c.status == "differ"]
+    bases = {c.basis for c in cells if c.abs is not None and not c.checksum_only and not c.mismatch}
+    words = []
+    if "values" in bases:
+        words.append("element-wise where both traces kept the values (k/n: elements that differ)")
+    if bases - {"values"}:
+        words.append(f"{'else ' if words else ''}of the stats ({STATS_WORDS})")
+    return f"numbers: the largest |Δ| (rel), {', '.join(words)}" if words else ""
+
+
+def _param_table(result: DiffResult, console: Console) -> None:
+    bad = result.differing_params
+    if not bad:
+        return
+    shown = bad[:_MAX_ROWS]
+    q = Table(title=f"Parameters that differ ({len(bad)} of {len(result.params)})", title_justify="left")
+    for col in ("parameter", "value read", "gradient", "after step"):
+        q.add_column(col, no_wrap=True, overflow="ellipsis")
+    for pd in shown:
+        if pd.only_in:
+            q.add_row(_tx(pd.name), _tx(f"only in {pd.only_in}"), _tx("-"), _tx("-"))
+        else:
+            q.add_row(_tx(pd.name), _tx(compared_cell(pd.value)), _tx(compared_cell(pd.grad)),
+                      _tx(compared_cell(pd.updated)))
+    if len(bad) > _MAX_ROWS:
+        q.add_row(_tx(f"… {len(bad) - _MAX_ROWS} more (--json lists every one)"), _tx(""), _tx(""), _tx(""))
+    console.print(q)
+    legend = param_legend(shown)
+    if legend:
+        console.print(_tx(legend, "dim"))
+
+
+def folded_cell(frames: tuple[Frame, ...]) -> str:
+    """A stack in a table cell, folded as ``gradtrace show`` folds it: the user's frames and the
+    innermost one, each on two lines (``file.py:12 in f`` and its source), every run of other
+    frames one line (``… 3 frames folded (2 library, 1 framework)``)."""
+    lines: list[str] = []
+    run: list[Frame] = []
+    for f, hidden in zip(frames, folded(frames)):
+        if hidden:
+            run.append(f)
+            continue
+        if run:
+            lines.append(f"... {fold_label(run)}")
+            run = []
+        lines.append(frame_text(f))
+    return "\n".join(lines)
 
 
 def render_ranks(result: RankDiffResult, console: Console) -> None:
@@ -140,7 +248,7 @@ def render_ranks(result: RankDiffResult, console: Console) -> None:
         if d.carrier:
             t.add_row(_tx("first carried by"), _tx(f"{d.carrier}  {d.carrier_api or ''} ({d.carrier_args or ''})"))
         if d.stack:
-            t.add_row(_tx("stack"), _tx("\n".join(frame_text(f) for f in d.stack[-6:])))
+            t.add_row(_tx("stack"), _tx(folded_cell(d.stack)))
         console.print(t)
     if len(result.departures) > 1:
         t = Table(title=f"All departures ({len(result.departures)})", title_justify="left")

@@ -6,10 +6,12 @@ What the page shows, top to bottom:
   divergence: the origin in red, records it contaminated in orange, equal ones in green,
   inserted/removed ones in yellow; arrows follow the data (forward: tensor producer to consumer;
   backward: gradient flow from a node to the nodes it sends gradients to);
-- the origin's two call stacks side by side;
+- the origin's two call stacks side by side, folded as ``gradtrace show`` folds them (the user's
+  frames and the innermost one; each run of other frames one line that opens on a click);
 - a side-by-side table of every aligned record (A | status | B), the origin row marked, the
-  contaminated region shaded, inserted and removed rows in yellow; a filter keeps only the rows
-  that differ.
+  contaminated region shaded, inserted and removed rows in yellow with the user's line that made
+  them; a record whose checksums differ while every stat is equal reads ``checksum only``, not a
+  difference of 0; a filter keeps only the rows that differ.
 
 All data travels as one JSON document inside ``<script type="application/json">`` with ``<``,
 ``>`` and ``&`` escaped, and the script writes every string with ``textContent``: a module name or
@@ -24,19 +26,47 @@ import os
 from collections import defaultdict
 from typing import Any
 
+from export.diff.console import record_line
 from export.diff.result import DiffResult, Divergence, Row, frame_json, module_table
 from export.html.template import fill, json_for_script, script, style
-from tracer.model import Call, GradNode, Trace
+from tracer.model import Call, Frame, GradNode, Trace
 from tracer.model.display import json_number
+from tracer.model.frames import fold_label, folded
 
 _COLUMN = 6   # nodes per graph column
 _DEPTH = 3    # levels drawn downstream of the origin
 
 
-def _row(r: Row) -> list[Any]:
-    # basis: what max abs / max rel are differences of ("stats": min/max/mean/absmax only).
+def _row(r: Row, a: Trace, b: Trace) -> list[Any]:
+    # basis: what max abs / max rel are differences of ("stats": min/max/mean/absmax only);
+    # checksum_only: the checksums differ, every stat is equal (no number to show); line: the
+    # user's line of a record only one trace has.
+    line = None
+    if r.status in ("inserted", "removed", "cast"):
+        line = record_line(a, r.a) if r.a is not None else record_line(b, r.b)
     return [r.a, r.b, r.module, r.what, r.status, json_number(r.max_abs), json_number(r.max_rel), r.note,
-            r.basis or None]
+            r.basis or None, r.phase or None, r.checksum_only, line, r.rule or None]
+
+
+def _frames(frames: tuple[Frame, ...]) -> list[dict[str, Any]]:
+    """A stack for the page: each frame with ``folded`` (a short view hides it) and, on the first
+    frame of each folded run, that run's ``fold`` label (``3 frames folded (2 library, 1 framework)``)."""
+    hide = folded(frames)
+    out: list[dict[str, Any]] = []
+    k = 0
+    while k < len(frames):
+        if not hide[k]:
+            out.append({**frame_json(frames[k]), "folded": False})
+            k += 1
+            continue
+        end = k
+        while end < len(frames) and hide[end]:
+            end += 1
+        label = fold_label(frames[k:end])
+        out += [{**frame_json(f), "folded": True, "fold": label if i == 0 else None}
+                for i, f in enumerate(frames[k:end])]
+        k = end
+    return out
 
 
 # ---- graph of the records around the divergence ----------------------------------------------------
@@ -174,9 +204,10 @@ def _section(d: Divergence, a: Trace, b: Trace) -> dict[str, Any]:
     return {"name": d.section, "summary": d.summary(), "equal": d.equal, "reason": d.reason,
             "origin": None if o is None else {"a": o.a, "b": o.b, "module": o.module, "what": o.what,
                                               "difference": o.describe() or None},
-            "stack_a": [frame_json(f) for f in d.stack_a], "stack_b": [frame_json(f) for f in d.stack_b],
+            "origin_phase": None if o is None else o.phase or None,
+            "stack_a": _frames(d.stack_a), "stack_b": _frames(d.stack_b),
             "contaminated": dict(sorted(d.contaminated.items())),
-            "rows": [_row(r) for r in d.rows], "graph": _graph(d, a, b)}
+            "rows": [_row(r, a, b) for r in d.rows], "graph": _graph(d, a, b)}
 
 
 def diff_payload(result: DiffResult, a: Trace, b: Trace) -> dict[str, Any]:
