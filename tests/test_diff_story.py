@@ -407,6 +407,11 @@ def test_api_stacks_are_folded_like_show() -> None:
     assert any(f.code == "model(ids, labels=ids).loss.backward()" for f in stack)
     assert "".join(f"{line}\n" for line in stack_lines(stack)) in text
     assert "modeling_gpt2.py" in text and "torch/nn/modules/module.py" not in text
+    # one line per parameter, the caveat once per table, here too
+    assert r.parted_earlier and text.count("min/max/mean/absmax") == 4
+    lines = text.splitlines()
+    for p in r.params:
+        assert sum(1 for line in lines if re.match(rf"│ {re.escape(p.name)} +│", line)) == 1
 
 
 def test_lr_change_golden(tmp_path: Path, update_golden: bool, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:

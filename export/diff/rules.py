@@ -236,8 +236,9 @@ ROW_RULES: tuple[Rule, ...] = (
          _is_random, _random_note),
     Rule("backward-only", "a record of a backward (a call in a custom backward, or a node) whose gradients in "
          "match and whose node's forward call matched, while its outputs differ",
-         "a custom Function whose backward adds noise: forward matched, backward went astray",
-         "tests/test_diff.py::test_nondeterministic_backward_found_in_backward_while_forward_matches", "new",
+         "a custom Function whose backward scales by a factor its forward never sees: forward matched, "
+         "backward went astray (nondeterministic kernels do the same)",
+         "tests/test_diff_story.py::test_a_backward_that_computes_otherwise_is_backward_only", "new",
          _backward_only, _backward_only_note),
     Rule("arguments-differ", "a call whose tensor inputs match but whose arguments differ",
          "siamese_network's unseeded random index: x[3] against x[5]",
