@@ -400,6 +400,19 @@ class AutogradMixin(LeafGradsMixin):
              self._bwd_seq0) = outer
             self.recorder_failed(exc)
             return func(*args, **kwargs)
+        self._open_runs.append(run.seq)
+        try:
+            out = self._run_backward(run, outer, func, api, args, kwargs)
+        finally:
+            self._open_runs.remove(run.seq)  # (after its outputs are named: now it may be written)
+        if self.on_records is not None:
+            self.on_records()
+        return out
+
+    def _run_backward(self, run: BackwardRun, outer: tuple[Any, ...], func: Any, api: str,
+                      args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``record_backward`` once ``run`` has begun: the engine call, what a failure says,
+        the state put back, the outputs of ``autograd.grad`` named."""
         first = args[0] if args else kwargs.get("tensors", kwargs.get("outputs"))
         depth = len(self._running)  # the nodes running when this run started (an enclosing run's)
         self._in_backward += 1
@@ -463,8 +476,6 @@ class AutogradMixin(LeafGradsMixin):
                 results = flat_tensors(out)
                 run.outputs = [self._new_tensor(t, names.output_name(run.name, i, len(results)), "grad", run.name)
                                for i, t in enumerate(results)]
-        if self.on_records is not None:
-            self.on_records()
         return out
 
     def _indegree_all(self) -> dict[tuple[str, int], int]:
@@ -563,6 +574,7 @@ class AutogradMixin(LeafGradsMixin):
             self._run = BackwardRun(name=self.counters.next("backward"), api="(engine)", roots=[],
                                     seq=len(self.trace.backward_runs))
             self.trace.backward_runs.append(self._run)
+            self._open_runs.append(self._run.seq)  # no end is seen: filled till the block's end
         if self._reads_queued is not self._run:
             self._read_waiting_at_end(self._run)
         return self._run

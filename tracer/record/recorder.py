@@ -146,9 +146,11 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin, Swap
         return len(self._parents)
 
     @property
-    def backward_open(self) -> bool:
-        """Whether a backward run is in progress (its record still being filled)."""
-        return self._run is not None
+    def finished_runs(self) -> int:
+        """How many backward runs, from the first, are finished: the records a streamed file may
+        hold. A run still open (one whose nested runs are running included) and every run after it
+        are still being filled."""
+        return min(self._open_runs, default=len(self.trace.backward_runs))
 
     @property
     def in_backward(self) -> bool:
