@@ -19,7 +19,7 @@ from tracer.record.engine import expect_backward
 from tracer.record.identity import identity
 from tracer.record.leaf_grads import LeafGradsMixin
 from tracer.record.listeners import Listener, needs_node_runs
-from tracer.record.mode import current_autograd_node
+from tracer.record.mode import current_autograd_node, on_traced_thread
 from tracer.record.stacks import raised_in_backward_python
 from tracer.record.tensors import (
     ACCUMULATE,
@@ -833,9 +833,11 @@ _PRE_HOOK: Any = object()  # a unique marker: only a pre-hook call leaves the ar
 
 
 def node_hook(ref: weakref.ref[Any], name: str, grads: tuple[Any, ...], grad_outputs: Any = _PRE_HOOK) -> None:
-    """A node's pre-hook ``(grad_outputs)`` and hook ``(grad_inputs, grad_outputs)`` in one."""
+    """A node's pre-hook ``(grad_outputs)`` and hook ``(grad_inputs, grad_outputs)`` in one.
+    (Another thread's backward through a recorded node, an accumulator of parameters it trains
+    too, is not the trace's.)"""
     rec = ref()
-    if rec is not None and not rec.closed:
+    if rec is not None and not rec.closed and on_traced_thread(rec):
         with torch._C.DisableTorchFunction():
             try:
                 if grad_outputs is _PRE_HOOK:
@@ -850,7 +852,7 @@ def node_done_hook(ref: weakref.ref[Any], name: str, grad_inputs: tuple[Any, ...
                     grad_outputs: tuple[Any, ...]) -> None:
     """The only hook of a node that needs no pre-hook (see ``Recorder._register_node``)."""
     rec = ref()
-    if rec is not None and not rec.closed:
+    if rec is not None and not rec.closed and on_traced_thread(rec):
         with torch._C.DisableTorchFunction():
             try:
                 rec.node_done(name, grad_inputs, grad_outputs)
