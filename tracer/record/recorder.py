@@ -36,6 +36,7 @@ from tracer.model import Call, TensorRecord, Trace, names
 from tracer.model.records import CallKind, Role
 from tracer.options import TraceOptions
 from tracer.record import naming
+from tracer.record.arrivals import install_rebuild_wrappers, uninstall_rebuild_wrappers
 from tracer.record.autograd import AutogradMixin
 from tracer.record.calls import CAPTURE_NOW, PendingCall
 from tracer.record.checksums.hasher import BATCH_MIN, Hasher
@@ -101,6 +102,7 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin, Swap
         install_apply_wrapper(self)
         install_engine_wrapper()
         install_swap_wrapper()
+        install_rebuild_wrappers()
         self._mode.__enter__()
         self._compiled_functions.install()
 
@@ -129,6 +131,7 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin, Swap
             uninstall_apply_wrapper(self)
             uninstall_engine_wrapper()
             uninstall_swap_wrapper()
+            uninstall_rebuild_wrappers()
             for h in self._handles:
                 try:
                     h.remove()
