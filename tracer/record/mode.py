@@ -7,7 +7,7 @@ import sys
 import threading
 from collections.abc import Callable
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -179,7 +179,13 @@ def top_recording_mode() -> RecordingMode | None:
     return top if isinstance(top, RecordingMode) else None
 
 
-def on_traced_thread(rec: Recorder) -> bool:
+class Owned(Protocol):
+    """A recorder, as far as telling its threads apart goes."""
+
+    owner: int  # the ident of the thread that entered the block
+
+
+def on_traced_thread(rec: Owned) -> bool:
     """Whether the code running on this thread belongs to ``rec``'s trace: the thread that
     entered the block, or an autograd engine thread running one of its backward runs (the engine
     hands the torch-function modes a run started under, this recorder's among them, to the

@@ -77,7 +77,7 @@ class ModulesMixin(RecorderState):
     # met in backward (one a hook calls) is passed by, and the calls in it carry the module of
     # the grad node running, as other backward-phase calls do.
     def _module_pre(self, module: torch.nn.Module, args: Any) -> None:
-        if self.closed or not self._runs_modules_here():
+        if self.closed or (threading.get_ident() != self.owner and not self._recomputes_here()):
             return
         path = self._module_paths.get(module)
         if path is None:
@@ -101,13 +101,11 @@ class ModulesMixin(RecorderState):
         if type(module).__name__ == "OptimizedModule" and not self.paused:
             self._enter_opaque(module, args)
 
-    def _runs_modules_here(self) -> bool:
-        """Whether module calls on this thread are the trace's: the tracing thread's, or (in
-        backward) those of an autograd engine thread recomputing a checkpointed forward of a
-        traced backward run on a device of its own."""
-        if threading.get_ident() == self.owner:
-            return True
-        return bool(self._in_backward) and on_traced_thread(self)  # type: ignore[arg-type]
+    def _recomputes_here(self) -> bool:
+        """Whether this thread, not the tracing one, is an autograd engine thread running a
+        traced backward (where checkpointing recomputes a forward on a device of its own):
+        its module calls are the trace's too."""
+        return bool(self._in_backward) and on_traced_thread(self)
 
     def _pop_modules(self, start: int) -> None:
         """Leave the module calls from ``start`` on (module stack and stack-capture scopes)."""
@@ -121,7 +119,7 @@ class ModulesMixin(RecorderState):
             del frames[start:]
 
     def _module_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if self.closed or not self._runs_modules_here():
+        if self.closed or (threading.get_ident() != self.owner and not self._recomputes_here()):
             return
         path = self._module_paths.get(module)
         stack = self._module_stack
