@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import weakref
 from collections.abc import Iterator
 
@@ -275,6 +276,7 @@ class _Seen:
     closed = False
 
     def __init__(self) -> None:
+        self.owner = threading.get_ident()  # the hooks record only for the tracing thread
         self.events: list[tuple[str, str, tuple[object, ...]]] = []
         self.received: list[tuple[object, ...]] = []  # the hook's grad_outputs (an accumulator's own need them)
 

@@ -71,8 +71,8 @@ except ImportError:
 
 from tracer.model import BackwardRun, Call, Trace, names
 from tracer.record import naming
-from tracer.record.functions import on_traced_thread
 from tracer.record.listeners import Listener
+from tracer.record.mode import on_traced_thread
 from tracer.record.recorder import Recorder
 from tracer.record.tensors import flat_tensors
 

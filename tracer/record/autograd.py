@@ -19,7 +19,7 @@ from tracer.record.engine import expect_backward
 from tracer.record.identity import identity
 from tracer.record.leaf_grads import LeafGradsMixin
 from tracer.record.listeners import Listener, needs_node_runs
-from tracer.record.mode import current_autograd_node
+from tracer.record.mode import current_autograd_node, on_traced_thread
 from tracer.record.stacks import raised_in_backward_python
 from tracer.record.tensors import (
     ACCUMULATE,
@@ -400,6 +400,19 @@ class AutogradMixin(LeafGradsMixin):
              self._bwd_seq0) = outer
             self.recorder_failed(exc)
             return func(*args, **kwargs)
+        self._open_runs.append(run.seq)
+        try:
+            out = self._run_backward(run, outer, func, api, args, kwargs)
+        finally:
+            self._open_runs.remove(run.seq)  # (after its outputs are named: now it may be written)
+        if self.on_records is not None:
+            self.on_records()
+        return out
+
+    def _run_backward(self, run: BackwardRun, outer: tuple[Any, ...], func: Any, api: str,
+                      args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``record_backward`` once ``run`` has begun: the engine call, what a failure says,
+        the state put back, the outputs of ``autograd.grad`` named."""
         first = args[0] if args else kwargs.get("tensors", kwargs.get("outputs"))
         depth = len(self._running)  # the nodes running when this run started (an enclosing run's)
         self._in_backward += 1
@@ -463,8 +476,6 @@ class AutogradMixin(LeafGradsMixin):
                 results = flat_tensors(out)
                 run.outputs = [self._new_tensor(t, names.output_name(run.name, i, len(results)), "grad", run.name)
                                for i, t in enumerate(results)]
-        if self.on_records is not None:
-            self.on_records()
         return out
 
     def _indegree_all(self) -> dict[tuple[str, int], int]:
@@ -563,6 +574,7 @@ class AutogradMixin(LeafGradsMixin):
             self._run = BackwardRun(name=self.counters.next("backward"), api="(engine)", roots=[],
                                     seq=len(self.trace.backward_runs))
             self.trace.backward_runs.append(self._run)
+            self._open_runs.append(self._run.seq)  # no end is seen: filled till the block's end
         if self._reads_queued is not self._run:
             self._read_waiting_at_end(self._run)
         return self._run
@@ -821,9 +833,11 @@ _PRE_HOOK: Any = object()  # a unique marker: only a pre-hook call leaves the ar
 
 
 def node_hook(ref: weakref.ref[Any], name: str, grads: tuple[Any, ...], grad_outputs: Any = _PRE_HOOK) -> None:
-    """A node's pre-hook ``(grad_outputs)`` and hook ``(grad_inputs, grad_outputs)`` in one."""
+    """A node's pre-hook ``(grad_outputs)`` and hook ``(grad_inputs, grad_outputs)`` in one.
+    (Another thread's backward through a recorded node, an accumulator of parameters it trains
+    too, is not the trace's.)"""
     rec = ref()
-    if rec is not None and not rec.closed:
+    if rec is not None and not rec.closed and on_traced_thread(rec):
         with torch._C.DisableTorchFunction():
             try:
                 if grad_outputs is _PRE_HOOK:
@@ -838,7 +852,7 @@ def node_done_hook(ref: weakref.ref[Any], name: str, grad_inputs: tuple[Any, ...
                     grad_outputs: tuple[Any, ...]) -> None:
     """The only hook of a node that needs no pre-hook (see ``Recorder._register_node``)."""
     rec = ref()
-    if rec is not None and not rec.closed:
+    if rec is not None and not rec.closed and on_traced_thread(rec):
         with torch._C.DisableTorchFunction():
             try:
                 rec.node_done(name, grad_inputs, grad_outputs)

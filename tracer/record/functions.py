@@ -5,7 +5,6 @@ mode, so it is wrapped while a trace is active (the wrapper checks the owning th
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +15,7 @@ from tracer.record import naming
 from tracer.record.mode import (
     COMPILED_BACKWARDS,
     BackwardRecordingMode,
-    current_autograd_node,
+    on_traced_thread,
     top_recording_mode,
 )
 from tracer.record.opaque import ModeOff
@@ -76,13 +75,6 @@ _ORIGINAL_APPLY = _FunctionBase.__dict__["apply"]
 _ACTIVE: Recorder | None = None
 
 
-def on_traced_thread(rec: Recorder) -> bool:
-    """The trace's own thread, or an autograd engine thread running one of its backward passes."""
-    if threading.get_ident() == rec.owner:
-        return True
-    return bool(rec.in_backward) and current_autograd_node is not None and current_autograd_node() is not None
-
-
 def _traced_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
     rec = _ACTIVE
     original = _ORIGINAL_APPLY.__func__
@@ -111,7 +103,8 @@ def _traced_backward_apply(self: Any, *args: Any) -> Any:
             return _ORIGINAL_BACKWARD_APPLY(self, *args)
         finally:
             off.restore()
-    if rec is None or rec.closed or rec.paused or rec.stopped or not rec.in_backward or top is not None:
+    if rec is None or rec.closed or rec.paused or rec.stopped or not rec.in_backward or top is not None \
+            or not on_traced_thread(rec):  # (another thread's own backward, run meanwhile)
         return _ORIGINAL_BACKWARD_APPLY(self, *args)
     with BackwardRecordingMode(rec):
         return _ORIGINAL_BACKWARD_APPLY(self, *args)

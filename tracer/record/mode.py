@@ -4,9 +4,10 @@ that make or change tensors to the recorder."""
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Callable
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -176,3 +177,28 @@ def top_recording_mode() -> RecordingMode | None:
     """The recording mode on top of this thread's torch-function stack, if that is one."""
     top = top_mode()
     return top if isinstance(top, RecordingMode) else None
+
+
+class Owned(Protocol):
+    """A recorder, as far as telling its threads apart goes."""
+
+    owner: int  # the ident of the thread that entered the block
+
+
+def on_traced_thread(rec: Owned) -> bool:
+    """Whether the code running on this thread belongs to ``rec``'s trace: the thread that
+    entered the block, or an autograd engine thread running one of its backward runs (the engine
+    hands the torch-function modes a run started under, this recorder's among them, to the
+    threads that run its nodes: tracer.record.engine). Any other thread is the program's own,
+    whatever it runs (its own custom Functions and backward passes, or nodes of the traced graph
+    it runs a backward through): nothing of it is recorded. The owner's test is one comparison;
+    only another thread looks through its (short) mode stack."""
+    if threading.get_ident() == rec.owner:
+        return True
+    if _stack_len is None or _stack_at is None:
+        return False
+    for i in range(_stack_len()):
+        mode = _stack_at(i)
+        if isinstance(mode, RecordingMode) and mode.recorder is rec:
+            return True
+    return False

@@ -13,6 +13,7 @@ from torch.nn.modules import module as nn_module
 
 from tracer.model.records import Role
 from tracer.record.calls import PendingCall
+from tracer.record.mode import on_traced_thread
 from tracer.record.module_roots import Caller, caller, enclosing_module, name_in_caller
 from tracer.record.opaque import COMPILED_NOTE, ModeOff, OpaqueRegion
 from tracer.record.state import RecorderState
@@ -68,11 +69,20 @@ class ModulesMixin(RecorderState):
         self._module_handles = []
 
     # ---- modules ------------------------------------------------------------------------------
+    # In backward, a module runs again when activation checkpointing recomputes its forward
+    # (torch.utils.checkpoint, both ways; HF gradient checkpointing): its calls carry its path,
+    # as in the forward. But a module is never *named* there: a backward's frames (autograd's,
+    # a hook's) say nothing of what holds it, and the first module met with the module stack
+    # empty would take a root's name (the model's unprefixed one, if still free). A module first
+    # met in backward (one a hook calls) is passed by, and the calls in it carry the module of
+    # the grad node running, as other backward-phase calls do.
     def _module_pre(self, module: torch.nn.Module, args: Any) -> None:
-        if threading.get_ident() != self.owner or self._in_backward or self.closed:
+        if self.closed or (threading.get_ident() != self.owner and not self._recomputes_here()):
             return
         path = self._module_paths.get(module)
         if path is None:
+            if self._in_backward:
+                return
             try:
                 path = self._register_module(module, caller(1) if not self._module_stack else None)
             except Exception as exc:  # gradtrace's own fault: see tracer.record.failsafe
@@ -91,6 +101,12 @@ class ModulesMixin(RecorderState):
         if type(module).__name__ == "OptimizedModule" and not self.paused:
             self._enter_opaque(module, args)
 
+    def _recomputes_here(self) -> bool:
+        """Whether this thread, not the tracing one, is an autograd engine thread running a
+        traced backward (where checkpointing recomputes a forward on a device of its own):
+        its module calls are the trace's too."""
+        return bool(self._in_backward) and on_traced_thread(self)
+
     def _pop_modules(self, start: int) -> None:
         """Leave the module calls from ``start`` on (module stack and stack-capture scopes)."""
         del self._module_stack[start:]
@@ -103,7 +119,7 @@ class ModulesMixin(RecorderState):
             del frames[start:]
 
     def _module_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if threading.get_ident() != self.owner or self._in_backward or self.closed:
+        if self.closed or (threading.get_ident() != self.owner and not self._recomputes_here()):
             return
         path = self._module_paths.get(module)
         stack = self._module_stack

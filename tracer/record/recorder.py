@@ -36,6 +36,7 @@ from tracer.model import Call, TensorRecord, Trace, names
 from tracer.model.records import CallKind, Role
 from tracer.options import TraceOptions
 from tracer.record import naming
+from tracer.record.arrivals import install_rebuild_wrappers, uninstall_rebuild_wrappers
 from tracer.record.autograd import AutogradMixin
 from tracer.record.calls import CAPTURE_NOW, PendingCall
 from tracer.record.checksums.hasher import BATCH_MIN, Hasher
@@ -101,6 +102,7 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin, Swap
         install_apply_wrapper(self)
         install_engine_wrapper()
         install_swap_wrapper()
+        install_rebuild_wrappers()
         self._mode.__enter__()
         self._compiled_functions.install()
 
@@ -129,6 +131,7 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin, Swap
             uninstall_apply_wrapper(self)
             uninstall_engine_wrapper()
             uninstall_swap_wrapper()
+            uninstall_rebuild_wrappers()
             for h in self._handles:
                 try:
                     h.remove()
@@ -146,9 +149,11 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin, Swap
         return len(self._parents)
 
     @property
-    def backward_open(self) -> bool:
-        """Whether a backward run is in progress (its record still being filled)."""
-        return self._run is not None
+    def finished_runs(self) -> int:
+        """How many backward runs, from the first, are finished: the records a streamed file may
+        hold. A run still open (one whose nested runs are running included) and every run after it
+        are still being filled."""
+        return min(self._open_runs, default=len(self.trace.backward_runs))
 
     @property
     def in_backward(self) -> bool:

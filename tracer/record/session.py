@@ -265,8 +265,8 @@ class TraceSession:
         unwritten = len(t.calls) - self._last_flush_calls
         if unwritten >= self.options.flush_every or (
                 unwritten and time.monotonic() - self._last_flush_time >= FLUSH_SECONDS) or (
-                t.backward_runs and self._written["runs"] < len(t.backward_runs) and self._recorder is not None
-                and not self._recorder.backward_open):
+                self._written["runs"] < len(t.backward_runs) and self._recorder is not None
+                and self._written["runs"] < self._recorder.finished_runs):  # a run has just ended
             self._flush(final=False)
 
     def _flush(self, final: bool) -> None:
@@ -301,7 +301,10 @@ class TraceSession:
             nodes = t.grad_nodes[n["nodes"]:]
             out += [g.to_json() for g in nodes]
             n["nodes"] += len(nodes)
-            done_runs = len(t.backward_runs) if (final or not rec.backward_open) else len(t.backward_runs) - 1
+            # A run is written once it has ended, never while open: a run that started nested
+            # runs (reentrant checkpointing) is still filled after they end, and runs are
+            # written in order, so nothing after the first open run is written yet.
+            done_runs = len(t.backward_runs) if final else rec.finished_runs
             out += [b.to_json() for b in t.backward_runs[n["runs"]:done_runs]]
             n["runs"] = max(n["runs"], done_runs)
             if final:  # memory events are written by their listener's finish(), at the end

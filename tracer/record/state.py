@@ -171,6 +171,10 @@ class RecorderState:
         self._opaque: list[OpaqueRegion] = []  # compiled regions running now, innermost last
         self._module_handles: list[Any] = []
         self._run: BackwardRun | None = None
+        # The seq of every backward run still being filled: from its start to its end (its
+        # outputs named), an enclosing run under the nested runs it started (reentrant
+        # checkpointing), and a run the trace did not see start till the end of the block.
+        self._open_runs: list[int] = []
         self._run_index = -1
         self._open_steps: dict[str, NodeRun] = {}
         self._call_seq = 0
