@@ -108,6 +108,21 @@ def folded(frames: Sequence[Frame]) -> list[bool]:
     return [i != last and frame_class(f.file) != USER for i, f in enumerate(frames)]
 
 
+def user_frame(frames: Sequence[Frame]) -> Frame | None:
+    """The innermost of the user's frames (the line of their code that made a call), else the
+    innermost frame, else None."""
+    for f in reversed(frames):
+        if frame_class(f.file) == USER:
+            return f
+    return frames[-1] if frames else None
+
+
+def short_line(frame: Frame) -> str:
+    """``train.py:42: loss = model(x)``: a frame in one short line (file name, line, source)."""
+    name = frame.file.replace("\\", "/").rsplit("/", 1)[-1]
+    return f"{name}:{frame.line}: {frame.code}" if frame.code else f"{name}:{frame.line}"
+
+
 def fold_label(frames: Sequence[Frame]) -> str:
     """``3 frames folded (2 library, 1 notebook kernel)`` for a run of folded frames."""
     counts = Counter(frame_class(f.file) for f in frames)
@@ -136,4 +151,4 @@ def stack_lines(frames: Sequence[Frame], all_frames: bool = False, indent: str =
 
 
 __all__ = ["CLASSES", "CLASS_LABELS", "FRAMEWORK", "KERNEL", "LIBRARY", "USER", "fold_label", "folded",
-           "frame_class", "stack_lines"]
+           "frame_class", "short_line", "stack_lines", "user_frame"]

@@ -135,6 +135,7 @@ class OptimizerMixin(RecorderState):
             self._handles.append(optimizer.register_step_post_hook(self._optimizer_post))
 
     def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        __tracebackhide__ = True  # (raise_on_nonfinite stops here at a NaN the step made)
         st = self.open_step
         if st is not None and st.optimizer is optimizer and threading.get_ident() == self.owner:
             try:
