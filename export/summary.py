@@ -31,6 +31,7 @@ from tracer.model import BackwardRun, Call, Frame, GradNode, TensorRecord, Trace
 from tracer.model.display import format_bytes, format_number, plural, shape_compact, short_api, short_dtype
 from tracer.model.frames import folded, short_line, user_frame
 from tracer.model.gradients import summed_from
+from tracer.model.records import PHASES
 
 TOP_APIS = 15
 MAX_ROWS = 40
@@ -50,6 +51,7 @@ def render_summary(trace: Trace, console: Console, *, all_anomalies: bool = Fals
     _render_apis(trace, console)
     _render_modules(trace, console)
     _render_backward(trace, console)
+    _render_phases(trace, console)
     _render_nonfinite(trace, console, all_anomalies, all_frames)
 
 
@@ -133,6 +135,28 @@ def _render_backward(trace: Trace, console: Console) -> None:
     for run in trace.backward_runs:
         status = Text(run.status, style="green" if run.status == "ok" else "red")
         _add_row(table, run.name, run.api, str(len(run.steps)), status, call_site(run.stack))
+    console.print(table)
+
+
+def _render_phases(trace: Trace, console: Console) -> None:
+    """What each phase of the step holds (tracer.model.phases): its calls, first to last; the
+    backward's runs; the optimizer phase's optimizer steps."""
+    table = Table(title="Phases", box=box.SIMPLE_HEAD, title_justify="left")
+    table.add_column("phase")
+    table.add_column("calls", justify="right")
+    table.add_column("first", overflow="fold")
+    table.add_column("last", overflow="fold")
+    table.add_column("", overflow="fold")
+    accumulating = sum(1 for r in trace.backward_runs if r.parent is None and not r.api.endswith(".grad"))
+    for phase in PHASES:
+        calls = [c for c in trace.calls if c.phase == phase]
+        if phase == "backward":
+            note = plural(len(trace.backward_runs), "backward run")
+        elif phase == "forward":
+            note = f"{accumulating} micro-batches" if accumulating > 1 else ""
+        else:
+            note = ", ".join(c.name for c in calls if c.kind == "optimizer") or "no optimizer step"
+        _add_row(table, phase, str(len(calls)), calls[0].name if calls else "-", calls[-1].name if calls else "-", note)
     console.print(table)
 
 
@@ -393,18 +417,16 @@ def _print_node_calls(trace: Trace, node: GradNode, console: Console) -> None:
         return
     table = Table(title="calls its backward made (hooks, custom backward(), recomputation)", box=box.SIMPLE_HEAD,
                   title_justify="left")
-    table.add_column("call")
-    table.add_column("api")
-    table.add_column("outputs", overflow="fold")
+    table.add_column("call", no_wrap=True)
+    table.add_column("api", no_wrap=True)
     table.add_column("line", overflow="fold")
     for c in made[:MAX_ROWS]:
         line = user_frame(c.stack)
         bad = any((t := trace.tensors.get(o)) is not None and t.stats is not None and not t.stats.finite
                   for o in c.outputs)
-        _add_row(table, c.name, c.api, ", ".join(c.outputs) or "-", short_line(line) if line else "-",
-                 style="red" if bad else None)
+        _add_row(table, c.name, c.api, short_line(line) if line else "-", style="red" if bad else None)
     if len(made) > MAX_ROWS:
-        _add_row(table, f"... {len(made) - MAX_ROWS} more", "", "", "", style="dim")
+        _add_row(table, f"... {len(made) - MAX_ROWS} more", "", "", style="dim")
     console.print(table)
 
 

@@ -99,12 +99,15 @@ class Anomaly:
         return user_frame(self.stack)
 
     def where(self) -> str:
-        """``backward (micro-batch 2 of 3), in the backward of Attn0/AttnBackward, module h.0.attn``."""
+        """``backward (micro-batch 2 of 3), in the backward of Attn0/AttnBackward, module h.0.attn``
+        (no module for an optimizer-phase call outside every module)."""
         text = self.phase
         if self.micro_batch is not None:
             text += f" (micro-batch {self.micro_batch} of {self.micro_batches})"
         if self.node is not None:
             text += f", in the backward of {self.node}"
+        if not self.module and self.phase == "optimizer":  # (outside every module, as optimizers are)
+            return text
         return f"{text}, module {self.module or '<root>'}"
 
     def headline(self) -> str:
@@ -219,6 +222,8 @@ class Spread:
 
 def _module_at(key: str) -> str:
     phase, module = key.split(":", 1)
+    if not module and phase == "optimizer":
+        return "the optimizer phase"
     return f"{module or '<root>'} ({phase})"
 
 

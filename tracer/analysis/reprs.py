@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from tracer.analysis.numerics import Anomaly, NumericsReport
 
 TOP_ROWS = 5  # owners listed in a memory card
+TEXT_LIMIT = 600  # characters of a sentence of the story shown in a card (a headline with its line)
 
 
 # ---- numerics --------------------------------------------------------------------------------------
@@ -34,9 +35,9 @@ def _anomaly_facts(a: Anomaly) -> list[tuple[str, str]]:
              else f"carried from {names_html(a.bad_inputs)}")
     facts = [("tensor", f"{names_html([a.tensor])} ({a.nan} NaN, {a.inf} Inf)"),
              ("made by", f"{names_html([a.producer])} <code>{esc(a.producer_kind)}</code>"),
-             ("where", esc(a.where())),
+             ("where", esc(a.where(), TEXT_LIMIT)),
              ("cause", cause)]
-    facts += [("note", esc(n)) for n in a.notes()]
+    facts += [("note", esc(n, TEXT_LIMIT)) for n in a.notes()]
     line = a.line
     if line is not None:
         facts.append(("line", source_link(line)))
@@ -61,16 +62,12 @@ def numerics_html(r: NumericsReport) -> str:
         return card("numerics", "no tensor stats", [("how", "record with <code>check_numerics=True</code>")])
     facts: list[tuple[str, str]] = []
     h = r.headline
-    if h is None:
-        facts.append(("verdict", esc(r.headline_text())))
-    else:
-        skipped = r.skipped_step
-        if skipped is not None:
-            facts.append(("verdict", esc(skipped.headline())))
+    facts.append(("story", esc(r.headline_text(), TEXT_LIMIT)))
+    if h is not None:
         facts += _anomaly_facts(h)
         if r.spread.count:
-            facts.append(("then", esc(r.spread.line())))
-    facts += [("not a fault", esc(n)) for n in r.notes()]
+            facts.append(("then", esc(r.spread.line(), TEXT_LIMIT)))
+    facts += [("not a fault", esc(n, TEXT_LIMIT)) for n in r.notes()]
     title = "clean" if h is None else f"{h.what} in {h.phase}"
     return card("numerics", title, facts)
 

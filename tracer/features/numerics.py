@@ -59,7 +59,11 @@ class NonFiniteGuard(Listener):
             # An Inf from a constant, or carried on from one.
             self._intended.update([*call.outputs, *call.mutated])
             return
-        if nan or inf:
+        if (nan or inf) and not self._recorder.function_depth:
+            # Inside a custom Function's forward a NaN/Inf is the Function's business until its
+            # own outputs show it (a fully masked row's softmax, selected away before it returns):
+            # the outermost Function's outputs decide, as in the analysis; its report then names
+            # the innermost op that made it.
             self._raise(trace)
 
     def _carries_intended(self, trace: Trace, call: Any) -> bool:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Container, Iterable
 
-from tracer.model.records import PHASES, Call, TensorRecord
+from tracer.model.records import PHASES, BackwardRun, Call, TensorRecord
 from tracer.model.trace import Trace
 
 # Roles of values that belong to the model's state rather than to the step's data (rule 5).
@@ -70,7 +70,8 @@ def upgrade_phases(trace: Trace) -> int:
     the root module's own forward and a call outside every module both have module ``""``, so
     rule 3 sees only calls with a module path; rule 6's code test reads the call's stack."""
     tensors = trace.tensors
-    ends = sorted(run.seq for run in trace.backward_runs if run.parent is None)
+    calls = {c.name: c for c in trace.calls}
+    ends = sorted(_run_start(run, tensors, calls) for run in trace.backward_runs if run.parent is None)
     optimizer_calls: set[str] = set()
     window = False
     next_end = 0
@@ -92,6 +93,19 @@ def upgrade_phases(trace: Trace) -> int:
         if call.phase == "optimizer":
             optimizer_calls.add(call.name)
     return len(optimizer_calls)
+
+
+def _run_start(run: BackwardRun, tensors: dict[str, TensorRecord], calls: dict[str, Call]) -> float:
+    """Where a run began among the calls: recorded (``at``), else just after the call that made
+    its first root (the loss it started from), else at the end."""
+    if run.at is not None:
+        return run.at - 0.5
+    for root in run.roots:
+        rec = tensors.get(root)
+        call = calls.get(rec.producer) if rec is not None and rec.producer else None
+        if call is not None:
+            return call.seq + 0.5
+    return float("inf")
 
 
 def _made_by_optimizer_code(trace: Trace, call: Call) -> bool:

@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from tracer.options import RaisedOnPurpose
 from tracer.record.calls import PendingCall
 from tracer.record.identity import identity
 from tracer.record.state import RecorderState
@@ -141,6 +142,8 @@ class OptimizerMixin(RecorderState):
             try:
                 self.close_step()
             except Exception as exc:  # gradtrace's own fault: see tracer.record.failsafe
+                if isinstance(exc, RaisedOnPurpose):  # raise_on_nonfinite: from here, not from below
+                    raise exc.with_traceback(None) from exc.__cause__
                 self.recorder_failed(exc)
 
     def step_running(self) -> bool:
