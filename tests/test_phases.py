@@ -20,8 +20,8 @@ from rich.console import Console
 
 import tracer
 from export.summary import render_summary
-from tracer.analysis.memory_views import record_tables_data
 from tests.test_dot import check_golden
+from tracer.analysis.memory_views import record_tables_data
 
 
 def _loop(steps: int = 1, scaler: bool = False, ema: bool = True) -> tracer.Trace:
