@@ -29,8 +29,9 @@ from export.text import call_site, compact_stats, format_stack, inert, inert_lin
 from export.views import checksum, module_groups, module_with_class, nonfinite, param_totals
 from tracer.model import BackwardRun, Call, Frame, GradNode, TensorRecord, Trace
 from tracer.model.display import format_bytes, format_number, plural, shape_compact, short_api, short_dtype
-from tracer.model.frames import folded
+from tracer.model.frames import folded, short_line, user_frame
 from tracer.model.gradients import summed_from
+from tracer.model.records import PHASES
 
 TOP_APIS = 15
 MAX_ROWS = 40
@@ -50,6 +51,7 @@ def render_summary(trace: Trace, console: Console, *, all_anomalies: bool = Fals
     _render_apis(trace, console)
     _render_modules(trace, console)
     _render_backward(trace, console)
+    _render_phases(trace, console)
     _render_nonfinite(trace, console, all_anomalies, all_frames)
 
 
@@ -136,6 +138,28 @@ def _render_backward(trace: Trace, console: Console) -> None:
     console.print(table)
 
 
+def _render_phases(trace: Trace, console: Console) -> None:
+    """What each phase of the step holds (tracer.model.phases): its calls, first to last; the
+    backward's runs; the optimizer phase's optimizer steps."""
+    table = Table(title="Phases", box=box.SIMPLE_HEAD, title_justify="left")
+    table.add_column("phase")
+    table.add_column("calls", justify="right")
+    table.add_column("first", overflow="fold")
+    table.add_column("last", overflow="fold")
+    table.add_column("", overflow="fold")
+    accumulating = sum(1 for r in trace.backward_runs if r.parent is None and not r.api.endswith(".grad"))
+    for phase in PHASES:
+        calls = [c for c in trace.calls if c.phase == phase]
+        if phase == "backward":
+            note = plural(len(trace.backward_runs), "backward run")
+        elif phase == "forward":
+            note = f"{accumulating} micro-batches" if accumulating > 1 else ""
+        else:
+            note = ", ".join(c.name for c in calls if c.kind == "optimizer") or "no optimizer step"
+        _add_row(table, phase, str(len(calls)), calls[0].name if calls else "-", calls[-1].name if calls else "-", note)
+    console.print(table)
+
+
 def _render_nonfinite(trace: Trace, console: Console, all_anomalies: bool, all_frames: bool) -> None:
     with_stats = [t for t in trace.tensors_in_order() if t.stats is not None]
     bad = nonfinite(trace)
@@ -147,25 +171,46 @@ def _render_nonfinite(trace: Trace, console: Console, all_anomalies: bool, all_f
         of_step = f" of step {trace.header['step']}" if "step" in trace.header else ""
         console.print(f"No NaN or Inf in the {plural(len(with_stats), 'tensor')} with stats{of_step}.")
         return
-    # The verdict first: where the first non-finite value was made, forward and backward.
+    # The verdict first, in the numerics report's words (its headline is never an intended Inf).
     report = trace.anomalies
-    for anomaly in report.anomalies():
-        if anomaly is not None:
-            console.print(Text(inert_lines(anomaly.describe(all_anomalies, all_frames)), style="bold red"),
-                          soft_wrap=True)
-    table = Table(title=f"Tensors with NaN or Inf ({len(bad)} of {len(with_stats)})", box=box.SIMPLE_HEAD,
-                  title_justify="left", title_style="bold red")
-    for col in ("tensor", "shape", "dtype", "role", "producer"):
-        table.add_column(col)
-    table.add_column("nan", justify="right")
-    table.add_column("inf", justify="right")
-    for t in bad[:MAX_ROWS]:
-        assert t.stats is not None
-        _add_row(table, t.name, shape_compact(t.shape), t.dtype, t.role, t.producer or "-",
-                      str(t.stats.nan), str(t.stats.inf), style="red")
-    if len(bad) > MAX_ROWS:
-        _add_row(table, f"... {len(bad) - MAX_ROWS} more", "", "", "", "", "", "", style="dim")
-    console.print(table)
+    fault = report.headline is not None and report.skipped_step is None
+    console.print(Text(inert_lines(report.describe(all_anomalies, all_frames)), style="bold red" if fault else "yellow"),
+                  soft_wrap=True)
+    # The values the story counts, in the order they were met; intended Infs and dropped values
+    # are counted under the table, not listed in it.
+    counted = [trace.tensors[n] for n in report.nonfinite_values if n in trace.tensors]
+    if counted:
+        table = Table(title=f"Values with NaN or unintended Inf ({len(counted)} of {len(with_stats)} with stats)",
+                      box=box.SIMPLE_HEAD, title_justify="left", title_style="bold red" if fault else "yellow")
+        for col in ("tensor", "shape", "dtype", "role", "producer"):
+            table.add_column(col)
+        table.add_column("nan", justify="right")
+        table.add_column("inf", justify="right")
+        for t in counted[:MAX_ROWS]:
+            assert t.stats is not None
+            _add_row(table, t.name, shape_compact(t.shape), t.dtype, t.role, t.producer or "-",
+                     str(t.stats.nan), str(t.stats.inf), style="red" if fault else None)
+        if len(counted) > MAX_ROWS:
+            _add_row(table, f"... {len(counted) - MAX_ROWS} more", "", "", "", "", "", "", style="dim")
+        console.print(table)
+    rest = len(bad) - len(counted)
+    if rest > 0:
+        console.print(Text(f"{plural(rest, 'other value')} with NaN or Inf not listed: intended Infs (-inf masks) "
+                           "and values no later value keeps", style="dim"))
+
+
+def _render_story_of(trace: Trace, name: str, console: Console) -> None:
+    """Where a record stands in the step's NaN/Inf story, when it has a part in it."""
+    report = trace.anomalies
+    h = report.headline
+    if h is None:
+        return
+    if name in (h.producer, h.tensor):
+        console.print(Text(inert("numerics: the headline of this step — " + report.headline_text()), style="bold red"),
+                      soft_wrap=True)
+    elif name in report.nonfinite_values:
+        console.print(Text(inert(f"numerics: holds NaN/Inf reached from {h.producer} — {report.headline_text()}"),
+                           style="red"), soft_wrap=True)
 
 
 # ---- show ------------------------------------------------------------------------------------------
@@ -188,6 +233,8 @@ def render_record(trace: Trace, name: str, console: Console, *, all_frames: bool
         _show_node(trace, rec, console, all_frames)
     elif isinstance(rec, BackwardRun):
         _show_run(trace, rec, console, all_frames)
+    if isinstance(rec, Call | TensorRecord | GradNode):
+        _render_story_of(trace, rec.name, console)
 
 
 def _fields(console: Console, title: str, rows: list[tuple[str, Any]]) -> None:
@@ -358,7 +405,29 @@ def _show_node(trace: Trace, node: GradNode, console: Console, all_frames: bool)
         console.print(_tensor_table(trace, "gradients received (last run)", list(node.grads_in)))
         if node.grads_out:
             console.print(_tensor_table(trace, "gradients produced (last run)", list(node.grads_out)))
+    _print_node_calls(trace, node, console)
     _print_stack(console, node.stack, all_frames)
+
+
+def _print_node_calls(trace: Trace, node: GradNode, console: Console) -> None:
+    """The calls the node's own code made when it ran (a custom Function's ``backward()``, a hook,
+    recomputation), each with the user's line that made it."""
+    made = [c for c in trace.calls if c.parent == node.name]
+    if not made:
+        return
+    table = Table(title="calls its backward made (hooks, custom backward(), recomputation)", box=box.SIMPLE_HEAD,
+                  title_justify="left")
+    table.add_column("call", no_wrap=True)
+    table.add_column("api", no_wrap=True)
+    table.add_column("line", overflow="fold")
+    for c in made[:MAX_ROWS]:
+        line = user_frame(c.stack)
+        bad = any((t := trace.tensors.get(o)) is not None and t.stats is not None and not t.stats.finite
+                  for o in c.outputs)
+        _add_row(table, c.name, c.api, short_line(line) if line else "-", style="red" if bad else None)
+    if len(made) > MAX_ROWS:
+        _add_row(table, f"... {len(made) - MAX_ROWS} more", "", "", style="dim")
+    console.print(table)
 
 
 def _show_run(trace: Trace, run: BackwardRun, console: Console, all_frames: bool) -> None:

@@ -169,8 +169,10 @@ def to_text(trace: Trace, *, hashes: bool = True, backward: bool = True) -> str:
                 outs = ", ".join(describe_tensor(trace, g, hashes=hashes) for g in step.grads_out) or "-"
                 lines.append(f"{inert(run.name)}  {inert(step.node)}  <- {_names(step.grads_in)} -> {outs}")
     report = trace.anomalies
-    if not report.clean:  # where the NaN/Inf started, one line per phase (gradtrace summary says more)
-        lines += [inert(a.describe().splitlines()[0]) for a in (report.forward, report.backward) if a is not None]
+    if not report.clean:  # the story's headline and what it reached (gradtrace summary says more)
+        lines.append(inert(report.headline_text()))
+        if report.spread.count:
+            lines.append(inert("  " + report.spread.line()))
     if trace.status != "ok":
         err = trace.error or {}
         detail = f": {err.get('type', '')}: {err.get('message', '')}" if err else ""

@@ -157,7 +157,7 @@ def test_summary_lists_nan_and_inf_tensors():
         y = torch.log(x)  # nan, -inf, finite
         torch.sqrt(y.abs())
     out = _render(render_summary, t)
-    assert "Tensors with NaN or Inf (3 of 4)" in out
+    assert "Values with NaN or unintended Inf (3 of 4 with stats)" in out
     for name in ("log0", "abs0", "sqrt0"):  # log(-1) = nan, log(0) = -inf, and both carry on
         assert re.search(rf"^\s+{name}:out\s+\[3\]\s+float32\s+output\s+{name}\s+1\s+1\s*$", out, re.M)
     assert "tensor0:out" not in out

@@ -200,7 +200,7 @@ def api_run(*, lr: float = 0.1, init_seed: int = 0, traced_step: int = 0, build_
 
 
 # ---- parameters by the value the step read ----------------------------------------------------------------
-STEP0_LR = ("DIVERGED — forward: first at SGD0 (torch.optim.sgd.SGD.step in <root>): inputs match, outputs differ | "
+STEP0_LR = ("DIVERGED — forward: first at SGD0 (torch.optim.sgd.SGD.step in <root>, optimizer): inputs match, outputs differ | "
             "backward: equal (12 aligned) | 4 parameters differ (gradient or value after the step)")
 
 

@@ -294,7 +294,7 @@ def test_ddp_one_trace_per_rank_with_collectives(ddp_run) -> None:
         assert ddp.inputs == [f"{p}@grad" for p in params]
         assert ddp.outputs == [f"{p}@grad@v1" for p in params]
         assert (ddp.api, ddp.phase, ddp.args) == (
-            "torch.nn.parallel.DistributedDataParallel.reducer.allreduce", "forward",
+            "torch.nn.parallel.DistributedDataParallel.reducer.allreduce", "backward",
             "group=[0, 1], buckets=1, bucket_bytes=[30592], during='backward0'")
         assert ddp.stack[-1].code == "loss.backward()"
         assert t["module.head.weight@grad@v1"].md5 == results[rank]["head_grad_md5"]

@@ -85,7 +85,7 @@ def page(step: tracer.Trace) -> str:
 # ---- the embedded data is the trace ------------------------------------------------------------
 def test_embedded_json_matches_the_trace(step: tracer.Trace, page: str) -> None:
     data = embedded(page)
-    assert data["format"] == "gradtrace-html" and data["version"] == 1
+    assert data["format"] == "gradtrace-html" and data["version"] == 2
     calls = rows(data["calls"])
     assert [c["name"] for c in calls] == [c.name for c in step.calls]
     for row, c in zip(calls, step.calls):

@@ -121,7 +121,7 @@ def test_allocs_minus_frees_equal_the_live_bytes_change_on_a_training_step():
         elif e["action"] == "free":
             assert live.pop(e["addr"]) == e["bytes"]
     assert rec.attributed_fraction() == 1.0
-    assert {e["phase"] for e in rec.allocs} == {"forward", "backward"}
+    assert {e["phase"] for e in rec.allocs} == {"forward", "backward", "optimizer"}
     # AdamW's state is made inside the optimizer step, recorded as one call (AdamW0), and its
     # allocations are that call's, under the state's names.
     made = [e["tensor"] for e in rec.allocs if e["owner"] == "AdamW0"]
@@ -208,7 +208,7 @@ def test_save_load_csv_table_and_cli(tmp_trace, tmp_path, capsys, monkeypatch):
     assert planted["line"] == f"test_memory.py:{Planter.forward.__code__.co_firstlineno + 1}"
 
     text = str(rec.table())
-    for needle in ("Top allocators by bytes", "Per module", "Forward vs backward", "Peak on cpu", "zeros0:out"):
+    for needle in ("Top allocators by bytes", "Per module", "By phase", "Peak on cpu", "zeros0:out"):
         assert needle in text
 
     csv2 = os.fspath(tmp_path / "cli.csv")

@@ -77,7 +77,8 @@ def test_an_inf_that_turns_into_nan_is_the_headline() -> None:
     assert report.forward.stack[-1].line == _line_of(step, "the fault")
     nan = report.forward_nan
     assert nan is not None and not nan.origin and nan.bad_inputs  # propagated from the Inf
-    assert str(report).startswith("first Inf in forward: div0:out")
+    assert str(report).startswith("Inf made by div0 (Tensor.div) in forward, module <root> — test_numerics_truth.py:")
+    assert report.headline is report.forward_inf
     assert report.anomalies()[0] is report.forward_inf
 
 
@@ -224,7 +225,7 @@ def test_values_that_no_later_value_keeps_are_not_anomalies() -> None:
         t5(input_ids=ids, labels=ids).loss.backward()
     report = t.anomalies
     assert report.clean and report.dropped >= 3  # log, div, mul of each attention's buckets
-    assert str(report).startswith(f"numerics: no NaN or Inf kept among {report.checked} checked tensors")
+    assert str(report).startswith(f"numerics: no NaN or unintended Inf kept among {report.checked} checked tensors")
     assert "that no later value keeps: cast to integers, selected away or masked by a softmax" in str(report)
     assert report.to_json()["dropped"] == report.dropped
 

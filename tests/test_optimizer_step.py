@@ -37,7 +37,7 @@ def test_first_step_is_one_call_that_names_the_state_after_the_parameters() -> N
     assert [(c.name, c.api) for c in steps] == [("AdamW0", "torch.optim.adamw.AdamW.step")]
     call = steps[0]
     assert not any(c.api.startswith("torch._foreach") for c in t.calls)  # the ops inside are not calls
-    assert call.stack[-1].line == _step_line() and call.phase == "forward"
+    assert call.stack[-1].line == _step_line() and call.phase == "optimizer"
     # Inputs: each parameter and the gradient on it (no state exists before the first step).
     assert call.inputs == [x for n in names for x in (n, f"{n}@grad")]
     # Outputs: the new value of every parameter, then the state the step made, by parameter.

@@ -73,12 +73,13 @@ def test_records_repr_in_one_line(nan_step: tracer.Trace) -> None:
 
 def test_anomalies_repr_names_each_phase(nan_step: tracer.Trace) -> None:
     report = nan_step.anomalies
-    assert repr(report) == ("<NumericsReport forward: NaN at sqrt0:out (<root>); "
-                            "backward: NaN at sub0:out@grad (<root>); 23 checked>")
-    assert repr(report.forward_nan) == \
-        "<Anomaly first NaN in forward: sqrt0:out by sqrt0 [torch.sqrt] in <root> (origin), 1 more>"
+    headline = ("NaN made by sqrt0 (torch.sqrt) in forward, module <root> — test_reading_notebook.py:41: "
+                "loss = torch.sqrt(model(x) - 10).sum()")
+    assert repr(report) == f"<NumericsReport {headline}; 11 more; 23 checked>"
+    assert repr(report.forward_nan) == f"<Anomaly {headline}>"
     html = report._repr_html_()
-    assert "first NaN in forward" in html and "first NaN in backward" in html
+    assert "NaN in forward" in html and "origin: made here from finite inputs" in html
+    assert "then 11 more values with NaN (forward 1, backward 10)" in html
     # the user's line, linked to its file
     assert f'href="file://{Path(__file__).as_posix()}"' in html
     assert "loss = torch.sqrt(model(x) - 10).sum()" in html.replace("&#x27;", "'")
@@ -213,7 +214,7 @@ def test_notebook_outputs_hold_the_reprs(executed: Any) -> None:
     assert outputs(nb, 3)["text/plain"].startswith("<TensorRecord sqrt0:out f32[2,2] cpu output of sqrt0")
     assert outputs(nb, 4)["text/plain"] == "<GradNode linear1/AddmmBackward0 of linear1 -> 3 edges>"
     assert outputs(nb, 5)["text/plain"].startswith("<BackwardRun backward0 Tensor.backward from sum0:out")
-    assert outputs(nb, 6)["text/plain"].startswith("<NumericsReport forward: NaN at sqrt0:out")
+    assert outputs(nb, 6)["text/plain"].startswith("<NumericsReport NaN made by sqrt0 (torch.sqrt) in forward")
     assert outputs(nb, 7)["text/plain"].startswith("<DiffResult A vs B: EQUAL")
     for i in range(1, len(CELLS)):
         html = outputs(nb, i)["text/html"]

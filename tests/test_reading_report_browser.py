@@ -216,9 +216,8 @@ def test_nan_only_in_backward_badges_only_grad_nodes(opened: Any) -> None:
     page.click("#gt-foldall")   # folded: the module's backward box is red, its forward box is not
     assert drawn_bad(o, "f") == []
     assert set(drawn_bad(o, "b")) == {"m:act", "pow0/PowBackward0", "sum0/SumBackward1", "sqrt0/SqrtBackward0"}
-    # the buttons: nothing to find forward; backward finds the first bad node in the order it ran
-    fwd, bwd = page.locator("#gt-nan-fwd"), page.locator("#gt-nan-bwd")
-    assert fwd.is_disabled() and fwd.get_attribute("title") == "No NaN or unintended Inf in forward."
+    # the button finds the story's headline: the first bad node in the order backward ran them
+    bwd = page.locator("#gt-nan-first")
     assert bwd.is_enabled()
     # backward ran sum, sqrt (Inf: 1/sqrt(0)), then pow (Inf × 0 = NaN): the Inf came first, and
     # the NaN pow made from it is carried on from there
@@ -230,8 +229,13 @@ def test_nan_only_in_backward_badges_only_grad_nodes(opened: Any) -> None:
     bad_grad = t.anomalies.backward.tensor
     rec = t.tensors[bad_grad]
     assert t.anomalies.backward.kind == "inf" and rec.stats.inf and not rec.stats.nan
-    assert bwd.get_attribute("title") == (f"Select {first}: the first Inf in backward, {bad_grad} "
-                                          f"(0 NaN, {rec.stats.inf} Inf), made there.")
+    assert t.anomalies.headline is t.anomalies.backward
+    assert bwd.inner_text() == "first Inf"
+    assert bwd.get_attribute("title") == f"Select {first}: {t.anomalies.headline_text()}"
+    # an Inf-only box is badged Inf, the NaN pow made from it NaN
+    assert page.locator(f'#gt-vp [data-name="{first}"] .badtag').text_content() == "Inf"
+    assert page.locator('#gt-vp [data-name="pow0/PowBackward0"] .badtag').text_content() == "NaN"
+    assert page.locator("#gt-story .story-head").text_content() == t.anomalies.headline_text()
     bwd.click()
     assert o.details_title() == first
     assert "sel" in page.get_attribute(f'#gt-vp [data-name="{first}"]', "class").split()
@@ -246,9 +250,9 @@ def test_nan_in_forward_badges_only_calls(opened: Any) -> None:
     o = opened(t, "fwdnan.html")
     page = o.page
     assert set(drawn_bad(o, "f")) == {"log0", "sum0"} and drawn_bad(o, "b") == []
-    bwd, fwd = page.locator("#gt-nan-bwd"), page.locator("#gt-nan-fwd")
-    assert bwd.is_disabled() and bwd.get_attribute("title") == "No NaN or unintended Inf in backward."
-    assert fwd.get_attribute("data-target") == "log0" == t.anomalies.forward.producer
+    fwd = page.locator("#gt-nan-first")
+    assert fwd.inner_text() == "first NaN"
+    assert fwd.get_attribute("data-target") == "log0" == t.anomalies.headline.producer
     page.click("#gt-foldall")
     fwd.click()                                               # unfolds what hides it and selects it
     assert o.details_title() == "log0"
@@ -262,13 +266,12 @@ def test_a_nan_from_an_unchecked_optimizer_state_says_so_on_the_button(opened: A
     from tests.test_numerics import _nan_state_step
 
     t = _nan_state_step()
-    assert t.anomalies.forward.state_unchecked
+    assert t.anomalies.headline.state_unchecked and t.anomalies.headline.phase == "optimizer"
     o = opened(t, "state.html")
-    fwd = o.page.locator("#gt-nan-fwd")
+    fwd = o.page.locator("#gt-nan-first")
     assert fwd.get_attribute("data-target") == "AdamW0"
-    assert fwd.get_attribute("title") == (
-        "Select AdamW0: the first NaN in forward, 0.weight@v1 (1 NaN, 0 Inf), made there "
-        "(the optimizer's state was not checked: it may come from there).")
+    assert fwd.get_attribute("title") == f"Select AdamW0: {t.anomalies.headline_text()}"
+    assert "the optimizer's state was not checked" in t.anomalies.describe()
     assert o.errors == []
 
 
@@ -285,7 +288,7 @@ def test_memory_tab_shows_the_tables_of_gradtrace_memory(opened: Any, tmp_path: 
     tables = page.locator("#gt-memory-tables table")
     captions = page.locator("#gt-memory-tables caption").all_inner_texts()
     owners = {e["owner"] for e in t.memory if e["action"] in ("alloc", "free")}
-    assert captions[:3] == [f"Top allocators by bytes (of {len(owners)})", "Per module", "Forward vs backward"]
+    assert captions[:3] == [f"Top allocators by bytes (of {len(owners)})", "Per module", "By phase"]
     peak = max((e for e in t.memory if e["action"] in ("alloc", "free")), key=lambda e: e["allocated_after"])
     assert captions[3].startswith(f"Peak on cpu: {format_bytes(peak['allocated_after'])} allocated at event #{peak['seq']}")
     assert len(captions) == 4 and tables.count() == 4
@@ -422,7 +425,12 @@ def test_a_grad_scaler_overflow_has_its_banner(opened: Any) -> None:
     t, _, _, _ = _scaled_step(2.0 ** 127)
     o = opened(t, "scaler.html")
     banners = o.page.inner_text("#gt-banners")
-    assert ("GradScaler found NaN/Inf in the gradients at _amp_foreach_non_finite_check_and_unscale_0 and skipped "
-            "the optimizer step (loss scale 1.701e+38 -> 8.507e+37)") in banners
-    assert banners.index("NaN or Inf (red in the graph)") < banners.index("GradScaler found")
+    # the story is a skipped step, not a fault: an amber banner leads with it
+    head = o.page.locator("#gt-story")
+    assert "warn" in head.get_attribute("class").split()
+    assert o.page.text_content("#gt-story .story-head") == t.anomalies.headline_text() == (
+        "GradScaler skipped the optimizer step: the scaled gradients overflowed, found at "
+        "_amp_foreach_non_finite_check_and_unscale_0 (loss scale 1.701e+38 -> 8.507e+37). Not a bug: the scaler "
+        "lowers the scale and goes on")
+    assert banners.startswith("GradScaler skipped the optimizer step")
     assert o.errors == []

@@ -425,7 +425,8 @@ def test_the_causal_mask_inf_is_intended_and_the_real_nan_is_reported():
     nan = report.forward_nan
     assert (nan.producer, nan.producer_kind, nan.origin) == ("log0", "torch.log", True)
     assert nan.stack[-1].line == _line("nan-line")
-    assert str(report).startswith("first NaN in forward: log0:out")
+    assert str(report).startswith("NaN made by log0 (torch.log) in forward, module <root> — test_recipes.py:")
+    assert "1 value with an intended Inf (-inf masks), not a fault" in str(report)  # counted, never the headline
 
     with warnings.catch_warnings(record=True), tracer.check_numerics() as clean:
         CausalLM(poison=False)(x).backward()

@@ -293,7 +293,7 @@ def test_every_command_says_which_steps_a_file_holds_and_their_status(tmp_path, 
     assert "step 2: ok, " in out and "NaN/Inf in" in out.split("step 2: ok")[1].splitlines()[0]
     assert "step 3: truncated, " in out and "No NaN or Inf in the" in out and "of step 0." in out
     rc, out, err = _cli(capsys, "summary", path, "--step", "2")
-    assert rc == 0 and "No NaN or Inf" not in out and "Tensors with NaN or Inf" in out
+    assert rc == 0 and "No NaN or Inf" not in out and "Values with NaN or unintended Inf" in out
     rc, out, err = _cli(capsys, "summary", path, "--step", "3")
     assert rc == 0 and "truncated" in out.split("status")[1].splitlines()[0]
     for command in ("md5", "dot", "show"):

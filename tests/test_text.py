@@ -191,5 +191,6 @@ def test_a_trace_with_a_nan_says_where_it_started():
         "backward0  log0/LogBackward0  <- log0:out@grad -> sub0:out@grad f32[3] -",
         "backward0  sub0/SubBackward0  <- sub0:out@grad -> input0@grad f32[3] -, -",
         "backward0  input0/AccumulateGrad  <- input0@grad -> -",
-        "first NaN in forward: log0:out (3 NaN, 0 Inf) made by log0 [torch.log] in module <root> — origin",
+        "NaN made by log0 (torch.log) in forward, module <root> — test_text.py:184: torch.log(x - 10).sum().backward()",
+        "  then 1 more value with NaN, in <root> (forward)",
     ]

@@ -68,7 +68,7 @@ def test_gpt2_nan_at_step_37_raises_naming_the_op_and_line_and_keeps_the_good_st
     a = err.anomaly
     assert (a.phase, a.kind, a.producer, a.producer_kind, a.origin) == ("forward", "nan", "div0", "Tensor.div", True)
     assert (a.stack[-1].file, a.stack[-1].line) == (MODELS, line_of("BUG: no guard"))
-    assert f'line {line_of("BUG: no guard")}' in str(err) and "div0 [Tensor.div]" in str(err)
+    assert f'line {line_of("BUG: no guard")}' in str(err) and "NaN made by div0 (Tensor.div) in forward" in str(err)
     # raise puts back the state from before the bad step
     assert checksum(model, opt) == before
     incident = err.incident
@@ -141,12 +141,14 @@ def test_custom_attention_nan_in_backward_with_lag_1_undoes_the_next_step_too(tm
     assert incident.original["loss"] is not None and math.isfinite(incident.original["loss"])
     assert "the gradient norm is NaN" in incident.reason
     t = tracer.load(incident.path)
-    # In forward, NaN only reaches the parameters through the optimizer step (not an origin) ...
-    f = t.anomalies.forward
-    assert (f.producer, f.origin, f.tensor) == ("Adam0", False, "emb.weight@v1")
+    # Forward is clean; NaN only reaches the parameters through the optimizer step (not an origin) ...
+    assert t.anomalies.forward is None
+    f = t.anomalies.optimizer
+    assert (f.producer, f.origin, f.tensor, f.phase) == ("Adam0", False, "emb.weight@v1", "optimizer")
     # ... made by the innermost op of the hand-written backward, on its exact line.
     b = t.anomalies.backward
     assert incident.anomaly is not None and incident.anomaly.producer == b.producer
+    assert t.anomalies.headline.producer == b.producer  # the story's headline: the origin, earlier in time
     assert (b.kind, b.producer_kind, b.origin) == ("nan", "Tensor.div", True)
     assert b.node is not None and "AttentionNaNBackward" in b.node
     assert (b.stack[-1].file, b.stack[-1].line) == (MODELS, line_of("BUG-BACKWARD"))

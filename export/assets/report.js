@@ -35,17 +35,32 @@
     });
   });
 
-  function isBadTensor(name) {
+  // The numerics report's story (tracer.analysis.numerics, in the payload) decides what is red:
+  // the values holding a NaN or an unintended Inf it counts. An intended Inf (a -inf mask) and a
+  // value no later value keeps are marked too, in grey, never as a fault.
+  const NUM = S.numerics || {};
+  const counted = new Set(NUM.values || []);
+  function isBadTensor(name) { return !!name && counted.has(name); }
+  // 'nan', 'inf' (counted: red), 'mask' (an Inf that is not a fault), or '' (finite, or no stats)
+  function tensorMark(name) {
     const t = name && tensors.get(name);
-    return !!(t && t.stats && (t.stats[4] > 0 || t.stats[5] > 0));
+    if (!t || !t.stats || !(t.stats[4] > 0 || t.stats[5] > 0)) return '';
+    if (counted.has(name)) return t.stats[4] > 0 ? 'nan' : 'inf';
+    return 'mask';
   }
-  // A NaN badge goes on the side where the value was non-finite: on a call when one of its
-  // outputs was, on a grad node when a gradient it received or produced was.
-  calls.forEach(function (c) { c.bad = c.outputs.some(isBadTensor); });
-  nodes.forEach(function (n) { n.bad = n.grads_out.some(isBadTensor) || n.grads_in.some(isBadTensor); });
+  const MARK_RANK = { '': 0, mask: 1, inf: 2, nan: 3 };
+  function worstMark(names) {
+    let m = '';
+    names.forEach(function (x) { const k = tensorMark(x); if (MARK_RANK[k] > MARK_RANK[m]) m = k; });
+    return m;
+  }
+  // A badge goes on the side where the value was non-finite: on a call when one of its outputs
+  // was, on a grad node when a gradient it received or produced was.
+  calls.forEach(function (c) { c.mark = worstMark(c.outputs); c.bad = c.mark === 'nan' || c.mark === 'inf'; });
+  nodes.forEach(function (n) { n.mark = worstMark(n.grads_out.concat(n.grads_in)); n.bad = n.mark === 'nan' || n.mark === 'inf'; });
 
   // group tree: children, ancestor chains, first item (for ordering), bad counts per side
-  groups.forEach(function (g, i) { g.idx = i; g.kids = []; g.calls = []; g.nodes = []; g.first = Infinity; g.badF = 0; g.badB = 0; });
+  groups.forEach(function (g, i) { g.idx = i; g.kids = []; g.calls = []; g.nodes = []; g.first = Infinity; g.badF = 0; g.badB = 0; g.nanF = false; g.nanB = false; });
   groups.forEach(function (g) { if (g.parent !== null) groups[g.parent].kids.push(g.idx); });
   const anc = groups.map(function (g) {
     const chain = [];
@@ -58,14 +73,17 @@
     anc[c.group].forEach(function (a) {
       if (groups[a].first > c.idx) groups[a].first = c.idx;
       // a call made while backward ran (a custom Function's backward) computed a backward value
-      if (c.bad) { if (c.phase === 'forward') groups[a].badF++; else groups[a].badB++; }
+      if (c.bad) {
+        if (c.phase === 'backward') { groups[a].badB++; groups[a].nanB = groups[a].nanB || c.mark === 'nan'; }
+        else { groups[a].badF++; groups[a].nanF = groups[a].nanF || c.mark === 'nan'; }
+      }
     });
   });
   nodes.forEach(function (n) {
     groups[n.group].nodes.push(n.idx);
     anc[n.group].forEach(function (a) {
       if (groups[a].first === Infinity) groups[a].first = calls.length + n.idx;
-      if (n.bad) groups[a].badB++;
+      if (n.bad) { groups[a].badB++; groups[a].nanB = groups[a].nanB || n.mark === 'nan'; }
     });
   });
   groups.forEach(function (g) { g.kids.sort(function (a, b) { return groups[a].first - groups[b].first; }); });
@@ -107,13 +125,22 @@
     return ['▸ ' + groupTitle(g), g.kind === 'function' ? count + ' inside' : count];
   }
   function groupBad(g, side) { return side === 'f' ? g.badF : g.badB; }
+  // The badge of a box: NaN / Inf (red, counted by the story), mask (grey: not a fault)
+  function itemMark(key, side) {
+    const i = +key.slice(1);
+    if (key[0] === 'c') return calls[i].mark;
+    if (key[0] === 'n') return nodes[i].mark;
+    const g = groups[i];
+    return groupBad(g, side) > 0 ? ((side === 'f' ? g.nanF : g.nanB) ? 'nan' : 'inf') : '';
+  }
+  const MARK_TEXT = { nan: 'NaN', inf: 'Inf', mask: 'mask' };
   function isBadKey(key, side) {
     const i = +key.slice(1);
     return key[0] === 'c' ? calls[i].bad : key[0] === 'n' ? nodes[i].bad : groupBad(groups[i], side) > 0;
   }
   function itemSize(key, side) {
     const l = itemLabel(key, side);
-    const n = Math.max(clip(l[0], 40).length + (isBadKey(key, side) ? 5 : 0), clip(l[1], 40).length);
+    const n = Math.max(clip(l[0], 40).length + (itemMark(key, side) ? 5 : 0), clip(l[1], 40).length);
     return { w: Math.max(64, Math.ceil(n * CH) + 2 * PADX), h: key[0] === 'g' ? NODE_H + 4 : NODE_H };
   }
 
@@ -419,7 +446,8 @@
     const l = itemLabel(k, s);
     text(g, PADX, 14, clip(l[0], 40), 'l1');
     text(g, PADX, 27, clip(l[1], 40), 'l2');
-    if (bad) text(g, r.w - 30, 13, 'NaN', 'badtag');
+    const mark = itemMark(k, s);
+    if (mark) text(g, r.w - 30, 13, MARK_TEXT[mark], mark === 'mask' ? 'masktag' : 'badtag').setAttribute('data-mark', mark);
     const tip = S_('title', {}, g);
     tip.textContent = tooltip(k);
   }
@@ -822,7 +850,7 @@
     names.forEach(function (name, slot) {
       if (name === null) { box.append(el('div', { class: 'tcard none', text: what + ' [' + slot + ']: none' })); return; }
       const t = tensors.get(name);
-      const card = el('div', { class: 'tcard' + (isBadTensor(name) ? ' bad' : ''), 'data-tensor': name });
+      const card = el('div', { class: 'tcard' + (isBadTensor(name) ? ' bad' : tensorMark(name) === 'mask' ? ' mask' : ''), 'data-tensor': name });
       const top = el('div', { class: 'trow' }, names.length > 1 ? el('span', { class: 'slot', text: '[' + slot + ']' }) : null, linkTo(name));
       if (!t) { top.append(el('span', { class: 'meta', text: 'not recorded' })); card.append(top); box.append(card); return; }
       top.append(el('span', { class: 'meta', text: shapeText(t.shape) + ' · ' + t.dtype + ' · ' + t.device + (t.role !== 'output' ? ' · ' + t.role : '') }));
@@ -831,7 +859,7 @@
       if (t.stats) {
         const s = t.stats;
         const line = el('div', { class: 'stats', text: 'min ' + fmt(s[0]) + '   max ' + fmt(s[1]) + '   mean ' + fmt(s[2]) + '   |max| ' + fmt(s[3]) });
-        if (s[4] || s[5]) line.append(' ', el('span', { class: 'badge bad', text: (s[4] ? s[4] + ' NaN' : '') + (s[4] && s[5] ? ', ' : '') + (s[5] ? s[5] + ' Inf' : '') }));
+        if (s[4] || s[5]) line.append(' ', el('span', { class: 'badge ' + (isBadTensor(name) ? 'bad' : 'mask'), text: (s[4] ? s[4] + ' NaN' : '') + (s[4] && s[5] ? ', ' : '') + (s[5] ? s[5] + ' Inf' : '') + (isBadTensor(name) ? '' : ' (not a fault)') }));
         card.append(line);
       }
       box.append(card);
@@ -910,7 +938,8 @@
     if (x.type === 'call') {
       const c = calls[x.idx];
       P.append(el('div', null, el('span', { class: 'badge call', text: 'call' }), el('span', { class: 'badge', text: c.kind }),
-        c.phase !== 'forward' ? el('span', { class: 'badge', text: 'during backward' }) : null, c.bad ? el('span', { class: 'badge bad', text: 'NaN/Inf' }) : null));
+        c.phase !== 'forward' ? el('span', { class: 'badge', text: c.phase === 'backward' ? 'during backward' : c.phase + ' phase' }) : null,
+        c.bad ? el('span', { class: 'badge bad', text: MARK_TEXT[c.mark] }) : c.mark ? el('span', { class: 'badge mask', text: 'intended Inf' }) : null));
       P.append(el('h2', { text: c.name }));
       const gl = el('div', { class: 'links' });
       c.grad_nodes.forEach(function (n) {
@@ -927,7 +956,7 @@
       const n = nodes[x.idx];
       const c = n.call ? callByName.get(n.call) : null;
       P.append(el('div', null, el('span', { class: 'badge node', text: 'grad node' }), n.external ? el('span', { class: 'badge', text: 'external' }) : null,
-        n.bad ? el('span', { class: 'badge bad', text: 'NaN/Inf' }) : null));
+        n.bad ? el('span', { class: 'badge bad', text: MARK_TEXT[n.mark] }) : null));
       P.append(el('h2', { text: n.name }));
       const nx = el('div');
       n.next.forEach(function (m, j) { nx.append(el('div', null, '[' + j + '] ', m ? linkTo(m) : 'no edge')); });
@@ -1278,13 +1307,18 @@
       if (S.error && S.error.last_call && callByName.has(S.error.last_call)) b.append(' · last call recorded: ', linkTo(S.error.last_call));
       banners.append(b);
     }
-    if (S.nonfinite_count) {
-      const b = el('div', { class: 'banner bad' }, S.nonfinite_count + (S.nonfinite_count === 1 ? ' tensor holds' : ' tensors hold') + ' NaN or Inf (red in the graph). First: ');
-      const first = tensors.get(S.nonfinite[0]);
-      b.append(first && first.producer ? linkTo(first.producer, S.nonfinite[0] + ' ← ' + first.producer) : linkTo(S.nonfinite[0]));
+    // The NaN/Inf story in the words of every other surface: its headline (red for a fault, amber
+    // for a step GradScaler skipped), what it reached, and what is not a fault (grey).
+    if (NUM.headline_text) {
+      const fault = !!NUM.headline && !NUM.skipped;
+      const b = el('div', { class: 'banner ' + (fault ? 'bad' : NUM.headline ? 'warn' : 'info'), id: 'gt-story' }, el('span', { class: 'story-head', text: NUM.headline_text }));
+      const target = anomalyTarget(NUM.headline);
+      if (target) b.append(' · ', linkTo(target.name, 'show ' + target.name));
+      if (NUM.spread) b.append(el('div', { class: 'story-spread', text: NUM.spread }));
       banners.append(b);
     }
-    (S.scaler_overflows || []).forEach(function (n) { banners.append(el('div', { class: 'banner info', text: n })); });
+    (NUM.notes || []).forEach(function (n) { banners.append(el('div', { class: 'banner info', text: n })); });
+    (NUM.scaler || []).forEach(function (n) { banners.append(el('div', { class: 'banner info', text: n })); });
     if (D.omitted) banners.append(el('div', { class: 'banner warn', text: D.omitted.message }));
     (S.notes || []).forEach(function (n) { banners.append(el('div', { class: 'banner info', text: n })); });
     const sel = document.getElementById('gt-module');
@@ -1295,29 +1329,25 @@
     });
     sel.addEventListener('change', function () { setRoot(+sel.value); });
   }
-  // The first NaN (else unintended Inf) of forward and of backward, as `gradtrace summary` finds
-  // them (tracer.analysis.numerics, in the payload): forward calls in execution order; grad nodes
-  // in the order backward ran them, the ops of a custom backward() before the gradients it made.
-  // An intended -inf (an attention mask) is not one.
+  // The story's headline (tracer.analysis.numerics, in the payload): the first value made NaN or
+  // unintendedly Inf (or that arrived so) in execution order across forward, backward and the
+  // optimizer phase; an intended -inf (an attention mask) never is.
   function anomalyTarget(a) {
     if (!a) return null;
     if (callByName.has(a.producer)) return { type: 'call', idx: callByName.get(a.producer).idx, name: a.producer };
     if (nodeByName.has(a.producer)) return { type: 'node', idx: nodeByName.get(a.producer).idx, name: a.producer };
     return null;   // cut from this page by its size budget
   }
-  function nanButton(id, phase) {
-    const a = (S.anomalies || {})[phase] || null, target = anomalyTarget(a);
+  function nanButton(id) {
+    const a = NUM.headline || null, target = anomalyTarget(a);
     const b = document.getElementById(id);
+    b.textContent = a ? 'first ' + (a.kind === 'nan' ? 'NaN' : 'Inf') : 'no NaN';
     b.disabled = !target;
     if (!target) {
-      b.title = a ? 'The first ' + (a.kind === 'nan' ? 'NaN' : 'Inf') + ' in ' + phase + ' (' + a.producer + ') is not on this page.'
-        : 'No NaN or unintended Inf in ' + phase + '.';
+      b.title = a ? NUM.headline_text + ' (' + a.producer + ' is not on this page)' : 'No NaN or unintended Inf in this step.';
       return;
     }
-    b.title = 'Select ' + target.name + ': the first ' + (a.kind === 'nan' ? 'NaN' : 'Inf') + ' in ' + phase + ', ' + a.tensor +
-      ' (' + a.nan + ' NaN, ' + a.inf + ' Inf), ' + (a.origin ? 'made there' : 'carried in from its inputs') +
-      (a.from_forward ? ' (its forward call had already seen NaN/Inf)' : '') +
-      (a.state_unchecked ? " (the optimizer's state was not checked: it may come from there)" : '') + '.';
+    b.title = 'Select ' + target.name + ': ' + NUM.headline_text;
     b.setAttribute('data-target', target.name);
     b.addEventListener('click', function () {
       if (st.tab !== 'graph') setTab('graph');
@@ -1336,8 +1366,7 @@
     document.getElementById('gt-foldall').addEventListener('click', function () { resetOpen(openToDepth(1)); render(); fit(); });
     document.getElementById('gt-initial').addEventListener('click', function () { resetOpen(D.open); render(); fit(); });
     document.getElementById('gt-fit').addEventListener('click', function () { fit(); });
-    nanButton('gt-nan-fwd', 'forward');
-    nanButton('gt-nan-bwd', 'backward');
+    nanButton('gt-nan-first');
     document.getElementById('gt-zin').addEventListener('click', function () { const r = svg.getBoundingClientRect(); zoomAt(r.width / 2, r.height / 2, 1.25); });
     document.getElementById('gt-zout').addEventListener('click', function () { const r = svg.getBoundingClientRect(); zoomAt(r.width / 2, r.height / 2, 0.8); });
   }

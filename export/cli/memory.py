@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import argparse
 
+from rich.text import Text
+
 from export.cli.command import Command
 from export.cli.console import make_console
 from export.cli.outputs import check_output
 from export.cli.traces import add_trace_options, load_for
 from export.errors import UserError
+from export.text import inert
 from tracer.analysis.memory import MemoryRecord
 from tracer.analysis.memory_views import PlotUnavailable, plot_record, record_tables, write_csv
 
@@ -44,7 +47,12 @@ def _cmd_memory(args: argparse.Namespace) -> int:
                         "or tracer.record_memory()")
     if args.device is not None and args.device not in rec.devices():
         raise UserError(f"no memory events on {args.device!r}; devices: {', '.join(rec.devices()) or 'none'}")
-    make_console().print(record_tables(rec, top=args.top))
+    console = make_console()
+    story = trace.anomalies
+    if story.headline is not None:  # the step's NaN/Inf story first, in the words of every surface
+        console.print(Text(inert(story.headline_text()), style="red" if story.skipped_step is None else "yellow"),
+                      soft_wrap=True)
+    console.print(record_tables(rec, top=args.top))
     if args.csv:
         write_csv(rec, args.csv)
         print(f"wrote {args.csv}")

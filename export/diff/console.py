@@ -40,9 +40,8 @@ def render_diff(result: DiffResult, console: Console, *, all_frames: bool = Fals
         console.print(_tx(f"note: {n}", "dim"))
     console.print(_tx(f"A: {result.a_label}   B: {result.b_label}", "dim"))
     for side, report in result.numerics().items():
-        for anomaly in report.anomalies():
-            if anomaly is not None:
-                console.print(_tx(f"{side}: {anomaly.describe()}", "red"))
+        if report.headline is not None:  # each side's NaN/Inf story, in the words of every surface
+            console.print(_tx(f"{side}: {report.headline_text()}", "red" if report.skipped_step is None else "yellow"))
     _summary_table(result, console)
     for d in (result.forward, result.backward):
         if d.origin is not None:

@@ -5,9 +5,10 @@ the page as ``<script type="application/json" id="gt-data">`` and tests read it 
 is part of the report's contract (``PAYLOAD_VERSION``):
 
 ``summary``   model class, devices, counts, parameter count, settings, status, notes, and
-              ``anomalies``: the first NaN or unintended Inf made, of forward and of backward
-              (``tracer.analysis.numerics``: what ``gradtrace summary`` reports), or null;
-              ``scaler_overflows``: the text of each GradScaler step that found NaN/Inf
+              ``numerics``: the NaN/Inf story (``tracer.analysis.numerics``, what every surface
+              says): ``headline_text``, ``headline`` (what "first NaN" selects, or null),
+              ``skipped`` (a step GradScaler skipped), ``spread``, ``notes`` (intended Infs,
+              dropped values), ``scaler`` and ``values`` (the values drawn red)
 ``frames``    ``[file, line, function, code, class]`` rows (class: ``tracer.model.frames.frame_class``); ``stacks`` lists frame indices, outermost first
 ``tensors``/``calls``/``nodes``/``groups``   ``{"fields": [...], "rows": [[...], ...]}`` tables
 ``runs``      backward runs: name, api, roots, stack, order (node names), outputs, status, error
@@ -32,13 +33,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from export.views import first_params, module_label, nonfinite, parent_path, prefixes
-from tracer.analysis.numerics import Anomaly, find_anomalies
+from tracer.analysis.numerics import Anomaly, NumericsReport
 from tracer.model import Call, GradNode, Stats, TensorRecord, Trace
 from tracer.model.display import clip, json_number, param_module
 from tracer.model.frames import frame_class
 from tracer.model.names import base_name, gradient_of
 
-PAYLOAD_VERSION = 1
+PAYLOAD_VERSION = 2
 
 # Folding: the page opens with every module group above this depth expanded, as deep as keeps
 # the number of drawn boxes (forward + backward) within this many.
@@ -425,7 +426,7 @@ def _summary(trace: Trace) -> dict[str, Any]:
     params = first_params(trace)
     devices = sorted({t.device for t in trace.tensors.values()})
     nonfinite_names = [t.name for t in nonfinite(trace)]
-    report = find_anomalies(trace)
+    report = trace.anomalies
     return {
         "model": trace.modules.get("", ""),
         "devices": devices,
@@ -443,18 +444,31 @@ def _summary(trace: Trace) -> dict[str, Any]:
         "status": trace.status,
         "error": trace.error,
         "notes": list(trace.notes),
-        "anomalies": {phase: _anomaly(a) for phase, a in (("forward", report.forward), ("backward", report.backward))},
-        # GradScaler steps that found NaN/Inf and skipped the optimizer step: a banner each.
-        "scaler_overflows": [o.describe() for o in report.scaler_overflows],
+        "numerics": _numerics(report),
     }
 
 
+def _numerics(report: NumericsReport) -> dict[str, Any]:
+    """The numerics report's story as the page shows it: the banner (headline, spread, notes),
+    the "first NaN" button's target, and which values are red (``values``: the NaN and unintended
+    Infs the story counts; every other non-finite value is an intended Inf or dropped: grey)."""
+    skipped = report.skipped_step
+    return {"headline_text": report.headline_text() if report.checked else "",
+            "headline": _anomaly(report.headline),
+            "skipped": None if skipped is None else skipped.headline(),
+            "spread": report.spread.line() if report.spread.count else "",
+            "notes": report.notes(),
+            "scaler": [o.describe() for o in report.scaler_overflows],
+            "values": report.nonfinite_values}
+
+
 def _anomaly(a: Anomaly | None) -> dict[str, Any] | None:
-    """What the page's "first forward/backward NaN" buttons select and say."""
+    """What the page's "first NaN" button selects and says."""
     if a is None:
         return None
     return {"kind": a.kind, "tensor": a.tensor, "producer": a.producer, "node": a.node, "origin": a.origin,
-            "nan": a.nan, "inf": a.inf, "from_forward": a.from_forward, "state_unchecked": a.state_unchecked}
+            "arrived": a.arrived, "phase": a.phase, "nan": a.nan, "inf": a.inf, "from_forward": a.from_forward,
+            "state_unchecked": a.state_unchecked}
 
 
 def build_payload(trace: Trace) -> dict[str, Any]:

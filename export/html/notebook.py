@@ -1,4 +1,4 @@
-"""The notebook view of a trace (``Trace._repr_html_``): a summary line, the first NaN, the first
+"""The notebook view of a trace (``Trace._repr_html_``): a summary line, the NaN/Inf story, the first
 calls, and how to open the full report, in at most ``NOTEBOOK_MAX_BYTES`` of HTML with no script.
 
 The interactive report is a page of its own (≈160 kB even for a 7-call model: its script and
@@ -41,7 +41,7 @@ def _how_to_open(trace: Trace) -> str:
 
 
 def notebook_html(trace: Trace, *, top: int = 12, max_bytes: int = NOTEBOOK_MAX_BYTES) -> str:
-    """What ``Trace._repr_html_`` shows: a summary line, the first NaN/Inf, the first ``top``
+    """What ``Trace._repr_html_`` shows: a summary line, the NaN/Inf story, the first ``top``
     calls and how to open the full report; never more than ``max_bytes`` of UTF-8 (rows that would
     pass it are left out and counted)."""
     model = trace.modules.get("", "") or "trace"
@@ -56,8 +56,15 @@ def notebook_html(trace: Trace, *, top: int = 12, max_bytes: int = NOTEBOOK_MAX_
     head = ['<div class="gradtrace-summary" style="font-family:sans-serif;font-size:13px">',
             f"<div><b>gradtrace · {esc(model)}</b> — {' · '.join(facts)}</div>"]
     if nonfinite_names:
-        head.append(f'<div style="color:#d1242f">{plural(len(nonfinite_names), "tensor")} with NaN/Inf, first '
-                    f"<code>{esc(nonfinite_names[0])}</code>: <code>t.anomalies</code> says where</div>")
+        # The numerics report's story, its words (an intended -inf mask is never the headline).
+        report = trace.anomalies
+        color = "#9a6700" if report.clean or report.skipped_step is not None else "#d1242f"
+        lines = [report.headline_text()]
+        if report.spread.count:
+            lines.append(report.spread.line())
+        lines += report.notes()
+        head.append(f'<div style="color:{color}">' + "<br>".join(esc(line, 400) for line in lines)
+                    + " (<code>t.anomalies</code> has the story)</div>")
     if trace.status != "ok" and trace.error:
         head.append(f'<div style="color:#d1242f">{esc(str(trace.error), 300)}</div>')
     table_head = ('<table style="font-size:12px"><tr><th>call</th><th>API</th><th>module</th><th>output</th>'

@@ -21,6 +21,7 @@ from rich.text import Text
 
 from tracer.model.display import format_bytes as _fmt_bytes
 from tracer.model.display import plural
+from tracer.model.records import PHASES
 
 if TYPE_CHECKING:
     from tracer.analysis.memory import MemoryRecord
@@ -137,12 +138,13 @@ def record_tables_data(rec: MemoryRecord, top: int = 15) -> RecordTablesData:
     tables.append(TableData("Per module", ("module", "allocs", "allocated", "frees", "freed"), rows, _COUNTS))
 
     rows = []
-    for phase in ("forward", "backward"):
+    for phase in PHASES:  # a phase with no event is shown all the same: forward and backward always
         a = [e for e in rec.allocs if e["phase"] == phase]
         f = [e for e in rec.frees if e["phase"] == phase]
-        rows.append((phase, str(len(a)), _fmt_bytes(sum(e["bytes"] for e in a)), str(len(f)),
-                     _fmt_bytes(sum(e["bytes"] for e in f))))
-    tables.append(TableData("Forward vs backward", ("phase", "allocs", "allocated", "frees", "freed"), rows, _COUNTS))
+        if a or f or phase != "optimizer":
+            rows.append((phase, str(len(a)), _fmt_bytes(sum(e["bytes"] for e in a)), str(len(f)),
+                         _fmt_bytes(sum(e["bytes"] for e in f))))
+    tables.append(TableData("By phase", ("phase", "allocs", "allocated", "frees", "freed"), rows, _COUNTS))
 
     for dev in rec.devices()[:2]:
         peak = rec.peak_of(dev)

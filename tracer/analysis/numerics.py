@@ -1,56 +1,62 @@
-"""Finding the first NaN and the first Inf, forward and backward, from a trace's stats.
+"""The story of a step's NaN or Inf: where it was made, what it reached, and what is not a fault.
 
 Every tensor's stats carry NaN and Inf counts computed on its own device and fetched in one batch
 at the end of the block, so checking costs no synchronisation per op. The analysis here is a pure
-function of the trace data: it works on a live trace and on a loaded file alike.
+function of the trace data: it works on a live trace and on a loaded file alike, and it is the
+one place a headline is decided: ``t.anomalies``, ``NonFiniteError``, the ``NumericsWarning``,
+``gradtrace summary``/``show``, the HTML report, the notebook card, the watch and the memory and
+diff headlines all render the ``NumericsReport`` made here.
 
-NaN and Inf are hunted separately, because ``-inf`` is ordinary data in attention
-(``masked_fill(mask, -inf)``, ``where(m, x, -inf)``) while a NaN almost never is. An Inf written
-from a constant argument (an ``inf`` among the call's non-tensor arguments) is **intended**, and
-so is one that only carries intended Infs on (``carries_intended_inf``: no more of them than the
-inputs bring, and not reduced into one element); intended Infs are counted, never reported, and
-never hide a NaN. Every other Inf is reported like a NaN.
+The step is walked in execution order across its three phases (tracer.model.phases): the forward
+and optimizer calls by their place in the step, each backward run where it began, its nodes in
+the order the engine ran them (the calls a node's own code made first: the innermost op, with
+its line, is the one named). The **headline** is the first non-finite value met:
 
-The **origin** of a NaN is the first record whose outputs hold NaN while none of its inputs did:
-the op that made it (an intended Inf among its inputs is allowed: ``-inf - -inf``; an unintended
-one is where the NaN came from). The origin of an Inf is the first record whose outputs hold an
-unintended Inf while its inputs held none (an intended one beside it does not count). Of a
-phase's first NaN and first Inf, the one made first is its headline. When the inputs
-already held the bad value (they came from outside the block, or an earlier phase) the first
-record is a **propagation** and the report says so. Later records holding the same kind of bad
-value are counted as contaminated, per module.
+- an **origin** when the call or node made it from finite inputs (an intended Inf among its
+  inputs is allowed: ``-inf - -inf``; a NaN made from an unintended Inf started with that Inf);
+- an **arrival** when its inputs already held it and came from outside the step (a NaN in the
+  data batch, a parameter loaded with NaN): nothing in the step made it.
 
-Calls nest: the ops inside a custom ``autograd.Function``'s forward come before the Function
-call itself, and in backward the ops a grad node's own code ran (a custom ``backward()``) come
-before the node's outputs; so the innermost op, with its line, is the one named.
+What came after it is **propagation**: a count and a range (phases and modules), never a list.
+NaN and Inf are hunted separately, because ``-inf`` is ordinary data in attention. Which Infs are
+**intended** (counted, never a headline) and which values are **dropped** (no later value keeps
+them: counted, not reported) is decided by the named rules of ``tracer.analysis.rules``. A
+GradScaler step that found the scaled gradients overflowed makes the story "skipped step, not a
+bug" when the headline is where such an overflow shows.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-import re
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from tracer.analysis import reprs
+from tracer.analysis.rules import (
+    FLOATING_DTYPES,
+    MAX_DROP_DEPTH,
+    carries_intended_inf,
+    has_inf_constant,
+    keeps_finite_by_selection,
+)
 from tracer.model import BackwardRun, Call, Frame, GradNode, NodeRun, TensorRecord, Trace, install_view
-from tracer.model.display import all_finite, plural
-from tracer.model.frames import stack_lines
+from tracer.model.display import all_finite, clip, phase_key, plural
+from tracer.model.frames import short_line, stack_lines, user_frame
 from tracer.options import RaisedOnPurpose
 
-# An inf among a call's argument text: "-inf", "inf", "fill_value=-inf", "[0.0, inf]".
-_INF_CONSTANT = re.compile(r"(?<![\w.])-?inf(?![\w])")
 FramesOf = Callable[[int | None], tuple[Frame, ...]]
+PHASE_NAMES = ("forward", "backward", "optimizer")
+_LISTED_INPUTS = 2  # bad inputs named in a line; the rest counted ("… and 40 more")
 
 
 @dataclass
 class Anomaly:
-    """The first NaN (``kind="nan"``) or unintended Inf (``kind="inf"``) of one phase and what
-    it contaminated."""
+    """The first NaN (``kind="nan"``) or unintended Inf (``kind="inf"``) of one phase."""
 
-    phase: str  # "forward" or "backward"
+    phase: str  # "forward", "backward" or "optimizer"
     tensor: str
     producer: str  # call or grad node name
     producer_kind: str  # API name or PyTorch node class
@@ -71,31 +77,75 @@ class Anomaly:
     # An optimizer step made it from finite parameters and gradients, and its state (exp_avg...)
     # was not checked (a trace whose header says optimizer_state: false): it may come from there.
     state_unchecked: bool = False
-    # Position among the phase's non-finite records (which of the first NaN and the first Inf
-    # came first); not in the JSON, the analysis computes it again from the trace.
+    # Not made in the step: the inputs that held it came from outside the traced block (data, a
+    # parameter that held it already).
+    arrived: bool = False
+    # Gradient accumulation: which micro-batch (1-based) of ``micro_batches`` it was met in (None
+    # when the step ran one backward, and in the optimizer phase).
+    micro_batch: int | None = None
+    micro_batches: int = 1
+    # Position in the step's execution order among the non-finite values (1: the first met); not
+    # in the JSON, the analysis computes it again from the trace.
     order: int = field(default=0, compare=False)
 
     @property
     def what(self) -> str:
         return "NaN" if self.kind == "nan" else "Inf"
 
-    def describe(self, full: bool = False, all_frames: bool = False) -> str:
-        """The anomaly in a few lines: what, where, its stack (the user's frames and the innermost
-        one, the rest folded; ``all_frames``: every frame), then what it contaminated (the count
-        and the first and last module; ``full``: every module with its count, one a line)."""
-        role = "origin" if self.origin else f"propagated from input(s) {', '.join(self.bad_inputs)}"
-        if self.from_forward:
-            role += " (its forward call already saw non-finite values: see the forward report)"
-        if self.state_unchecked:
-            role += f" ({reprs.STATE_UNCHECKED})"
-        where = f"{self.producer} [{self.producer_kind}]"
+    @property
+    def line(self) -> Frame | None:
+        """The user's line that made it (the innermost user frame of its stack)."""
+        return user_frame(self.stack)
+
+    def where(self) -> str:
+        """``backward (micro-batch 2 of 3), in the backward of Attn0/AttnBackward, module h.0.attn``
+        (no module for an optimizer-phase call outside every module)."""
+        text = self.phase
+        if self.micro_batch is not None:
+            text += f" (micro-batch {self.micro_batch} of {self.micro_batches})"
         if self.node is not None:
-            where += f" in the backward of {self.node}"
-        lines = [f"first {self.what} in {self.phase}: {self.tensor} ({self.nan} NaN, {self.inf} Inf) made by "
-                 f"{where} in module {self.module or '<root>'} — {role}"]
+            text += f", in the backward of {self.node}"
+        if not self.module and self.phase == "optimizer":  # (outside every module, as optimizers are)
+            return text
+        return f"{text}, module {self.module or '<root>'}"
+
+    def headline(self) -> str:
+        """The anomaly in one line, in the words every surface uses:
+        ``NaN made by div4 (torch.div) in backward, …, module h.0.attn — attn.py:42: w = a / b``."""
+        by = f"{self.producer} ({self.producer_kind})"
+        if self.origin:
+            text = f"{self.what} made by {by} in {self.where()}"
+        elif self.arrived:
+            text = (f"{self.what} arrived from outside the step in {_inputs_text(self.bad_inputs)}, first read by "
+                    f"{by} in {self.where()}")
+        else:
+            source = _inputs_text(self.bad_inputs) if self.bad_inputs or not self.from_forward \
+                else "the values of its forward call"
+            text = f"{self.what} in {self.phase} first at {by}, carried from {source}"
+            if self.node is not None or self.module:
+                text = f"{text}; {self.where().split(', ', 1)[-1]}"
+        line = self.line
+        return f"{text} — {short_line(line)}" if line is not None else text
+
+    def notes(self) -> list[str]:
+        """What qualifies the headline (said under it)."""
+        notes = []
+        if self.from_forward:
+            notes.append("its forward call already saw non-finite values: the backward follows from the forward")
+        if self.state_unchecked:
+            notes.append(reprs.STATE_UNCHECKED)
+        return notes
+
+    def describe(self, full: bool = False, all_frames: bool = False) -> str:
+        """The headline, its notes and its stack (the user's frames and the innermost one, the rest
+        folded; ``all_frames``: every frame); with ``full``, what its phase's same kind reached,
+        module by module."""
+        lines = [self.headline(), *(f"  ({n})" for n in self.notes())]
         lines += stack_lines(self.stack, all_frames)
-        if self.contaminated:
-            lines += _contaminated_lines(self, full)
+        if full and self.contaminated:
+            lines.append(f"  then {plural(self.contaminated, 'more value')} with {self.what} in {self.phase}, in "
+                         f"{plural(len(self.contaminated_by_module), 'module')}:")
+            lines += [f"    {m or '<root>'}: {n}" for m, n in self.contaminated_by_module.items()]
         return "\n".join(lines)
 
     # One line in a REPL, a card in a notebook (tracer/analysis/reprs.py).
@@ -108,23 +158,72 @@ class Anomaly:
     def to_json(self) -> dict[str, Any]:
         return {"phase": self.phase, "kind": self.kind, "tensor": self.tensor, "producer": self.producer,
                 "producer_kind": self.producer_kind, "module": self.module, "origin": self.origin,
-                "nan": self.nan, "inf": self.inf, "bad_inputs": self.bad_inputs, "node": self.node,
-                "contaminated": self.contaminated, "contaminated_by_module": self.contaminated_by_module,
-                "backward_run": self.backward_run, "from_forward": self.from_forward,
-                "state_unchecked": self.state_unchecked,
+                "arrived": self.arrived, "nan": self.nan, "inf": self.inf, "bad_inputs": self.bad_inputs,
+                "node": self.node, "contaminated": self.contaminated,
+                "contaminated_by_module": self.contaminated_by_module, "backward_run": self.backward_run,
+                "from_forward": self.from_forward, "state_unchecked": self.state_unchecked,
+                "micro_batch": self.micro_batch, "micro_batches": self.micro_batches,
+                "headline": self.headline(),
                 "stack": [[f.file, f.line, f.function, f.code] for f in self.stack]}
 
 
-def _contaminated_lines(a: Anomaly, full: bool) -> list[str]:
-    """``then 171 more records with NaN in 51 modules, h.7.mlp.c_proj … lm_head``; with ``full``
-    every module follows, one a line with its count, in the order they were reached."""
-    mods = [m or "<root>" for m in a.contaminated_by_module]
-    head = f"  then {plural(a.contaminated, 'more record')} with {a.what} in {plural(len(mods), 'module')}"
-    if full:
-        return [head + ":", *(f"    {m}: {n}" for m, n in zip(mods, a.contaminated_by_module.values()))]
-    if len(mods) <= 3:
-        return [head + " (" + ", ".join(f"{m}: {n}" for m, n in zip(mods, a.contaminated_by_module.values())) + ")"]
-    return [f"{head}, {mods[0]} … {mods[-1]}"]
+def _inputs_text(names: list[str]) -> str:
+    """``x@grad``, ``a and b``, ``42 inputs (h.0.w@grad, h.0.b@grad, … lm_head.w@grad)``."""
+    shown = [clip(n, 60) for n in names]
+    if len(shown) <= _LISTED_INPUTS:
+        return " and ".join(shown) or "its inputs"
+    return f"{len(shown)} inputs ({', '.join(shown[:_LISTED_INPUTS])}, … {shown[-1]})"
+
+
+@dataclass
+class Spread:
+    """What the headline's value reached after it: how many values, per phase, in which modules
+    (in the order they were reached)."""
+
+    count: int = 0
+    by_phase: dict[str, int] = field(default_factory=dict)
+    by_module: dict[str, int] = field(default_factory=dict)  # "phase:module" -> count, in order met
+    nan: bool = False
+    inf: bool = False
+
+    def add(self, phase: str, module: str, nan: bool, inf: bool) -> None:
+        self.count += 1
+        self.by_phase[phase] = self.by_phase.get(phase, 0) + 1
+        key = f"{phase}:{module}"
+        self.by_module[key] = self.by_module.get(key, 0) + 1
+        self.nan = self.nan or nan
+        self.inf = self.inf or inf
+
+    @property
+    def what(self) -> str:
+        return "NaN or Inf" if self.nan and self.inf else "NaN" if self.nan else "Inf"
+
+    def line(self) -> str:
+        """``then 862 more values with NaN (forward 171, backward 691), in 140 modules, from
+        transformer.h.7.mlp.c_proj (forward) to transformer.wte (backward)``."""
+        phases = ""
+        if len(self.by_phase) > 1:
+            ordered = sorted(self.by_phase.items(), key=lambda kv: phase_key(kv[0]))
+            phases = " (" + ", ".join(f"{p} {n:,}" for p, n in ordered) + ")"
+        modules = {k.split(":", 1)[1] for k in self.by_module}
+        keys = list(self.by_module)
+        first, last = _module_at(keys[0]), _module_at(keys[-1])
+        where = f"in {first}" if len(keys) == 1 else \
+            f"in {plural(len(modules), 'module')}, from {first} to {last}"
+        return f"then {plural(self.count, 'more value')} with {self.what}{phases}, {where}"
+
+    def full_lines(self) -> list[str]:
+        return [f"    {_module_at(k)}: {n}" for k, n in self.by_module.items()]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"count": self.count, "by_phase": self.by_phase, "by_module": self.by_module}
+
+
+def _module_at(key: str) -> str:
+    phase, module = key.split(":", 1)
+    if not module and phase == "optimizer":
+        return "the optimizer phase"
+    return f"{module or '<root>'} ({phase})"
 
 
 @dataclass
@@ -138,16 +237,20 @@ class ScalerOverflow:
     update: str | None  # the scale update after it (None: not in the trace)
     scale_before: float | None
     scale_after: float | None
+    scale: str | None = None  # the scale tensor's name (the loss was multiplied by it)
 
-    def describe(self) -> str:
+    def headline(self) -> str:
+        """``GradScaler skipped the optimizer step: … (loss scale 65536 -> 32768)``."""
         scale = ""
         if self.scale_before is not None and self.scale_after is not None:
             scale = f" (loss scale {self.scale_before:.4g} -> {self.scale_after:.4g})"
-        return (f"GradScaler found NaN/Inf in the gradients at {self.check} and skipped the optimizer "
-                f"step{scale}: NaN/Inf in the scaled loss, its backward and the unscaled gradients is "
-                "what an overflow of the loss scale makes, and the scaler handles it. A NaN or Inf "
-                "before the loss is scaled, or an overflow at every step while the scale keeps "
-                "falling, comes from the model.")
+        return (f"GradScaler skipped the optimizer step: the scaled gradients overflowed, found at "
+                f"{self.check}{scale}. Not a bug: the scaler lowers the scale and goes on")
+
+    def describe(self) -> str:
+        return (f"{self.headline()}. NaN/Inf in the scaled loss, its backward and the unscaled gradients is "
+                "what an overflow of the loss scale makes; a NaN or Inf before the loss is scaled, or an "
+                "overflow at every step while the scale keeps falling, comes from the model.")
 
     def to_json(self) -> dict[str, Any]:
         return {"check": self.check, "update": self.update, "scale_before": self.scale_before,
@@ -175,18 +278,21 @@ def scaler_overflows(trace: Trace) -> list[ScalerOverflow]:
             continue
         update = next((u for u in trace.calls[i + 1:] if u.api == UPDATE_SCALE_API and written in u.inputs), None)
         before = after = None
+        scale = None
         if update is not None and update.inputs and update.outputs:
+            scale = update.inputs[0]
             old, new = tensors.get(update.inputs[0]), tensors.get(update.outputs[0])
             before = old.stats.max if old is not None and old.stats is not None else None
             after = new.stats.max if new is not None and new.stats is not None else None
-        found.append(ScalerOverflow(c.name, update.name if update is not None else None, before, after))
+        found.append(ScalerOverflow(c.name, update.name if update is not None else None, before, after, scale))
     return found
 
 
 @dataclass
 class NumericsReport:
-    """The first NaN and the first unintended Inf of forward and of backward (None where there
-    was none); ``intended_inf``: records whose Inf came from a constant (attention masks)."""
+    """The story of a step's NaN/Inf (see the module docstring): ``headline`` (the first value
+    made non-finite, or that arrived so), what it reached (``spread``), and per phase the first NaN
+    and the first unintended Inf (``forward_nan`` … ``optimizer_inf``; None where there was none)."""
 
     forward_nan: Anomaly | None
     forward_inf: Anomaly | None
@@ -197,10 +303,50 @@ class NumericsReport:
     intended_inf: int = 0
     # Values with NaN/Inf that no later value keeps (``dropped_values``): not reported.
     dropped: int = 0
-    # GradScaler steps that found NaN/Inf and skipped the optimizer step (what the anomalies
-    # may be: an overflow of the loss scale, which the scaler handles).
+    # GradScaler steps that found NaN/Inf and skipped the optimizer step.
     scaler_overflows: list[ScalerOverflow] = field(default_factory=list)
+    optimizer_nan: Anomaly | None = None
+    optimizer_inf: Anomaly | None = None
+    spread: Spread = field(default_factory=Spread)
+    # Which values hold an unintended NaN/Inf the report counts (reported or reached), so that
+    # every surface marks the same ones (the report's badges); and which an intended Inf only.
+    nonfinite_values: list[str] = field(default_factory=list, repr=False)
+    intended_values: list[str] = field(default_factory=list, repr=False)
+    # The GradScaler overflow that explains the headline, when one does (the headline is in the
+    # backward or the optimizer phase, where the scaled gradients are, or is the loss's scaling):
+    # the story is then a skipped step, not a fault.
+    skipped_step: ScalerOverflow | None = None
 
+    # ---- the story -----------------------------------------------------------------------------
+    @property
+    def headline(self) -> Anomaly | None:
+        """The first value made non-finite (an origin), or that arrived non-finite from outside the
+        step, in execution order across the phases; None when the step is clean."""
+        found = self.anomalies()
+        return min(found, key=lambda a: a.order) if found else None
+
+    @property
+    def origin(self) -> Anomaly | None:
+        """The headline when the step made it (None when it arrived from outside, or none)."""
+        h = self.headline
+        return h if h is not None and h.origin else None
+
+
+    def headline_text(self) -> str:
+        """The verdict in one line, the words every surface uses."""
+        if self.checked == 0:
+            return "numerics: no tensor stats in this trace (record with check_numerics=True)"
+        skipped = self.skipped_step
+        if skipped is not None:
+            return skipped.headline()
+        h = self.headline
+        if h is not None:
+            return h.headline()
+        if self.dropped or self.intended_inf:
+            return f"numerics: no NaN or unintended Inf kept among {plural(self.checked, 'checked tensor')}"
+        return f"numerics: {all_finite(self.checked)}"
+
+    # ---- per phase -----------------------------------------------------------------------------
     @property
     def forward(self) -> Anomaly | None:
         """The forward anomaly that matters most: the first non-finite value made, NaN or Inf
@@ -211,39 +357,61 @@ class NumericsReport:
     def backward(self) -> Anomaly | None:
         return _first(self.backward_nan, self.backward_inf)
 
+    @property
+    def optimizer(self) -> Anomaly | None:
+        return _first(self.optimizer_nan, self.optimizer_inf)
+
+    def phase(self, name: str) -> Anomaly | None:
+        """The first anomaly of phase ``name`` (``forward``, ``backward``, ``optimizer``)."""
+        return {"forward": self.forward, "backward": self.backward, "optimizer": self.optimizer}.get(name)
+
     def anomalies(self) -> list[Anomaly]:
-        """Every anomaly found, forward first, each phase's in the order they were made."""
-        return [a for pair in ((self.forward_nan, self.forward_inf), (self.backward_nan, self.backward_inf))
-                for a in _in_order(*pair)]
+        """Every phase's first NaN and first unintended Inf, in the order they were met."""
+        found = [a for a in (self.forward_nan, self.forward_inf, self.backward_nan, self.backward_inf,
+                             self.optimizer_nan, self.optimizer_inf) if a is not None]
+        return sorted(found, key=lambda a: a.order)
 
     @property
     def clean(self) -> bool:
         return not self.anomalies()
 
-    def describe(self, full: bool = False, all_frames: bool = False) -> str:
-        """Each anomaly's ``describe`` (forward then backward, NaN before Inf) or a line saying
-        that a phase was clean; ``full``/``all_frames`` as for ``Anomaly.describe``."""
-        if self.checked == 0:
-            return "numerics: no tensor stats in this trace (record with check_numerics=True)"
+    # ---- text ----------------------------------------------------------------------------------
+    def notes(self) -> list[str]:
+        """What the step holds that is not a fault: intended Infs, dropped values."""
         notes = []
         if self.intended_inf:
-            notes.append(f"{plural(self.intended_inf, 'record')} with an intended Inf, e.g. -inf attention masks")
+            notes.append(f"{plural(self.intended_inf, 'value')} with an intended Inf (-inf masks), not a fault")
         if self.dropped:
-            notes.append(f"{plural(self.dropped, 'record')} with NaN/Inf that no later value keeps: "
+            notes.append(f"{plural(self.dropped, 'value')} with NaN/Inf that no later value keeps: "
                          "cast to integers, selected away or masked by a softmax")
-        tail = f" ({'; '.join(notes)})" if notes else ""
-        if self.clean:
-            if self.dropped:
-                return f"numerics: no NaN or Inf kept among {self.checked} checked tensors{tail}"
-            return f"numerics: {all_finite(self.checked)}{tail}"
-        parts = []
-        for phase, found in (("forward", (self.forward_nan, self.forward_inf)),
-                             ("backward", (self.backward_nan, self.backward_inf))):
-            present = [a.describe(full, all_frames) for a in _in_order(*found)]
-            parts += present or [f"{phase}: no NaN, no unintended Inf"]
-        parts += notes
-        parts += [o.describe() for o in self.scaler_overflows]
-        return "\n".join(parts)
+        return notes
+
+    def describe(self, full: bool = False, all_frames: bool = False) -> str:
+        """The story: the headline, its stack (folded unless ``all_frames``), what it reached (a
+        count and a range; ``full``: every module, then every phase's first NaN/Inf), then what is
+        not a fault."""
+        if self.checked == 0:
+            return self.headline_text()
+        h = self.headline
+        if h is None:
+            tail = "; ".join(self.notes())
+            return self.headline_text() + (f" ({tail})" if tail else "")
+        lines = []
+        skipped = self.skipped_step
+        if skipped is not None:
+            lines.append(skipped.describe())
+        lines.append(h.describe(all_frames=all_frames))
+        if self.spread.count:
+            lines.append("  " + self.spread.line() + (":" if full else ""))
+            if full:
+                lines += self.spread.full_lines()
+        if full:
+            for a in self.anomalies():
+                if a is not h:
+                    lines.append(f"first in {a.phase}: {a.describe(all_frames=all_frames)}")
+        lines += self.notes()
+        lines += [o.describe() for o in self.scaler_overflows if o is not skipped]
+        return "\n".join(lines)
 
     # One line in a REPL, cards in a notebook (tracer/analysis/reprs.py).
     def __repr__(self) -> str:
@@ -253,7 +421,7 @@ class NumericsReport:
         return reprs.numerics_html(self)
 
     def full(self) -> str:
-        """The whole report: every contaminated module with its count, every frame of each stack."""
+        """The whole report: every module reached, every phase's first NaN/Inf, every frame."""
         return self.describe(full=True, all_frames=True)
 
     def __str__(self) -> str:
@@ -262,48 +430,22 @@ class NumericsReport:
     def to_json(self) -> dict[str, Any]:
         def j(a: Anomaly | None) -> dict[str, Any] | None:
             return None if a is None else a.to_json()
-        return {"forward": j(self.forward), "backward": j(self.backward),
+        skipped = self.skipped_step
+        return {"headline": j(self.headline), "headline_text": self.headline_text(),
+                "skipped_step": None if skipped is None else skipped.to_json(),
+                "spread": self.spread.to_json(),
+                "forward": j(self.forward), "backward": j(self.backward), "optimizer": j(self.optimizer),
                 "forward_nan": j(self.forward_nan), "forward_inf": j(self.forward_inf),
                 "backward_nan": j(self.backward_nan), "backward_inf": j(self.backward_inf),
+                "optimizer_nan": j(self.optimizer_nan), "optimizer_inf": j(self.optimizer_inf),
                 "intended_inf": self.intended_inf, "dropped": self.dropped, "checked": self.checked,
                 "unchecked": self.unchecked,
                 "scaler_overflows": [o.to_json() for o in self.scaler_overflows]}
 
 
-def _in_order(nan: Anomaly | None, inf: Anomaly | None) -> list[Anomaly]:
-    """A phase's first NaN and first Inf, the one made first before the other."""
-    found = [a for a in (nan, inf) if a is not None]
-    return sorted(found, key=lambda a: a.order)
-
-
 def _first(nan: Anomaly | None, inf: Anomaly | None) -> Anomaly | None:
-    found = _in_order(nan, inf)
-    return found[0] if found else None
-
-
-def has_inf_constant(args: str) -> bool:
-    """Whether a call's argument text holds an infinite constant (``masked_fill(m, -inf)``)."""
-    return "inf" in args and _INF_CONSTANT.search(args) is not None
-
-
-def carries_intended_inf(outs: list[tuple[int, int]], ins: list[tuple[int, int, bool]]) -> bool:
-    """Whether a call whose outputs hold Infs only carries intended Infs of its inputs on.
-
-    ``outs``: (Inf count, elements) of each output holding an Inf; ``ins``: (Inf count, elements,
-    intended) of each input holding one. Every such input must be intended, no output may hold
-    more Infs than its inputs bring (each input's count times how many times the output is
-    larger: broadcasting a mask over heads), and no output may be a single element made from a
-    larger input: a reduction that yields Inf did not drop the masked values (a loss of +inf
-    from a target whose logit was masked, ``-masked.sum()``). Shared by the analysis and the
-    ``raise_on_nonfinite`` guard, so both call the same Infs intended."""
-    if not ins or not all(intended for _, _, intended in ins):
-        return False
-    for inf, numel in outs:
-        if numel == 1 and any(n > 1 for _, n, _ in ins):
-            return False
-        if inf > sum(count * max(1, numel // max(n, 1)) for count, n, _ in ins):
-            return False
-    return True
+    found = [a for a in (nan, inf) if a is not None]
+    return min(found, key=lambda a: a.order) if found else None
 
 
 def numel(rec: TensorRecord) -> int:
@@ -323,38 +465,284 @@ def _bad(rec: TensorRecord | None) -> bool:
     return rec is not None and rec.stats is not None and not rec.stats.finite
 
 
-class _Hunt:
-    """The first NaN and first unintended Inf of one phase, and what came after each."""
+# ---- dropped values (rules integer-output, selection, softmax-of-mask, dropped-in-turn) ---------------
+def dropped_values(trace: Trace) -> set[str]:
+    """The NaN/Inf-holding values that no later value keeps: every call that reads one makes
+    only integer or boolean values, finite values by selection or by a softmax, or values that
+    are dropped in turn (tracer.analysis.rules). A value nothing reads (a loss) is not dropped."""
+    tensors = trace.tensors
+    readers: dict[str, list[Call]] = {}
+    for c in trace.calls:
+        for i in c.inputs:
+            readers.setdefault(i, []).append(c)
+    memo: dict[str, bool] = {}
 
-    def __init__(self, phase: str, frames_of: FramesOf | None, dropped: set[str]) -> None:
-        self.phase = phase
+    def dropped(name: str, depth: int) -> bool:
+        if name not in memo:
+            memo[name] = False  # (while it is being decided)
+            users = readers.get(name, [])
+            memo[name] = bool(users) and depth < MAX_DROP_DEPTH and all(drops(c, depth) for c in users)
+        return memo[name]
+
+    def drops(c: Call, depth: int) -> bool:
+        for o in [*c.outputs, *c.mutated]:
+            r = tensors.get(o)
+            if r is None or r.stats is None:
+                return False
+            if not r.dtype.startswith(FLOATING_DTYPES):
+                continue  # rule integer-output
+            if not (r.stats.nan or r.stats.inf):
+                if keeps_finite_by_selection(c.api):
+                    continue  # rules selection, softmax-of-mask
+                return False
+            if not dropped(o, depth + 1):  # rule dropped-in-turn
+                return False
+        return True
+
+    return {name for name, r in tensors.items()
+            if r.stats is not None and (r.stats.nan or r.stats.inf) and name in readers and dropped(name, 0)}
+
+
+# ---- the walk -----------------------------------------------------------------------------------------
+def _post_order(roots: list[Call], children: dict[str, list[Call]]) -> Iterator[Call]:
+    """Calls with the calls nested in them first (a Function after the ops inside it)."""
+    for c in roots:
+        kids = children.get(c.name)
+        if kids:
+            yield from _post_order(kids, children)
+        yield c
+
+
+class _Walk:
+    """One pass over the step in execution order, collecting the first NaN and Inf of each phase
+    and what came after the first of all."""
+
+    def __init__(self, trace: Trace, frames_of: FramesOf | None) -> None:
+        self.trace = trace
+        self.tensors = trace.tensors
         self.frames_of = frames_of
-        self.dropped = dropped  # values no later value keeps (dropped_values): not anomalies
-        self.first: dict[str, Anomaly] = {}
-        self.counts: dict[str, Counter[str]] = {"nan": Counter(), "inf": Counter()}
-        self.seen = 0  # non-finite records met so far
+        self.calls = {c.name: c for c in trace.calls}
+        self.nodes = {n.name: n for n in trace.grad_nodes}
+        self.children: dict[str, list[Call]] = {}
+        for c in trace.calls:
+            if c.parent is not None:
+                self.children.setdefault(c.parent, []).append(c)
+        self.dropped = dropped_values(trace)
+        self.intended: set[str] = set()
+        self.first: dict[tuple[str, str], Anomaly] = {}
+        self.counts: dict[tuple[str, str], Counter[str]] = {}
+        self.seen = 0
+        self.met: dict[str, None] = {}  # every unintended non-finite value met, in order
+        self.spread = Spread()
+        self.hooked: set[str] = set()  # nodes whose hooks' calls were checked
+        # Inside a custom Function whose own outputs are finite, a non-finite intermediate is the
+        # Function's business (it did not escape), not an anomaly.
+        self.sealed = {c.name for c in trace.calls
+                       if c.kind == "function" and not any(_bad(self.tensors.get(o)) for o in c.outputs)}
+        self.micro_batch = 1
+        self.micro_batches = sum(1 for r in trace.backward_runs if _accumulates(r) and r.parent not in self.nodes)
 
     def stack(self, stack_id: int | None, recorded: tuple[Frame, ...]) -> tuple[Frame, ...]:
         return self.frames_of(stack_id) if self.frames_of is not None and not recorded else recorded
 
-    def see(self, kind: str, module: str, make: Callable[[], Anomaly]) -> None:
+    # ---- what a value is, once met -------------------------------------------------------------
+    def see(self, phase: str, kind: str, module: str, values: list[str], make: Callable[[], Anomaly]) -> None:
+        """Non-finite ``values`` of ``kind`` met in ``phase``: the phase's first, or one more."""
+        key = (phase, kind)
         self.seen += 1
-        if kind in self.first:
-            self.counts[kind][module] += 1
+        if key in self.first:
+            self.counts[key][module] += 1
         else:
-            a = self.first[kind] = make()
+            a = self.first[key] = make()
             a.order = self.seen
+            if self.micro_batches > 1 and phase != "optimizer":
+                a.micro_batch, a.micro_batches = min(self.micro_batch, self.micro_batches), self.micro_batches
+            self.counts[key] = Counter()
+        for v in values:
+            if v in self.met:
+                continue
+            self.met[v] = None
+            if len(self.met) > 1:
+                self.spread.add(phase, module, bool(_nan(self.tensors.get(v))), bool(_inf(self.tensors.get(v))))
 
-    def result(self) -> tuple[Anomaly | None, Anomaly | None]:
-        for kind, a in self.first.items():
-            a.contaminated = sum(self.counts[kind].values())
-            a.contaminated_by_module = dict(self.counts[kind])
-        return self.first.get("nan"), self.first.get("inf")
+    # ---- the timeline --------------------------------------------------------------------------
+    def run(self) -> None:
+        calls, nodes = self.calls, self.nodes
+        nested: dict[str, list[BackwardRun]] = {}
+        for r in self.trace.backward_runs:
+            if r.parent is not None and r.parent in nodes:
+                nested.setdefault(r.parent, []).append(r)
+        events: list[tuple[float, int, Call | BackwardRun]] = []
+        for c in self.trace.calls:
+            # (a backward-phase call of no grad node, DDP's all-reduce at the end of a run, is met
+            # where it was made too; those of a node are met in the node's step)
+            if c.parent is None or (c.parent not in calls and c.parent not in nodes):
+                events.append((c.seq, 1, c))
+        for r in self.trace.backward_runs:
+            if r.parent is None or r.parent not in nodes:
+                events.append((self._run_position(r), 0, r))
+        events.sort(key=lambda e: (e[0], e[1]))
+        walked: set[str] = set()
+        for _, _, ev in events:
+            if isinstance(ev, Call):
+                for call in _post_order([ev], self.children):
+                    if not self._inside_sealed(call.parent):
+                        self.check_call(call.phase, call)
+            else:
+                self.walk_run(ev, nested, walked)
+                if _accumulates(ev):
+                    self.micro_batch += 1
+        for r in self.trace.backward_runs:  # (a parent whose step was not recorded)
+            if r.name not in walked:
+                self.walk_run(r, nested, walked)
+
+    def _run_position(self, run: BackwardRun) -> float:
+        """Where a run began among the calls: recorded (``at``), else (files of version 2) just after
+        the call that made its first root (the loss), else after the calls its nodes made."""
+        if run.at is not None:
+            return run.at - 0.5
+        for root in run.roots:
+            rec = self.tensors.get(root)
+            call = self.calls.get(rec.producer) if rec is not None and rec.producer else None
+            if call is not None:
+                return call.seq + 0.5
+        inner = [self.calls[c].seq for s in run.steps for c in s.calls if c in self.calls]
+        return min(inner) - 0.5 if inner else float(len(self.trace.calls)) + run.seq
+
+    def _inside_sealed(self, parent: str | None) -> bool:
+        while parent is not None:
+            if parent in self.sealed:
+                return True
+            call = self.calls.get(parent)
+            parent = call.parent if call is not None else None
+        return False
+
+    def walk_run(self, run: BackwardRun, nested: dict[str, list[BackwardRun]], walked: set[str]) -> None:
+        walked.add(run.name)
+        for step in run.steps:
+            # A run a node's own code started (autograd.grad in a custom backward) ran inside that
+            # node's step: walked there, before the node's outputs.
+            for sub in nested.pop(step.node, ()):
+                self.walk_run(sub, nested, walked)
+            self.walk_step(run, step)
+
+    def walk_step(self, run: BackwardRun, step: NodeRun) -> None:
+        """One node's run: its hooks' calls, its own code's calls, then what it produced."""
+        node = self.nodes.get(step.node)
+        call = self.calls.get(node.call) if node is not None and node.call else None
+        module = call.module if call is not None else ""
+        # The node's hooks ran first (a tensor hook on its forward output, a hook on a leaf): their
+        # calls belong to the node without being its own code. (A node that runs in several
+        # backward runs has its hooks' calls checked at its first run.)
+        inner = [self.calls[c] for c in step.calls if c in self.calls]
+        if step.node not in self.hooked:
+            self.hooked.add(step.node)
+            own = set(step.calls)
+            inner[:0] = [c for c in self.children.get(step.node, ()) if c.name not in own]
+        # Then the node's own code (a custom backward): the innermost op is the origin.
+        for c in _post_order(inner, self.children):
+            self.check_call("backward", c, node=step.node, backward_run=run.name)
+        self.check_step(run.name, step, node, call, module)
+
+    # ---- one call, one node run ----------------------------------------------------------------
+    def check_call(self, phase: str, call: Call, node: str | None = None, backward_run: str | None = None) -> None:
+        """Look at one call's own outputs (and the versions it wrote) for NaN and Inf."""
+        tensors, intended = self.tensors, self.intended
+        outs = [o for o in [*call.outputs, *call.mutated]
+                if (r := tensors.get(o)) is not None and r.producer == call.name]
+        nan_out = [o for o in outs if _nan(tensors[o]) and o not in self.dropped]
+        inf_out = [o for o in outs if _inf(tensors[o])]
+        if inf_out:
+            inf_in = [i for i in call.inputs if _inf(tensors.get(i))]
+            if has_inf_constant(call.args) or carries_intended_inf(
+                    [(_inf(tensors[o]), numel(tensors[o])) for o in inf_out],
+                    [(_inf(tensors[i]), numel(tensors[i]), i in intended) for i in inf_in]):
+                intended.update(inf_out)  # rules inf-constant, carries-intended-inf
+                inf_out = []
+            inf_out = [o for o in inf_out if o not in self.dropped]  # (an intended Inf counts as intended)
+        for kind, bad_out in (("nan", nan_out), ("inf", inf_out)):
+            if bad_out:
+                self.see(phase, kind, call.module, bad_out,
+                         functools.partial(self._call_anomaly, phase, call, kind, bad_out, node, backward_run))
+
+    def _call_anomaly(self, phase: str, call: Call, kind: str, bad_out: list[str], node: str | None,
+                      backward_run: str | None) -> Anomaly:
+        tensors = self.tensors
+        rec = tensors[bad_out[0]]
+        assert rec.stats is not None
+        count = _nan if kind == "nan" else _inf
+        # A NaN made from an unintended Inf (inf - inf, inf * 0) started with that Inf. An intended
+        # Inf among the inputs of an unintended one (an overflow next to a -inf mask, a loss that
+        # kept a masked logit) is not where it came from.
+        bad_in = [i for i in call.inputs if (count(tensors.get(i)) and not (kind == "inf" and i in self.intended))
+                  or (kind == "nan" and i not in self.intended and _inf(tensors.get(i)))]
+        arrived = bool(bad_in) and all(i not in self.met and (r := tensors.get(i)) is not None and r.producer is None
+                                       for i in bad_in)
+        return Anomaly(phase, rec.name, call.name, call.api, call.module, not bad_in, rec.stats.nan,
+                       rec.stats.inf, self.stack(call.stack_id, call.stack), bad_in, kind=kind, node=node,
+                       backward_run=backward_run, arrived=arrived,
+                       state_unchecked=not bad_in and call.kind == "optimizer"
+                       and self.trace.header.get("optimizer_state") is False)
+
+    def check_step(self, run: str, step: NodeRun, node: GradNode | None, call: Call | None, module: str) -> None:
+        tensors = self.tensors
+        for kind, count in (("nan", _nan), ("inf", _inf)):
+            bad_in = [g for g in step.grads_in if g is not None and (
+                count(tensors.get(g)) or (kind == "nan" and g not in self.intended and _inf(tensors.get(g))))]
+            bad_out = [g for g in step.grads_out if g is not None and count(tensors.get(g))]
+            # An accumulator (no outputs) that received a bad gradient still shows where it ended.
+            if not bad_out and not (bad_in and ("backward", kind) not in self.first and not step.grads_out):
+                continue
+
+            def make(bad_in: list[str] = bad_in, bad_out: list[str] = bad_out, kind: str = kind) -> Anomaly:
+                rec = tensors[(bad_out or bad_in)[0]]
+                assert rec.stats is not None
+                stack = node.stack if node is not None else ()
+                if not stack and self.frames_of is not None and node is not None:
+                    stack = self.frames_of(node.stack_id)
+                from_forward = call is not None and any(_bad(tensors.get(t)) for t in [*call.inputs, *call.outputs])
+                # A node whose forward call saw NaN/Inf did not make its own: it follows from them.
+                return Anomaly("backward", rec.name, step.node, node.kind if node else "?", module,
+                               bool(bad_out) and not bad_in and not from_forward, rec.stats.nan, rec.stats.inf,
+                               stack, bad_in, backward_run=run, kind=kind, from_forward=from_forward)
+            self.see("backward", kind, module, bad_out or bad_in, make)
+
+    # ---- the result ----------------------------------------------------------------------------
+    def report(self, checked: int, unchecked: int) -> NumericsReport:
+        for key, a in self.first.items():
+            a.contaminated = sum(self.counts[key].values())
+            a.contaminated_by_module = dict(self.counts[key])
+        f = self.first.get
+        intended_only = [n for n in self.intended if n not in self.met]
+        overflows = scaler_overflows(self.trace)
+        firsts = sorted(self.first.values(), key=lambda a: a.order)
+        return NumericsReport(f(("forward", "nan")), f(("forward", "inf")), f(("backward", "nan")),
+                              f(("backward", "inf")), checked, unchecked, intended_inf=len(self.intended),
+                              dropped=len(self.dropped - self.intended), scaler_overflows=overflows,
+                              optimizer_nan=f(("optimizer", "nan")), optimizer_inf=f(("optimizer", "inf")),
+                              spread=self.spread, nonfinite_values=list(self.met), intended_values=intended_only,
+                              skipped_step=self._skipped(firsts[0], overflows) if firsts else None)
+
+    def _skipped(self, headline: Anomaly, overflows: list[ScalerOverflow]) -> ScalerOverflow | None:
+        """The overflow that explains ``headline``: it is where the scaled gradients are (backward,
+        optimizer), or the call that scaled the loss (it read the scale)."""
+        call = self.calls.get(headline.producer)
+        for o in overflows:
+            if headline.phase in ("backward", "optimizer") or (
+                    call is not None and o.scale is not None and o.scale in call.inputs):
+                return o
+        return None
+
+
+def _accumulates(run: BackwardRun) -> bool:
+    """A run that adds into ``.grad`` (``backward``), as a micro-batch's does; ``autograd.grad``
+    returns its gradients instead."""
+    return not run.api.endswith(".grad")
 
 
 def find_anomalies(trace: Trace, frames_of: FramesOf | None = None) -> NumericsReport:
-    """Locate the first NaN and the first unintended Inf in forward and in backward.
-    ``frames_of``: symbolises a stack id (a live trace whose stacks are not resolved yet)."""
+    """The story of the step's NaN/Inf (see the module docstring). ``frames_of``: symbolises a
+    stack id (a live trace whose stacks are not resolved yet)."""
     tensors = trace.tensors
     checked = 0
     nonfinite = False
@@ -368,220 +756,19 @@ def find_anomalies(trace: Trace, frames_of: FramesOf | None = None) -> NumericsR
         # The usual step: no NaN or Inf anywhere, so no walk of the calls can find one (the walk
         # cost 8.8 ms at the end of each check_numerics step of tiny12 on a 2-core CPU).
         return NumericsReport(None, None, None, None, checked, len(tensors) - checked)
-    calls = {c.name: c for c in trace.calls}
-    children: dict[str, list[Call]] = {}
-    for c in trace.calls:
-        if c.parent is not None:
-            children.setdefault(c.parent, []).append(c)
-    intended: set[str] = set()
-    dropped = dropped_values(trace)
-    fwd = _forward(trace, calls, children, intended, frames_of, dropped)
-    bwd = _backward(trace, calls, children, intended, frames_of, dropped)
-    return NumericsReport(*fwd, *bwd, checked, len(tensors) - checked, intended_inf=len(intended),
-                          scaler_overflows=scaler_overflows(trace), dropped=len(dropped - intended))
-
-
-# Calls whose finite output leaves a NaN or Inf of their input behind: selections, which keep
-# some elements and replace the others (``torch.where(x > 0, torch.log(x), 0)``), and softmax,
-# which reads ``-inf`` as a masked position (0): a mask made by adding two ``finfo.min`` masks
-# overflows to ``-inf`` there (GPT-Neo's attention), and softmax drops it.
-_SELECTING = frozenset({"torch.where", "Tensor.where", "torch.nan_to_num", "Tensor.nan_to_num",
-                        "Tensor.nan_to_num_", "torch.masked_fill", "Tensor.masked_fill", "Tensor.masked_fill_",
-                        "torch.softmax", "Tensor.softmax", "torch.nn.functional.softmax", "torch.special.softmax"})
-_FLOATING = ("float", "bfloat", "complex")
-_MAX_DEPTH = 64  # calls a dropped value may pass through first (deeper chains are reported)
-
-
-def dropped_values(trace: Trace) -> set[str]:
-    """The NaN/Inf-holding values that no later value keeps: every call that reads one makes
-    only integer or boolean values (a cast, a comparison), finite values by selection
-    (``where``, ``nan_to_num``, ``masked_fill``) or by a softmax (``-inf`` a masked position),
-    or values that are dropped in turn. T5's
-    relative position buckets take ``log(0) = -inf`` and cast it to integers, which ``where``
-    then discards: made, never used. A value nothing reads (a loss) is not dropped."""
-    tensors = trace.tensors
-    readers: dict[str, list[Call]] = {}
-    for c in trace.calls:
-        for i in c.inputs:
-            readers.setdefault(i, []).append(c)
-    memo: dict[str, bool] = {}
-
-    def dropped(name: str, depth: int) -> bool:
-        if name not in memo:
-            memo[name] = False  # (while it is being decided)
-            users = readers.get(name, [])
-            memo[name] = bool(users) and depth < _MAX_DEPTH and all(drops(c, depth) for c in users)
-        return memo[name]
-
-    def drops(c: Call, depth: int) -> bool:
-        for o in [*c.outputs, *c.mutated]:
-            r = tensors.get(o)
-            if r is None or r.stats is None:
-                return False
-            if not r.dtype.startswith(_FLOATING):
-                continue
-            if not (r.stats.nan or r.stats.inf):
-                if c.api in _SELECTING:
-                    continue
-                return False
-            if not dropped(o, depth + 1):
-                return False
-        return True
-
-    return {name for name, r in tensors.items()
-            if r.stats is not None and (r.stats.nan or r.stats.inf) and name in readers and dropped(name, 0)}
-
-
-def _post_order(roots: list[Call], children: dict[str, list[Call]]) -> Iterator[Call]:
-    """Calls with the calls nested in them first (a Function after the ops inside it)."""
-    for c in roots:
-        kids = children.get(c.name)
-        if kids:
-            yield from _post_order(kids, children)
-        yield c
-
-
-def _check_call(hunt: _Hunt, trace: Trace, call: Call, intended: set[str], node: str | None = None,
-                backward_run: str | None = None) -> None:
-    """Look at one call's own outputs (and the versions it wrote) for NaN and Inf."""
-    tensors = trace.tensors
-    outs = [o for o in [*call.outputs, *call.mutated] if (r := tensors.get(o)) is not None and r.producer == call.name]
-    nan_out = [o for o in outs if _nan(tensors[o]) and o not in hunt.dropped]
-    inf_out = [o for o in outs if _inf(tensors[o])]
-    if inf_out:
-        inf_in = [i for i in call.inputs if _inf(tensors.get(i))]
-        if has_inf_constant(call.args) or carries_intended_inf(
-                [(_inf(tensors[o]), numel(tensors[o])) for o in inf_out],
-                [(_inf(tensors[i]), numel(tensors[i]), i in intended) for i in inf_in]):
-            intended.update(inf_out)
-            inf_out = []
-        inf_out = [o for o in inf_out if o not in hunt.dropped]  # (an intended Inf counts as intended)
-    for kind, bad_out, count in (("nan", nan_out, _nan), ("inf", inf_out, _inf)):
-        if not bad_out:
-            continue
-
-        def make(bad_out: list[str] = bad_out, count: Callable[[TensorRecord | None], int] = count,
-                 kind: str = kind) -> Anomaly:
-            rec = tensors[bad_out[0]]
-            assert rec.stats is not None
-            # A NaN made from an unintended Inf (inf - inf, inf * 0) started with that Inf.
-            # An intended Inf among the inputs of an unintended one (an overflow next to a -inf
-            # mask, a loss that kept a masked logit) is not where it came from.
-            bad_in = [i for i in call.inputs if (count(tensors.get(i)) and not (kind == "inf" and i in intended))
-                      or (kind == "nan" and i not in intended and _inf(tensors.get(i)))]
-            return Anomaly(hunt.phase, rec.name, call.name, call.api, call.module, not bad_in, rec.stats.nan,
-                           rec.stats.inf, hunt.stack(call.stack_id, call.stack), bad_in, kind=kind, node=node,
-                           backward_run=backward_run,
-                           state_unchecked=not bad_in and call.kind == "optimizer"
-                           and trace.header.get("optimizer_state") is False)
-        hunt.see(kind, call.module, make)
-
-
-def _forward(trace: Trace, calls: dict[str, Call], children: dict[str, list[Call]], intended: set[str],
-             frames_of: FramesOf | None, dropped: set[str]) -> tuple[Anomaly | None, Anomaly | None]:
-    tensors = trace.tensors
-    hunt = _Hunt("forward", frames_of, dropped)
-    # Inside a custom Function whose own outputs are finite, a non-finite intermediate is the
-    # Function's business (it did not escape), not an anomaly.
-    sealed = {c.name for c in trace.calls
-              if c.kind == "function" and not any(_bad(tensors.get(o)) for o in c.outputs)}
-    roots = [c for c in trace.calls if c.phase == "forward" and (c.parent is None or c.parent not in calls)]
-    for call in _post_order(roots, children):
-        if call.phase == "forward" and not _inside(call.parent, calls, sealed):
-            _check_call(hunt, trace, call, intended)
-    return hunt.result()
-
-
-def _inside(parent: str | None, calls: dict[str, Call], sealed: set[str]) -> bool:
-    while parent is not None:
-        if parent in sealed:
-            return True
-        call = calls.get(parent)
-        parent = call.parent if call is not None else None
-    return False
-
-
-def _backward(trace: Trace, calls: dict[str, Call], children: dict[str, list[Call]], intended: set[str],
-              frames_of: FramesOf | None, dropped: set[str]) -> tuple[Anomaly | None, Anomaly | None]:
-    nodes = {n.name: n for n in trace.grad_nodes}
-    hunt = _Hunt("backward", frames_of, dropped)
-    hooked: set[str] = set()  # nodes whose hooks' calls were checked
-    # A run a node's own code started (autograd.grad in a custom backward) ran inside that
-    # node's step: walked there, before the node's outputs, not after the run it ran in.
-    nested: dict[str, list[BackwardRun]] = {}
-    for run in trace.backward_runs:
-        if run.parent is not None and run.parent in nodes:
-            nested.setdefault(run.parent, []).append(run)
-    walked: set[str] = set()
-
-    def walk(run: BackwardRun) -> None:
-        walked.add(run.name)
-        for step in run.steps:
-            for sub in nested.pop(step.node, ()):
-                walk(sub)
-            _walk_step(hunt, trace, calls, children, intended, nodes, hooked, run, step, frames_of)
-
-    for run in trace.backward_runs:
-        if run.name not in walked and (run.parent is None or run.parent not in nodes):
-            walk(run)
-    for run in trace.backward_runs:  # (a parent whose step was not recorded)
-        if run.name not in walked:
-            walk(run)
-    return hunt.result()
-
-
-def _walk_step(hunt: _Hunt, trace: Trace, calls: dict[str, Call], children: dict[str, list[Call]],
-               intended: set[str], nodes: dict[str, GradNode], hooked: set[str], run: BackwardRun,
-               step: NodeRun, frames_of: FramesOf | None) -> None:
-    """One node's run: its hooks' calls, its own code's calls, then what it produced."""
-    node = nodes.get(step.node)
-    call = calls.get(node.call) if node is not None and node.call else None
-    module = call.module if call is not None else ""
-    # The node's hooks ran first (a tensor hook on its forward output, a hook on a leaf):
-    # their calls belong to the node without being its own code. (A node that runs in
-    # several backward runs has its hooks' calls checked at its first run.)
-    inner = [calls[c] for c in step.calls if c in calls]
-    if step.node not in hooked:
-        hooked.add(step.node)
-        own = set(step.calls)
-        inner[:0] = [c for c in children.get(step.node, ()) if c.name not in own]
-    # Then the node's own code (a custom backward): the innermost op is the origin.
-    for c in _post_order(inner, children):
-        _check_call(hunt, trace, c, intended, node=step.node, backward_run=run.name)
-    _check_step(hunt, trace, run.name, step, node, call, module, frames_of, intended)
-
-
-def _check_step(hunt: _Hunt, trace: Trace, run: str, step: NodeRun, node: GradNode | None, call: Call | None,
-                module: str, frames_of: FramesOf | None, intended: set[str]) -> None:
-    tensors = trace.tensors
-    for kind, count in (("nan", _nan), ("inf", _inf)):
-        bad_in = [g for g in step.grads_in if g is not None and (
-            count(tensors.get(g)) or (kind == "nan" and g not in intended and _inf(tensors.get(g))))]
-        bad_out = [g for g in step.grads_out if g is not None and count(tensors.get(g))]
-        # An accumulator (no outputs) that received a bad gradient still shows where it ended.
-        if not bad_out and not (bad_in and kind not in hunt.first and not step.grads_out):
-            continue
-
-        def make(bad_in: list[str] = bad_in, bad_out: list[str] = bad_out, kind: str = kind) -> Anomaly:
-            rec = tensors[(bad_out or bad_in)[0]]
-            assert rec.stats is not None
-            stack = node.stack if node is not None else ()
-            if not stack and frames_of is not None and node is not None:
-                stack = frames_of(node.stack_id)
-            return Anomaly("backward", rec.name, step.node, node.kind if node else "?", module,
-                           bool(bad_out) and not bad_in, rec.stats.nan, rec.stats.inf, stack, bad_in,
-                           backward_run=run, kind=kind,
-                           from_forward=call is not None and any(
-                               _bad(tensors.get(t)) for t in [*call.inputs, *call.outputs]))
-        hunt.see(kind, module, make)
+    walk = _Walk(trace, frames_of)
+    walk.run()
+    return walk.report(checked, len(tensors) - checked)
 
 
 class NonFiniteError(FloatingPointError, RaisedOnPurpose):
-    """Raised by ``raise_on_nonfinite=True`` at the first NaN/Inf; ``.anomaly`` holds the report."""
+    """Raised by ``raise_on_nonfinite=True`` at the first NaN/Inf; ``.anomaly`` holds the report's
+    headline and ``.report`` the report (the message is its story)."""
 
-    def __init__(self, anomaly: Anomaly) -> None:
-        super().__init__(anomaly.describe())
+    def __init__(self, anomaly: Anomaly, report: NumericsReport | None = None) -> None:
+        super().__init__(report.describe() if report is not None else anomaly.describe())
         self.anomaly = anomaly
+        self.report = report
 
 
 install_view("anomalies", find_anomalies)  # Trace.anomalies

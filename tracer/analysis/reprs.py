@@ -6,14 +6,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tracer.model.display import all_finite, clip, format_bytes, plural
-from tracer.model.reprs import NAME_LIMIT, card, esc, names_html, source_link
+from tracer.model.display import clip, format_bytes, plural
+from tracer.model.reprs import card, esc, names_html, source_link
 
 if TYPE_CHECKING:
     from tracer.analysis.memory import MemoryRecord
     from tracer.analysis.numerics import Anomaly, NumericsReport
 
 TOP_ROWS = 5  # owners listed in a memory card
+TEXT_LIMIT = 600  # characters of a sentence of the story shown in a card (a headline with its line)
 
 
 # ---- numerics --------------------------------------------------------------------------------------
@@ -24,58 +25,51 @@ STATE_UNCHECKED = ("the optimizer's state was not checked: a NaN or Inf in it sh
 
 
 def anomaly_repr(a: Anomaly) -> str:
-    """``<Anomaly first NaN in forward: sqrt0:out by sqrt0 [torch.sqrt] in h.7.mlp (origin), 3 more>``."""
-    role = "origin" if a.origin else "propagated"
-    more = f", {a.contaminated} more" if a.contaminated else ""
-    return (f"<Anomaly first {a.what} in {a.phase}: {clip(a.tensor, NAME_LIMIT)} by {clip(a.producer, NAME_LIMIT)} "
-            f"[{clip(a.producer_kind, NAME_LIMIT)}] in {clip(a.module or '<root>', NAME_LIMIT)} ({role}){more}>")
+    """``<Anomaly NaN made by sqrt0 (torch.sqrt) in forward, module h.7.mlp — x.py:12: …>``."""
+    return f"<Anomaly {clip(a.headline(), 200)}>"
 
 
 def _anomaly_facts(a: Anomaly) -> list[tuple[str, str]]:
+    cause = ("origin: made here from finite inputs" if a.origin
+             else f"arrived from outside the step in {names_html(a.bad_inputs)}" if a.arrived
+             else f"carried from {names_html(a.bad_inputs)}")
     facts = [("tensor", f"{names_html([a.tensor])} ({a.nan} NaN, {a.inf} Inf)"),
              ("made by", f"{names_html([a.producer])} <code>{esc(a.producer_kind)}</code>"),
-             ("module", f"<code>{esc(a.module or '<root>')}</code>"),
-             ("cause", "origin: its inputs were finite" if a.origin
-              else f"propagated from {names_html(a.bad_inputs)}")]
-    if a.state_unchecked:
-        facts.append(("note", esc(STATE_UNCHECKED)))
-    if a.stack:
-        facts.append(("line", source_link(a.stack[-1])))
-    if a.contaminated:
-        mods = list(a.contaminated_by_module)
-        span = esc(mods[0] or "<root>") + (f" … {esc(mods[-1] or '<root>')}" if len(mods) > 1 else "")
-        facts.append(("then", f"{a.contaminated} more in {plural(len(mods), 'module')} ({span})"))
+             ("where", esc(a.where(), TEXT_LIMIT)),
+             ("cause", cause)]
+    facts += [("note", esc(n, TEXT_LIMIT)) for n in a.notes()]
+    line = a.line
+    if line is not None:
+        facts.append(("line", source_link(line)))
     return facts
 
 
 def anomaly_html(a: Anomaly) -> str:
-    return card(f"first {a.what} in {a.phase}", a.tensor, _anomaly_facts(a))
+    return card(f"{a.what} in {a.phase}", a.tensor, _anomaly_facts(a))
 
 
 def numerics_repr(r: NumericsReport) -> str:
-    """``<NumericsReport forward: NaN at sqrt0:out (h.7.mlp); backward: clean; 142 checked>``."""
+    """``<NumericsReport NaN made by sqrt0 (torch.sqrt) in forward, …; 862 more; 142 checked>``."""
     if r.checked == 0:
         return "<NumericsReport no tensor stats (record with check_numerics=True)>"
-    sides = []
-    for phase, found in (("forward", (r.forward_nan, r.forward_inf)), ("backward", (r.backward_nan, r.backward_inf))):
-        bad = [f"{a.what} at {clip(a.tensor, NAME_LIMIT)} ({clip(a.module or '<root>', NAME_LIMIT)})"
-               for a in found if a is not None]
-        sides.append(f"{phase}: {', '.join(bad) or 'clean'}")
-    return f"<NumericsReport {'; '.join(sides)}; {r.checked} checked>"
+    more = f"; {r.spread.count:,} more" if r.spread.count else ""
+    return f"<NumericsReport {clip(r.headline_text(), 200)}{more}; {r.checked} checked>"
 
 
 def numerics_html(r: NumericsReport) -> str:
+    """The story as a card: the headline, what it reached, what is not a fault."""
     if r.checked == 0:
         return card("numerics", "no tensor stats", [("how", "record with <code>check_numerics=True</code>")])
-    if r.clean:
-        facts = [("verdict", all_finite(r.checked))]
-        if r.intended_inf:
-            facts.append(("intended Inf", f"{r.intended_inf} (e.g. -inf attention masks)"))
-        return card("numerics", "clean", facts)
-    parts = [anomaly_html(a) for a in r.anomalies()]
-    head = card("numerics", f"{plural(len(parts), 'anomaly', 'anomalies')} in {plural(r.checked, 'checked tensor')}",
-                [("GradScaler", esc(o.describe(), 1000)) for o in r.scaler_overflows])
-    return head + "".join(parts)
+    facts: list[tuple[str, str]] = []
+    h = r.headline
+    facts.append(("story", esc(r.headline_text(), TEXT_LIMIT)))
+    if h is not None:
+        facts += _anomaly_facts(h)
+        if r.spread.count:
+            facts.append(("then", esc(r.spread.line(), TEXT_LIMIT)))
+    facts += [("not a fault", esc(n, TEXT_LIMIT)) for n in r.notes()]
+    title = "clean" if h is None else f"{h.what} in {h.phase}"
+    return card("numerics", title, facts)
 
 
 # ---- memory ----------------------------------------------------------------------------------------

@@ -576,9 +576,9 @@ def _record_ddp(rec: Recorder, ddp: Any, run: BackwardRun) -> None:
     rec.add_call(Call(
         name=name, api=DDP_API, module=rec.module_path(ddp) or "", inputs=ins, outputs=outs,
         args=naming.short_args((), described), stack_id=rec.capture_stack(), parent=None, kind="collective",
-        # Observed on the user's thread once the backward run returned (as the optimizer sees
-        # .grad): a call of the forward timeline; args name the run it happened in.
-        phase="forward", seq=rec.next_call_seq()), produced)
+        # Observed on the user's thread as the backward run ends (the engine has run every node): of
+        # the backward phase, met after the run's nodes; args name the run it happened in.
+        phase=rec.phase_of(name, "collective", ins, produced), seq=rec.next_call_seq()), produced)
     _add_note(rec.trace, DDP_NOTE)
 
 

@@ -6,13 +6,8 @@ from typing import Any
 
 import torch
 
-from tracer.analysis.numerics import (
-    NonFiniteError,
-    carries_intended_inf,
-    find_anomalies,
-    has_inf_constant,
-    numel,
-)
+from tracer.analysis.numerics import NonFiniteError, find_anomalies, numel
+from tracer.analysis.rules import carries_intended_inf, has_inf_constant
 from tracer.model import Trace
 from tracer.record.dispatch_modes import past_dispatch_modes
 from tracer.record.listeners import Listener
@@ -48,14 +43,14 @@ class NonFiniteGuard(Listener):
                     nan, inf = nan or bool(a), inf or bool(b)
         return nan, inf
 
-    def _raise(self, trace: Trace, phase: str) -> None:
+    def _raise(self, trace: Trace) -> None:
+        """Stop with the story so far: its headline is the value just met (the first of the step)."""
         rec = self._recorder
         rec.hasher.drain(wait=True)
         table = rec.stack_table
         report = find_anomalies(trace, table.frames_of if table is not None else None)
-        anomaly = report.forward if phase == "forward" else report.backward
-        if anomaly is not None:
-            raise NonFiniteError(anomaly)
+        if report.headline is not None:
+            raise NonFiniteError(report.headline, report)
 
     def on_call(self, trace: Trace, call: Any, token: Any, outputs: list[torch.Tensor]) -> None:
         with torch._C.DisableTorchFunction():
@@ -64,8 +59,12 @@ class NonFiniteGuard(Listener):
             # An Inf from a constant, or carried on from one.
             self._intended.update([*call.outputs, *call.mutated])
             return
-        if nan or inf:
-            self._raise(trace, call.phase)
+        if (nan or inf) and not self._recorder.function_depth:
+            # Inside a custom Function's forward a NaN/Inf is the Function's business until its
+            # own outputs show it (a fully masked row's softmax, selected away before it returns):
+            # the outermost Function's outputs decide, as in the analysis; its report then names
+            # the innermost op that made it.
+            self._raise(trace)
 
     def _carries_intended(self, trace: Trace, call: Any) -> bool:
         """Whether the call's Infs only carry intended ones on, by the analysis's rule
@@ -86,4 +85,4 @@ class NonFiniteGuard(Listener):
         with torch._C.DisableTorchFunction():
             nan, inf = self._nonfinite(grads)
         if nan or inf:
-            self._raise(trace, "backward")
+            self._raise(trace)

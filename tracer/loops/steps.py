@@ -168,12 +168,14 @@ class StepRecorder:
         """The step being recorded now, or None."""
         return self._open[0] if self._open is not None else None
 
-    def begin(self, step: int, root_module: Any = None) -> Trace | None:
+    def begin(self, step: int, root_module: Any = None, *, after_update: bool = False) -> Trace | None:
         """Start recording step ``step``; None (and a warning) when it can't be traced.
 
         ``root_module``: the model whose module paths name the parameters (a trainer's
         LightningModule, whose forward may never be called itself); by default the first module
-        called is the root."""
+        called is the root. ``after_update``: the step begins inside the optimizer step (or
+        backward) that ended the one before, so what the loop does next (EMA, ``zero_grad``,
+        GradScaler's update) is of the optimizer phase (tracer.model.phases, rule 6)."""
         if self._open is not None:
             self.end(completed=False)
         self._pending_skip = None
@@ -212,6 +214,8 @@ class StepRecorder:
         # The recorder names parameters from the first module it sees; a trainer knows the model.
         if root_module is not None:
             rec.register_root_module(root_module)
+        if after_update:
+            rec.phases.open_window()
         self.observer.step_begin(step, trace)
         return trace
 
@@ -411,7 +415,7 @@ class StepTrace(StepResults):
             self.recorder.end(completed=True)
             self.step = nxt
             if nxt in self.selection:
-                self.recorder.begin(nxt)
+                self.recorder.begin(nxt, after_update=not self.manual)
         except Exception as exc:
             self.step = nxt
             self.recorder.exhausted = f"tracing failed at step {nxt}: {type(exc).__name__}: {exc}"

@@ -48,6 +48,8 @@ def param_module(name: str) -> str:
 # ---- phases ----------------------------------------------------------------------------------------
 # The order a step runs its phases in, for every view that sorts or groups by phase; a phase
 # a newer file names that this list does not know comes last, by name.
+# A step's phases in the order it runs them: records.PHASES, which imports this module (so it is
+# written out here; tests/test_phases.py checks they agree).
 PHASE_ORDER = ("forward", "backward", "optimizer")
 
 

@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any, cast
 
+from tracer.model.phases import upgrade_phases
 from tracer.model.records import (
     FORMAT,
     MAX_INT,
@@ -513,6 +514,8 @@ def _finish(path: str, seg: _Segment) -> Trace:
         check_structure(trace, complete=seg.ended)
     except TraceFormatError as exc:
         raise TraceFormatError(f"{path}: {exc}") from None
+    if trace.header.get("version", SCHEMA_VERSION) < 3:  # two phases then: the optimizer's is derived
+        upgrade_phases(trace)
     trace.resolve()
     return trace
 

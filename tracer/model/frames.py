@@ -119,6 +119,12 @@ def user_frame(frames: Sequence[Frame]) -> Frame | None:
     return frames[-1] if frames else None
 
 
+def short_line(frame: Frame) -> str:
+    """``train.py:42: loss = model(x)``: a frame in one short line (file name, line, source)."""
+    name = frame.file.replace("\\", "/").rsplit("/", 1)[-1]
+    return f"{name}:{frame.line}: {frame.code}" if frame.code else f"{name}:{frame.line}"
+
+
 def fold_label(frames: Sequence[Frame]) -> str:
     """``3 frames folded (2 library, 1 notebook kernel)`` for a run of folded frames."""
     counts = Counter(frame_class(f.file) for f in frames)
@@ -147,4 +153,4 @@ def stack_lines(frames: Sequence[Frame], all_frames: bool = False, indent: str =
 
 
 __all__ = ["CLASSES", "CLASS_LABELS", "FRAMEWORK", "KERNEL", "LIBRARY", "USER", "fold_label", "folded",
-           "frame_class", "stack_lines", "user_frame"]
+           "frame_class", "short_line", "stack_lines", "user_frame"]

@@ -15,12 +15,15 @@ from tracer.model import reprs
 from tracer.model.values import decode_values, encode_values
 
 FORMAT = "gradtrace"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 # The closed vocabularies of the records (a file with another value is refused on load).
 Role = Literal["output", "param", "buffer", "input", "grad", "state"]
 CallKind = Literal["op", "function", "custom_op", "compiled", "collective", "optimizer"]
-Phase = Literal["forward", "backward"]
+# The phases of a step, in the order a step runs them: the forward pass, the backward runs, and
+# what runs after the last backward on the gradients, parameters and optimizer state (clipping,
+# unscaling, the optimizer step, EMA, zero_grad). docs/trace-format.md says where each begins.
+Phase = Literal["forward", "backward", "optimizer"]
 RunStatus = Literal["ok", "failed"]
 TraceStatus = Literal["ok", "failed", "truncated"]
 ROLES: tuple[Role, ...] = get_args(Role)
@@ -244,8 +247,10 @@ class Call:
     ``kind`` is ``op`` (torch function, tensor method or operator), ``function`` (a custom
     ``torch.autograd.Function``), ``custom_op`` (``torch.library``) or ``compiled`` (an opaque
     torch.compile region). ``phase`` is ``backward`` for calls made while a backward ran (a custom
-    Function applied inside another one's backward). ``parent`` names the enclosing custom
-    Function call or grad node, which is how nesting is shown.
+    Function applied inside another one's backward, a hook, recomputation), ``optimizer`` for the
+    optimizer step and the calls that work on gradients, parameters and optimizer state outside
+    a module's forward (clipping, unscaling, EMA; see docs/trace-format.md, "Phases").
+    ``parent`` names the enclosing custom Function call or grad node, which is how nesting is shown.
     """
 
     name: str
@@ -368,6 +373,9 @@ class BackwardRun:
     # The grad node whose own code started this run (``torch.autograd.grad`` inside a custom
     # backward, reentrant checkpointing): its steps ran inside that node's.
     parent: str | None = None
+    # Where the run began among the calls: the ``seq`` the next call took (the calls before it ran
+    # before it, its own calls and the later ones after). None in files of format version 2.
+    at: int | None = None
 
     @property
     def order(self) -> list[str]:
@@ -389,6 +397,8 @@ class BackwardRun:
                          for s in self.steps]}
         if self.parent is not None:
             out["parent"] = self.parent
+        if self.at is not None:
+            out["at"] = self.at
         return out
 
     @classmethod
@@ -410,7 +420,7 @@ class BackwardRun:
         return cls(name=_str(d, "name"), api=_str(d, "api"), roots=_strs(d, "roots"),
                    stack_id=_opt_int(d, "stack"), steps=steps, outputs=_strs(d, "outputs"),
                    status=_choice(d, "status", RUN_STATUSES, "ok"), error=_opt_str(d, "error"),
-                   seq=_int(d, "seq"), parent=_opt_str(d, "parent"))
+                   seq=_int(d, "seq"), parent=_opt_str(d, "parent"), at=_opt_int(d, "at"))
 
 
 Record = Call | GradNode | TensorRecord | BackwardRun

@@ -71,6 +71,9 @@ class Trace:
     # Allocation/free events of a memory record (``trace(memory=True)``).
     memory: list[MemoryEvent] = field(default_factory=list)
     _index: dict[str, Record] | None = field(default=None, compare=False, repr=False)
+    # The numerics report, computed once per state of the trace (the sizes of its lists and the
+    # number of tensors with stats: a live trace grows, its stats arrive at the end).
+    _anomalies: tuple[tuple[int, ...], NumericsReport] | None = field(default=None, compare=False, repr=False)
 
     # ---- look-up -------------------------------------------------------------------------
     @property
@@ -99,11 +102,15 @@ class Trace:
 
     @property
     def anomalies(self) -> NumericsReport:
-        """The first NaN and the first unintended Inf in forward and in backward
-        (``tracer.analysis.numerics.find_anomalies``)."""
+        """The story of the step's NaN/Inf (``tracer.analysis.numerics.find_anomalies``), computed
+        once: every surface renders this one report."""
         if _views.anomalies is None:
             raise RuntimeError("tracer.analysis.numerics is not imported: `import tracer` installs it")
-        return _views.anomalies(self)
+        key = (len(self.calls), len(self.tensors), len(self.grad_nodes), len(self.backward_runs),
+               sum(1 for r in self.tensors.values() if r.stats is not None), len(self.frames))
+        if self._anomalies is None or self._anomalies[0] != key:
+            self._anomalies = (key, _views.anomalies(self))
+        return self._anomalies[1]
 
     @property
     def hash_algorithm(self) -> str:
@@ -120,6 +127,7 @@ class Trace:
     def invalidate(self) -> None:
         """Drop cached look-ups after the lists were changed."""
         self._index = None
+        self._anomalies = None
 
     def resolve(self) -> None:
         """Attach stacks and per-node gradient names to records (after load or recording)."""

@@ -15,6 +15,7 @@ import torch
 
 from tracer.analysis.explain import add_note, explain_backward_error
 from tracer.model import BackwardRun, GradNode, NodeRun, TensorRecord, names
+from tracer.options import RaisedOnPurpose
 from tracer.record.engine import expect_backward
 from tracer.record.identity import identity
 from tracer.record.leaf_grads import LeafGradsMixin
@@ -366,7 +367,7 @@ class AutogradMixin(LeafGradsMixin):
             parent = self._running[-1] if self._running else (self._engine_node() if self._in_backward else None)
             run = BackwardRun(name=self.counters.next("grad" if api.endswith(".grad") else "backward"),
                               api=api, roots=roots, stack_id=stack_id, seq=len(self.trace.backward_runs),
-                              parent=parent)
+                              parent=parent, at=self._call_seq)
             self._run_index = run.seq  # gradients of the k-th run are named ...#k
             self._run = run
             self.trace.backward_runs.append(run)
@@ -458,7 +459,7 @@ class AutogradMixin(LeafGradsMixin):
                         failing = None
                 if failing is not None and failing not in self._running:
                     self._running.append(failing)
-                if outer[0] is None:
+                if outer[0] is None and not isinstance(exc, RaisedOnPurpose):  # (its message says it all)
                     self._explain(exc, run, list(self._running), unknown and len(self._running) <= depth)
             raise
         finally:
@@ -471,6 +472,7 @@ class AutogradMixin(LeafGradsMixin):
             if self._run is None:
                 self._running.clear()
                 self._open_steps.clear()
+                self.phases.open_window()
         if api.endswith(".grad"):
             with self.lock, torch._C.DisableTorchFunction():
                 results = flat_tensors(out)
@@ -572,7 +574,7 @@ class AutogradMixin(LeafGradsMixin):
                     self._infer_grad_before(ran)
             self._run_index = len(self.trace.backward_runs)
             self._run = BackwardRun(name=self.counters.next("backward"), api="(engine)", roots=[],
-                                    seq=len(self.trace.backward_runs))
+                                    seq=len(self.trace.backward_runs), at=self._call_seq)
             self.trace.backward_runs.append(self._run)
             self._open_runs.append(self._run.seq)  # no end is seen: filled till the block's end
         if self._reads_queued is not self._run:

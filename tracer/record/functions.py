@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tracer.model import Call
+from tracer.options import RaisedOnPurpose
 from tracer.record import naming
 from tracer.record.mode import (
     COMPILED_BACKWARDS,
@@ -66,7 +67,7 @@ class FunctionsMixin(RecorderState):
                 name=name, api=api, module=self._module_stack[-1] if self._module_stack else "",
                 inputs=in_names, outputs=[], args=naming.short_args(args, kwargs), stack_id=stack_id,
                 parent=self._parents[-1] if self._parents else None, kind="function",
-                phase="backward" if self._in_backward else "forward", seq=seq,
+                phase=self.phase_of(name, "function", in_names, ()), seq=seq,
                 error=f"{type(exc).__name__}: {exc}"))
 
 
@@ -80,7 +81,13 @@ def _traced_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
     original = _ORIGINAL_APPLY.__func__
     if rec is None or rec.closed or rec.paused or rec.stopped or rec.op_depth or not on_traced_thread(rec):
         return original(cls, *args, **kwargs)
-    return rec.record_function(cls, original, args, kwargs)
+    __tracebackhide__ = True  # an error raised on purpose reaches the program from here (see mode.py)
+    try:
+        return rec.record_function(cls, original, args, kwargs)
+    except Exception as exc:
+        if isinstance(exc, RaisedOnPurpose):
+            raise exc.with_traceback(None) from exc.__cause__
+        raise
 
 
 # ---- custom backward code: BackwardCFunction.apply runs a Function's backward (or vjp) -------------

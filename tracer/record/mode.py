@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch.overrides import TorchFunctionMode
 
+from tracer.options import RaisedOnPurpose
 from tracer.record.naming import tensor_backward
 
 if TYPE_CHECKING:
@@ -65,78 +66,87 @@ class RecordingMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
-        if kwargs is None:
-            kwargs = {}
-        if _dynamo_compiling():
-            COMPILED.ran = True
-            return func(*args, **kwargs)
-        rec = self.recorder
-        if rec is None or (type(func).__name__ in _OP_OVERLOADS and from_dispatch_handler()):
-            return func(*args, **kwargs)
-        try:  # ApiNames.describe, its cache hit inlined: this runs for every torch call
-            hit = rec.api.cache.get(func)
-        except TypeError:  # an unhashable callable
-            hit = None
-        if hit is None:
-            try:
-                hit = rec.api.describe(func)
-            except Exception as exc:  # gradtrace's own fault: see tracer.record.failsafe
-                rec.recorder_failed(exc)
+        # An error gradtrace raises on purpose (raise_on_nonfinite, a tripped watch) reaches the
+        # program from here, its traceback cut to this frame (which pytest and IPython hide) and
+        # the program's own: the recorder's and torch's frames below say nothing to the user.
+        __tracebackhide__ = True
+        try:  # (free in CPython 3.11+ until something raises)
+            if kwargs is None:
+                kwargs = {}
+            if _dynamo_compiling():
+                COMPILED.ran = True
                 return func(*args, **kwargs)
-        api, short, kind, writes = hit
-        if kind == "skip":
-            return func(*args, **kwargs)
-        if kind == "grad_alias" or kind == "data_alias":
-            # p.grad / p.data: read by the hundred inside optimizer steps (paused: nothing to
-            # do), so before the open step's frame test below, which every op inside it pays.
-            out = func(*args, **kwargs)
-            if out is not None and not (rec.paused or rec.stopped):
+            rec = self.recorder
+            if rec is None or (type(func).__name__ in _OP_OVERLOADS and from_dispatch_handler()):
+                return func(*args, **kwargs)
+            try:  # ApiNames.describe, its cache hit inlined: this runs for every torch call
+                hit = rec.api.cache.get(func)
+            except TypeError:  # an unhashable callable
+                hit = None
+            if hit is None:
                 try:
-                    if kind == "grad_alias":
-                        rec.grad_alias(args[0], out)
-                    else:
-                        rec.data_alias(args[0], out)
+                    hit = rec.api.describe(func)
                 except Exception as exc:  # gradtrace's own fault: see tracer.record.failsafe
                     rec.recorder_failed(exc)
-            return out
-        if rec.open_step is not None and not rec.step_running():
-            try:
-                rec.close_step("optimizer.step() raised; its changes up to there are recorded")
-            except Exception as exc:
-                rec.recorder_failed(exc)
-        # Tensor.backward is run as naming.tensor_backward: the function the mode was handed may
-        # be a program's wrapper of it, which has run already (it handed the call on).
-        if rec.paused or rec.stopped:
-            if kind == "backward" and api == "Tensor.backward":
-                func = tensor_backward
-            return func(*args, **kwargs)
-        if kind == "backward":
-            return rec.record_backward(tensor_backward if api == "Tensor.backward" else func, api, args, kwargs)
-        if kind == "hook":
-            try:
-                rec.tensor_hook_registered()
-            except Exception as exc:
-                rec.recorder_failed(exc)
-            return func(*args, **kwargs)
-        if kind == "retain":
-            out = func(*args, **kwargs)
-            try:
-                rec.grad_retained(args[0])
-            except Exception as exc:
-                rec.recorder_failed(exc)
-            return out
-        if kind == "set_data":
-            return rec.record_set_data(func, api, short, args, kwargs, writes)
-        if kind == "collective":
-            # References to collectives taken before the trace land here, not in the wrappers
-            # (tracer.features.distributed sets the hook while a process group is traced).
-            hook = rec.collective_hook
-            wrapped = hook(rec, func) if hook is not None else None
-            if wrapped is not None:
-                return wrapped(*args, **kwargs)
-            kind = "op"
-        return rec.record_call(func, api, short, kind, args, kwargs, writes)
+                    return func(*args, **kwargs)
+            api, short, kind, writes = hit
+            if kind == "skip":
+                return func(*args, **kwargs)
+            if kind == "grad_alias" or kind == "data_alias":
+                # p.grad / p.data: read by the hundred inside optimizer steps (paused: nothing to
+                # do), so before the open step's frame test below, which every op inside it pays.
+                out = func(*args, **kwargs)
+                if out is not None and not (rec.paused or rec.stopped):
+                    try:
+                        if kind == "grad_alias":
+                            rec.grad_alias(args[0], out)
+                        else:
+                            rec.data_alias(args[0], out)
+                    except Exception as exc:  # gradtrace's own fault: see tracer.record.failsafe
+                        rec.recorder_failed(exc)
+                return out
+            if rec.open_step is not None and not rec.step_running():
+                try:
+                    rec.close_step("optimizer.step() raised; its changes up to there are recorded")
+                except Exception as exc:
+                    rec.recorder_failed(exc)
+            # Tensor.backward is run as naming.tensor_backward: the function the mode was handed may
+            # be a program's wrapper of it, which has run already (it handed the call on).
+            if rec.paused or rec.stopped:
+                if kind == "backward" and api == "Tensor.backward":
+                    func = tensor_backward
+                return func(*args, **kwargs)
+            if kind == "backward":
+                return rec.record_backward(tensor_backward if api == "Tensor.backward" else func, api, args, kwargs)
+            if kind == "hook":
+                try:
+                    rec.tensor_hook_registered()
+                except Exception as exc:
+                    rec.recorder_failed(exc)
+                return func(*args, **kwargs)
+            if kind == "retain":
+                out = func(*args, **kwargs)
+                try:
+                    rec.grad_retained(args[0])
+                except Exception as exc:
+                    rec.recorder_failed(exc)
+                return out
+            if kind == "set_data":
+                return rec.record_set_data(func, api, short, args, kwargs, writes)
+            if kind == "collective":
+                # References to collectives taken before the trace land here, not in the wrappers
+                # (tracer.features.distributed sets the hook while a process group is traced).
+                hook = rec.collective_hook
+                wrapped = hook(rec, func) if hook is not None else None
+                if wrapped is not None:
+                    return wrapped(*args, **kwargs)
+                kind = "op"
+            return rec.record_call(func, api, short, kind, args, kwargs, writes)
 
+        except Exception as exc:
+            if isinstance(exc, RaisedOnPurpose):
+                raise exc.with_traceback(None) from exc.__cause__
+            raise
 
 # The grad node the autograd engine runs on this thread (private; without it a compiled region's
 # backward is recorded op by op instead of staying opaque).

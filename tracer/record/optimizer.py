@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from tracer.options import RaisedOnPurpose
 from tracer.record.calls import PendingCall
 from tracer.record.identity import identity
 from tracer.record.state import RecorderState
@@ -135,11 +136,14 @@ class OptimizerMixin(RecorderState):
             self._handles.append(optimizer.register_step_post_hook(self._optimizer_post))
 
     def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        __tracebackhide__ = True  # (raise_on_nonfinite stops here at a NaN the step made)
         st = self.open_step
         if st is not None and st.optimizer is optimizer and threading.get_ident() == self.owner:
             try:
                 self.close_step()
             except Exception as exc:  # gradtrace's own fault: see tracer.record.failsafe
+                if isinstance(exc, RaisedOnPurpose):  # raise_on_nonfinite: from here, not from below
+                    raise exc.with_traceback(None) from exc.__cause__
                 self.recorder_failed(exc)
 
     def step_running(self) -> bool:

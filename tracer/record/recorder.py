@@ -33,7 +33,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tracer.model import Call, TensorRecord, Trace, names
-from tracer.model.records import CallKind, Role
+from tracer.model.records import CallKind, Phase, Role
 from tracer.options import TraceOptions
 from tracer.record import naming
 from tracer.record.arrivals import install_rebuild_wrappers, uninstall_rebuild_wrappers
@@ -425,10 +425,19 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin, Swap
                 module = self._module_stack[-1]
             else:  # in backward: the module of the running node's forward call
                 module = self._node_modules.get(running[-1], "") if running else ""
+            # The phase (tracer.record.phases): the usual call, inside a module's forward, decides
+            # with two tests.
+            if self._in_backward:
+                phase: Phase = "backward"
+            elif self._module_stack and kind != "optimizer":
+                phase = "forward"
+                if self.phases.window_open:
+                    self.phases.module_call()
+            else:
+                phase = self.phases.outside_modules(name, kind, in_names, produced, bool(mutated))
             # Positional, in Call's field order: this runs for every recorded call.
             call = Call(name, api, module, in_names, out_names, naming.short_args(args, kwargs), node_names,
-                        stack_id, parent, kind, "backward" if self._in_backward else "forward",  # type: ignore[arg-type]
-                        seq, mutated_names)
+                        stack_id, parent, kind, phase, seq, mutated_names)  # type: ignore[arg-type]
             self.trace.calls.append(call)
             if running and parent == running[-1]:  # made by a grad node's own code
                 step = self._open_steps.get(parent)
@@ -564,11 +573,12 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin, Swap
                        in_names: list[str], seq: int, exc: BaseException) -> None:
         with self.lock, torch._C.DisableTorchFunction():
             stack_id = self.stack_table.capture() if self.stack_table is not None else None
-            call = Call(name=self.counters.next(short), api=api,
+            name = self.counters.next(short)
+            call = Call(name=name, api=api,
                         module=self._module_stack[-1] if self._module_stack else "", inputs=in_names,
                         outputs=[], args=naming.short_args(args, kwargs), stack_id=stack_id,
                         parent=self._parents[-1] if self._parents else None, kind=cast(CallKind, kind),
-                        phase="backward" if self._in_backward else "forward", seq=seq,
+                        phase=self.phase_of(name, kind, in_names, ()), seq=seq,
                         error=f"{type(exc).__name__}: {exc}")
             self.trace.calls.append(call)
 

@@ -251,9 +251,10 @@ class TraceSession:
         t.resolve()
         if self.options.numerics and exc is None:
             report = t.anomalies
-            if not report.clean:
-                warnings.warn(f"gradtrace: non-finite values found\n{report}", NumericsWarning,
-                              stacklevel=user_stacklevel())
+            # The report's story, the same words as every other surface; a step GradScaler skipped
+            # for an overflow of its loss scale is not a fault (the report still says so).
+            if not report.clean and report.skipped_step is None:
+                warnings.warn(f"gradtrace: {report}", NumericsWarning, stacklevel=user_stacklevel())
         if self._writer is not None:
             self._flush(final=True)
             self._writer.write([{"t": "meta", "seconds": t.meta["seconds"]}, t.end_record()])

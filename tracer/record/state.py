@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tracer.model import BackwardRun, Call, GradNode, NodeRun, TensorRecord, Trace, names
-from tracer.model.records import Role
-from tracer.options import TraceOptions
+from tracer.model.records import Phase, Role
+from tracer.options import RaisedOnPurpose, TraceOptions
 from tracer.record import naming
 from tracer.record.checksums.hasher import Hasher
 from tracer.record.failsafe import failure_note, passes_on
@@ -24,6 +24,7 @@ from tracer.record.identity import identity
 from tracer.record.listeners import Listener
 from tracer.record.module_roots import name_in_callers, parameter_path, swaps_parameters
 from tracer.record.owners import constructing_a_module, needs_search, owning_root_module
+from tracer.record.phases import PhaseTracker
 from tracer.record.stacks import StackTable
 from tracer.record.tensors import (
     DEVICE_NAMES,
@@ -105,6 +106,7 @@ class RecorderState:
         # collective the mode met, or None.
         self.collective_hook: Callable[[Any, Any], Callable[..., Any] | None] | None = None
         self._in_backward = 0
+        self.phases = PhaseTracker(trace.tensors)  # which phase each call is in
         # >0 while a recorded op runs: a Function applied inside an op (a torch.library custom
         # op's generated autograd Function) is that op's implementation, not a call of its own.
         self.op_depth = 0
@@ -184,6 +186,17 @@ class RecorderState:
         self._owner_searches = 0  # passes over the live objects made for this trace (see _name_model_of)
         self._self_ref = weakref.ref(self)
         self.node_attribution = "sequence-number" if get_seq is not None else "first-seen"
+
+    def phase_of(self, name: str, kind: str, in_names: Sequence[str], produced: Sequence[Any],
+                 writes: bool = False) -> Phase:
+        """The phase of a call named ``name`` about to be recorded (tracer.record.phases): for
+        features that build their own ``Call`` (collectives, custom Functions). ``writes``: it
+        wrote a tensor in place."""
+        if self._in_backward:
+            return "backward"
+        if self._module_stack and kind != "optimizer":
+            return self.phases.module_call()
+        return self.phases.outside_modules(name, kind, in_names, produced, writes)
 
     # ---- tensors ------------------------------------------------------------------------------
     def _new_tensor(self, t: torch.Tensor, name: str, role: Role, producer: str | None,
@@ -631,6 +644,9 @@ class RecorderState:
         """gradtrace's own code raised ``exc`` while recording, inside the user's program
         (tracer.record.failsafe): stop recording and keep the trace; or pass ``exc`` on, when
         gradtrace raised it on purpose or runs strict."""
+        __tracebackhide__ = True
+        if isinstance(exc, RaisedOnPurpose):  # (its traceback below here is gradtrace's own)
+            raise exc.with_traceback(None) from exc.__cause__
         if passes_on(exc):
             raise exc
         self.failed = True

@@ -25,7 +25,7 @@ from tracer.features.watch.core import (
     Incident,
     NonFiniteStepError,
     Policy,
-    ReportWriter,
+    ReportOption,
     SnapshotPlacement,
     Watch,
     WatchTripped,
@@ -37,7 +37,7 @@ from tracer.features.watch.triggers import Spike, Trigger
 def watch(model: Any, optimizer: Any, *, on: str | Trigger | Callable[[Any], Any] = "nonfinite",
           out: str | os.PathLike[str] | None = "incident.gtrace", policy: Policy = "raise",
           snapshots: SnapshotPlacement = "auto", lag: int | None = None, grads: bool | None = None,
-          report: ReportWriter | None = None, status_every: int | None = None, **trace_options: Any) -> Watch:
+          report: ReportOption = None, status_every: int | None = None, **trace_options: Any) -> Watch:
     """Watch a training step cheaply; on a trip, replay it under a full trace.
 
     Use the result as a decorator (``@tracer.watch(model, opt)``), as a wrapper
@@ -56,8 +56,10 @@ def watch(model: Any, optimizer: Any, *, on: str | Trigger | Callable[[Any], Any
     asynchronous) or ``"auto"`` (device when all snapshots fit in half the free device memory).
     ``lag``: steps between a step and the reading of its flag (default 1 on GPUs, 0 on the CPU);
     ``lag + 1`` snapshots are kept. ``grads``: snapshot the gradients too (default: when any
-    parameter holds one as the step begins). ``report``: writes the HTML report of an incident,
-    ``(trace, path)`` (e.g. ``export.html``; ``gradtrace run --watch`` sets it).
+    parameter holds one as the step begins). ``report``: the HTML report written beside each
+    incident trace (``incident.step37.html``): by default gradtrace's own (found as the
+    ``gradtrace.report_writers`` plug-in); a callable ``(trace, path)`` writes another; ``False``
+    writes none.
     ``status_every``: log the status line every N steps (``gradtrace.watch`` logger, INFO).
     ``trace_options``: those of ``tracer.trace`` for the replay (``hash``, ``memory``, ...).
     """

@@ -14,12 +14,18 @@ One watched step, ``K``:
 4. When it tripped: restore step K's snapshot, replay step K (the same function and arguments,
    the same random state) under ``TraceSession(check_numerics=True, ...)``, save the incident
    trace with what the replay showed (``meta["watch"]``: did it reproduce the trigger, with the
-   same loss bits?), write the HTML report when a report writer is set, then follow the policy:
-   ``"raise"`` restores the state from before step K and raises (``NonFiniteStepError``, a
-   ``tracer.NonFiniteError``, when the replay found the first NaN/Inf; ``WatchTripped``
-   otherwise); ``"skip"`` restores the state from before step K and goes on; ``"continue"``
-   puts back the state the run had reached and goes on. Steps after K that ran before its flag
-   was read (``lag`` of them at most) are undone by ``raise`` and ``skip``: ``incident.undone``.
+   same loss bits?) and follow the policy: ``"raise"`` restores the state from before step K and
+   raises (``NonFiniteStepError``, a ``tracer.NonFiniteError``, when the replay found the first
+   NaN/Inf; ``WatchTripped`` otherwise) from the caller's frame; ``"skip"`` restores the state
+   from before step K and goes on; ``"continue"`` puts back the state the run had reached and goes
+   on. Steps after K that ran before its flag was read (``lag`` of them at most) are undone by
+   ``raise`` and ``skip``: ``incident.undone``.
+5. The state is put in place first; then the incident trace is saved and its HTML report written
+   beside it (the report by the ``gradtrace.report_writers`` plug-in: tracer does not import
+   export; ``report=False`` skips it). A save that fails (a missing directory, a full disk) is said
+   in a warning naming the path, and the run goes on as the policy says.
+6. One message per incident, the numerics report's story with what was restored and what to run
+   next: the exception's under ``"raise"``, a warning of the ``gradtrace.watch`` logger otherwise.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from typing import Any, Literal, TypeVar
 import torch
 import torch.distributed as dist
 
-from tracer.analysis.numerics import Anomaly, NonFiniteError
+from tracer.analysis.numerics import Anomaly, NonFiniteError, NumericsReport
 from tracer.features import logs as _logs  # noqa: F401  (installs the gradtrace console handler)
 from tracer.features.distributed import rank_path
 from tracer.features.plugins import session_plugins
@@ -67,7 +73,8 @@ DEVICE_SHARE = 0.5
 
 @dataclass
 class Incident:
-    """One tripped step: what fired, what the replay showed, where its trace went."""
+    """One tripped step: what fired, what the replay showed, what state the run is in, where its
+    trace went."""
 
     step: int
     trigger: str
@@ -79,33 +86,59 @@ class Incident:
     same_loss_bits: bool | None  # None: the step returned no loss
     original: dict[str, float | None]
     replay: dict[str, float | None]
-    anomaly: Anomaly | None  # the replay's first NaN/Inf (forward first)
+    anomaly: Anomaly | None  # the headline of the replay's numerics report (its first NaN/Inf)
     undone: list[int] = field(default_factory=list)
     rank: int | None = None
     replay_error: str | None = None
     trace: Trace | None = None
+    numerics: NumericsReport | None = None  # the replay's story, the one every surface renders
+    save_error: str | None = None  # why the incident trace (or its report) could not be written
+
+    def restored(self) -> str:
+        """What state the run is in now, by the policy."""
+        undone = f" (steps {', '.join(map(str, self.undone))} undone with it: they ran before its flag was read)" \
+            if self.undone else ""
+        if self.policy == "continue":
+            return "the run keeps the state it had reached (policy continue): the bad step's update stays"
+        after = "the run goes on from there (policy skip)" if self.policy == "skip" else "raised (policy raise)"
+        return (f"parameters, buffers, optimizer state and random state restored to before step {self.step}"
+                f"{undone}; {after}")
+
+    def next_command(self) -> str | None:
+        """What to run next to look at the incident."""
+        if self.path is None:
+            return "the replayed step is kept in memory: incident.trace (give out= to save it)"
+        show = f"gradtrace show {self.path} {self.anomaly.producer}" if self.anomaly is not None else \
+            f"gradtrace summary {self.path}"
+        return f"next: {show}; open {self.report}" if self.report else f"next: {show}; gradtrace report {self.path}"
 
     def describe(self) -> str:
+        """The incident's one message: the trigger, the replay's story, the state, the files, next."""
         lines = [f"gradtrace watch: step {self.step} tripped: {self.reason}"]
-        if self.anomaly is not None:
+        if self.numerics is not None and not self.numerics.clean:
+            lines.append(self.numerics.describe())
+        elif self.anomaly is not None:
             lines.append(self.anomaly.describe())
         if not self.reproduced:
             lines.append("the replay did not reproduce it (" + _replay_words(self) + "); the trace holds the replayed "
                          "step anyway")
         if self.replay_error is not None:
             lines.append(f"the replay raised {self.replay_error}")
+        lines.append(self.restored())
         if self.path is not None:
-            lines.append(f"incident trace: {self.path}" + (f", report: {self.report}" if self.report
-                                                          else f" (report: gradtrace report {self.path})"))
-        if self.undone:
-            lines.append(f"steps undone with it (they ran before its flag was read): "
-                         f"{', '.join(map(str, self.undone))}")
+            lines.append(f"incident trace: {self.path}" + (f", report: {self.report}" if self.report else ""))
+        if self.save_error is not None:
+            lines.append(self.save_error)
+        nxt = self.next_command()
+        if nxt is not None:
+            lines.append(nxt)
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
         return {"step": self.step, "trigger": self.trigger, "reason": self.reason, "policy": self.policy,
                 "reproduced": self.reproduced, "same_loss_bits": self.same_loss_bits, "original": self.original,
-                "replay": self.replay, "undone": self.undone, "rank": self.rank, "replay_error": self.replay_error}
+                "replay": self.replay, "undone": self.undone, "rank": self.rank, "replay_error": self.replay_error,
+                "headline": None if self.numerics is None else self.numerics.headline_text()}
 
 
 def _replay_words(i: Incident) -> str:
@@ -124,12 +157,14 @@ class WatchTripped(RuntimeError, RaisedOnPurpose):
 
 class NonFiniteStepError(NonFiniteError, WatchTripped):
     """A watched step tripped and its replay found the first NaN/Inf: a ``tracer.NonFiniteError``
-    (``.anomaly``: the op and the user's line) that is also a ``WatchTripped`` (``.incident``)."""
+    (``.anomaly``: the op and the user's line; ``.report``: the replay's story) that is also a
+    ``WatchTripped`` (``.incident``)."""
 
     def __init__(self, incident: Incident) -> None:
         assert incident.anomaly is not None
         FloatingPointError.__init__(self, incident.describe())
         self.anomaly = incident.anomaly
+        self.report = incident.numerics
         self.incident = incident
 
 
@@ -172,6 +207,8 @@ class _Pending:
 
 
 ReportWriter = Callable[[Trace, str], object]
+# report=: None or True, the HTML report by the gradtrace.report_writers plug-in; False, none.
+ReportOption = ReportWriter | bool | None
 
 
 class Watch:
@@ -180,7 +217,7 @@ class Watch:
     def __init__(self, model: torch.nn.Module | None, optimizer: Any, *, on: Any = "nonfinite",
                  out: str | os.PathLike[str] | None = "incident.gtrace", policy: Policy = "raise",
                  snapshots: SnapshotPlacement = "auto", lag: int | None = None, grads: bool | None = None,
-                 report: ReportWriter | None = None, status_every: int | None = None,
+                 report: ReportOption = None, status_every: int | None = None,
                  **trace_options: Any) -> None:
         self.options = check_options(model=model, on=on, out=out, policy=policy, snapshots=snapshots, lag=lag,
                                      status_every=status_every, **trace_options)
@@ -221,7 +258,11 @@ class Watch:
 
         @functools.wraps(fn)
         def watched(*args: Any, **kwargs: Any) -> Any:
-            return self.run(fn, *args, **kwargs)
+            __tracebackhide__ = True
+            try:
+                return self.run(fn, *args, **kwargs)
+            except WatchTripped as exc:  # raised from here, the frame the program called
+                raise exc.with_traceback(None) from exc.__cause__
 
         watched.watch = self  # type: ignore[attr-defined]
         return watched  # type: ignore[return-value]
@@ -236,7 +277,11 @@ class Watch:
         except BaseException:
             self.abort_step()
             raise
-        self.end_step(result, functools.partial(fn, *args, **kwargs))
+        __tracebackhide__ = True
+        try:
+            self.end_step(result, functools.partial(fn, *args, **kwargs))
+        except WatchTripped as exc:  # from the caller's frame: the watch's own frames say nothing
+            raise exc.with_traceback(None) from exc.__cause__
         return result
 
     # ---- the protocol the framework callbacks use ------------------------------------------------
@@ -379,6 +424,7 @@ class Watch:
         entry.snapshot.restore(self.model, self.optimizer)
         trace, replayed, error = self._replay(entry)
         incident = self._record(entry, values, replayed, trace, error, later)
+        # The policy's state first: whatever happens to the files, the run goes on from it.
         if self.policy == "continue":
             assert reached is not None
             reached.restore(self.model, self.optimizer)
@@ -386,9 +432,38 @@ class Watch:
             entry.snapshot.restore(self.model, self.optimizer)
             self._pending.clear()
         self.incidents.append(incident)
-        LOG.warning(incident.describe())
-        if self.policy == "raise":
+        self._write(incident)
+        if self.policy == "raise":  # the exception is the incident's one message
             raise NonFiniteStepError(incident) if incident.anomaly is not None else WatchTripped(incident)
+        LOG.warning(incident.describe())
+
+    def _write(self, incident: Incident) -> None:
+        """Save the incident trace and write its HTML report beside it; a failure is said (a
+        warning naming the path, and in the incident's message), never raised."""
+        trace = incident.trace
+        if trace is None or self.out is None:
+            return
+        path = with_tag(self.out, f"step{incident.step}")
+        if incident.rank is not None:
+            path = rank_path(path, incident.rank)
+        try:
+            trace.save(path)
+        except Exception as exc:  # a missing directory, a full disk, no permission
+            incident.save_error = (f"the incident trace could not be saved to {path} ({type(exc).__name__}: {exc}); "
+                                   "the replayed step is kept in memory: incident.trace")
+            warnings.warn(f"gradtrace watch: {incident.save_error}", RuntimeWarning, stacklevel=2)
+            return
+        incident.path = path
+        writer = self.report if callable(self.report) else registry.html_writer() if self.report is not False else None
+        if writer is None:
+            return
+        page = sibling(path, ".html")
+        try:
+            writer(trace, page)
+            incident.report = page
+        except Exception as exc:  # the trace is saved; the report is a convenience
+            incident.save_error = f"the report {page} could not be written ({type(exc).__name__}: {exc})"
+            warnings.warn(f"gradtrace watch: {incident.save_error}", RuntimeWarning, stacklevel=2)
 
     def _replay(self, entry: _Pending) -> tuple[Trace | None, FlagValues | None, BaseException | None]:
         sentinel = self._sentinel
@@ -421,35 +496,17 @@ class Watch:
         same_bits = None if values.loss is None or replayed is None or replayed.loss is None \
             else _bits(values.loss) == _bits(replayed.loss)
         reproduced = replayed is not None and replayed.bad_anywhere and same_bits is not False
-        anomaly = None
-        if trace is not None:
-            found = trace.anomalies.anomalies()
-            # The op that made the value, not where it went next: an optimizer step that read NaN
-            # gradients is a forward-phase call too, but it comes after the backward that made them.
-            anomaly = next((a for a in found if a.origin and not a.from_forward), found[0] if found else None)
+        numerics = trace.anomalies if trace is not None else None
+        anomaly = numerics.headline if numerics is not None else None
         rank = dist.get_rank() if self._distributed else None
         incident = Incident(entry.step, self.trigger.name, self.trigger.explain(values, entry.context), self.policy,
                             None, None, reproduced, same_bits, original, replay, anomaly, later, rank,
-                            None if error is None else f"{type(error).__name__}: {error}", trace)
+                            None if error is None else f"{type(error).__name__}: {error}", trace, numerics)
         if trace is not None:
             trace.meta["watch"] = incident.to_json()
             trace.notes.append(f"watch: step {entry.step} tripped ({incident.reason}); "
                                + ("the replay reproduced it" + (" with the same loss bits" if same_bits else "")
                                   if reproduced else "the replay did NOT reproduce it: " + _replay_words(incident)))
-            if self.out is not None:
-                path = with_tag(self.out, f"step{entry.step}")
-                if rank is not None:
-                    path = rank_path(path, rank)
-                trace.save(path)
-                incident.path = path
-                writer = self.report or registry.default_report
-                if writer is not None:
-                    page = sibling(path, ".html")
-                    try:
-                        writer(trace, page)
-                        incident.report = page
-                    except Exception as exc:  # the trace is saved; the report is a convenience
-                        LOG.error(f"gradtrace watch: could not write the report {page}: {exc}")
         return incident
 
 

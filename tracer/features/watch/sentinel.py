@@ -2,7 +2,9 @@
 
 While a watched step runs, the sentinel gathers device scalars: the loss the step returned, the
 global norm of the gradients when the optimizer is about to read them (an optimizer step
-pre-hook) and the global norm of the parameters once it has written them (a post-hook). A norm
+pre-hook) and, in a step where the optimizer stepped, the global norm of the parameters at the
+step's end (after what the step did past the optimizer too: an EMA or Lookahead folded back
+into the weights, a clamp). A norm
 is NaN or Inf as soon as one element is (a norm above about 1e19 also overflows to Inf: such a
 step is broken anyway). At the step's end they are stacked into one small vector with a
 ``bad`` element computed on the device from the trigger, and copied to pinned host memory
@@ -50,7 +52,7 @@ class FlagValues:
     def reason(self) -> str:
         """What was not finite, in words."""
         parts = [f"{name} is {_word(v)}" for name, v in (("the loss", self.loss), ("the gradient norm", self.grad_norm),
-                                                           ("the parameter norm after the optimizer step",
+                                                           ("the parameter norm at the end of the step",
                                                             self.param_norm))
                  if v is not None and not math.isfinite(v)]
         return ", ".join(parts)
@@ -129,7 +131,7 @@ class Sentinel:
         self.active = False
         self._losses: list[torch.Tensor] = []
         self._grad_norms: list[torch.Tensor] = []
-        self._param_norms: list[torch.Tensor] = []
+        self._stepped = False  # the optimizer stepped in this step: measure the parameters at its end
         self._handles: list[Any] = []
         self._param_list: list[torch.Tensor] = []
         if optimizer is not None:
@@ -142,7 +144,7 @@ class Sentinel:
         self._handles = []
 
     def begin(self) -> None:
-        self._losses, self._grad_norms, self._param_norms = [], [], []
+        self._losses, self._grad_norms, self._stepped = [], [], False
         self._param_list = model_parameters(self.model, self.optimizer)
         self.active = True
 
@@ -165,8 +167,7 @@ class Sentinel:
 
     def _after_optimizer(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.active:
-            with _quiet():
-                self._param_norms.append(_total_norm([p.detach() for p in self._params()]))
+            self._stepped = True
 
     def _grad_norm(self) -> torch.Tensor:
         with _quiet():
@@ -183,10 +184,11 @@ class Sentinel:
                 self._losses.append(loss.detach().reshape(()).float())
             if not self._grad_norms and any(p.grad is not None for p in self._params()):
                 self._grad_norms.append(self._grad_norm())
-            device = _device_of(self._losses, self._grad_norms, self._param_norms, self._params())
+            param_norms = [_total_norm([p.detach() for p in self._params()])] if self._stepped else []
+            device = _device_of(self._losses, self._grad_norms, param_norms, self._params())
             slots = [_combine(self._losses, device, total=True), _combine(self._grad_norms, device),
-                     _combine(self._param_norms, device)]
-            has = (bool(self._losses), bool(self._grad_norms), bool(self._param_norms))
+                     _combine(param_norms, device)]
+            has = (bool(self._losses), bool(self._grad_norms), bool(param_norms))
             values = torch.stack(slots)
             bad = trigger(values, result).to(device=device, dtype=torch.float32).reshape(1)
             vector = torch.cat([values, bad])

@@ -1,0 +1,230 @@
+"""The three phases of a step (tracer.model.phases): forward, backward, optimizer.
+
+What runs after the last backward on the gradients, parameters and optimizer state (clipping,
+GradScaler's unscale and update, the optimizer step, an EMA, zero_grad) is ``optimizer``; a
+micro-batch's data and model calls are ``forward`` again; a file of format version 2 gets its
+optimizer phase on load. The summary's Phases table is a golden (docs/trace-format.md shows it).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+from rich.console import Console
+
+import tracer
+from export.summary import render_summary
+from tests.test_dot import check_golden
+from tracer.analysis.memory_views import record_tables_data
+from tracer.model.display import PHASE_ORDER
+from tracer.model.records import PHASES
+
+
+def _loop(steps: int = 1, scaler: bool = False, ema: bool = True) -> tracer.Trace:
+    """Two micro-batches (the second's data prepared after the first's backward), GradScaler,
+    clipping, AdamW, an EMA copy updated in place, zero_grad(set_to_none=False)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters())
+    shadow = [p.detach().clone() for p in model.parameters()]
+    amp = torch.amp.GradScaler("cpu") if scaler else None
+    batches = torch.randn(2, 4, 8)
+    with tracer.trace() as t:
+        for x in batches:
+            x = x * 2  # the micro-batch's data
+            loss = model(x).pow(2).mean() / 2
+            (amp.scale(loss) if amp else loss).backward()
+        if amp:
+            amp.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if amp:
+            amp.step(opt)
+            amp.update()
+        else:
+            opt.step()
+        if ema:
+            with torch.no_grad():
+                for e, p in zip(shadow, model.parameters()):
+                    e.mul_(0.9).add_(p, alpha=0.1)
+        opt.zero_grad(set_to_none=False)
+    return t
+
+
+def _phases(t: tracer.Trace) -> dict[str, str]:
+    return {c.name: c.phase for c in t.calls}
+
+
+def test_what_runs_after_the_backward_is_the_optimizer_phase() -> None:
+    t = _loop(scaler=True)
+    phase = _phases(t)
+    # the model's calls and each micro-batch's data are forward, the second micro-batch too
+    assert all(phase[c.name] == "forward" for c in t.calls if c.module)
+    assert phase["mul0"] == phase["mul1"] == "forward"  # x * 2, before and after the first backward
+    # GradScaler's unscale (its inverse scale, found_inf), clipping, the step, the scaler's update,
+    # the EMA (the in-place mul_ of a copy, the add_ that reads the parameters), zero_grad
+    optimizer = [c.name for c in t.calls if c.phase == "optimizer"]
+    for name in ("reciprocal0", "full2", "_amp_foreach_non_finite_check_and_unscale_0", "_foreach_norm0",
+                 "clamp0", "_foreach_mul_0", "AdamW0", "_amp_update_scale_0", "mul_0", "add_0", "zero_0"):
+        assert name in optimizer, name
+    first_optimizer = min(c.seq for c in t.calls if c.phase == "optimizer")
+    assert all(c.phase == "optimizer" for c in t.calls if c.seq > first_optimizer)
+    # the scaled losses build a graph: forward
+    assert all(c.phase == "forward" for c in t.calls if c.seq < first_optimizer and not c.module and c.outputs
+               and t.tensors[c.outputs[0]].requires_grad)
+    # backward runs are placed among the calls
+    assert [r.at for r in t.backward_runs] == sorted(r.at for r in t.backward_runs)
+    assert all(r.at is not None for r in t.backward_runs)
+
+
+def test_a_step_trace_begins_in_the_optimizer_phase_of_the_step_before() -> None:
+    """Step N's trace begins inside step N-1's optimizer step: the EMA and zero_grad that follow
+    it in the loop are optimizer work; the first module call opens the forward."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    shadow = [p.detach().clone() for p in model.parameters()]
+    with tracer.trace(steps="1") as run:
+        for _ in range(2):
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            with torch.no_grad():
+                for e, p in zip(shadow, model.parameters()):
+                    e.mul_(0.5).add_(p, alpha=0.5)
+            opt.zero_grad(set_to_none=False)
+    t = run.traces[1]
+    names = [(c.name, c.phase) for c in t.calls]
+    assert names[:6] == [("mul_0", "optimizer"), ("add_0", "optimizer"), ("mul_1", "optimizer"),
+                         ("add_1", "optimizer"), ("zero_0", "optimizer"), ("zero_1", "optimizer")]
+    assert ("linear0", "forward") in names and ("SGD0", "optimizer") in names
+    forward = names[names.index(("linear0", "forward")):names.index(("SGD0", "optimizer"))]
+    assert forward and all(p == "forward" for _, p in forward)
+
+
+def test_a_format_2_file_gets_its_optimizer_phase_on_load(tmp_path: Path) -> None:
+    t = _loop()
+    path = tmp_path / "v3.gtrace"
+    t.save(path)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    for r in records:  # as version 2 wrote it: two phases, runs without their place among the calls
+        if r["t"] == "header":
+            r["version"] = 2
+        if r["t"] == "call" and r["phase"] == "optimizer":
+            r["phase"] = "forward"
+        r.pop("at", None)
+    old = tmp_path / "v2.gtrace.gz"
+    with gzip.open(old, "wt") as fh:
+        fh.write("".join(json.dumps(r) + "\n" for r in records))
+    loaded = tracer.load(old)
+    assert _phases(loaded) == _phases(t)
+    assert [r.at for r in loaded.backward_runs] == [None, None]
+    # the story reads the same from either file: the runs are placed after the losses they start from
+    assert loaded.anomalies.headline_text() == t.anomalies.headline_text()
+
+
+def test_the_summary_says_what_each_phase_holds(update_golden: bool) -> None:
+    """The Phases table of `gradtrace summary` (the example in docs/trace-format.md)."""
+    t = _loop()
+    console = Console(width=100, record=True, force_terminal=False)
+    render_summary(t, console)
+    lines = [line.rstrip() for line in console.export_text().splitlines()]
+    start = lines.index("Phases")
+    end = next(i for i in range(start + 3, len(lines)) if not lines[i].strip())
+    check_golden("summary_phases.txt", "\n".join(lines[start:end]) + "\n", update_golden)
+
+
+def test_memory_is_counted_by_phase() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(16, 16)
+    opt = torch.optim.AdamW(model.parameters())
+    with tracer.record_memory() as rec:
+        model(torch.randn(4, 16)).sum().backward()
+        opt.step()
+    assert {e["phase"] for e in rec.allocs} == {"forward", "backward", "optimizer"}
+    made = {e["owner"] for e in rec.allocs if e["phase"] == "optimizer"}
+    assert "AdamW0" in made
+    rows = {r[0] for r in next(t for t in record_tables_data(rec).tables if t.title == "By phase").rows}
+    assert rows == {"forward", "backward", "optimizer"}
+
+
+def test_the_watch_applies_the_policy_before_a_save_that_fails(tmp_path: Path) -> None:
+    """Issue 45 item 9: the incident cannot be saved (its directory is missing): the state is put
+    back first, a warning names the path, and the run goes on as the policy says."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = tmp_path / "missing" / "incident.gtrace"
+
+    @tracer.watch(model, opt, out=str(out), policy="skip")
+    def step(x: torch.Tensor) -> torch.Tensor:
+        loss = model(x).pow(2).mean() + x.abs().mean().log()  # log(0): -Inf for a zero batch
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    step(torch.ones(2, 4))
+    before = [p.detach().clone() for p in model.parameters()]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        step(torch.zeros(2, 4))  # trips: skipped, not raised
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    said = [str(w.message) for w in seen if "could not be saved" in str(w.message)]
+    assert len(said) == 1 and str(out.parent / "incident.step1.gtrace") in said[0]
+    [incident] = step.watch.incidents
+    assert incident.path is None and incident.trace is not None and incident.save_error is not None
+    step(torch.ones(2, 4))  # the run goes on: no NaN left behind, no new incident
+    assert len(step.watch.incidents) == 1 and all(torch.isfinite(p).all() for p in model.parameters())
+
+    # under raise: the state is put back, the save failure is in the message, the exception is the one raised
+    model2 = nn.Linear(4, 1)
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.1)
+    def step2(x: torch.Tensor) -> torch.Tensor:
+        loss = model2(x).sum() + x.abs().mean().log()
+        loss.backward()
+        opt2.step()
+        return loss
+
+    watched = tracer.watch(model2, opt2, out=str(out), policy="raise")(step2)
+    kept = [p.detach().clone() for p in model2.parameters()]
+    with warnings.catch_warnings(record=True), pytest.raises(tracer.WatchTripped) as info:
+        watched(torch.zeros(2, 4))
+    assert all(torch.equal(a, b) for a, b in zip(kept, model2.parameters()))
+    assert "could not be saved" in str(info.value)
+
+
+def test_report_false_writes_no_html_and_the_default_writes_it(tmp_path: Path) -> None:
+    for report, expect in ((None, True), (False, False)):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        out = tmp_path / f"r{expect}" / "incident.gtrace"
+        out.parent.mkdir()
+        def train(x: torch.Tensor, model: nn.Module = model, opt: torch.optim.Optimizer = opt) -> torch.Tensor:
+            loss = model(x).sum() + x.abs().mean().log()
+            loss.backward()
+            opt.step()
+            return loss
+
+        step = tracer.watch(model, opt, out=str(out), policy="skip", report=report)(train)
+        step(torch.zeros(2, 4))
+        [incident] = step.watch.incidents
+        assert (incident.report is not None) == expect
+        assert (out.parent / "incident.step0.html").is_file() == expect
+
+
+def test_the_docs_show_the_phases_golden() -> None:
+    """docs/trace-format.md and the README show the golden Phases table as it is."""
+    golden = (Path(__file__).parent / "golden" / "summary_phases.txt").read_text(encoding="utf-8").rstrip("\n")
+    root = Path(__file__).resolve().parents[1]
+    for doc in ("docs/trace-format.md", "README.md"):
+        assert golden in (root / doc).read_text(encoding="utf-8"), doc
+
+
+def test_one_order_of_the_phases() -> None:
+    assert PHASE_ORDER == PHASES == ("forward", "backward", "optimizer")
