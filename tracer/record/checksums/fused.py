@@ -42,6 +42,7 @@ import torch
 from tracer.model import TensorRecord
 from tracer.record.checksums.launcher import WARMUP, FastLaunch, fast_launcher
 from tracer.record.checksums.prewarm import triton_switched_off
+from tracer.record.own_work import HOST
 
 # Tuned on an H200 with benchmarks/fused_kernel.py: 8 KiB steps and 256 KiB per program read
 # 1.23 TB/s with stats and fingerprints together, against 0.95 TB/s for 4 KiB and 64 KiB (8 warps
@@ -195,7 +196,7 @@ class _PinnedSlots:
         try:
             # Normal tensors even under torch.inference_mode: every later batch writes into them.
             with torch.inference_mode(False):
-                self._buffers = [torch.empty(self.SLOT_WORDS, dtype=torch.int64, pin_memory=True)
+                self._buffers = [torch.empty(self.SLOT_WORDS, dtype=torch.int64, device=HOST, pin_memory=True)
                                  for _ in range(self.SLOTS)]
         except RuntimeError:  # pinning refused: the caller's path, from now on
             self._refused = True

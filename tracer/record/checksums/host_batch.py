@@ -30,6 +30,7 @@ import torch
 from tracer.model import TensorRecord
 from tracer.record.checksums import fingerprint as fp
 from tracer.record.checksums.bytes import as_bytes
+from tracer.record.own_work import HOST
 
 BLOCK = 1024  # words per block (4 KiB): a tensor's staged bytes start on a block boundary
 # Blocks per pass: 2 MiB of staged bytes (9% faster than 1 MiB on a step's mix of sizes; the
@@ -42,7 +43,7 @@ RAW_COPY = True  # contiguous tensors staged by memmove (False: by torch ops; A/
 def _row() -> torch.Tensor:
     """[2, 1, BLOCK] int32: o * K0 of each lane for o < BLOCK (int32 products wrap modulo 2^32)."""
     with torch.inference_mode(False):  # cached for the process: a normal tensor whatever the mode now
-        o = torch.arange(BLOCK, dtype=torch.int32)
+        o = torch.arange(BLOCK, dtype=torch.int32, device=HOST)
         return torch.stack([o * fp.s32(fp.KEY_A[0]), o * fp.s32(fp.KEY_B[0])]).view(2, 1, BLOCK)
 
 
@@ -61,7 +62,7 @@ def _padding_terms(words: int) -> tuple[int, int]:
     end = -(-words // BLOCK) * BLOCK
     if end == words:
         return 0, 0
-    i = torch.arange(words, end, dtype=torch.int64)
+    i = torch.arange(words, end, dtype=torch.int64, device=HOST)
     keys = torch.stack([(i * fp.KEY_A[0] + fp.KEY_A[2]) & fp.MASK32, (i * fp.KEY_B[0] + fp.KEY_B[2]) & fp.MASK32])
     h = torch.where(keys >= 1 << 31, keys - (1 << 32), keys).to(torch.int32)
     a, b = fp.fmix_lanes_(h).sum(dim=1, dtype=torch.int64).tolist()
@@ -92,11 +93,11 @@ class HostFingerprints:
         # the buffers are written in place by later passes, which inference tensors refuse
         # outside that mode.
         with torch.inference_mode(False):
-            self._stage = torch.zeros(BATCH_BLOCKS * BLOCK, dtype=torch.int32)
+            self._stage = torch.zeros(BATCH_BLOCKS * BLOCK, dtype=torch.int32, device=HOST)
             # The pass's two lane blocks and its scratch (also the large tensors' work buffers),
             # kept for the trace instead of allocated per pass.
-            self._lanes = torch.empty(2 * BATCH_BLOCKS * BLOCK, dtype=torch.int32)
-            self._scratch = torch.empty(2 * BATCH_BLOCKS * BLOCK, dtype=torch.int32)
+            self._lanes = torch.empty(2 * BATCH_BLOCKS * BLOCK, dtype=torch.int32, device=HOST)
+            self._scratch = torch.empty(2 * BATCH_BLOCKS * BLOCK, dtype=torch.int32, device=HOST)
             # (a view made under inference mode refuses in-place writes outside it, too)
             self._stage_bytes = self._stage.view(torch.uint8)
         self._stage_addr = self._stage.data_ptr()
@@ -164,7 +165,7 @@ def _block_bases(blocks: tuple[int, ...]) -> torch.Tensor:
     for n in blocks:  # each block's first key: its index in its own tensor
         bases_a += keys_a[:n]
         bases_b += keys_b[:n]
-    return torch.tensor([bases_a, bases_b], dtype=torch.int32).view(2, len(bases_a), 1)
+    return torch.tensor([bases_a, bases_b], dtype=torch.int32, device=HOST).view(2, len(bases_a), 1)
 
 
 def _fingerprint_pass(stage: torch.Tensor, used: int, waiting: Staged, h: torch.Tensor, tmp: torch.Tensor) -> None:
