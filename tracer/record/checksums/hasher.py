@@ -376,6 +376,20 @@ class Hasher:
             if sums is not None:
                 self._fingerprints.append((rec, sums, t.numel() * t.element_size()))
 
+    @property
+    def holds_tensors(self) -> bool:
+        """Whether tensors wait in batches that hold them (``fused``: CUDA), until launched."""
+        return self._fused is not None and self._fused.has_waiting
+
+    def let_go(self) -> None:
+        """Launch every waiting batch, so that no tensor of the program's stays held: the
+        autograd engine sums gradients in place only into a tensor nobody else holds (its input
+        buffers), and a leaf's accumulator keeps the gradient itself as ``.grad`` only when
+        nobody else holds it. Held there, the program got other ``.grad`` tensors, other version
+        counters and more memory than without the trace (see ``Recorder.let_go_after``)."""
+        if self.holds_tensors:
+            self.flush()
+
     @own_work
     def flush(self) -> None:
         """Launch the batched kernels for every waiting tensor (no sync). The recorder calls this
@@ -441,9 +455,10 @@ class Hasher:
             if n <= INLINE_BYTES:
                 rec.md5 = hashlib.md5(host_bytes(b)).hexdigest()
                 return
-            # Snapshot: the caller may change the tensor in place right after this call.
-            shares = b.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
-            snap = b.clone() if shares else b
+            # Snapshot: the caller may change the tensor in place right after this call. (``b``
+            # is a view of ``t`` exactly when it starts at t's first byte: a copy is a new
+            # allocation. Not compared by storages: see tracer.record.tensors.storage_key.)
+            snap = b.clone() if b.data_ptr() == t.data_ptr() else b
             self._reserve(n)
             fut = self._pool_get().submit(_md5_host, snap, None)
         else:

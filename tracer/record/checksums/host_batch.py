@@ -31,6 +31,7 @@ from tracer.model import TensorRecord
 from tracer.record.checksums import fingerprint as fp
 from tracer.record.checksums.bytes import as_bytes
 from tracer.record.own_work import HOST
+from tracer.record.tensors import storage_start
 
 BLOCK = 1024  # words per block (4 KiB): a tensor's staged bytes start on a block boundary
 # Blocks per pass: 2 MiB of staged bytes (9% faster than 1 MiB on a step's mix of sizes; the
@@ -72,17 +73,13 @@ def _padding_terms(words: int) -> tuple[int, int]:
 Staged = list[tuple[TensorRecord, int, int, int, int]]  # (record, first block, blocks, words, bytes)
 
 
-def _holds(t: torch.Tensor, n: int) -> bool:
-    """Whether ``t``'s storage holds its ``n`` bytes (FSDP resizes storages to 0 between uses):
-    reading past it would crash the process, by memmove or by torch's own ``copy_``."""
-    storage = t.untyped_storage()
-    if storage.data_ptr() == 0:
-        return False
-    if t.is_contiguous():
-        return storage.nbytes() >= t.storage_offset() * t.element_size() + n
-    # Any other layout (transposed, expanded with stride 0...): its last element's end.
-    last = t.storage_offset() + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-    return storage.nbytes() >= (last + 1) * t.element_size()
+def _holds(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage holds memory (FSDP resizes storages to 0 between uses): reading
+    a freed one would crash the process, by memmove or by torch's own ``copy_``. Read off the
+    tensor: asking the storage itself (``untyped_storage()``) would leave a Python object holding
+    it for good, and autograd then stops summing gradients into it in place (see
+    ``tracer.record.tensors.storage_key``)."""
+    return storage_start(t) != 0
 
 
 class HostFingerprints:
@@ -117,7 +114,7 @@ class HostFingerprints:
         start = self._used
         at = start * BLOCK * 4
         pad = blocks * BLOCK * 4 - n
-        if n and not _holds(t, n):  # (torch's own copy_ crashes the process on such a tensor)
+        if n and not _holds(t):  # (torch's own copy_ crashes the process on such a tensor)
             raise RuntimeError("its storage does not hold its bytes (freed or shrunk)")
         if RAW_COPY and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
             # Its bytes lie in row-major order at data_ptr(): copied and padded with two C
