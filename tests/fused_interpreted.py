@@ -15,11 +15,14 @@ triton is first imported. Prints one JSON object on stdout:
   ``trace.unseen_write``: a custom Function's forward writing a recorded value with no op seen;
   ``trace.inference_first``: an evaluation under ``torch.inference_mode`` first in the block;
 - ``protect``: ``Fused.protect`` before writes that do and do not reach a waiting tensor;
-- ``ddp``: a two-rank DDP step (gloo) through the immediate path and through the batches.
+- ``ddp``: a two-rank DDP step (gloo) through the immediate path and through the batches;
+- ``versions``: every version counter of a detection-style step's tensors (tests/version_recipes.py)
+  untraced, and traced through the batches with ``hash="fast"`` and ``hash="md5"`` (stats).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -318,10 +321,26 @@ def protect_results() -> dict[str, object]:
             "c": [recs["c"].fingerprint, fingerprint_reference(bytes(host_bytes(as_bytes(c))))]}
 
 
+def versions_results() -> dict[str, object]:
+    """The version counters of a detection-style step: untraced, and traced through the batches
+    (which hold their tensors until launched: never past a grad node's hook)."""
+    import tracer
+    from tests.version_recipes import versions_after
+
+    out: dict[str, object] = {"untraced": versions_after(None, 8)}
+    os.environ["GRADTRACE_FUSED_INTERPRET"] = "1"
+    try:
+        for hash in ("fast", "md5"):
+            out[hash] = versions_after(functools.partial(tracer.trace, hash=hash), 8)
+    finally:
+        del os.environ["GRADTRACE_FUSED_INTERPRET"]
+    return out
+
+
 def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     json.dump({"kernel": kernel_results(), "trace": trace_results(), "protect": protect_results(),
-               "ddp": ddp_results()}, sys.stdout)
+               "ddp": ddp_results(), "versions": versions_results()}, sys.stdout)
 
 
 if __name__ == "__main__":

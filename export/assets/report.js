@@ -27,6 +27,8 @@
   tensorRows.forEach(function (t) { tensors.set(t.name, t); });
   calls.forEach(function (c, i) { c.idx = i; callByName.set(c.name, c); });
   nodes.forEach(function (n, i) { n.idx = i; nodeByName.set(n.name, n); });
+  const runByName = new Map();
+  D.runs.forEach(function (r) { runByName.set(r.name, r); });
   const consumers = new Map();   // tensor name -> calls that read it
   calls.forEach(function (c) {
     c.inputs.forEach(function (t) {
@@ -825,8 +827,10 @@
     }
     return e;
   }
-  function linkTo(name, label) {
-    return el('a', { class: 'link mono', 'data-goto': name, text: label || name, onclick: function (ev) { ev.preventDefault(); goTo(name); } });
+  function linkTo(name, label, kind) {
+    // kind: what the link names when that is known (a tensor beside a call of the same name)
+    return el('a', { class: 'link mono', 'data-goto': kind ? kind + ':' + name : name, text: label || name,
+      onclick: function (ev) { ev.preventDefault(); goTo(name, kind); } });
   }
   function kv(rows) {
     const d = el('div', { class: 'kv' });
@@ -851,7 +855,7 @@
       if (name === null) { box.append(el('div', { class: 'tcard none', text: what + ' [' + slot + ']: none' })); return; }
       const t = tensors.get(name);
       const card = el('div', { class: 'tcard' + (isBadTensor(name) ? ' bad' : tensorMark(name) === 'mask' ? ' mask' : ''), 'data-tensor': name });
-      const top = el('div', { class: 'trow' }, names.length > 1 ? el('span', { class: 'slot', text: '[' + slot + ']' }) : null, linkTo(name));
+      const top = el('div', { class: 'trow' }, names.length > 1 ? el('span', { class: 'slot', text: '[' + slot + ']' }) : null, linkTo(name, null, 'tensor'));
       if (!t) { top.append(el('span', { class: 'meta', text: 'not recorded' })); card.append(top); box.append(card); return; }
       top.append(el('span', { class: 'meta', text: shapeText(t.shape) + ' · ' + t.dtype + ' · ' + t.device + (t.role !== 'output' ? ' · ' + t.role : '') }));
       card.append(top);
@@ -962,7 +966,7 @@
       n.next.forEach(function (m, j) { nx.append(el('div', null, '[' + j + '] ', m ? linkTo(m) : 'no edge')); });
       P.append(kv([['node class', el('code', { text: n.kind })], ['forward call', c ? linkTo(c.name) : (n.call || null)],
         ['API', c ? el('code', { text: c.api }) : null], ['module', c ? moduleLink(c.module) : null],
-        ['accumulates', n.param ? linkTo(n.param) : null], ['backward', runPosition(n)],
+        ['accumulates', n.param ? linkTo(n.param, null, 'tensor') : null], ['backward', runPosition(n)],
         ['next nodes', n.next.length ? nx : 'none (a leaf)']]));
       P.append(el('h3', { text: 'Gradients received' }), tensorTable(n.grads_in, 'grad in'));
       P.append(el('h3', { text: 'Gradients produced' }), tensorTable(n.grads_out, 'grad out'));
@@ -1008,10 +1012,10 @@
       P.append(el('div', null, el('span', { class: 'badge', text: 'tensor · ' + t.role })));
       P.append(el('h2', { text: t.name }));
       const readers = el('div');
-      (consumers.get(t.name) || []).slice(0, 40).forEach(function (ci, j) { if (j) readers.append(' '); readers.append(linkTo(calls[ci].name)); });
+      (consumers.get(t.name) || []).slice(0, 40).forEach(function (ci, j) { if (j) readers.append(' '); readers.append(linkTo(calls[ci].name, null, 'call')); });
       const acc = t.name.endsWith('.grad') ? t.name.slice(0, -5) + '/AccumulateGrad' : null;
       P.append(kv([['made by', t.producer ? linkTo(t.producer) : null], ['read by', readers.childNodes.length ? readers : null],
-        ['accumulated by', acc && nodeByName.has(acc) ? linkTo(acc) : null], ['replaces', t.previous ? linkTo(t.previous) : null],
+        ['accumulated by', acc && nodeByName.has(acc) ? linkTo(acc) : null], ['replaces', t.previous ? linkTo(t.previous, null, 'tensor') : null],
         ['requires grad', String(t.requires_grad)]]));
       P.append(el('h3', { text: 'Value' }), tensorTable([t.name], 'tensor'));
     }
@@ -1042,10 +1046,33 @@
     markTableSelection();
   }
   function selectGroup(gi, reveal) { select({ type: 'group', idx: gi }, { reveal: reveal }); }
-  function goTo(name) {
-    if (callByName.has(name)) return select({ type: 'call', idx: callByName.get(name).idx }, { reveal: true });
-    if (nodeByName.has(name)) return select({ type: 'node', idx: nodeByName.get(name).idx }, { reveal: true });
-    if (tensors.has(name)) return select({ type: 'tensor', name: name });
+  // Names are unique within a kind, not across kinds (a parameter held as `linear0` beside the
+  // call linear0): `kind:name` names one (call:, tensor:, node:, backward:), as t[...] and
+  // `gradtrace show` take it; a bare name goes to the call, else the grad node, the tensor, the
+  // backward run, the module or group (the search says when a name has several kinds).
+  const KINDS = { call: 'call', tensor: 'tensor', node: 'grad node', backward: 'backward run' };
+  function splitQualified(name) {
+    const at = name.indexOf(':');
+    const kind = at > 0 ? name.slice(0, at) : '';
+    return Object.prototype.hasOwnProperty.call(KINDS, kind) && at < name.length - 1 ? [kind, name.slice(at + 1)] : [null, name];
+  }
+  function kindsOf(name) {
+    return Object.keys(KINDS).filter(function (k) { return has(k, name); });
+  }
+  function has(kind, name) {
+    return kind === 'call' ? callByName.has(name) : kind === 'node' ? nodeByName.has(name)
+      : kind === 'tensor' ? tensors.has(name) : runByName.has(name);
+  }
+  function goTo(name, kind) {
+    if (!kind) {
+      const q = splitQualified(name);
+      if (q[0] && has(q[0], q[1])) { kind = q[0]; name = q[1]; }
+    }
+    if ((!kind || kind === 'call') && callByName.has(name)) return select({ type: 'call', idx: callByName.get(name).idx }, { reveal: true });
+    if ((!kind || kind === 'node') && nodeByName.has(name)) return select({ type: 'node', idx: nodeByName.get(name).idx }, { reveal: true });
+    if ((!kind || kind === 'tensor') && tensors.has(name)) return select({ type: 'tensor', name: name });
+    if ((!kind || kind === 'backward') && runByName.has(name)) return select({ type: 'trace' });   // the runs are listed there
+    if (kind) return;
     const gi = groups.findIndex(function (g) { return g.id === name || (g.kind === 'module' && g.path === name); });
     if (gi >= 0) return selectGroup(gi, true);
   }
@@ -1097,24 +1124,29 @@
 
   // ---- search ---------------------------------------------------------------------------------
   const index = [];
-  calls.forEach(function (c) { index.push({ name: c.name, what: 'call', extra: c.api, lc: c.name.toLowerCase(), lx: c.api.toLowerCase() + ' ' + c.module.toLowerCase() }); });
-  nodes.forEach(function (n) { index.push({ name: n.name, what: 'grad node', extra: n.kind, lc: n.name.toLowerCase(), lx: '' }); });
+  calls.forEach(function (c) { index.push({ name: c.name, kind: 'call', what: 'call', extra: c.api, lc: c.name.toLowerCase(), lx: c.api.toLowerCase() + ' ' + c.module.toLowerCase() }); });
+  nodes.forEach(function (n) { index.push({ name: n.name, kind: 'node', what: 'grad node', extra: n.kind, lc: n.name.toLowerCase(), lx: '' }); });
+  D.runs.forEach(function (r) { index.push({ name: r.name, kind: 'backward', what: 'backward run', extra: r.api, lc: r.name.toLowerCase(), lx: r.api.toLowerCase() }); });
   groups.forEach(function (g) {
     if (g.kind === 'root') return;
     const label = g.kind === 'module' ? g.id.slice(2) : g.id;
     index.push({ name: g.id, shown: g.kind === 'module' ? label : g.label, what: g.kind, extra: g.cls || g.where, lc: label.toLowerCase(), lx: g.label.toLowerCase() });
   });
-  tensorRows.forEach(function (t) { index.push({ name: t.name, what: 'tensor', extra: shapeText(t.shape) + ' ' + t.dtype, lc: t.name.toLowerCase(), lx: '' }); });
+  tensorRows.forEach(function (t) { index.push({ name: t.name, kind: 'tensor', what: 'tensor', extra: shapeText(t.shape) + ' ' + t.dtype, lc: t.name.toLowerCase(), lx: '' }); });
+  index.forEach(function (e) { if (e.kind && kindsOf(e.name).length > 1) e.shown = e.kind + ':' + e.name; });   // say which one
   function search(q) {
     // Calls whose name matches come first, so Enter selects the call and not the module it sits
     // in (a module named like its op: self.gelu holds gelu0); the rest ranked as: exact name,
     // then prefix, then a match that starts at a name component ("h.3.mlp" in
     // "transformer.h.3.mlp"), then any substring, then API/module text; shorter names first
-    q = q.trim().toLowerCase();
+    // "tensor:linear0": that kind's records only (a name several kinds share)
+    const qk = splitQualified(q.trim());
+    q = qk[1].toLowerCase();
     if (!q) return [];
     const hits = [];
     for (let i = 0; i < index.length && hits.length < 3000; i++) {
       const e = index[i];
+      if (qk[0] && e.kind !== qk[0]) continue;
       const at = e.lc.indexOf(q);
       let rank;
       if (at === 0) rank = e.lc.length === q.length ? 0 : 1;
@@ -1134,15 +1166,20 @@
     active = 0;
     st.hits = new Set();
     results.slice(0, 300).forEach(function (r) {
-      const c = callByName.get(r.name), n = nodeByName.get(r.name);
+      const c = r.kind === 'call' && callByName.get(r.name), n = r.kind === 'node' && nodeByName.get(r.name);
       if (c) st.hits.add('f' + repOf('c' + c.idx));
       if (n) st.hits.add('b' + repOf('n' + n.idx));
     });
     drawLinks();
     if (st.tab === 'table') renderTable();
     if (!results.length) { sBox.classList.toggle('open', !!sInput.value.trim()); if (sInput.value.trim()) sBox.append(el('div', { class: 'result', text: 'no match' })); return; }
+    const typed = splitQualified(sInput.value.trim()), shared = typed[0] ? [] : kindsOf(typed[1]);
+    if (shared.length > 1) {   // a bare name of several kinds: which, how to spell each, what Enter opens
+      sBox.append(el('div', { class: 'result note', text: '\u201c' + typed[1] + '\u201d names ' + shared.map(function (k) { return 'a ' + KINDS[k]; }).join(' and ')
+        + ': type ' + shared.map(function (k) { return k + ':' + typed[1]; }).join(' or ') + ' (Enter opens the first below)' }));
+    }
     results.slice(0, 40).forEach(function (r, j) {
-      const row = el('div', { class: 'result' + (j === 0 ? ' active' : ''), 'data-name': r.name },
+      const row = el('div', { class: 'result' + (j === 0 ? ' active' : ''), 'data-name': r.name, 'data-kind': r.kind || '' },
         el('span', { class: 'what', text: r.what }), el('span', { class: 'name', text: r.shown || r.name }), el('span', { class: 'extra', text: r.extra || '' }));
       row.addEventListener('mousedown', function (ev) { ev.preventDefault(); pick(r); });
       sBox.append(row);
@@ -1150,7 +1187,7 @@
     if (results.length > 40) sBox.append(el('div', { class: 'result', text: '… ' + (results.length - 40) + ' more' }));
     sBox.classList.add('open');
   }
-  function pick(r) { sBox.classList.remove('open'); st.hits = new Set(); goTo(r.name); }
+  function pick(r) { sBox.classList.remove('open'); st.hits = new Set(); goTo(r.name, r.kind); }
   sInput.addEventListener('input', showResults);
   sInput.addEventListener('focus', function () { if (sInput.value) showResults(); });
   sInput.addEventListener('blur', function () { setTimeout(function () { sBox.classList.remove('open'); }, 100); });
@@ -1313,7 +1350,7 @@
       const fault = !!NUM.headline && !NUM.skipped;
       const b = el('div', { class: 'banner ' + (fault ? 'bad' : NUM.headline ? 'warn' : 'info'), id: 'gt-story' }, el('span', { class: 'story-head', text: NUM.headline_text }));
       const target = anomalyTarget(NUM.headline);
-      if (target) b.append(' · ', linkTo(target.name, 'show ' + target.name));
+      if (target) b.append(' · ', linkTo(target.name, 'show ' + target.name, target.type));
       if (NUM.spread) b.append(el('div', { class: 'story-spread', text: NUM.spread }));
       banners.append(b);
     }

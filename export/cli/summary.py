@@ -44,7 +44,7 @@ def _cmd_summary(args: argparse.Namespace) -> int:
 
 def _show_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", help="a .gtrace file")
-    p.add_argument("name", help="the record's name")
+    p.add_argument("name", help="the record's name (kind:name where several kinds share it: tensor:linear0)")
     add_trace_options(p)
     p.add_argument("--all-frames", action="store_true",
                    help="print every frame of the stack (default: the user's frames and the innermost one)")
@@ -79,7 +79,10 @@ SHOW = Command(
     "show", help="one call, tensor, grad node or backward run with its links and stack",
     description="Print one record by name (call linear3, tensor linear3:out, grad node "
                 "linear3/AddmmBackward0, backward run backward0) with every field, the records "
-                "it links to and its call stack. An unknown name exits 2 and suggests close names.",
+                "it links to and its call stack. A name several kinds share (a parameter held as "
+                "linear0 beside the call linear0) is spelled with its kind: call:linear0, "
+                "tensor:linear0, node:..., backward:... An unknown or shared bare name exits 2 and "
+                "says what to type.",
     arguments=_show_arguments, run=_cmd_show)
 
 MD5 = Command(

@@ -9,8 +9,8 @@ import torch
 from tracer.analysis.numerics import NonFiniteError, find_anomalies, numel
 from tracer.analysis.rules import carries_intended_inf, has_inf_constant
 from tracer.model import Trace
-from tracer.record.dispatch_modes import past_dispatch_modes
 from tracer.record.listeners import Listener
+from tracer.record.own_work import own_work
 from tracer.record.transforms import transforms_off, unwrap
 
 
@@ -27,7 +27,7 @@ class NonFiniteGuard(Listener):
         self._intended: set[str] = set()  # tensors whose Inf is intended (see the module docstring)
 
     @staticmethod
-    @past_dispatch_modes  # a user's dispatch mode does not see these reads
+    @own_work  # no mode of the user's sees these reads
     def _nonfinite(tensors: Any) -> tuple[bool, bool]:
         """(any NaN, any Inf) among the tensors, in one device read per tensor."""
         nan = inf = False

@@ -35,7 +35,7 @@ from tracer.model.fileformat import MAX_RECORD_BYTES
 from tracer.model.values import DTYPE_SIZES
 from tracer.options import TraceOptions
 from tracer.record.checksums.bytes import as_bytes, host_bytes, unhashable_reason
-from tracer.record.dispatch_modes import past_dispatch_modes
+from tracer.record.own_work import own_work
 from tracer.record.recorder import Recorder
 from tracer.record.transforms import is_wrapped, transforms_active
 
@@ -118,7 +118,7 @@ class ValueKeeper:
                 return
             # On the tensor's stream, without waiting: a later write on that stream comes after
             # the copy; the bytes are read when the event says the copy is done.
-            host = torch.empty(b.numel(), dtype=torch.uint8, pin_memory=True)
+            host = torch.empty(b.numel(), dtype=torch.uint8, device="cpu", pin_memory=True)
             host.copy_(b, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
@@ -161,7 +161,7 @@ class KeepingHasher:
         self._real = real
         self._keeper = keeper
 
-    @past_dispatch_modes  # a user's dispatch mode does not see the keeper's copies either
+    @own_work  # no mode of the user's sees the keeper's copies either
     def submit(self, rec: TensorRecord, t: torch.Tensor) -> None:
         if self._real.active:
             self._real.submit(rec, t)

@@ -54,3 +54,24 @@ def gradient_of(name: str) -> str | None:
     or None when ``name`` is not a gradient's name."""
     m = _GRADIENT.match(name)
     return m.group("of") if m else None
+
+
+# ---- qualified names ----------------------------------------------------------------------------
+# Names are unique within a kind, not across kinds: a parameter a module holds as ``linear0`` is
+# the tensor ``linear0`` beside the call ``linear0``; a buffer ``backward0`` beside the backward
+# run. ``<kind>:<name>`` always names one record (no name of any kind starts with these words and
+# a colon: calls and runs end in a counter, and a tensor's colon follows its call's name).
+KINDS: dict[str, str] = {"call": "call", "tensor": "tensor", "node": "grad node", "backward": "backward run"}
+
+
+def split_qualified(name: str) -> tuple[str | None, str]:
+    """``("tensor", "linear0")`` for ``tensor:linear0``; ``(None, name)`` for a bare name."""
+    kind, sep, rest = name.partition(":")
+    if sep and kind in KINDS and rest:
+        return kind, rest
+    return None, name
+
+
+def qualified(kind: str, name: str) -> str:
+    """The spelling of ``name`` that names the record of ``kind`` alone: ``call:linear0``."""
+    return f"{kind}:{name}"

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tracer.model.display import plural
+from tracer.model.names import KINDS, qualified, split_qualified
 from tracer.model.records import (
     FORMAT,
     SCHEMA_VERSION,
@@ -46,6 +47,14 @@ def install_view(name: str, fn: Callable[..., Any]) -> None:
     setattr(_views, name, fn)
 
 
+def ambiguity(name: str, kinds: list[str]) -> str:
+    """What to say of a bare name that several kinds share: which, and how to spell each."""
+    each = [f"a {KINDS[k]}" for k in kinds]
+    what = f"{', '.join(each[:-1])} and {each[-1]}"
+    spellings = ", ".join(qualified(k, name) for k in kinds)
+    return f"{name!r} names {what} in this trace: say which one, {spellings}"
+
+
 @dataclass(slots=True)
 class Trace:
     """A recorded step: calls, grad nodes, tensors and backward runs, linked by unified names.
@@ -74,10 +83,16 @@ class Trace:
     # The numerics report, computed once per state of the trace (the sizes of its lists and the
     # number of tensors with stats: a live trace grows, its stats arrive at the end).
     _anomalies: tuple[tuple[int, ...], NumericsReport] | None = field(default=None, compare=False, repr=False)
+    _kind_index: dict[str, dict[str, Record]] | None = field(default=None, compare=False, repr=False)
 
     # ---- look-up -------------------------------------------------------------------------
+    # Names are unique within a kind (calls, tensors, grad nodes, backward runs), not across
+    # kinds: ``kind:name`` (``call:linear0``, ``tensor:linear0``) always names one record, and a
+    # bare name that several kinds share is refused with those spellings (tracer.model.names).
     @property
     def index(self) -> dict[str, Record]:
+        """Name -> record for all four kinds; where kinds share a name, the call, else the
+        backward run, else the grad node (``t[name]`` refuses such a name instead)."""
         if self._index is None:
             idx: dict[str, Record] = {}
             records: list[Record] = [*self.tensors.values(), *self.grad_nodes, *self.backward_runs, *self.calls]
@@ -86,18 +101,55 @@ class Trace:
             self._index = idx
         return self._index
 
+    def _table(self, kind: str) -> dict[str, Record]:
+        """The records of one kind (``names.KINDS``) by name."""
+        if kind == "tensor":
+            return self.tensors  # type: ignore[return-value]
+        if self._kind_index is None:
+            self._kind_index = {
+                "call": {c.name: c for c in self.calls},
+                "node": {n.name: n for n in self.grad_nodes},
+                "backward": {b.name: b for b in self.backward_runs},
+            }
+        return self._kind_index[kind]
+
+    def kinds_of(self, name: str) -> list[str]:
+        """The kinds (``call``, ``tensor``, ``node``, ``backward``) that have a record of this bare
+        name: more than one when it needs a qualified spelling."""
+        return [k for k in KINDS if name in self._table(k)]
+
     def __getitem__(self, name: str) -> Record:
-        try:
-            return self.index[name]
-        except KeyError:
-            close = difflib.get_close_matches(name, list(self.index), n=5, cutoff=0.6)
+        kind, bare = split_qualified(name)
+        if kind is not None:
+            rec = self._table(kind).get(bare)
+            if rec is not None:
+                return rec
+            if name in self.index:  # (a tensor whose own name starts so: a module attribute "call:x")
+                return self.index[name]
+            close = [qualified(kind, n) for n in difflib.get_close_matches(bare, list(self._table(kind)), n=5, cutoff=0.6)]
             hint = f"; did you mean {', '.join(close)}?" if close else ""
-            raise KeyError(f"no call, tensor, grad node or backward run named {name!r} in this trace{hint}") from None
+            raise KeyError(f"no {KINDS[kind]} named {bare!r} in this trace{hint}")
+        kinds = self.kinds_of(name)
+        if len(kinds) > 1:
+            raise KeyError(ambiguity(name, kinds))
+        if kinds:
+            return self._table(kinds[0])[name]
+        close = difflib.get_close_matches(name, list(self.index), n=5, cutoff=0.6)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise KeyError(f"no call, tensor, grad node or backward run named {name!r} in this trace{hint}")
 
     def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and name in self.index
+        return isinstance(name, str) and self.get(name) is not None
 
     def get(self, name: str) -> Record | None:
+        """The record of that name, None where there is none: never raises. A bare name that
+        several kinds share gives the call, else the backward run, else the grad node (links
+        name producers: calls, nodes, runs); a qualified name (``tensor:linear0``) that one."""
+        kind, bare = split_qualified(name)
+        if kind is not None:
+            rec = self._table(kind).get(bare)
+            if rec is not None:
+                return rec
         return self.index.get(name)
 
     @property
@@ -128,6 +180,7 @@ class Trace:
         """Drop cached look-ups after the lists were changed."""
         self._index = None
         self._anomalies = None
+        self._kind_index = None
 
     def resolve(self) -> None:
         """Attach stacks and per-node gradient names to records (after load or recording)."""

@@ -685,6 +685,7 @@ class AutogradMixin(LeafGradsMixin):
             self.hasher.before_write()
         with self.lock, torch._C.DisableTorchFunction():
             self._open_steps[node] = self._start_step(node, grad_outputs, ran=False)
+        self.let_go_after(node)
 
     def _start_step(self, node: str, grad_outputs: tuple[Any, ...], ran: bool) -> NodeRun:
         """A node's run starts (its pre-hook), or an accumulator hooked alone has run (``ran``:
@@ -726,6 +727,25 @@ class AutogradMixin(LeafGradsMixin):
                 self._running.pop()
             elif node in self._running:
                 self._running.remove(node)
+        self.let_go_after(node)
+
+    def let_go_after(self, node: str) -> None:
+        """``node``'s hook is done: the hasher launches what it holds (``Hasher.let_go``) where
+        the engine reads reference counts next, which a held tensor would change: a leaf's
+        accumulator (it keeps the gradient itself as ``.grad`` only when nobody else holds it),
+        and a slot several edges feed (their gradients are summed in place only into one nobody
+        else holds). Elsewhere the batches keep filling: a launch per node would cost the
+        launches batching saves."""
+        if not self.hasher.holds_tensors:
+            return
+        if node in self._acc_vars:
+            self.hasher.let_go()
+            return
+        indegree = self._run_indegree()
+        for dest, k in self._edges.get(node, ()):
+            if dest is not None and (dest in self._acc_vars or indegree.get((dest, k), 0) > 1):
+                self.hasher.let_go()
+                return
 
     def _hook_accumulator_starts(self, accs: list[str]) -> None:
         """Give accumulators hooked alone their pre-hook after all: their leaf got a
@@ -766,6 +786,7 @@ class AutogradMixin(LeafGradsMixin):
                 for li in self.listeners:
                     li.on_node_end(self.trace, node, step, grad_inputs)
                 self._running.pop()
+        self.let_go_after(node)
 
     def _adopt_nodes(self, parent: str, grads: tuple[Any, ...]) -> None:
         """Grad nodes that ``parent``'s backward has just made (``create_graph=True``: a gradient

@@ -13,7 +13,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from tracer.options import RaisedOnPurpose
-from tracer.record.naming import tensor_backward
+from tracer.record.naming import tensor_backward_of
+from tracer.record.own_work import OWN_WORK
 
 if TYPE_CHECKING:
     from tracer.record.recorder import Recorder
@@ -98,36 +99,41 @@ class RecordingMode(TorchFunctionMode):
                 out = func(*args, **kwargs)
                 if out is not None and not (rec.paused or rec.stopped):
                     try:
-                        if kind == "grad_alias":
-                            rec.grad_alias(args[0], out)
-                        else:
-                            rec.data_alias(args[0], out)
+                        with OWN_WORK():
+                            if kind == "grad_alias":
+                                rec.grad_alias(args[0], out)
+                            else:
+                                rec.data_alias(args[0], out)
                     except Exception as exc:  # gradtrace's own fault: see tracer.record.failsafe
                         rec.recorder_failed(exc)
                 return out
             if rec.open_step is not None and not rec.step_running():
                 try:
-                    rec.close_step("optimizer.step() raised; its changes up to there are recorded")
+                    with OWN_WORK():
+                        rec.close_step("optimizer.step() raised; its changes up to there are recorded")
                 except Exception as exc:
                     rec.recorder_failed(exc)
             # Tensor.backward is run as naming.tensor_backward: the function the mode was handed may
             # be a program's wrapper of it, which has run already (it handed the call on).
             if rec.paused or rec.stopped:
                 if kind == "backward" and api == "Tensor.backward":
-                    func = tensor_backward
+                    func = tensor_backward_of(func)
                 return func(*args, **kwargs)
             if kind == "backward":
-                return rec.record_backward(tensor_backward if api == "Tensor.backward" else func, api, args, kwargs)
+                return rec.record_backward(tensor_backward_of(func) if api == "Tensor.backward" else func, api, args,
+                                           kwargs)
             if kind == "hook":
                 try:
-                    rec.tensor_hook_registered()
+                    with OWN_WORK():
+                        rec.tensor_hook_registered()
                 except Exception as exc:
                     rec.recorder_failed(exc)
                 return func(*args, **kwargs)
             if kind == "retain":
                 out = func(*args, **kwargs)
                 try:
-                    rec.grad_retained(args[0])
+                    with OWN_WORK():
+                        rec.grad_retained(args[0])
                 except Exception as exc:
                     rec.recorder_failed(exc)
                 return out

@@ -155,6 +155,16 @@ def tensor_backward(self: torch.Tensor, gradient: Any = None, retain_graph: Any 
     torch.autograd.backward(self, gradient, retain_graph, create_graph, inputs=inputs)
 
 
+def tensor_backward_of(func: Any) -> Any:
+    """What a mode runs for a ``Tensor.backward`` call it was handed (``func``): torch's own
+    ``Tensor.backward`` itself while the class still has it, so that the modes below (a
+    program's own ``TorchFunctionMode``) see the call as the program made it; else (a program's
+    wrapper in its place) ``tensor_backward``, which does not go through the wrapper again."""
+    if func is getattr(torch.Tensor, "backward", None) and getattr(func, "__module__", None) == "torch._tensor":
+        return func
+    return tensor_backward
+
+
 _TENSOR_BACKWARD: Described = ("Tensor.backward", "backward", "backward", None)
 
 

@@ -54,6 +54,7 @@ from tracer.record.identity import identity
 from tracer.record.mode import RecordingMode
 from tracer.record.modules import ModulesMixin
 from tracer.record.optimizer import OptimizerMixin
+from tracer.record.own_work import OWN_WORK
 from tracer.record.stacks import user_stacklevel
 from tracer.record.swaps import SwapsMixin, install_swap_wrapper, uninstall_swap_wrapper
 from tracer.record.tensors import (
@@ -183,9 +184,12 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin, Swap
                     kwargs: dict[str, Any], writes: Writes | None = None) -> Any:
         # Three parts: before the op, the op, after it. A failure of gradtrace's own code
         # before or after stops the recording and leaves the op to run (tracer.record.failsafe);
-        # the op's own exception is recorded and goes on to the program.
+        # the op's own exception is recorded and goes on to the program. The parts before and
+        # after are gradtrace's own work, which no mode of the program's sees (OWN_WORK, see
+        # tracer.record.own_work); the op runs under the modes the program called it under.
         try:
-            before = self._before_call(api, short, kind, args, kwargs, writes)
+            with OWN_WORK():
+                before = self._before_call(api, short, kind, args, kwargs, writes)
         except Exception as exc:
             self.recorder_failed(exc)
             return func(*args, **kwargs)
@@ -203,7 +207,9 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin, Swap
             self.op_depth -= 1
         marks = (len(self.trace.calls), len(self.trace.tensors), len(self.trace.grad_nodes))
         try:
-            self._after_call(api, short, kind, args, kwargs, ins, vers, in_names, seq, seq0, tokens, written, out)
+            with OWN_WORK():
+                self._after_call(api, short, kind, args, kwargs, ins, vers, in_names, seq, seq0, tokens, written,
+                                 out)
         except Exception as exc:
             if not passes_on(exc):  # (a stop raised on purpose keeps the call that raised it)
                 self._roll_back(marks)
@@ -298,8 +304,9 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin, Swap
         target = args[0] if args else None
         value = args[1] if len(args) > 1 else None
         try:
-            unchanged = not isinstance(target, torch.Tensor) or not isinstance(value, torch.Tensor) \
-                or value is target or same_view(target, value)
+            with OWN_WORK():
+                unchanged = not isinstance(target, torch.Tensor) or not isinstance(value, torch.Tensor) \
+                    or value is target or same_view(target, value)
         except Exception as exc:  # gradtrace's own fault: see tracer.record.failsafe
             self.recorder_failed(exc)
             return func(*args, **kwargs)

@@ -154,12 +154,31 @@ def creates_graph(api: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bo
     return len(args) > pos and bool(args[pos])
 
 
+# Private: which storage a tensor's bytes live in, by the address of its StorageImpl (what
+# ``t.untyped_storage()._cdata`` is). Read without ``untyped_storage()``: a Python storage object,
+# once made, lives as long as the storage and holds a reference to it, and autograd sums a
+# gradient into another in place only when it holds the last reference to its storage
+# (InputBuffer): the program's ``.grad`` then got other version counters under a trace.
+_storage_id: Callable[[torch.Tensor], int] | None = getattr(torch._C, "_storage_id", None)
+
+
+def storage_start(t: torch.Tensor) -> int:
+    """The address of the first byte of a non-empty tensor's storage, read off the tensor (no
+    storage object is made, see ``_storage_id``); 0 when the storage holds no memory (freed:
+    FSDP resizes storages to 0 between uses; a meta tensor)."""
+    return int(t.data_ptr()) - int(t.storage_offset()) * t.element_size()
+
+
 def storage_key(t: torch.Tensor) -> int:
-    """Which storage a tensor's bytes live in (0 when it has none that can be read): the storage
-    object's identity, not its address, which a later allocation may reuse once it is freed
-    (FSDP frees and reallocates parameter storages every step). ``_cdata`` is private; the
-    address is the fallback."""
+    """Which storage a tensor's bytes live in (0 when it has none that can be read: an empty
+    tensor, a freed storage, a wrapper): the storage's identity, not its address, which a later
+    allocation may reuse once it is freed (FSDP frees and reallocates parameter storages every
+    step). Read with no storage object made (``_storage_id``); the storage object is the
+    fallback where that private function is missing."""
     try:
+        if _storage_id is not None:
+            # (A meta tensor's storage has a size and no memory: it is a storage all the same.)
+            return int(_storage_id(t)) if t.numel() and (storage_start(t) or t.is_meta) else 0
         s = t.untyped_storage()
     except (RuntimeError, NotImplementedError, TypeError, AttributeError):
         return 0

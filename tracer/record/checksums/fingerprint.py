@@ -33,6 +33,7 @@ import functools
 import torch
 
 from tracer.record.checksums.bytes import as_bytes
+from tracer.record.own_work import HOST
 
 ALGORITHM = "gtfp2-fmix32x2-64"
 MASK32 = 0xFFFFFFFF
@@ -137,7 +138,7 @@ def _fmix_constants() -> tuple[list[torch.Tensor], list[torch.Tensor], list[torc
     """The finalisers' shifts, shift masks and multipliers as [2, 1] int32 columns (lane A row
     0, lane B row 1)."""
     def column(a: int, b: int) -> torch.Tensor:
-        return torch.tensor([[s32(a)], [s32(b)]], dtype=torch.int32)
+        return torch.tensor([[s32(a)], [s32(b)]], dtype=torch.int32, device=HOST)
 
     with torch.inference_mode(False):  # cached for the process: a normal tensor whatever the mode now
         shifts = [column(FMIX_A[j], FMIX_B[j]) for j in (0, 2, 4)]
@@ -153,7 +154,7 @@ def _chunk_offsets() -> torch.Tensor:
     products wrap modulo 2^32, which is the definition, in one op per lane (int64 products
     masked and narrowed took 4x longer, ~20 ms on a 2-core host)."""
     with torch.inference_mode(False):
-        o = torch.arange(HOST_CHUNK, dtype=torch.int32)
+        o = torch.arange(HOST_CHUNK, dtype=torch.int32, device=HOST)
         return torch.stack([o * s32(KEY_A[0]), o * s32(KEY_B[0])])
 
 
@@ -194,10 +195,10 @@ def lane_sums_host(t: torch.Tensor, work: tuple[torch.Tensor, torch.Tensor] | No
         if work is not None and min(work[0].numel(), work[1].numel()) >= 2 * size:
             h, tmp = work[0][:2 * size].view(2, size), work[1][:2 * size].view(2, size)
         else:
-            h = torch.empty((2, size), dtype=torch.int32)
-            tmp = torch.empty((2, size), dtype=torch.int32)
-        base = torch.empty((2, 1), dtype=torch.int32)
-        sums = torch.zeros(2, dtype=torch.int64)
+            h = torch.empty((2, size), dtype=torch.int32, device=HOST)
+            tmp = torch.empty((2, size), dtype=torch.int32, device=HOST)
+        base = torch.empty((2, 1), dtype=torch.int32, device=HOST)
+        sums = torch.zeros(2, dtype=torch.int64, device=HOST)
         for start in range(0, nwords, HOST_CHUNK):
             w = words[start:start + HOST_CHUNK]
             m = w.numel()

@@ -9,8 +9,10 @@ device until the trace fetches them all at its end.
 
 While a tensor waits, its bytes must not change and its memory must not be reused:
 - the batch holds a reference to every waiting tensor (freeing one would let the caching
-  allocator hand its block to a later op that runs before our kernel). A held reference also
-  stops autograd from accumulating into a waiting gradient in place (it checks the use count);
+  allocator hand its block to a later op that runs before our kernel). Never past a grad node's
+  hook (``Hasher.let_go``): autograd reads reference counts there, and sums a gradient in place,
+  or keeps it as ``.grad``, only when nobody else holds it; a held reference changed what the
+  program got (other ``.grad`` tensors and version counters, more memory);
 - the recorder calls ``flush`` before any call that may write anything (custom Functions,
   ``out=``, ops whose writes no schema names) and around backward passes and custom backward
   code; before an op whose schema names what it writes (in-place ops, batch norm's running
@@ -42,6 +44,8 @@ import torch
 from tracer.model import TensorRecord
 from tracer.record.checksums.launcher import WARMUP, FastLaunch, fast_launcher
 from tracer.record.checksums.prewarm import triton_switched_off
+from tracer.record.own_work import HOST
+from tracer.record.tensors import storage_start
 
 # Tuned on an H200 with benchmarks/fused_kernel.py: 8 KiB steps and 256 KiB per program read
 # 1.23 TB/s with stats and fingerprints together, against 0.95 TB/s for 4 KiB and 64 KiB (8 warps
@@ -195,7 +199,7 @@ class _PinnedSlots:
         try:
             # Normal tensors even under torch.inference_mode: every later batch writes into them.
             with torch.inference_mode(False):
-                self._buffers = [torch.empty(self.SLOT_WORDS, dtype=torch.int64, pin_memory=True)
+                self._buffers = [torch.empty(self.SLOT_WORDS, dtype=torch.int64, device=HOST, pin_memory=True)
                                  for _ in range(self.SLOTS)]
         except RuntimeError:  # pinning refused: the caller's path, from now on
             self._refused = True
@@ -334,19 +338,22 @@ class Fused:
         instead: one copy kernel, and the batch keeps filling); a batch that runs on another
         stream is launched now (the copy would not be ordered before its kernel).
 
-        A waiting tensor is reached when its first byte lies in a written storage: storages are
-        separate allocations, and a tensor lies inside its own. (The one waiting tensor that
-        starts just below a written storage is checked too, for memory aliased from outside
-        torch's allocator, e.g. through DLPack.)"""
+        A waiting tensor is reached when its first byte lies between the start of a written
+        tensor's storage and the end of the written tensor's last element: storages are separate
+        allocations, a tensor lies inside its own, and a write stays inside the tensor written.
+        (The one waiting tensor that starts just below is checked too, for memory aliased from
+        outside torch's allocator, e.g. through DLPack.) Read off the tensors, never through
+        ``untyped_storage()``, which would change how autograd treats the program's gradients
+        (see ``tracer.record.tensors.storage_key``)."""
         spans = []
         for w in written:
             try:
-                storage = w.untyped_storage()
+                span = _write_span(w)
             except Exception:  # no storage to compare (a wrapper subclass, sparse): be safe
                 self.flush()
                 return
-            start = storage.data_ptr()
-            spans.append((start, start + storage.nbytes()))
+            if span is not None:
+                spans.append(span)
         if not spans:
             return
         with torch._C.DisableTorchFunction():
@@ -499,6 +506,20 @@ class Fused:
         waiting = {id(r) for b in self._batches.values() for recs in b.slots for r in recs}
         waiting.update(id(r) for d in self.done for recs in d[0] for r in recs)
         return waiting
+
+
+def _write_span(w: torch.Tensor) -> tuple[int, int] | None:
+    """The bytes a write into ``w`` can reach, from the start of its storage (None: it has no
+    elements). Raises where ``w`` has no readable address (a wrapper subclass, sparse)."""
+    if w.layout != torch.strided:
+        raise RuntimeError("no strided storage")
+    if not w.numel():
+        return None
+    start = storage_start(w)
+    if not start:
+        raise RuntimeError("no memory (a freed storage)")
+    last = sum((size - 1) * stride for size, stride in zip(w.shape, w.stride()))
+    return start, int(w.data_ptr()) + (last + 1) * w.element_size()
 
 
 def _reached(batch: _Batch, spans: list[tuple[int, int]]) -> list[int]:

@@ -53,7 +53,7 @@ from tracer.record.checksums.stats import (
     stats_from_row,
     stats_input,
 )
-from tracer.record.dispatch_modes import past_dispatch_modes
+from tracer.record.own_work import HOST, own_work
 from tracer.record.sharding import local_shard
 from tracer.record.transforms import is_wrapped, transforms_active, transforms_off, unwrap
 
@@ -131,6 +131,7 @@ class Hasher:
         # from the original once it is done (a gradient passed on unchanged: hashed once).
         self._same: list[tuple[TensorRecord, TensorRecord]] = []
 
+    @own_work
     def prepare(self) -> None:
         """When a trace starts on a process that already uses CUDA: compile the batched kernels
         in the background, so the first traced step does not wait for Triton's compiler.
@@ -155,11 +156,10 @@ class Hasher:
             return
         fused = self._fused if self._fused_tried else self._make_fused()
         if fused is not None:
-            with torch._C.DisableTorchFunction():
-                fused.prepare(torch.cuda.current_device())
+            fused.prepare(torch.cuda.current_device())
 
     # ---- submission (training thread or autograd threads) ---------------------------------------
-    @past_dispatch_modes  # our reads are not the user's ops (tracer.record.dispatch_modes)
+    @own_work  # our reads are not the user's ops (tracer.record.own_work)
     def submit(self, rec: TensorRecord, t: torch.Tensor) -> None:
         if not self.active:
             return
@@ -244,30 +244,29 @@ class Hasher:
 
     def _submit_slow(self, rec: TensorRecord, t: torch.Tensor) -> None:
         """Every tensor the batched CUDA path did not take."""
-        with torch._C.DisableTorchFunction():
-            on_cpu = t.is_cpu
-            if on_cpu and not self._interpret:
-                if t.numel() == 1 and self._submit_scalar(rec, t):
-                    return
-                # On the CPU reading a result costs no sync: stats now, from the tensor itself
-                # (no snapshot), with the cheap all-finite path.
-                if self.want_stats:
-                    rec.stats = cpu_stats(t)
-                self._checksum_cpu(rec, t)
+        on_cpu = t.is_cpu
+        if on_cpu and not self._interpret:
+            if t.numel() == 1 and self._submit_scalar(rec, t):
                 return
-            if not on_cpu and torch.cuda.is_current_stream_capturing():
-                rec.hash_note = "not hashed: CUDA graph capture in progress"
-                self.capturing_skipped += 1
-                return
-            fast = self.algorithm == "fast"
-            if (self.want_stats or fast) and t.numel():
-                fused = self._fused if self._fused_tried else self._make_fused()
-                if fused is None or not fused.add(rec, t):
-                    self._submit_torch(rec, t, self.want_stats, fast)
-            elif fast:  # empty: nothing to read
-                rec.fingerprint = fp.finish(0, 0, 0)
-            if self.algorithm == "md5":
-                self._submit_md5(rec, t)
+            # On the CPU reading a result costs no sync: stats now, from the tensor itself
+            # (no snapshot), with the cheap all-finite path.
+            if self.want_stats:
+                rec.stats = cpu_stats(t)
+            self._checksum_cpu(rec, t)
+            return
+        if not on_cpu and torch.cuda.is_current_stream_capturing():
+            rec.hash_note = "not hashed: CUDA graph capture in progress"
+            self.capturing_skipped += 1
+            return
+        fast = self.algorithm == "fast"
+        if (self.want_stats or fast) and t.numel():
+            fused = self._fused if self._fused_tried else self._make_fused()
+            if fused is None or not fused.add(rec, t):
+                self._submit_torch(rec, t, self.want_stats, fast)
+        elif fast:  # empty: nothing to read
+            rec.fingerprint = fp.finish(0, 0, 0)
+        if self.algorithm == "md5":
+            self._submit_md5(rec, t)
 
     def _checksum_cpu(self, rec: TensorRecord, t: torch.Tensor) -> None:
         """The checksum of a plain CPU tensor (its stats are done): MD5 inline or on the pool,
@@ -282,7 +281,7 @@ class Hasher:
                     self._host_fp = HostFingerprints()
                 self._host_fp.add(rec, t)
 
-    @past_dispatch_modes
+    @own_work
     def submit_many(self, items: list[tuple[TensorRecord, torch.Tensor]]) -> None:
         """``submit`` of each (record, tensor), with the stats of small CPU float32 tensors of one
         size computed together (``cpu_stats_same_size``; one-element ones from one stacked read
@@ -296,42 +295,41 @@ class Hasher:
             return
         by_size: dict[int, list[tuple[TensorRecord, torch.Tensor]]] = {}
         rest: list[tuple[TensorRecord, torch.Tensor]] = []
-        with torch._C.DisableTorchFunction():
-            for rec, t in items:
-                # What submit's CPU path would take, float32 and contiguous (a view that is is
-                # read as it is: the stack copies its values in order).
-                n = t.numel()
-                if type(t) in ALLOWED_TYPES and t.dtype is _F32 and t.is_cpu and t.layout is _STRIDED \
-                        and not t.is_nested and 0 < n <= BATCH_MAX_ELEMS and t.is_contiguous() and not t.is_neg():
-                    group = by_size.get(n)
-                    if group is None:
-                        by_size[n] = [(rec, t)]
-                    else:
-                        group.append((rec, t))
+        for rec, t in items:
+            # What submit's CPU path would take, float32 and contiguous (a view that is is
+            # read as it is: the stack copies its values in order).
+            n = t.numel()
+            if type(t) in ALLOWED_TYPES and t.dtype is _F32 and t.is_cpu and t.layout is _STRIDED \
+                    and not t.is_nested and 0 < n <= BATCH_MAX_ELEMS and t.is_contiguous() and not t.is_neg():
+                group = by_size.get(n)
+                if group is None:
+                    by_size[n] = [(rec, t)]
                 else:
+                    group.append((rec, t))
+            else:
+                rest.append((rec, t))
+        for n, group in by_size.items():
+            if len(group) < BATCH_MIN_GROUP:
+                rest.extend(group)
+                continue
+            ts = [t for _, t in group]
+            try:
+                if n == 1:
+                    stats: list[Stats | None] = [scalar_stats(v) for v in one_element_values(ts)]
+                else:
+                    stats = cpu_stats_same_size(ts)
+            except RuntimeError:  # (a storage freed under a tensor, as submit's own guard)
+                rest.extend(group)
+                continue
+            for (rec, t), st in zip(group, stats):
+                if st is None:  # a NaN or Inf scalar: the general path counts it
                     rest.append((rec, t))
-            for n, group in by_size.items():
-                if len(group) < BATCH_MIN_GROUP:
-                    rest.extend(group)
-                    continue
-                ts = [t for _, t in group]
-                try:
-                    if n == 1:
-                        stats: list[Stats | None] = [scalar_stats(v) for v in one_element_values(ts)]
-                    else:
-                        stats = cpu_stats_same_size(ts)
-                except RuntimeError:  # (a storage freed under a tensor, as submit's own guard)
-                    rest.extend(group)
-                    continue
-                for (rec, t), st in zip(group, stats):
-                    if st is None:  # a NaN or Inf scalar: the general path counts it
-                        rest.append((rec, t))
-                    elif n == 1:
-                        self._scalar_checksum(rec, t)
-                        rec.stats = st
-                    else:
-                        rec.stats = st
-                        self._checksum_cpu(rec, t)
+                elif n == 1:
+                    self._scalar_checksum(rec, t)
+                    rec.stats = st
+                else:
+                    rec.stats = st
+                    self._checksum_cpu(rec, t)
         for rec, t in rest:
             self.submit(rec, t)
 
@@ -378,6 +376,21 @@ class Hasher:
             if sums is not None:
                 self._fingerprints.append((rec, sums, t.numel() * t.element_size()))
 
+    @property
+    def holds_tensors(self) -> bool:
+        """Whether tensors wait in batches that hold them (``fused``: CUDA), until launched."""
+        return self._fused is not None and self._fused.has_waiting
+
+    def let_go(self) -> None:
+        """Launch every waiting batch, so that no tensor of the program's stays held: the
+        autograd engine sums gradients in place only into a tensor nobody else holds (its input
+        buffers), and a leaf's accumulator keeps the gradient itself as ``.grad`` only when
+        nobody else holds it. Held there, the program got other ``.grad`` tensors, other version
+        counters and more memory than without the trace (see ``Recorder.let_go_after``)."""
+        if self.holds_tensors:
+            self.flush()
+
+    @own_work
     def flush(self) -> None:
         """Launch the batched kernels for every waiting tensor (no sync). The recorder calls this
         before code that may change a recorded tensor in place."""
@@ -385,7 +398,7 @@ class Hasher:
             with transforms_off():
                 self._fused.flush()
 
-    @past_dispatch_modes
+    @own_work
     def before_write(self, written: list[torch.Tensor] | None = None) -> None:
         """Called by the recorder before code that may write into tensors it recorded (an op that
         writes an argument, a custom Function, backward, the optimizer step): every tensor still
@@ -421,15 +434,14 @@ class Hasher:
         """Make the current stream of each device wait until our reads of its tensors (MD5 copies,
         stats kernels) that were queued on *other* streams have run. A read queued on the
         current stream is already ordered before whatever the current stream runs next."""
-        with torch._C.DisableTorchFunction():
-            events = list(self._copy_events.items())
-            if self._fused is not None:
-                events += self._fused.take_events()
-            self._copy_events.clear()
-            for (device, stream), event in events:
-                current = torch.cuda.current_stream(device)
-                if current.cuda_stream != stream:
-                    current.wait_event(event)
+        events = list(self._copy_events.items())
+        if self._fused is not None:
+            events += self._fused.take_events()
+        self._copy_events.clear()
+        for (device, stream), event in events:
+            current = torch.cuda.current_stream(device)
+            if current.cuda_stream != stream:
+                current.wait_event(event)
 
     def _pool_get(self) -> ThreadPoolExecutor:
         if self._pool is None:
@@ -443,9 +455,10 @@ class Hasher:
             if n <= INLINE_BYTES:
                 rec.md5 = hashlib.md5(host_bytes(b)).hexdigest()
                 return
-            # Snapshot: the caller may change the tensor in place right after this call.
-            shares = b.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
-            snap = b.clone() if shares else b
+            # Snapshot: the caller may change the tensor in place right after this call. (``b``
+            # is a view of ``t`` exactly when it starts at t's first byte: a copy is a new
+            # allocation. Not compared by storages: see tracer.record.tensors.storage_key.)
+            snap = b.clone() if b.data_ptr() == t.data_ptr() else b
             self._reserve(n)
             fut = self._pool_get().submit(_md5_host, snap, None)
         else:
@@ -464,7 +477,7 @@ class Hasher:
         waited for here; a worker thread waits on its event and hashes."""
         dev = b.device
         stream = torch.cuda.current_stream(dev)
-        host = torch.empty(b.numel(), dtype=torch.uint8, pin_memory=True)
+        host = torch.empty(b.numel(), dtype=torch.uint8, device=HOST, pin_memory=True)
         host.copy_(b, non_blocking=True)
         event = torch.cuda.Event()
         event.record(stream)
@@ -483,7 +496,7 @@ class Hasher:
             rec.md5 = fut.result()
 
     # ---- completion ---------------------------------------------------------------------------
-    @past_dispatch_modes
+    @own_work
     def drain(self, wait: bool = False, on_bytes: Callable[[int], None] | None = None) -> None:
         """Fill in finished checksums and stats: all of them if ``wait`` (one fetch per device,
         the only synchronisation), else those whose kernels or copies have already finished.
@@ -521,16 +534,15 @@ class Hasher:
             with self._lock:
                 rows, self._stat_rows = self._stat_rows, []
                 fps, self._fingerprints = self._fingerprints, []
-            with torch._C.DisableTorchFunction():
-                for recs_rows in _by_device(rows):
-                    values = torch.stack([r for _, r in recs_rows]).cpu().tolist()  # one fetch
-                    for (rec, _), row in zip(recs_rows, values):
-                        rec.stats = stats_from_row(row)
-                for recs_fps in _by_device([(rec, sums) for rec, sums, _ in fps]):
-                    values = torch.stack([s for _, s in recs_fps]).cpu().tolist()
-                    sizes = {id(rec): n for rec, _, n in fps}
-                    for (rec, _), (a, b) in zip(recs_fps, values):
-                        rec.fingerprint = finish(a, b, sizes[id(rec)])
+            for recs_rows in _by_device(rows):
+                values = torch.stack([r for _, r in recs_rows]).cpu().tolist()  # one fetch
+                for (rec, _), row in zip(recs_rows, values):
+                    rec.stats = stats_from_row(row)
+            for recs_fps in _by_device([(rec, sums) for rec, sums, _ in fps]):
+                values = torch.stack([s for _, s in recs_fps]).cpu().tolist()
+                sizes = {id(rec): n for rec, _, n in fps}
+                for (rec, _), (a, b) in zip(recs_fps, values):
+                    rec.fingerprint = finish(a, b, sizes[id(rec)])
         while True:
             with self._lock:
                 if not self._jobs:

@@ -30,6 +30,8 @@ import torch
 from tracer.model import TensorRecord
 from tracer.record.checksums import fingerprint as fp
 from tracer.record.checksums.bytes import as_bytes
+from tracer.record.own_work import HOST
+from tracer.record.tensors import storage_start
 
 BLOCK = 1024  # words per block (4 KiB): a tensor's staged bytes start on a block boundary
 # Blocks per pass: 2 MiB of staged bytes (9% faster than 1 MiB on a step's mix of sizes; the
@@ -42,7 +44,7 @@ RAW_COPY = True  # contiguous tensors staged by memmove (False: by torch ops; A/
 def _row() -> torch.Tensor:
     """[2, 1, BLOCK] int32: o * K0 of each lane for o < BLOCK (int32 products wrap modulo 2^32)."""
     with torch.inference_mode(False):  # cached for the process: a normal tensor whatever the mode now
-        o = torch.arange(BLOCK, dtype=torch.int32)
+        o = torch.arange(BLOCK, dtype=torch.int32, device=HOST)
         return torch.stack([o * fp.s32(fp.KEY_A[0]), o * fp.s32(fp.KEY_B[0])]).view(2, 1, BLOCK)
 
 
@@ -61,7 +63,7 @@ def _padding_terms(words: int) -> tuple[int, int]:
     end = -(-words // BLOCK) * BLOCK
     if end == words:
         return 0, 0
-    i = torch.arange(words, end, dtype=torch.int64)
+    i = torch.arange(words, end, dtype=torch.int64, device=HOST)
     keys = torch.stack([(i * fp.KEY_A[0] + fp.KEY_A[2]) & fp.MASK32, (i * fp.KEY_B[0] + fp.KEY_B[2]) & fp.MASK32])
     h = torch.where(keys >= 1 << 31, keys - (1 << 32), keys).to(torch.int32)
     a, b = fp.fmix_lanes_(h).sum(dim=1, dtype=torch.int64).tolist()
@@ -71,17 +73,13 @@ def _padding_terms(words: int) -> tuple[int, int]:
 Staged = list[tuple[TensorRecord, int, int, int, int]]  # (record, first block, blocks, words, bytes)
 
 
-def _holds(t: torch.Tensor, n: int) -> bool:
-    """Whether ``t``'s storage holds its ``n`` bytes (FSDP resizes storages to 0 between uses):
-    reading past it would crash the process, by memmove or by torch's own ``copy_``."""
-    storage = t.untyped_storage()
-    if storage.data_ptr() == 0:
-        return False
-    if t.is_contiguous():
-        return storage.nbytes() >= t.storage_offset() * t.element_size() + n
-    # Any other layout (transposed, expanded with stride 0...): its last element's end.
-    last = t.storage_offset() + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-    return storage.nbytes() >= (last + 1) * t.element_size()
+def _holds(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage holds memory (FSDP resizes storages to 0 between uses): reading
+    a freed one would crash the process, by memmove or by torch's own ``copy_``. Read off the
+    tensor: asking the storage itself (``untyped_storage()``) would leave a Python object holding
+    it for good, and autograd then stops summing gradients into it in place (see
+    ``tracer.record.tensors.storage_key``)."""
+    return storage_start(t) != 0
 
 
 class HostFingerprints:
@@ -92,11 +90,11 @@ class HostFingerprints:
         # the buffers are written in place by later passes, which inference tensors refuse
         # outside that mode.
         with torch.inference_mode(False):
-            self._stage = torch.zeros(BATCH_BLOCKS * BLOCK, dtype=torch.int32)
+            self._stage = torch.zeros(BATCH_BLOCKS * BLOCK, dtype=torch.int32, device=HOST)
             # The pass's two lane blocks and its scratch (also the large tensors' work buffers),
             # kept for the trace instead of allocated per pass.
-            self._lanes = torch.empty(2 * BATCH_BLOCKS * BLOCK, dtype=torch.int32)
-            self._scratch = torch.empty(2 * BATCH_BLOCKS * BLOCK, dtype=torch.int32)
+            self._lanes = torch.empty(2 * BATCH_BLOCKS * BLOCK, dtype=torch.int32, device=HOST)
+            self._scratch = torch.empty(2 * BATCH_BLOCKS * BLOCK, dtype=torch.int32, device=HOST)
             # (a view made under inference mode refuses in-place writes outside it, too)
             self._stage_bytes = self._stage.view(torch.uint8)
         self._stage_addr = self._stage.data_ptr()
@@ -116,7 +114,7 @@ class HostFingerprints:
         start = self._used
         at = start * BLOCK * 4
         pad = blocks * BLOCK * 4 - n
-        if n and not _holds(t, n):  # (torch's own copy_ crashes the process on such a tensor)
+        if n and not _holds(t):  # (torch's own copy_ crashes the process on such a tensor)
             raise RuntimeError("its storage does not hold its bytes (freed or shrunk)")
         if RAW_COPY and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
             # Its bytes lie in row-major order at data_ptr(): copied and padded with two C
@@ -164,7 +162,7 @@ def _block_bases(blocks: tuple[int, ...]) -> torch.Tensor:
     for n in blocks:  # each block's first key: its index in its own tensor
         bases_a += keys_a[:n]
         bases_b += keys_b[:n]
-    return torch.tensor([bases_a, bases_b], dtype=torch.int32).view(2, len(bases_a), 1)
+    return torch.tensor([bases_a, bases_b], dtype=torch.int32, device=HOST).view(2, len(bases_a), 1)
 
 
 def _fingerprint_pass(stage: torch.Tensor, used: int, waiting: Staged, h: torch.Tensor, tmp: torch.Tensor) -> None:
