@@ -37,7 +37,8 @@ from tracer.features.watch.triggers import Spike, Trigger
 def watch(model: Any, optimizer: Any, *, on: str | Trigger | Callable[[Any], Any] = "nonfinite",
           out: str | os.PathLike[str] | None = "incident.gtrace", policy: Policy = "raise",
           snapshots: SnapshotPlacement = "auto", lag: int | None = None, grads: bool | None = None,
-          report: ReportWriter | None = None, status_every: int | None = None, **trace_options: Any) -> Watch:
+          report: ReportWriter | None = None, status_every: int | None = None,
+          log: str | os.PathLike[str] | None = None, **trace_options: Any) -> Watch:
     """Watch a training step cheaply; on a trip, replay it under a full trace.
 
     Use the result as a decorator (``@tracer.watch(model, opt)``), as a wrapper
@@ -59,10 +60,12 @@ def watch(model: Any, optimizer: Any, *, on: str | Trigger | Callable[[Any], Any
     parameter holds one as the step begins). ``report``: writes the HTML report of an incident,
     ``(trace, path)`` (e.g. ``export.html``; ``gradtrace run --watch`` sets it).
     ``status_every``: log the status line every N steps (``gradtrace.watch`` logger, INFO).
+    ``log``: also write the step log of every optimizer step to this file (``run.gtsteps``, for
+    ``gradtrace bisect``; ``tracer.step_log`` writes one without a watch).
     ``trace_options``: those of ``tracer.trace`` for the replay (``hash``, ``memory``, ...).
     """
     return Watch(model, optimizer, on=on, out=out, policy=policy, snapshots=snapshots, lag=lag, grads=grads,
-                 report=report, status_every=status_every, **trace_options)
+                 report=report, status_every=status_every, log=log, **trace_options)
 
 
 __all__ = ["Incident", "NonFiniteStepError", "Spike", "Trigger", "Watch", "WatchTripped", "check_options", "watch"]

@@ -1,0 +1,188 @@
+"""Fingerprints and L2 norms of many tensors at once, on their own device, read later.
+
+The step log fingerprints every parameter and every gradient at every optimizer step. On the
+CPU that is done at once, in batches (``HostFingerprints``: one pass of about fifteen ops over
+all the small tensors) and the norms by ``torch._foreach_norm``. On CUDA nothing is waited for:
+the fingerprints are the Triton kernel the traces use (``Fused``: one launch for up to 512
+tensors, reading each byte once), the norms one ``_foreach_norm`` per dtype, and the results, lane
+sums and norms together, are copied in one piece to pinned host memory behind an event. The step
+log reads them once that event has completed, a step or more later, so a step costs no
+synchronisation (the watch's sentinel works the same way).
+
+The fingerprint is ``hash="fast"``'s (``gtfp2-fmix32x2-64``, ``tracer.record.checksums.fingerprint``):
+the same bytes give the same 16 hexadecimal digits on any device. Where Triton is missing, a
+CUDA tensor's lane sums take the plain torch path (``fingerprint.lane_sums``: about twenty small
+kernels per tensor, still no synchronisation).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tracer.model import TensorRecord
+from tracer.record.checksums import fingerprint as fp
+from tracer.record.checksums.fused import Fused, triton_usable
+from tracer.record.checksums.host_batch import HostFingerprints
+
+ALGORITHM = fp.ALGORITHM
+_foreach_norm = getattr(torch, "_foreach_norm", None)  # private; per-tensor norms where missing
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """The log's own tensor work: no autograd, and invisible to a trace being recorded."""
+    with torch.no_grad(), torch._C.DisableTorchFunction():
+        yield
+
+
+def _slot() -> TensorRecord:
+    """A record for the fingerprint batchers to fill: they take records, the log needs only the
+    fingerprint (``Fused`` and ``HostFingerprints`` are the traces' own, shared as they are)."""
+    return TensorRecord("", (), "", "", "param")
+
+
+@dataclass
+class _DevicePart:
+    """What one CUDA device computes for a reading: which tensor each row belongs to."""
+
+    positions: list[int]  # index in the reading of each fingerprinted tensor, in row order
+    nbytes: list[int]
+    norm_positions: list[int]
+    host: torch.Tensor | None = None  # pinned: [lane_a, lane_b] per row, then the norms
+    event: Any = None
+
+
+@dataclass
+class Reading:
+    """The fingerprints and norms of a list of tensors (None where a tensor is None), complete
+    once ``ready()``; ``result()`` waits for the device if it has to."""
+
+    fingerprints: list[str | None]
+    norms: list[float | None]
+    parts: list[_DevicePart] = field(default_factory=list)
+
+    def ready(self) -> bool:
+        return all(p.event is None or p.event.query() for p in self.parts)
+
+    def result(self) -> tuple[list[str | None], list[float | None]]:
+        for part in self.parts:
+            if part.event is not None:
+                part.event.synchronize()  # this reading's copy only: later work stays queued
+            assert part.host is not None
+            values = part.host.tolist()
+            rows = len(part.positions)
+            for i, (at, n) in enumerate(zip(part.positions, part.nbytes)):
+                self.fingerprints[at] = fp.finish(int(values[2 * i]), int(values[2 * i + 1]), n)
+            for j, at in enumerate(part.norm_positions):
+                self.norms[at] = values[2 * rows + j]
+        self.parts = []
+        return self.fingerprints, self.norms
+
+
+class Digester:
+    """Makes ``Reading``s; holds the batchers and their buffers for the whole log."""
+
+    def __init__(self) -> None:
+        self._host: HostFingerprints | None = None
+        self._fused: Fused | None = None
+        self._triton: bool | None = None
+
+    def read(self, tensors: Sequence[torch.Tensor | None], norms: bool = True) -> Reading:
+        """Start computing the fingerprints (and L2 norms) of ``tensors``."""
+        n = len(tensors)
+        reading = Reading([None] * n, [None] * n)
+        by_device: dict[torch.device, list[int]] = {}
+        with quiet():
+            for i, t in enumerate(tensors):
+                if t is not None:
+                    by_device.setdefault(t.device, []).append(i)
+            for device, idx in by_device.items():
+                ts = [tensors[i].detach() for i in idx]  # type: ignore[union-attr]
+                if device.type == "cuda":
+                    reading.parts.append(self._on_cuda(ts, idx, norms))
+                else:
+                    self._on_host(ts, idx, reading, norms)
+        return reading
+
+    # ---- the CPU: now ----------------------------------------------------------------------------
+    def _on_host(self, ts: list[torch.Tensor], idx: list[int], reading: Reading, norms: bool) -> None:
+        if self._host is None:
+            self._host = HostFingerprints()
+        slots = [_slot() for _ in ts]
+        for rec, t in zip(slots, ts):
+            self._host.add(rec, t)
+        self._host.flush()
+        for at, rec in zip(idx, slots):
+            reading.fingerprints[at] = rec.fingerprint
+        if norms:
+            values, order = _norms(ts)
+            for k, v in zip(order, values.tolist()):
+                reading.norms[idx[k]] = v
+
+    # ---- CUDA: queued, read later -------------------------------------------------------------------
+    def _on_cuda(self, ts: list[torch.Tensor], idx: list[int], norms: bool) -> _DevicePart:
+        if self._triton is None:
+            self._triton = triton_usable()
+        if self._triton and self._fused is None:
+            self._fused = Fused(stats=False, fingerprint=True)
+        rows: list[torch.Tensor] = []  # [k, 2] lane sums, in the order of `positions`
+        positions: list[int] = []
+        nbytes: list[int] = []
+        slots: dict[int, tuple[int, int]] = {}  # id(slot) -> (index in the reading, bytes)
+        fallback: list[tuple[int, int, torch.Tensor]] = []
+        fused = self._fused
+        for at, t in zip(idx, ts):
+            size = t.numel() * t.element_size()
+            rec = _slot()
+            if fused is not None and fused.add(rec, t):
+                slots[id(rec)] = (at, size)
+            else:  # no Triton, a dtype its kernel does not read, its kernels still compiling
+                fallback.append((at, size, fp.lane_sums(t)))
+        if fused is not None and slots:
+            fused.flush()
+            done, fused.done = fused.done, []
+            for batch_slots, _, res_i, _ in done:
+                rows.append(res_i[:, 2:4])
+                for recs in batch_slots:
+                    at, size = slots[id(recs[0])]
+                    positions.append(at)
+                    nbytes.append(size)
+        for at, size, sums in fallback:
+            rows.append(sums.view(1, 2))
+            positions.append(at)
+            nbytes.append(size)
+        pieces = [torch.cat(rows).reshape(-1).to(torch.float64)] if rows else []
+        norm_positions: list[int] = []
+        if norms:
+            values, order = _norms(ts)
+            pieces.append(values)
+            norm_positions = [idx[k] for k in order]
+        vector = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        host = torch.empty(vector.shape, dtype=torch.float64, pin_memory=True)
+        host.copy_(vector, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return _DevicePart(positions, nbytes, norm_positions, host, event)
+
+
+def _norms(ts: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+    """The L2 norm of each tensor as float64, one ``_foreach_norm`` per dtype (an integer tensor
+    is measured as float32), and for each norm the index of its tensor in ``ts``."""
+    out: list[torch.Tensor] = []
+    order: list[int] = []
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(ts):
+        groups.setdefault(t.dtype, []).append(i)
+    for dtype, members in groups.items():
+        group = [ts[i] if dtype.is_floating_point or dtype.is_complex else ts[i].to(torch.float32) for i in members]
+        found = _foreach_norm(group, 2) if _foreach_norm is not None else [torch.linalg.vector_norm(g) for g in group]
+        out.extend(v.to(torch.float64) for v in found)
+        order.extend(members)
+    if not out:
+        return torch.zeros(0, dtype=torch.float64), []
+    return torch.stack(out), order
