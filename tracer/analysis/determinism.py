@@ -49,8 +49,8 @@ CAUSES: tuple[tuple[tuple[str, ...], str, str], ...] = (
                                       "deterministic", "torch.backends.cudnn.deterministic = True and "
                                                        "torch.backends.cudnn.benchmark = False"),
 )
-CUSTOM = ("a custom kernel's backward that accumulates with atomic operations (atomicAdd, tl.atomic_add) sums in "
-          "an order that changes from run to run", "accumulate in a fixed order (sort the indices, or a two-pass "
+CUSTOM = ("a custom kernel (a custom op, or a custom Function's backward) that accumulates with atomic operations "
+          "(atomicAdd, tl.atomic_add) sums in an order that changes from run to run", "accumulate in a fixed order (sort the indices, or a two-pass "
           "reduction), and branch on torch.are_deterministic_algorithms_enabled() for a deterministic path")
 
 
@@ -204,8 +204,7 @@ def _label(item: Call | NodeRun) -> str:
 def _found(t: Trace, kind: str, item: Call | NodeRun, outputs: list[str], run: int) -> Nondeterministic:
     if isinstance(item, Call):
         stack = t.stack_of(item.stack_id)
-        cause = _cause(item.api + " " + item.args, custom=item.kind in ("function", "custom_op") and
-                       item.phase == "backward")
+        cause = _cause(item.api + " " + item.args, custom=item.kind in ("function", "custom_op"))
         parent_custom = item.phase == "backward" and _in_custom_backward(t, item)
         if cause is None and parent_custom:
             cause = CUSTOM

@@ -181,8 +181,8 @@ def _norms(ts: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
     for dtype, members in groups.items():
         group = [ts[i] if dtype.is_floating_point or dtype.is_complex else ts[i].to(torch.float32) for i in members]
         found = _foreach_norm(group, 2) if _foreach_norm is not None else [torch.linalg.vector_norm(g) for g in group]
-        out.extend(v.to(torch.float64) for v in found)
+        out.extend(found)
         order.extend(members)
     if not out:
         return torch.zeros(0, dtype=torch.float64), []
-    return torch.stack(out), order
+    return torch.stack([v if v.dtype == torch.float32 else v.float() for v in out]).to(torch.float64), order

@@ -3,7 +3,7 @@ cost of the step alone (what ``tracer.step_log``, ``tracer.watch(log=...)``, the
 callbacks and ``gradtrace run --log`` open; the format is ``tracer.model.steplog``).
 
 Per optimizer step, in an optimizer step pre-hook (the moment the optimizer reads the
-gradients): a fingerprint and an L2 norm of every parameter and of every gradient
+gradients; with ``step(closure)``, when the closure has computed them): a fingerprint and an L2 norm of every parameter and of every gradient
 (``digests``: on the device, batched, no synchronisation), the learning rates and a digest of
 the other hyperparameters; with what was gathered since the previous step: the losses (each
 ``backward()``'s root, from ``tracer.features.backward_ends``), the batch and the random states
@@ -37,12 +37,15 @@ from types import TracebackType
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tracer.features.backward_ends import BackwardEnds
+from tracer.features.distributed import rank_path
 from tracer.features.optimizers import real_optimizer
 from tracer.features.steplog.digests import ALGORITHM, Digester, Reading, quiet
 from tracer.features.steplog.inputs import ForwardInputs, digest, rng_digests
+from tracer.model.display import plural
 from tracer.model.steplog import Final, Layout, LogParam, StepEntry, encode, header_json
 from tracer.options import TraceError
 from tracer.record.tensors import dtype_name
@@ -139,6 +142,7 @@ class StepLog:
         self.source = source
         self.program = program
         self.steps = 0  # optimizer steps logged so far (the next step's number)
+        self.written = 0  # of those, written to the file
         self.closed = False  # nothing more is logged
         self.failed: str | None = None
         self._released = False  # hooks removed, file closed
@@ -160,6 +164,8 @@ class StepLog:
         """Create the file (replacing one of that name), write its header and start logging."""
         if self._fd is not None or self._released:
             raise TraceError("this step log was started already")
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            self.path = rank_path(self.path, dist.get_rank())  # run.rank1.gtsteps: one log per rank
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
         self._write(header_json(ALGORITHM, _meta(self.source, self.program)))
         self._thread = threading.get_ident()
@@ -184,7 +190,7 @@ class StepLog:
         self._remove_hooks()
         try:
             if self.failed is None and self._fd is not None:
-                self._drain(block=True)
+                self._drain(block=True, every=True)
                 for ol in self._layouts.values():
                     fps, norms = self._digester.read(ol.params).result()
                     self._write(Final(ol.index, ol.layout, [f or "" for f in fps],
@@ -194,6 +200,11 @@ class StepLog:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
+
+    def flush(self) -> None:
+        """Write every step still pending now (on CUDA: waits for their numbers)."""
+        if self._fd is not None and not self.closed:
+            self._drain(block=True, every=True)
 
     def __enter__(self) -> StepLog:
         if self._fd is None and not self._released:
@@ -220,8 +231,8 @@ class StepLog:
         removing an optimizer hook from inside one breaks PyTorch's loop over them."""
         self.failed = f"{type(exc).__name__}: {exc}"
         self.closed = True
-        warnings.warn(f"gradtrace: the step log {self.path} stopped at step {self.steps}: {self.failed}",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(f"gradtrace: the step log {self.path} stopped after {plural(self.written, 'step')} written: "
+                      f"{self.failed}", RuntimeWarning, stacklevel=3)
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
@@ -252,13 +263,38 @@ class StepLog:
             self._fail(exc)
 
     # ---- the optimizer step -----------------------------------------------------------------------------
-    def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> Any:
         if self.closed or getattr(_PAUSED, "on", False) or threading.get_ident() != self._thread:
-            return
+            return None
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if callable(closure):  # the gradients come from the closure, inside step(): log after it
+            return self._around_closure(optimizer, args, kwargs, closure)
+        self._guarded(optimizer)
+        return None
+
+    def _guarded(self, optimizer: Any) -> None:
         try:
             self._log_step(optimizer)
         except Exception as exc:  # the log's fault must not stop the training
             self._fail(exc)
+
+    def _around_closure(self, optimizer: Any, args: Any, kwargs: Any, closure: Any) -> tuple[Any, Any]:
+        """``optimizer.step(closure)`` (Lightning's automatic optimization, L-BFGS): the closure
+        computes the loss and the gradients inside ``step()``, after the pre-hooks. The step is
+        logged when its first call returns (L-BFGS calls it again in its line search: once)."""
+        called = []
+
+        def logged_closure() -> Any:
+            out = closure()
+            if not called:
+                called.append(True)
+                if not self.closed:
+                    self._guarded(optimizer)
+            return out
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": logged_closure}
+        return (args[0], logged_closure, *args[2:]), kwargs
 
     def _log_step(self, optimizer: torch.optim.Optimizer) -> None:
         ol = self._layout_of(optimizer)
@@ -301,10 +337,12 @@ class StepLog:
         return ol
 
     # ---- writing --------------------------------------------------------------------------------------
-    def _drain(self, block: bool) -> None:
-        """Write the steps whose numbers have arrived, in order (``block``: the oldest at least)."""
-        while self._pending and (block or self._pending[0].ready()):
+    def _drain(self, block: bool, every: bool = False) -> None:
+        """Write the steps whose numbers have arrived, in order (``block``: the oldest at least,
+        waiting for it; ``every``: all of them)."""
+        while self._pending and (block or every or self._pending[0].ready()):
             self._write(self._pending.popleft().complete().to_json())
+            self.written += 1
             block = False
 
     def _write(self, record: dict[str, Any]) -> None:
