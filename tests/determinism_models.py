@@ -9,11 +9,13 @@ The markers (``# ND-...``) let the tests find the exact line a report must name.
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable
 
 import torch
 
-_calls = itertools.count(1)
+# The order changes at every call, and between processes (atomics do not repeat across runs either).
+_calls = itertools.count(int.from_bytes(os.urandom(4), "little"))
 
 
 @torch.library.custom_op("gradtrace_tests::scrambled_add", mutates_args=())
@@ -30,6 +32,17 @@ def scrambled_add(base: torch.Tensor, index: torch.Tensor, src: torch.Tensor) ->
 @scrambled_add.register_fake
 def _(base: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(base)
+
+
+def _setup(ctx: object, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+    ctx.index = inputs[1]  # type: ignore[attr-defined]
+
+
+def _backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None, torch.Tensor]:
+    return grad, None, grad[ctx.index]  # type: ignore[attr-defined]  (as index_add's)
+
+
+scrambled_add.register_autograd(_backward, setup_context=_setup)
 
 
 class GatherRows(torch.autograd.Function):

@@ -329,3 +329,42 @@ def test_reading_logs_imports_no_torch(tmp_path):
     out = subprocess.run([sys.executable, "-c", code, os.fspath(log)], capture_output=True, text=True, env=env,
                          check=True, cwd=ROOT)
     assert out.stdout.strip().splitlines()[-1] == "0 False"
+
+
+DEVICE_PATH = textwrap.dedent("""
+    import os, sys, torch
+    import tracer
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2)).to(torch.float64)
+    model[0].to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    # the CPU path, then the device path through the kernels, then through torch's lane sums
+    for name, interpret, triton in (("host", "0", "1"), ("kernels", "1", "1"), ("lanes", "1", "0")):
+        os.environ.update(GRADTRACE_FUSED_INTERPRET=interpret, GRADTRACE_TRITON=triton)
+        model.load_state_dict(start)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        torch.manual_seed(1)
+        with tracer.step_log(os.path.join(sys.argv[1], name + ".gtsteps"), model=model, optimizer=opt):
+            for step in range(2):
+                x = torch.randn(4, 6, dtype=torch.bfloat16)
+                model[2](model[1](model[0](x)).double()).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+""")
+
+
+def test_the_device_path_logs_what_the_cpu_path_logs(tmp_path):
+    """The CUDA path (the batched kernels, or torch's lane sums without Triton; the results copied
+    to the host in one piece) run on CPU tensors under Triton's interpreter writes the same log."""
+    pytest.importorskip("triton")
+    script = tmp_path / "train.py"
+    script.write_text(DEVICE_PATH)
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "TRITON_INTERPRET": "1"}
+    subprocess.run([sys.executable, os.fspath(script), os.fspath(tmp_path)], env=env, check=True)
+    host, *device = (read_steplog(tmp_path / f"{n}.gtsteps") for n in ("host", "kernels", "lanes"))
+    assert len(host.steps) == 2 and host.steps[0].params != host.steps[1].params
+    for other in device:
+        assert [(s.params, s.grads, s.batch, s.loss, s.param_norms, s.grad_norms) for s in host.steps] == \
+            [(s.params, s.grads, s.batch, s.loss, s.param_norms, s.grad_norms) for s in other.steps]
+        assert host.finals[0].params == other.finals[0].params

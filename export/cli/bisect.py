@@ -170,9 +170,9 @@ def _not_deterministic(first: list[Run], again: list[Run], step: int) -> bool:
         if p is None or p.step > step or (p.kind == "length" and same.compared > step):
             continue
         flaky = True
+        where = f"before step {step}, where A and B part" if p.step < step else "the step where A and B part"
         print(f"\n{one.label}'s program is not deterministic: two runs of the same command part at step {p.step}, "
-              f"{'before' if p.step < step else 'at'} step {step}, where A and B part. {inert(same.describe())}",
-              flush=True)
+              f"{where}. {inert(same.describe())}", flush=True)
     if flaky:
         print("\nSo the difference at step " + str(step) + " cannot be blamed on what differs between A and B: make "
               "the program deterministic first (seed every generator, the data loader's shuffling included; "

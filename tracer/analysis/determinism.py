@@ -131,10 +131,10 @@ Item = tuple[str, Call | NodeRun]
 def _items(t: Trace) -> Iterator[Item]:
     """The records of a step in execution order (see the module docstring)."""
     calls = {c.name: c for c in t.calls}
-    first_backward = min((r.seq for r in t.backward_runs), default=None)
+    cut = _before_backward(t)
     done: set[str] = set()
-    for c in t.calls:
-        if c.phase == "forward" and (first_backward is None or c.seq < first_backward):
+    for c in t.calls[:cut]:
+        if c.phase == "forward":
             done.add(c.name)
             yield "call", c
     for run in t.backward_runs:
@@ -148,6 +148,16 @@ def _items(t: Trace) -> Iterator[Item]:
     for c in t.calls:
         if c.name not in done:
             yield "call", c
+
+
+def _before_backward(t: Trace) -> int:
+    """How many of the calls ran before the first backward: up to the one that made its root
+    (the loss; calls and backward runs are numbered apart, so their order is known this way)."""
+    if not t.backward_runs:
+        return len(t.calls)
+    makers = {rec.producer for r in t.backward_runs[0].roots if (rec := t.tensors.get(r)) is not None}
+    found = [i for i, c in enumerate(t.calls) if c.name in makers]
+    return found[-1] + 1 if found else len(t.calls)
 
 
 def _digest(t: Trace, name: str | None) -> str | None:
@@ -204,7 +214,7 @@ def _label(item: Call | NodeRun) -> str:
 def _found(t: Trace, kind: str, item: Call | NodeRun, outputs: list[str], run: int) -> Nondeterministic:
     if isinstance(item, Call):
         stack = t.stack_of(item.stack_id)
-        cause = _cause(item.api + " " + item.args, custom=item.kind in ("function", "custom_op"))
+        cause = usual_cause(item.api + " " + item.args, custom=item.kind in ("function", "custom_op"))
         parent_custom = item.phase == "backward" and _in_custom_backward(t, item)
         if cause is None and parent_custom:
             cause = CUSTOM
@@ -214,7 +224,7 @@ def _found(t: Trace, kind: str, item: Call | NodeRun, outputs: list[str], run: i
     what = node.kind if node is not None else item.node
     stack = t.stack_of(node.stack_id) if node is not None else ()
     call = next((c for c in t.calls if node is not None and c.name == node.call), None)
-    cause = _cause(what + " " + (call.api if call is not None else ""))
+    cause = usual_cause(what + " " + (call.api if call is not None else ""))
     if cause is None and call is not None and call.kind == "function":
         cause = CUSTOM
     return Nondeterministic("node", item.node, what, "backward", stack, outputs, (0, run), *(cause or (None, None)))
@@ -229,7 +239,9 @@ def _in_custom_backward(t: Trace, call: Call) -> bool:
     return maker is not None and maker.kind == "function"
 
 
-def _cause(text: str, custom: bool = False) -> tuple[str, str] | None:
+def usual_cause(text: str, custom: bool = False) -> tuple[str, str] | None:
+    """(the usual cause, what to set) for an op or node whose API or class is in ``text`` (with its
+    arguments: ``accumulate=True``), or for a custom kernel (``custom``); None when none is known."""
     if "index_put" in text and "accumulate=True" not in text:
         text = text.replace("index_put", "")  # index_put_ without accumulate writes, it does not add
     for words, cause, fix in CAUSES:
@@ -238,4 +250,4 @@ def _cause(text: str, custom: bool = False) -> tuple[str, str] | None:
     return CUSTOM if custom else None
 
 
-__all__ = ["CAUSES", "DeterminismReport", "Nondeterministic", "compare_runs"]
+__all__ = ["CAUSES", "CUSTOM", "DeterminismReport", "Nondeterministic", "compare_runs", "usual_cause"]

@@ -18,6 +18,7 @@ kernels per tensor, still no synchronisation).
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,8 +51,10 @@ def _slot() -> TensorRecord:
 class _DevicePart:
     """What one CUDA device computes for a reading: which tensor each row belongs to."""
 
-    positions: list[int]  # index in the reading of each fingerprinted tensor, in row order
-    nbytes: list[int]
+    # (row, index in the reading, bytes to finish the row's lane sums with; None: the kernel
+    # finished them); a row may serve several tensors (the same bytes twice)
+    entries: list[tuple[int, int, int | None]]
+    rows: int
     norm_positions: list[int]
     host: torch.Tensor | None = None  # pinned: [lane_a, lane_b] per row, then the norms
     event: Any = None
@@ -75,22 +78,28 @@ class Reading:
                 part.event.synchronize()  # this reading's copy only: later work stays queued
             assert part.host is not None
             values = part.host.tolist()
-            rows = len(part.positions)
-            for i, (at, n) in enumerate(zip(part.positions, part.nbytes)):
-                self.fingerprints[at] = fp.finish(int(values[2 * i]), int(values[2 * i + 1]), n)
+            for row, at, n in part.entries:
+                a, b = int(values[2 * row]), int(values[2 * row + 1])
+                self.fingerprints[at] = fp.hex_of(a, b) if n is None else fp.finish(a, b, n)
             for j, at in enumerate(part.norm_positions):
-                self.norms[at] = values[2 * rows + j]
+                self.norms[at] = values[2 * part.rows + j]
         self.parts = []
         return self.fingerprints, self.norms
 
 
 class Digester:
-    """Makes ``Reading``s; holds the batchers and their buffers for the whole log."""
+    """Makes ``Reading``s; holds the batchers and their buffers for the whole log.
 
-    def __init__(self) -> None:
+    ``interpret`` (tests; default: ``GRADTRACE_FUSED_INTERPRET=1``, as for traces): CPU tensors
+    take the device path, through the kernels under Triton's CPU interpreter, so a machine
+    without a GPU runs it end to end; ``triton=False`` makes the device path use the plain torch
+    lane sums."""
+
+    def __init__(self, *, interpret: bool | None = None, triton: bool | None = None) -> None:
         self._host: HostFingerprints | None = None
         self._fused: Fused | None = None
-        self._triton: bool | None = None
+        self._interpret = os.environ.get("GRADTRACE_FUSED_INTERPRET") == "1" if interpret is None else interpret
+        self._triton = triton
 
     def read(self, tensors: Sequence[torch.Tensor | None], norms: bool = True) -> Reading:
         """Start computing the fingerprints (and L2 norms) of ``tensors``."""
@@ -103,8 +112,8 @@ class Digester:
                     by_device.setdefault(t.device, []).append(i)
             for device, idx in by_device.items():
                 ts = [tensors[i].detach() for i in idx]  # type: ignore[union-attr]
-                if device.type == "cuda":
-                    reading.parts.append(self._on_cuda(ts, idx, norms))
+                if device.type == "cuda" or self._interpret:
+                    reading.parts.append(self._on_device(ts, idx, norms))
                 else:
                     self._on_host(ts, idx, reading, norms)
         return reading
@@ -125,37 +134,36 @@ class Digester:
                 reading.norms[idx[k]] = v
 
     # ---- CUDA: queued, read later -------------------------------------------------------------------
-    def _on_cuda(self, ts: list[torch.Tensor], idx: list[int], norms: bool) -> _DevicePart:
+    def _on_device(self, ts: list[torch.Tensor], idx: list[int], norms: bool) -> _DevicePart:
         if self._triton is None:
             self._triton = triton_usable()
         if self._triton and self._fused is None:
-            self._fused = Fused(stats=False, fingerprint=True)
-        rows: list[torch.Tensor] = []  # [k, 2] lane sums, in the order of `positions`
-        positions: list[int] = []
-        nbytes: list[int] = []
-        slots: dict[int, tuple[int, int]] = {}  # id(slot) -> (index in the reading, bytes)
+            self._fused = Fused(stats=False, fingerprint=True, interpret=self._interpret)
+        rows: list[torch.Tensor] = []  # [k, 2] lanes
+        entries: list[tuple[int, int, int | None]] = []
+        count = 0  # rows so far
+        slots: dict[int, int] = {}  # id(slot) -> index in the reading
         fallback: list[tuple[int, int, torch.Tensor]] = []
         fused = self._fused
         for at, t in zip(idx, ts):
             size = t.numel() * t.element_size()
             rec = _slot()
             if fused is not None and fused.add(rec, t):
-                slots[id(rec)] = (at, size)
+                slots[id(rec)] = at
             else:  # no Triton, a dtype its kernel does not read, its kernels still compiling
                 fallback.append((at, size, fp.lane_sums(t)))
         if fused is not None and slots:
             fused.flush()
             done, fused.done = fused.done, []
             for batch_slots, _, res_i, _ in done:
-                rows.append(res_i[:, 2:4])
+                rows.append(res_i[:, 2:4])  # (NaN count, Inf count, lane A, lane B): finished lanes
                 for recs in batch_slots:
-                    at, size = slots[id(recs[0])]
-                    positions.append(at)
-                    nbytes.append(size)
+                    entries += [(count, slots[id(rec)], None) for rec in recs]
+                    count += 1
         for at, size, sums in fallback:
             rows.append(sums.view(1, 2))
-            positions.append(at)
-            nbytes.append(size)
+            entries.append((count, at, size))
+            count += 1
         pieces = [torch.cat(rows).reshape(-1).to(torch.float64)] if rows else []
         norm_positions: list[int] = []
         if norms:
@@ -163,11 +171,13 @@ class Digester:
             pieces.append(values)
             norm_positions = [idx[k] for k in order]
         vector = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        if vector.device.type != "cuda":  # the interpreter's CPU tensors (tests): nothing to wait for
+            return _DevicePart(entries, count, norm_positions, vector)
         host = torch.empty(vector.shape, dtype=torch.float64, pin_memory=True)
         host.copy_(vector, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return _DevicePart(positions, nbytes, norm_positions, host, event)
+        return _DevicePart(entries, count, norm_positions, host, event)
 
 
 def _norms(ts: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:

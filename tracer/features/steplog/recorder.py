@@ -282,7 +282,7 @@ class StepLog:
         """``optimizer.step(closure)`` (Lightning's automatic optimization, L-BFGS): the closure
         computes the loss and the gradients inside ``step()``, after the pre-hooks. The step is
         logged when its first call returns (L-BFGS calls it again in its line search: once)."""
-        called = []
+        called: list[bool] = []
 
         def logged_closure() -> Any:
             out = closure()
@@ -413,7 +413,7 @@ def _ordered(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None,
             if id(p) not in in_opt:
                 in_opt[id(p)] = p
                 fallback[id(p)] = f"param_groups.{gi}.{pi}"
-    roots = ([model] if model is not None else []) + (list(inputs.roots.values()) if inputs is not None else [])
+    roots = _naming_roots(in_opt, model, inputs)
     names: dict[int, str] = {}
     owner: dict[int, torch.nn.Module] = {}  # parameter -> the module that holds it
     for k, root in enumerate(dict.fromkeys(roots)):
@@ -433,6 +433,22 @@ def _ordered(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None,
                 order.append(p)
     order += [p for i, p in in_opt.items() if i not in seen]
     return order, [names.get(id(p), fallback[id(p)]) for p in order]
+
+
+def _naming_roots(in_opt: dict[int, torch.Tensor], model: torch.nn.Module | None,
+                  inputs: ForwardInputs | None) -> list[torch.nn.Module]:
+    """The modules whose paths name the parameters: the given model first; else the modules
+    the first step called outermost and the program's own (``__main__``'s) modules, the one that
+    holds the most of the optimizer's parameters first (a script that calls ``model["head"]``
+    and indexes ``model["table"].weight`` is named from ``model``)."""
+    if model is not None:
+        return [model, *(inputs.roots.values() if inputs is not None else ())]
+    found = list(inputs.roots.values()) if inputs is not None else []
+    main = sys.modules.get("__main__")
+    found += [m for m in vars(main).values() if isinstance(m, torch.nn.Module)] if main is not None else []
+    unique = list(dict.fromkeys(found))
+    held = {id(m): sum(id(p) in in_opt for p in m.parameters()) for m in unique}
+    return sorted(unique, key=lambda m: -held[id(m)])
 
 
 _OPEN: weakref.WeakSet[StepLog] = weakref.WeakSet()
