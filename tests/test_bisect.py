@@ -129,7 +129,8 @@ def test_a_tolerance_lets_rounding_agree_and_not_a_real_change(tmp_path, logs):
 
 
 def test_a_log_cut_short_agrees_on_its_steps_and_says_where_it_ends(logs, tmp_path):
-    lines = open(logs["none"], "rb").read().splitlines(keepends=True)
+    with open(logs["none"], "rb") as fh:
+        lines = fh.read().splitlines(keepends=True)
     cut = tmp_path / "cut.gtsteps"
     cut.write_bytes(b"".join(lines[:2 + 12]) + lines[14][:40])  # header, layout, steps 0-11, half of 12
     r = bisect(logs["none"], cut)

@@ -67,7 +67,7 @@ def test_each_optimizer_step_writes_its_loss_lr_and_the_fingerprints_the_optimiz
     log = tracer.step_log(tmp_path / "run.gtsteps")
     opt.register_step_pre_hook(reference)
     losses, batches = [], []
-    for step in range(4):
+    for _ in range(4):
         x = torch.randn(3, 4)
         batches.append(x)
         loss = model(x).square().mean()
