@@ -220,6 +220,31 @@ def test_lightning_step_log_callback_counts_optimizer_steps(tmp_path):
     assert [p.name for p in got.layouts[0].params] == ["net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"]
 
 
+def test_a_step_with_a_closure_is_logged_once_with_the_gradients_the_closure_made(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    x, y = torch.randn(8, 3), torch.randn(8, 1)
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+    calls = []
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        calls.append((loss.item(), _fp(model.weight.grad)))
+        return loss
+
+    starts = []
+    with tracer.step_log(tmp_path / "run.gtsteps", optimizer=opt):
+        for _ in range(2):
+            starts.append(len(calls))
+            opt.step(closure)
+    got = read_steplog(tmp_path / "run.gtsteps")
+    assert len(calls) > 2 and [s.step for s in got.steps] == [0, 1]  # L-BFGS calls it again: one step each
+    for s, start in zip(got.steps, starts):  # the first call of the step: its loss and gradient
+        assert (s.loss, s.grads[0], s.backward) == ([calls[start][0]], calls[start][1], 1)
+
+
 PROGRAM = textwrap.dedent("""
     import sys, torch
     torch.manual_seed(0)

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from tracer.features.backward_ends import BackwardEnds
 from tracer.features.distributed import rank_path
@@ -174,9 +174,11 @@ class StepLog:
         self._backward = BackwardEnds(self._on_backward, self._thread)
         self._backward.install()
         if self.optimizer is not None:
-            self._hooks.append(self.optimizer.register_step_pre_hook(self._on_optimizer_step))
+            self._hooks += [self.optimizer.register_step_pre_hook(self._on_optimizer_step),
+                            self.optimizer.register_step_post_hook(self._after_optimizer_step)]
         else:
-            self._hooks.append(register_optimizer_step_pre_hook(self._on_optimizer_step))
+            self._hooks += [register_optimizer_step_pre_hook(self._on_optimizer_step),
+                            register_optimizer_step_post_hook(self._after_optimizer_step)]
         _OPEN.add(self)
         return self
 
@@ -308,10 +310,20 @@ class StepLog:
                            self._scalars(losses), self._batch)
         self._pending.append(pending)
         self.steps += 1
+        self._reset()
+        self._drain(block=len(self._pending) > MAX_PENDING)
+
+    def _reset(self) -> None:
+        """What the next step gathers starts from nothing."""
         self._losses, self._backwards, self._batch, self._rng = [], 0, [], None
         if self._inputs is not None:
             self._inputs.reset()
-        self._drain(block=len(self._pending) > MAX_PENDING)
+
+    def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """The step ended: what ran inside it after it was logged (L-BFGS evaluating its closure
+        again in a line search) belongs to no later step."""
+        if not self.closed and not getattr(_PAUSED, "on", False) and threading.get_ident() == self._thread:
+            self._reset()
 
     def _scalars(self, values: list[torch.Tensor]) -> Reading:
         """The losses' values, exactly (float64 holds every float32, bfloat16 and float16)."""
