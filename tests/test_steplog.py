@@ -114,6 +114,20 @@ def test_the_log_alone_takes_no_snapshot(tmp_path, monkeypatch):
     assert log.steps == 3 and len(read_steplog(log.path).steps) == 3
 
 
+def test_a_sparse_gradient_is_logged_without_a_fingerprint(tmp_path):
+    table = nn.Embedding(10, 4, sparse=True)
+    opt = torch.optim.SGD(table.parameters(), lr=0.1)
+    with tracer.step_log(tmp_path / "run.gtsteps", model=table, optimizer=opt):
+        for _ in range(2):
+            table(torch.tensor([1, 2, 2])).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    got = read_steplog(tmp_path / "run.gtsteps")
+    assert [(s.grads, s.grad_norms) for s in got.steps] == [([None], [None])] * 2  # sparse: no plain bytes
+    assert got.finals[0].params == [_fp(table.weight)]
+    assert got.steps[0].params[0] != got.steps[1].params[0]  # the sparse update shows in the dense weight
+
+
 KILLED = textwrap.dedent("""
     import os, signal, sys, torch
     import tracer

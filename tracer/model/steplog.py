@@ -41,7 +41,7 @@ STEPLOG_FORMAT = "gradtrace-steps"
 STEPLOG_VERSION = 1
 SUFFIX = ".gtsteps"
 FP_CHARS = 16  # one fingerprint: 64 bits as hexadecimal digits
-NO_GRAD = "-" * FP_CHARS  # a parameter without a gradient at that step
+NO_GRAD = "-" * FP_CHARS  # no fingerprint: a parameter without a gradient, or a tensor without plain bytes here
 # Limits on what a reader accepts (far above real logs: a step of a model with 100,000 parameter
 # tensors is about 5 MB).
 MAX_LINE_BYTES = 64 << 20
@@ -50,7 +50,7 @@ MAX_NAME = 4096
 MAX_LIST = 1 << 16  # losses, learning rates, batch tensors of one step
 MAX_META_DEPTH = 16
 _HEX = re.compile(r"[0-9a-f]*")
-_GRAD_HEX = re.compile(r"(?:[0-9a-f]{16}|-{16})*")
+_FINGERPRINTS = re.compile(r"(?:[0-9a-f]{16}|-{16})*")
 
 
 class StepLogFormatError(TraceFormatError):
@@ -93,16 +93,16 @@ class StepEntry:
     rng: dict[str, str]  # generator -> digest of its state as the step's first forward began
     lr: list[float | None]  # per param group (None: not a number)
     hyper: str  # digest of the param groups' other hyperparameters
-    params: list[str]  # fingerprints as the optimizer step begins
+    params: list[str | None]  # fingerprints as the optimizer step begins (None: no plain bytes here)
     grads: list[str | None]  # fingerprints of the gradients the optimizer read (None: no gradient)
-    param_norms: list[float]
+    param_norms: list[float | None]
     grad_norms: list[float | None]
 
     def to_json(self) -> dict[str, Any]:
         return {"t": "step", "step": self.step, "opt": self.opt, "loss": self.loss, "backward": self.backward,
                 "forward": self.forward, "batch": self.batch, "batch_tensors": self.batch_tensors, "rng": self.rng,
-                "lr": self.lr, "hyper": self.hyper, "params": "".join(self.params),
-                "grads": "".join(NO_GRAD if g is None else g for g in self.grads),
+                "lr": self.lr, "hyper": self.hyper, "params": _joined(self.params),
+                "grads": _joined(self.grads),
                 "param_norms": self.param_norms, "grad_norms": self.grad_norms}
 
 
@@ -112,11 +112,15 @@ class Final:
 
     opt: int
     layout: Layout
-    params: list[str]
-    param_norms: list[float]
+    params: list[str | None]
+    param_norms: list[float | None]
 
     def to_json(self) -> dict[str, Any]:
-        return {"t": "final", "opt": self.opt, "params": "".join(self.params), "param_norms": self.param_norms}
+        return {"t": "final", "opt": self.opt, "params": _joined(self.params), "param_norms": self.param_norms}
+
+
+def _joined(fingerprints: list[str | None]) -> str:
+    return "".join(NO_GRAD if f is None else f for f in fingerprints)
 
 
 @dataclass
@@ -305,15 +309,16 @@ def _step(rec: dict[str, Any], r: StepLogReader) -> StepEntry:
         step=_count(rec, "step", r), opt=layout.opt, layout=layout, loss=_floats(rec, "loss", r),
         backward=_count(rec, "backward", r), forward=_count(rec, "forward", r), batch=batch,
         batch_tensors=_count(rec, "batch_tensors", r), rng=dict(rng), lr=_floats(rec, "lr", r, nullable=True),
-        hyper=hyper, params=_fingerprints(rec, "params", n, r), grads=_gradients(rec, "grads", n, r),
-        param_norms=_floats(rec, "param_norms", r, length=n),
+        hyper=hyper, params=_fingerprints(rec, "params", n, r), grads=_fingerprints(rec, "grads", n, r),
+        param_norms=_floats(rec, "param_norms", r, length=n, nullable=True),
         grad_norms=_floats(rec, "grad_norms", r, length=n, nullable=True))
 
 
 def _final(rec: dict[str, Any], r: StepLogReader) -> Final:
     layout = _layout_of(rec, r)
     n = len(layout.params)
-    return Final(layout.opt, layout, _fingerprints(rec, "params", n, r), _floats(rec, "param_norms", r, length=n))
+    return Final(layout.opt, layout, _fingerprints(rec, "params", n, r),
+                 _floats(rec, "param_norms", r, length=n, nullable=True))
 
 
 def _is_int(v: Any) -> bool:
@@ -344,21 +349,12 @@ def _floats(rec: dict[str, Any], key: str, r: StepLogReader, *, length: int | No
     return [float(x) if x is not None else None for x in v]
 
 
-def _split(rec: dict[str, Any], key: str, n: int, r: StepLogReader, grads: bool) -> list[str]:
+def _fingerprints(rec: dict[str, Any], key: str, n: int, r: StepLogReader) -> list[str | None]:
     v = rec.get(key)
-    if not isinstance(v, str) or len(v) != n * FP_CHARS \
-            or (_GRAD_HEX if grads else _HEX).fullmatch(v) is None:
-        raise r._error(f"{rec['t']}: {key!r} must be {n:,} fingerprints of {FP_CHARS} hexadecimal digits"
-                       + (" (or dashes: no gradient)" if grads else ""))
-    return [v[i:i + FP_CHARS] for i in range(0, len(v), FP_CHARS)]
-
-
-def _fingerprints(rec: dict[str, Any], key: str, n: int, r: StepLogReader) -> list[str]:
-    return _split(rec, key, n, r, grads=False)
-
-
-def _gradients(rec: dict[str, Any], key: str, n: int, r: StepLogReader) -> list[str | None]:
-    return [None if p == NO_GRAD else p for p in _split(rec, key, n, r, grads=True)]
+    if not isinstance(v, str) or len(v) != n * FP_CHARS or _FINGERPRINTS.fullmatch(v) is None:
+        raise r._error(f"{rec['t']}: {key!r} must be {n:,} fingerprints of {FP_CHARS} hexadecimal digits (or "
+                       f"{FP_CHARS} dashes: none)")
+    return [None if p == NO_GRAD else p for p in (v[i:i + FP_CHARS] for i in range(0, len(v), FP_CHARS))]
 
 
 def _depth_ok(value: Any, limit: int = MAX_META_DEPTH) -> bool:

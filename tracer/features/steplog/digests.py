@@ -27,6 +27,7 @@ import torch
 
 from tracer.model import TensorRecord
 from tracer.record.checksums import fingerprint as fp
+from tracer.record.checksums.bytes import unhashable_reason
 from tracer.record.checksums.fused import Fused, triton_usable
 from tracer.record.checksums.host_batch import HostFingerprints
 
@@ -107,11 +108,14 @@ class Digester:
         reading = Reading([None] * n, [None] * n)
         by_device: dict[torch.device, list[int]] = {}
         with quiet():
+            plain: dict[int, torch.Tensor] = {}
             for i, t in enumerate(tensors):
-                if t is not None:
-                    by_device.setdefault(t.device, []).append(i)
+                readable = _readable(t)
+                if readable is not None:
+                    plain[i] = readable
+                    by_device.setdefault(readable.device, []).append(i)
             for device, idx in by_device.items():
-                ts = [tensors[i].detach() for i in idx]  # type: ignore[union-attr]
+                ts = [plain[i] for i in idx]
                 if device.type == "cuda" or self._interpret:
                     reading.parts.append(self._on_device(ts, idx, norms))
                 else:
@@ -178,6 +182,19 @@ class Digester:
         event = torch.cuda.Event()
         event.record()
         return _DevicePart(entries, count, norm_positions, host, event)
+
+
+def _readable(t: torch.Tensor | None) -> torch.Tensor | None:
+    """The tensor whose bytes are read: a distributed tensor's local shard (FSDP2, tensor
+    parallel); None for a tensor without plain bytes here (meta, sparse, quantized, ...): the log
+    then says it has no fingerprint."""
+    if t is None:
+        return None
+    to_local = getattr(t, "to_local", None)
+    if callable(to_local) and type(t).__name__ == "DTensor":
+        t = to_local()
+    t = t.detach()
+    return None if unhashable_reason(t) is not None else t
 
 
 def _norms(ts: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:

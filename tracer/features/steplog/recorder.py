@@ -107,10 +107,8 @@ class _Pending:
 
     def complete(self) -> StepEntry:
         e = self.entry
-        e.params = [f or "" for f in self.params.result()[0]]
-        e.grads, norms = self.grads.result()
-        e.param_norms = [x if x is not None else float("nan") for x in self.params.result()[1]]
-        e.grad_norms = list(norms)
+        e.params, e.param_norms = self.params.result()
+        e.grads, e.grad_norms = self.grads.result()
         e.loss = [x if x is not None else float("nan") for x in self.losses.result()[1]]
         parts: list[bytes] = []
         for dtype, shape, reading in self.batch:
@@ -195,8 +193,7 @@ class StepLog:
                 self._drain(block=True, every=True)
                 for ol in self._layouts.values():
                     fps, norms = self._digester.read(ol.params).result()
-                    self._write(Final(ol.index, ol.layout, [f or "" for f in fps],
-                                      [x if x is not None else float("nan") for x in norms]).to_json())
+                    self._write(Final(ol.index, ol.layout, fps, norms).to_json())
                 self._write({"t": "end", "steps": self.steps})
         finally:
             if self._fd is not None:
