@@ -6,6 +6,7 @@
     export.inline_report(trace)            # that report inside a notebook cell (on request)
     export.dot(trace, "step.svg")          # Graphviz (.dot always; .svg/.png/.pdf with `dot`)
     export.diff(a, b)                      # first divergence, forward and backward
+    export.bisect("a.gtsteps", "b.gtsteps")  # the first step where two runs part (their step logs)
     export.backward_graph(loss, "g.svg")   # grad-node graph of any tensor, no trace needed
 
 The house, bottom to top: ``errors`` and ``load``; ``views`` (the module tree) and ``text`` (the
@@ -23,6 +24,7 @@ from __future__ import annotations
 import os
 
 from export import companion  # noqa: F401  first: the `tracer` below must be gradtrace's
+from export.bisect import bisect
 from export.diff import diff, diff_ranks
 from export.dot import dot
 from export.dot.backward_graph import backward_graph
@@ -56,5 +58,5 @@ def render(trace: Trace, path: str | os.PathLike[str]) -> None:
                         "or .txt (text)")
 
 
-__all__ = ["DiffError", "RenderError", "UserError", "backward_graph", "diff", "diff_ranks", "dot", "html",
+__all__ = ["DiffError", "RenderError", "UserError", "backward_graph", "bisect", "diff", "diff_ranks", "dot", "html",
            "html_ranks", "inline_report", "md5_lines", "render", "render_summary", "to_text"]

@@ -37,7 +37,7 @@ def _help(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
 def test_help_lists_the_commands_then_examples_and_where_the_docs_are(capsys):
     out = _help(capsys)
     listed = re.findall(r"^    (\S+)", out, re.M)
-    assert listed == ["summary", "show", "md5", "demo", "dot", "report", "diff", "run", "memory"]
+    assert listed == ["summary", "show", "md5", "demo", "dot", "report", "diff", "run", "bisect", "memory"]
     assert "diff-ranks" not in out  # the older spelling parses but is not offered
     tail = out[out.index("examples:"):]
     assert tail.rstrip("\n") == EXAMPLES
@@ -56,9 +56,9 @@ def _argv(line: str) -> list[str]:
 
 def test_every_example_in_the_help_is_a_valid_command_line(capsys):
     examples = _example_lines(EXAMPLES)
-    for command in ("run", "diff"):
+    for command in ("run", "diff", "bisect"):
         examples += _example_lines(_help(capsys, command).split("examples:")[1])
-    assert len(examples) == 7 + 4 + 4
+    assert len(examples) == 8 + 5 + 4 + 3
     parser = build_parser()
     for line in examples:
         args = parser.parse_args(_argv(line))

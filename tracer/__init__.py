@@ -43,9 +43,12 @@ from tracer.version import __version__
 __gradtrace__ = "tracer"
 
 if TYPE_CHECKING:  # the names resolved on first use, below
+    from tracer.analysis.determinism import DeterminismReport
     from tracer.api import check_numerics, explain_errors, record_memory, step, trace
+    from tracer.features.determinism import check_determinism
     from tracer.features.logs import get_log_level, log_scope, set_log_level
     from tracer.features.memory import memory_summary
+    from tracer.features.steplog import StepLog, step_log
     from tracer.features.watch import Incident, Spike, WatchTripped, watch
     from tracer.loops.steps import StepTrace
     from tracer.record.checksums.bytes import md5_of
@@ -63,6 +66,8 @@ _LAZY = {
     "watch": "tracer.features.watch", "Spike": "tracer.features.watch", "WatchTripped": "tracer.features.watch",
     "Incident": "tracer.features.watch",
     "StepTrace": "tracer.loops.steps",
+    "step_log": "tracer.features.steplog", "StepLog": "tracer.features.steplog",
+    "check_determinism": "tracer.features.determinism", "DeterminismReport": "tracer.analysis.determinism",
     "Listener": "tracer.record.listeners",
     "NumericsWarning": "tracer.record.session", "TraceSession": "tracer.record.session",
 }
@@ -82,6 +87,7 @@ __all__ = [
     "Anomaly",
     "BackwardRun",
     "Call",
+    "DeterminismReport",
     "Frame",
     "GradNode",
     "Incident",
@@ -93,6 +99,7 @@ __all__ = [
     "NumericsWarning",
     "Spike",
     "Stats",
+    "StepLog",
     "StepTrace",
     "TensorRecord",
     "Trace",
@@ -103,6 +110,7 @@ __all__ = [
     "TruncatedTraceWarning",
     "WatchTripped",
     "__version__",
+    "check_determinism",
     "check_numerics",
     "explain_errors",
     "get_log_level",
@@ -114,6 +122,7 @@ __all__ = [
     "record_memory",
     "set_log_level",
     "step",
+    "step_log",
     "trace",
     "watch",
 ]

@@ -3,6 +3,8 @@
     gradtrace run --steps 100,200 --report train.py --lr 3e-4
     gradtrace run --every 500 --out run.gtrace -m mypackage.train --config big.yaml
     gradtrace run --watch train.py          # the program's tracer.watch / WatchCallback, with reports
+    gradtrace run --log run.gtsteps train.py                # a step log of the whole run (gradtrace bisect)
+    gradtrace run --check-determinism --steps 10 train.py   # the op of step 10 that is not deterministic
 
 gradtrace's options come before the program, the program's own arguments after it (as with
 ``python`` itself). This module is the command's user interface: its arguments, the progress
@@ -15,6 +17,7 @@ step on a terminal and as plain lines otherwise.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import re
@@ -26,7 +29,9 @@ from rich.console import Console
 from rich.live import Live
 from rich.spinner import Spinner
 
+from export.cli import steplog
 from export.cli.command import Command
+from export.cli.determinism import check_program
 from export.cli.outputs import check_output
 from export.errors import UserError
 from export.html import default_output, html
@@ -210,6 +215,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--watch", action="store_true",
                    help="trace nothing up front: the program's own tracer.watch (or WatchCallback) watches every "
                         "step, and each incident gets its HTML report; says so when the program has no watch")
+    p.add_argument("--log", metavar="PATH",
+                   help="write a step log of every optimizer step (PATH.gtsteps: losses, batch and random-state "
+                        "digests, learning rates, a fingerprint of every parameter and gradient) for gradtrace "
+                        "bisect; alone, traces no step")
+    p.add_argument("--check-determinism", action="store_true",
+                   help="run the program --repeats times, tracing step --steps K with fast checksums, and name "
+                        "the first op of that step whose inputs are bit-equal and whose outputs differ")
+    p.add_argument("--repeats", type=int, default=2, metavar="N", help="with --check-determinism: runs (default 2)")
     p.add_argument("-m", dest="module", nargs=argparse.REMAINDER, metavar="MODULE [ARGS]",
                    help="run a module as `python -m` does; everything after it goes to the module")
     p.add_argument("program", nargs=argparse.REMAINDER, metavar="script.py [ARGS]",
@@ -220,8 +233,14 @@ def run_command(args: argparse.Namespace) -> int:
     """Run the program with the chosen steps traced; its exit status. A bad option is a
     ``TraceError``, which ``export.cli.main`` prints as one line (exit status 2)."""
     program = program_from_args(args)
+    if args.check_determinism:
+        return check_program(program, args)
+    steplog.check_log(args)
     if args.watch:
         return _run_watched(program, args)
+    if args.log is not None and args.steps is None and args.every is None:  # the log alone: no step traced
+        with steplog.logged(args, program):
+            return execute(program, contextlib.nullcontext())
     out = args.out or f"{program.stem}.gtrace"
     check_output(out, option="--out")  # before the program runs, not after its work is done
     steps = args.steps if args.steps is not None or args.every is not None else "0"
@@ -237,7 +256,8 @@ def run_command(args: argparse.Namespace) -> int:
                           per_step_files=args.per_step_files, observer=progress, step_on=args.step_on)
     # The step trace's hint that no optimizer stepped is said once, by _conclude, as a plain line.
     warnings.filterwarnings("ignore", message=r"gradtrace: no optimizer\.step\(\) ran", category=RuntimeWarning)
-    code = execute(program, st)
+    with steplog.logged(args, program):
+        code = execute(program, st)
     _conclude(st, program, args, progress, code)
     return code
 
@@ -251,7 +271,8 @@ def _run_watched(program: Program, args: argparse.Namespace) -> int:
         raise UserError(f"--watch traces only the steps that trip, where the program's watch says: "
                         f"drop {', '.join(chosen)} (give out= to tracer.watch)")
     run = WatchedRun(report=html)
-    code = execute(program, run)
+    with steplog.logged(args, program):
+        code = execute(program, run)
     err = sys.stderr
     if not run.watches:
         print(f"gradtrace: {program.target} created no watch, so nothing was watched: decorate its step function "
@@ -322,5 +343,6 @@ COMMAND = Command(
            "  gradtrace run train.py --lr 3e-4                   optimizer step 0 -> train.gtrace\n"
            "  gradtrace run --steps 100,200 --report train.py    two steps, and an HTML report of each\n"
            "  gradtrace run --every 500 -o run.gtrace.gz -m pkg.train --config big.yaml\n"
-           "  gradtrace run --watch train.py                     the program's tracer.watch, with reports",
+           "  gradtrace run --watch train.py                     the program's tracer.watch, with reports\n"
+           "  gradtrace run --log run.gtsteps train.py           a step log of every step (for gradtrace bisect)",
     arguments=add_arguments, run=run_command)

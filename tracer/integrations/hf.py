@@ -29,6 +29,15 @@ original ``training_step``, clips as ``max_grad_norm`` says, steps the optimizer
 gradients (the learning-rate scheduler is not stepped again: it only sets the next step's rate).
 The callback finds its Trainer when training begins; ``cb.attach(trainer)`` names it explicitly.
 Every process watches (each rank writes its own incident file).
+
+    from tracer.integrations.hf import StepLogCallback
+
+    trainer = Trainer(..., callbacks=[StepLogCallback("run.gtsteps")])
+
+``StepLogCallback`` writes the step log of every optimizer step (``tracer.step_log``; for
+``gradtrace bisect``): a step is an optimizer step, so a gradient-accumulation step is one step
+whose record holds every micro-batch's loss and batch. ``WatchCallback(log="run.gtsteps")`` does
+the same beside the watch.
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("tracer.integrations.hf needs the transformers package (pip install transformers)") from exc
 
+from tracer.features.steplog import StepLog
 from tracer.features.watch import Watch, check_options
 from tracer.loops.steps import StepRecorder, StepResults, StepSelection
 from tracer.options import TraceError, TraceOptions
@@ -169,6 +179,28 @@ class WatchCallback(TrainerCallback):
             self.watch.close()
 
 
+class StepLogCallback(TrainerCallback):
+    """The step log of the Trainer's optimizer steps into ``path`` (see the module docstring);
+    ``.log`` is the ``StepLog`` once training began. ``model``/``optimizer`` come from the Trainer."""
+
+    def __init__(self, path: str | os.PathLike[str] = "hf.gtsteps") -> None:
+        self.path = os.fspath(path)
+        self.log: StepLog | None = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.log is None or self.log.closed:
+            self.log = StepLog(self.path, model=kwargs.get("model"), optimizer=kwargs.get("optimizer"),
+                               source="tracer.integrations.hf.StepLogCallback").start()
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Write the last steps and close the log (``train()`` raised: call it yourself)."""
+        if self.log is not None:
+            self.log.close()
+
+
 class _HFReplay:
     """One Trainer step again: its micro-batches, clipping, the optimizer step, ``zero_grad``.
     Returns the micro-batch losses' sum (what the sentinel compares with the original's)."""
@@ -203,4 +235,4 @@ def _calling_trainer(callback: Any) -> Any:
     return None
 
 
-__all__ = ["TraceCallback", "WatchCallback"]
+__all__ = ["StepLogCallback", "TraceCallback", "WatchCallback"]

@@ -23,6 +23,13 @@ The replay of a tripped step runs its batches again: ``optimizer.zero_grad()``, 
 divided by ``accumulate_grad_batches``, then gradient clipping as the Trainer is configured and
 ``optimizer.step()``. Manual optimization is not replayed this way: use ``tracer.watch`` on your
 own step function there. Every process watches (each rank writes its own incident file).
+
+    from tracer.integrations.lightning import StepLogCallback
+
+    trainer = L.Trainer(max_steps=100_000, callbacks=[StepLogCallback("run.gtsteps")])
+
+``StepLogCallback`` writes the step log of every optimizer step (``tracer.step_log``; for
+``gradtrace bisect``); ``WatchCallback(log="run.gtsteps")`` does the same beside the watch.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 import torch
 
+from tracer.features.steplog import StepLog
 from tracer.features.watch import Watch, check_options
 from tracer.loops.steps import StepRecorder, StepResults, StepSelection
 from tracer.options import TraceOptions
@@ -138,6 +146,32 @@ class WatchCallback(Callback):
             self.watch.close()
 
 
+class StepLogCallback(Callback):
+    """The step log of the Trainer's optimizer steps into ``path`` (the LightningModule names the
+    parameters; with one optimizer only its steps count, with several every one's); ``.log`` is
+    the ``StepLog`` once training started."""
+
+    def __init__(self, path: str | os.PathLike[str] = "lightning.gtsteps") -> None:
+        super().__init__()
+        self.path = os.fspath(path)
+        self.log: StepLog | None = None
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        optimizer = trainer.optimizers[0] if len(trainer.optimizers) == 1 else None
+        self.log = StepLog(self.path, model=pl_module, optimizer=optimizer,
+                           source="tracer.integrations.lightning.StepLogCallback").start()
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._close()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self.log is not None:
+            self.log.close()
+
+
 class _LightningReplay:
     """One automatic-optimization step again; returns the sum of its normalised batch losses
     (what Lightning reports per batch, so the sentinel compares like with like)."""
@@ -167,4 +201,4 @@ class _LightningReplay:
         return torch.stack(losses).sum() if losses else None
 
 
-__all__ = ["TraceCallback", "WatchCallback"]
+__all__ = ["StepLogCallback", "TraceCallback", "WatchCallback"]

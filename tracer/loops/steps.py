@@ -10,7 +10,7 @@
 Step boundaries come from PyTorch's global optimizer step post-hook: the first
 ``optimizer.step()`` ends step 0, so step N is everything from the end of step N-1's
 ``optimizer.step()`` to the end of step N's. Loops without an optimizer count backward passes
-(``step_on="backward"``: tracer.loops.backward_ends) or mark boundaries with ``tracer.step()``.
+(``step_on="backward"``: tracer.features.backward_ends) or mark boundaries with ``tracer.step()``.
 Between chosen steps only that one global hook (or the two backward wrappers) is installed: no
 mode, no module hooks, no ``Function.apply`` wrapper, so untraced steps run at plain speed
 (``benchmarks/untraced_steps.py`` measures it).
@@ -37,9 +37,9 @@ from typing import Any, Literal
 
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from tracer.features.backward_ends import BackwardEnds
 from tracer.features.bounds import Bounds
 from tracer.features.plugins import session_plugins
-from tracer.loops.backward_ends import BackwardEnds
 from tracer.model import Trace
 from tracer.model.display import with_tag
 from tracer.options import TraceError, TraceOptions
@@ -396,7 +396,7 @@ class StepTrace(StepResults):
             return
         self._boundary(self.step + 1)
 
-    def _on_backward_end(self) -> None:
+    def _on_backward_end(self, roots: Any) -> None:
         if not self.manual:
             self._boundary(self.step + 1)
 

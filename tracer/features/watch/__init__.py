@@ -37,7 +37,8 @@ from tracer.features.watch.triggers import Spike, Trigger
 def watch(model: Any, optimizer: Any, *, on: str | Trigger | Callable[[Any], Any] = "nonfinite",
           out: str | os.PathLike[str] | None = "incident.gtrace", policy: Policy = "raise",
           snapshots: SnapshotPlacement = "auto", lag: int | None = None, grads: bool | None = None,
-          report: ReportOption = None, status_every: int | None = None, **trace_options: Any) -> Watch:
+          report: ReportOption = None, status_every: int | None = None,
+          log: str | os.PathLike[str] | None = None, **trace_options: Any) -> Watch:
     """Watch a training step cheaply; on a trip, replay it under a full trace.
 
     Use the result as a decorator (``@tracer.watch(model, opt)``), as a wrapper
@@ -61,10 +62,12 @@ def watch(model: Any, optimizer: Any, *, on: str | Trigger | Callable[[Any], Any
     ``gradtrace.report_writers`` plug-in); a callable ``(trace, path)`` writes another; ``False``
     writes none.
     ``status_every``: log the status line every N steps (``gradtrace.watch`` logger, INFO).
+    ``log``: also write the step log of every optimizer step to this file (``run.gtsteps``, for
+    ``gradtrace bisect``; ``tracer.step_log`` writes one without a watch).
     ``trace_options``: those of ``tracer.trace`` for the replay (``hash``, ``memory``, ...).
     """
     return Watch(model, optimizer, on=on, out=out, policy=policy, snapshots=snapshots, lag=lag, grads=grads,
-                 report=report, status_every=status_every, **trace_options)
+                 report=report, status_every=status_every, log=log, **trace_options)
 
 
 __all__ = ["Incident", "NonFiniteStepError", "Spike", "Trigger", "Watch", "WatchTripped", "check_options", "watch"]

@@ -49,6 +49,7 @@ from tracer.analysis.numerics import Anomaly, NonFiniteError, NumericsReport
 from tracer.features import logs as _logs  # noqa: F401  (installs the gradtrace console handler)
 from tracer.features.distributed import rank_path
 from tracer.features.plugins import session_plugins
+from tracer.features.steplog import StepLog, paused
 from tracer.features.watch import registry
 from tracer.features.watch.sentinel import Flag, FlagValues, Sentinel
 from tracer.features.watch.snapshot import Layout, Placement, StateSnapshot, real_optimizer, state_bytes
@@ -170,7 +171,7 @@ class NonFiniteStepError(NonFiniteError, WatchTripped):
 
 def check_options(*, model: Any = None, on: Any = "nonfinite", out: Any = None, policy: Any = "raise",
                   snapshots: Any = "auto", lag: Any = None, grads: Any = None, report: Any = None,
-                  status_every: Any = None, **trace_options: Any) -> TraceOptions:
+                  status_every: Any = None, log: Any = None, **trace_options: Any) -> TraceOptions:
     """The replay's trace options, after checking every option ``tracer.watch`` takes (a
     ``TraceError`` naming the first bad one); the framework callbacks check theirs at once."""
     if policy not in POLICIES:
@@ -186,6 +187,8 @@ def check_options(*, model: Any = None, on: Any = "nonfinite", out: Any = None, 
         raise TraceError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if out is not None and not isinstance(out, str | os.PathLike):
         raise TraceError(f"out must be a path or None, got {out!r}")
+    if log is not None and not isinstance(log, str | os.PathLike):
+        raise TraceError(f"log must be a path (the step log) or None, got {log!r}")
     for name in ("steps", "every", "check_numerics"):
         if name in trace_options:
             raise TraceError(f"tracer.watch() does not take {name}= (the replay is one step, with check_numerics on)")
@@ -218,9 +221,9 @@ class Watch:
                  out: str | os.PathLike[str] | None = "incident.gtrace", policy: Policy = "raise",
                  snapshots: SnapshotPlacement = "auto", lag: int | None = None, grads: bool | None = None,
                  report: ReportOption = None, status_every: int | None = None,
-                 **trace_options: Any) -> None:
+                 log: str | os.PathLike[str] | None = None, **trace_options: Any) -> None:
         self.options = check_options(model=model, on=on, out=out, policy=policy, snapshots=snapshots, lag=lag,
-                                     status_every=status_every, **trace_options)
+                                     status_every=status_every, log=log, **trace_options)
         try:
             self.optimizer = real_optimizer(optimizer) if optimizer is not None else None
         except TypeError as exc:
@@ -246,6 +249,9 @@ class Watch:
         self._layout: Layout | None = None
         self._current: StateSnapshot | None = None
         self._distributed = False
+        # The step log of every optimizer step (tracer.features.steplog), when asked for.
+        self.log = StepLog(log, model=model, optimizer=self.optimizer, source="tracer.watch").start() \
+            if log is not None else None
         registry.add(self)
         _OPEN.add(self)
 
@@ -348,6 +354,8 @@ class Watch:
             _OPEN.discard(self)
             if self._sentinel is not None:
                 self._sentinel.remove()
+            if self.log is not None:
+                self.log.close()
             LOG.info(self.status())
 
     # ---- status ----------------------------------------------------------------------------------
@@ -480,7 +488,7 @@ class Watch:
             # The incident says what the replay found; the trace's own warning would repeat it.
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", NumericsWarning)
-                with session:
+                with session, paused():  # the step is in the step log already
                     result = entry.replay()
         except Exception as exc:  # the trace says "failed"; the incident says what was raised
             error = exc

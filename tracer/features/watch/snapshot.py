@@ -26,22 +26,11 @@ from typing import Any, Literal
 
 import torch
 
+from tracer.features.optimizers import real_optimizer
+
+__all__ = ["Layout", "Placement", "StateSnapshot", "model_parameters", "real_optimizer", "state_bytes"]
+
 Placement = Literal["device", "host"]
-
-
-def real_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """The ``torch.optim.Optimizer`` under wrappers that keep it as ``.optimizer`` (accelerate's
-    ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``)."""
-    opt = optimizer
-    for _ in range(8):
-        inner = getattr(opt, "optimizer", None)
-        if isinstance(inner, torch.optim.Optimizer):
-            opt = inner
-        else:
-            break
-    if not isinstance(opt, torch.optim.Optimizer):
-        raise TypeError(f"not a torch.optim.Optimizer: {type(optimizer).__name__}")
-    return opt
 
 
 def model_parameters(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:

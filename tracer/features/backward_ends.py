@@ -1,12 +1,14 @@
-"""The end of each backward pass, as a step boundary for loops without an optimizer.
+"""The end of each backward pass: a step boundary for loops without an optimizer
+(``step_on="backward"``), and where the step log learns the loss each pass started from.
 
 Tutorial loops update parameters by hand (``p.data.add_(p.grad, alpha=-lr)``: pytorch/examples'
 word language model by default), so no ``optimizer.step()`` ever ends a step. PyTorch has no
 global hook on the end of a backward pass; ``Tensor.backward`` and ``torch.autograd.backward``
 are Python functions that every ``loss.backward()`` goes through (Lightning's and Accelerate's
-backward call them too), so while a step trace counts backward passes they are wrapped: when the
-outermost call returns on the thread that traces, the callback runs, outside every recorder
-frame (the recording mode's handler for the call has returned by then). ``torch.autograd.grad``
+backward call them too), so while a step trace counts backward passes (or a step log is open) they are wrapped: when the
+outermost call returns on the thread that traces, the callback runs with the tensors the pass
+started from, outside every recorder frame (the recording mode's handler for the call has
+returned by then). ``torch.autograd.grad``
 is not a pass that ends a step (a gradient penalty, a Hessian-vector product).
 """
 
@@ -14,17 +16,18 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 
 class BackwardEnds:
-    """While installed, ``on_end()`` runs after each outermost ``Tensor.backward`` or
-    ``torch.autograd.backward`` call that returns (one that raises ends nothing) on ``thread``."""
+    """While installed, ``on_end(roots)`` runs after each outermost ``Tensor.backward`` or
+    ``torch.autograd.backward`` call that returns (one that raises ends nothing) on ``thread``;
+    ``roots`` are the tensors the pass started from (the loss)."""
 
-    def __init__(self, on_end: Callable[[], None], thread: int) -> None:
+    def __init__(self, on_end: Callable[[Sequence[torch.Tensor]], None], thread: int) -> None:
         self.on_end = on_end
         self.thread = thread
         self._depth = threading.local()
@@ -59,7 +62,18 @@ class BackwardEnds:
             # Nested: Tensor.backward calls torch.autograd.backward, and the recording mode's
             # handler calls the wrapper again; only the outermost return ends a pass.
             if depth == 0 and threading.get_ident() == self.thread:
-                self.on_end()
+                self.on_end(_roots(args, kwargs))
             return out
 
         return backward
+
+
+def _roots(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors a pass starts from: ``Tensor.backward``'s self, ``torch.autograd.backward``'s
+    ``tensors`` (one tensor or a sequence)."""
+    first = args[0] if args else kwargs.get("tensors")
+    if isinstance(first, torch.Tensor):
+        return [first]
+    if isinstance(first, list | tuple):
+        return [t for t in first if isinstance(t, torch.Tensor)]
+    return []

@@ -1,0 +1,215 @@
+"""Fingerprints and L2 norms of many tensors at once, on their own device, read later.
+
+The step log fingerprints every parameter and every gradient at every optimizer step. On the
+CPU that is done at once, in batches (``HostFingerprints``: one pass of about fifteen ops over
+all the small tensors) and the norms by ``torch._foreach_norm``. On CUDA nothing is waited for:
+the fingerprints are the Triton kernel the traces use (``Fused``: one launch for up to 512
+tensors, reading each byte once), the norms one ``_foreach_norm`` per dtype, and the results, lane
+sums and norms together, are copied in one piece to pinned host memory behind an event. The step
+log reads them once that event has completed, a step or more later, so a step costs no
+synchronisation (the watch's sentinel works the same way).
+
+The fingerprint is ``hash="fast"``'s (``gtfp2-fmix32x2-64``, ``tracer.record.checksums.fingerprint``):
+the same bytes give the same 16 hexadecimal digits on any device. Where Triton is missing, a
+CUDA tensor's lane sums take the plain torch path (``fingerprint.lane_sums``: about twenty small
+kernels per tensor, still no synchronisation).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tracer.model import TensorRecord
+from tracer.record.checksums import fingerprint as fp
+from tracer.record.checksums.bytes import unhashable_reason
+from tracer.record.checksums.fused import Fused, triton_usable
+from tracer.record.checksums.host_batch import HostFingerprints
+
+ALGORITHM = fp.ALGORITHM
+_foreach_norm = getattr(torch, "_foreach_norm", None)  # private; per-tensor norms where missing
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """The log's own tensor work: no autograd, and invisible to a trace being recorded."""
+    with torch.no_grad(), torch._C.DisableTorchFunction():
+        yield
+
+
+def _slot() -> TensorRecord:
+    """A record for the fingerprint batchers to fill: they take records, the log needs only the
+    fingerprint (``Fused`` and ``HostFingerprints`` are the traces' own, shared as they are)."""
+    return TensorRecord("", (), "", "", "param")
+
+
+@dataclass
+class _DevicePart:
+    """What one CUDA device computes for a reading: which tensor each row belongs to."""
+
+    # (row, index in the reading, bytes to finish the row's lane sums with; None: the kernel
+    # finished them); a row may serve several tensors (the same bytes twice)
+    entries: list[tuple[int, int, int | None]]
+    rows: int
+    norm_positions: list[int]
+    host: torch.Tensor | None = None  # pinned: [lane_a, lane_b] per row, then the norms
+    event: Any = None
+
+
+@dataclass
+class Reading:
+    """The fingerprints and norms of a list of tensors (None where a tensor is None), complete
+    once ``ready()``; ``result()`` waits for the device if it has to."""
+
+    fingerprints: list[str | None]
+    norms: list[float | None]
+    parts: list[_DevicePart] = field(default_factory=list)
+
+    def ready(self) -> bool:
+        return all(p.event is None or p.event.query() for p in self.parts)
+
+    def result(self) -> tuple[list[str | None], list[float | None]]:
+        for part in self.parts:
+            if part.event is not None:
+                part.event.synchronize()  # this reading's copy only: later work stays queued
+            assert part.host is not None
+            values = part.host.tolist()
+            for row, at, n in part.entries:
+                a, b = int(values[2 * row]), int(values[2 * row + 1])
+                self.fingerprints[at] = fp.hex_of(a, b) if n is None else fp.finish(a, b, n)
+            for j, at in enumerate(part.norm_positions):
+                self.norms[at] = values[2 * part.rows + j]
+        self.parts = []
+        return self.fingerprints, self.norms
+
+
+class Digester:
+    """Makes ``Reading``s; holds the batchers and their buffers for the whole log.
+
+    ``interpret`` (tests; default: ``GRADTRACE_FUSED_INTERPRET=1``, as for traces): CPU tensors
+    take the device path, through the kernels under Triton's CPU interpreter, so a machine
+    without a GPU runs it end to end; ``triton=False`` makes the device path use the plain torch
+    lane sums."""
+
+    def __init__(self, *, interpret: bool | None = None, triton: bool | None = None) -> None:
+        self._host: HostFingerprints | None = None
+        self._fused: Fused | None = None
+        self._interpret = os.environ.get("GRADTRACE_FUSED_INTERPRET") == "1" if interpret is None else interpret
+        self._triton = triton
+
+    def read(self, tensors: Sequence[torch.Tensor | None], norms: bool = True) -> Reading:
+        """Start computing the fingerprints (and L2 norms) of ``tensors``."""
+        n = len(tensors)
+        reading = Reading([None] * n, [None] * n)
+        by_device: dict[torch.device, list[int]] = {}
+        with quiet():
+            plain: dict[int, torch.Tensor] = {}
+            for i, t in enumerate(tensors):
+                readable = _readable(t)
+                if readable is not None:
+                    plain[i] = readable
+                    by_device.setdefault(readable.device, []).append(i)
+            for device, idx in by_device.items():
+                ts = [plain[i] for i in idx]
+                if device.type == "cuda" or self._interpret:
+                    reading.parts.append(self._on_device(ts, idx, norms))
+                else:
+                    self._on_host(ts, idx, reading, norms)
+        return reading
+
+    # ---- the CPU: now ----------------------------------------------------------------------------
+    def _on_host(self, ts: list[torch.Tensor], idx: list[int], reading: Reading, norms: bool) -> None:
+        if self._host is None:
+            self._host = HostFingerprints()
+        slots = [_slot() for _ in ts]
+        for rec, t in zip(slots, ts):
+            self._host.add(rec, t)
+        self._host.flush()
+        for at, rec in zip(idx, slots):
+            reading.fingerprints[at] = rec.fingerprint
+        if norms:
+            values, order = _norms(ts)
+            for k, v in zip(order, values.tolist()):
+                reading.norms[idx[k]] = v
+
+    # ---- CUDA: queued, read later -------------------------------------------------------------------
+    def _on_device(self, ts: list[torch.Tensor], idx: list[int], norms: bool) -> _DevicePart:
+        if self._triton is None:
+            self._triton = triton_usable()
+        if self._triton and self._fused is None:
+            self._fused = Fused(stats=False, fingerprint=True, interpret=self._interpret)
+        rows: list[torch.Tensor] = []  # [k, 2] lanes
+        entries: list[tuple[int, int, int | None]] = []
+        count = 0  # rows so far
+        slots: dict[int, int] = {}  # id(slot) -> index in the reading
+        fallback: list[tuple[int, int, torch.Tensor]] = []
+        fused = self._fused
+        for at, t in zip(idx, ts):
+            size = t.numel() * t.element_size()
+            rec = _slot()
+            if fused is not None and fused.add(rec, t):
+                slots[id(rec)] = at
+            else:  # no Triton, a dtype its kernel does not read, its kernels still compiling
+                fallback.append((at, size, fp.lane_sums(t)))
+        if fused is not None and slots:
+            fused.flush()
+            done, fused.done = fused.done, []
+            for batch_slots, _, res_i, _ in done:
+                rows.append(res_i[:, 2:4])  # (NaN count, Inf count, lane A, lane B): finished lanes
+                for recs in batch_slots:
+                    entries += [(count, slots[id(rec)], None) for rec in recs]
+                    count += 1
+        for at, size, sums in fallback:
+            rows.append(sums.view(1, 2))
+            entries.append((count, at, size))
+            count += 1
+        pieces = [torch.cat(rows).reshape(-1).to(torch.float64)] if rows else []
+        norm_positions: list[int] = []
+        if norms:
+            values, order = _norms(ts)
+            pieces.append(values)
+            norm_positions = [idx[k] for k in order]
+        vector = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        if vector.device.type != "cuda":  # the interpreter's CPU tensors (tests): nothing to wait for
+            return _DevicePart(entries, count, norm_positions, vector)
+        host = torch.empty(vector.shape, dtype=torch.float64, pin_memory=True)
+        host.copy_(vector, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return _DevicePart(entries, count, norm_positions, host, event)
+
+
+def _readable(t: torch.Tensor | None) -> torch.Tensor | None:
+    """The tensor whose bytes are read: a distributed tensor's local shard (FSDP2, tensor
+    parallel); None for a tensor without plain bytes here (meta, sparse, quantized, ...): the log
+    then says it has no fingerprint."""
+    if t is None:
+        return None
+    to_local = getattr(t, "to_local", None)
+    if callable(to_local) and type(t).__name__ == "DTensor":
+        t = to_local()
+    t = t.detach()
+    return None if unhashable_reason(t) is not None else t
+
+
+def _norms(ts: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+    """The L2 norm of each tensor as float64, one ``_foreach_norm`` per dtype (an integer tensor
+    is measured as float32), and for each norm the index of its tensor in ``ts``."""
+    out: list[torch.Tensor] = []
+    order: list[int] = []
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(ts):
+        groups.setdefault(t.dtype, []).append(i)
+    for dtype, members in groups.items():
+        group = [ts[i] if dtype.is_floating_point or dtype.is_complex else ts[i].to(torch.float32) for i in members]
+        found = _foreach_norm(group, 2) if _foreach_norm is not None else [torch.linalg.vector_norm(g) for g in group]
+        out.extend(found)
+        order.extend(members)
+    if not out:
+        return torch.zeros(0, dtype=torch.float64), []
+    return torch.stack([v if v.dtype == torch.float32 else v.float() for v in out]).to(torch.float64), order
