@@ -23,11 +23,13 @@ def update_golden(request: pytest.FixtureRequest) -> bool:
     return bool(request.config.getoption("--update-golden"))
 
 
-def _installed_state() -> tuple[int, int, int, object, object]:
+def _installed_state() -> tuple[int, int, int, int, int, object, object]:
     from torch.nn.modules import module as nn_module
     from torch.overrides import _get_current_function_mode_stack
 
+    # (every global hook dict torch.compile looks at: a leftover id in one makes it warn for good)
     return (len(nn_module._global_forward_pre_hooks), len(nn_module._global_forward_hooks),
+            len(nn_module._global_forward_hooks_with_kwargs), len(nn_module._global_forward_hooks_always_called),
             len(_get_current_function_mode_stack()),
             torch.autograd.function.Function.__dict__["apply"],
             torch.autograd.function.BackwardCFunction.__dict__["apply"])

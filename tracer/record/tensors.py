@@ -23,6 +23,19 @@ ACCUMULATE = "AccumulateGrad"
 DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 
+# A global forward hook registered with_kwargs=True leaves its id in a private dict of torch's that
+# its handle does not clear (torch 2.4-2.13): torch.compile then warns of global hooks for good.
+_forward_hooks_with_kwargs: dict[int, bool] | None = getattr(torch.nn.modules.module,
+                                                             "_global_forward_hooks_with_kwargs", None)
+
+
+def remove_global_forward_hook(handle: Any) -> None:
+    """Remove a global module forward hook, with what its handle leaves behind."""
+    handle.remove()
+    if _forward_hooks_with_kwargs is not None:
+        _forward_hooks_with_kwargs.pop(handle.id, None)
+
+
 def dtype_name(dt: torch.dtype) -> str:
     n = DTYPE_NAMES.get(dt)
     if n is None:

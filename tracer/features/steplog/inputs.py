@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from tracer.record.tensors import flat_tensors
+from tracer.record.tensors import flat_tensors, remove_global_forward_hook
 
 
 def digest(*parts: bytes) -> str:
@@ -81,7 +81,7 @@ class ForwardInputs:
 
     def remove(self) -> None:
         for h in self._handles:
-            h.remove()
+            remove_global_forward_hook(h)
         self._handles = []
         self.order.clear()
         self.roots.clear()
