@@ -26,6 +26,7 @@ says so on the console, and later chosen steps are not traced.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import threading
@@ -316,6 +317,7 @@ class StepTrace(StepResults):
             raise TraceError("optimizer= picks which optimizer's steps count: it has no meaning with step_on='backward'")
         self.selection = StepSelection.parse(steps, every)
         self.recorder = StepRecorder(options, per_step_files=per_step_files, observer=observer)
+        _check_directory(options.out)
         self.optimizer = optimizer
         self.step_on = step_on
         self.step = 0  # the step running now
@@ -421,6 +423,17 @@ class StepTrace(StepResults):
     def __repr__(self) -> str:
         return (f"<StepTrace steps={self.selection} at step {self.step}, traced {self.steps}"
                 f"{', out=' + self.recorder.out if self.recorder.out else ''}>")
+
+
+def _check_directory(out: str | None) -> None:
+    """An output whose directory is missing fails now, as opening it would, not at the first
+    chosen step (which may come hours later, inside ``optimizer.step()``)."""
+    if out is None or "{rank}" in out:
+        return
+    folder = os.path.dirname(out) or "."
+    if not os.path.isdir(folder):
+        code = errno.ENOTDIR if os.path.exists(folder) else errno.ENOENT
+        raise OSError(code, os.strerror(code), folder)
 
 
 def step(n: int | None = None) -> int | None:

@@ -91,6 +91,7 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin, Swap
                  on_records: Callable[[], None] | None = None) -> None:
         super().__init__(trace, options, on_records=on_records)
         self._mode = RecordingMode(self)
+        self._mode_entered = False
         self._compiled_functions = CompiledFunctionWatch(self)
 
     # ---- installation -------------------------------------------------------------------------
@@ -102,6 +103,7 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin, Swap
         install_engine_wrapper()
         install_swap_wrapper()
         self._mode.__enter__()
+        self._mode_entered = True
         self._compiled_functions.install()
 
     def uninstall(self) -> None:
@@ -120,7 +122,11 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin, Swap
             self.close_region(self._opaque[-1])
         self._compiled_functions.uninstall()
         try:
-            self._mode.__exit__(None, None, None)
+            # A mode's exit pops whatever mode is on top of the stack: only the recorder's own,
+            # never the program's (install() may have failed before entering it).
+            if self._mode_entered:
+                self._mode_entered = False
+                self._mode.__exit__(None, None, None)
             # The mode points back at this recorder: once it is off the stack, drop that link, so
             # that a finished trace is freed by reference counting, not by the cycle collector
             # (which would walk all of its records to find the cycle).
