@@ -7,6 +7,7 @@ import gzip
 import json
 import os
 import time
+import unicodedata
 import zlib
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from export.cli import main
 from export.load import open_trace
 from tests.models import MLP, Scale
 from tracer.model import TraceFormatError, read_trace
+from tracer.model.display import inert
 
 COMMANDS = ("summary", "md5", "dot", "report", "memory", "diff", "show")
 
@@ -466,3 +468,56 @@ def test_memory_records_without_their_required_fields_are_refused(good, tmp_path
             del r["action"], r["allocated_after"]
     _assert_refused(capsys, _write(os.fspath(tmp_path / "mem.gtrace"), recs), os.fspath(tmp_path), good,
                     "memory record is missing action, allocated_after")
+
+
+# ---- invisible characters, long strings (issue 45) ------------------------------------------------------
+INVISIBLE = {"linear0": "lin\u200bear0", "tanh0": "tan\ufeffh\U000e0041\u061c0"}
+
+
+def test_invisible_format_characters_print_escaped(good, tmp_path, capsys):
+    # every format character (Unicode Cf) is escaped, as the control and bidi characters are
+    unescaped = [hex(c) for c in range(0x110000) if unicodedata.category(chr(c)) == "Cf" and inert(chr(c)) == chr(c)]
+    assert unescaped == []
+    text = Path(good).read_text(encoding="utf-8")
+    for old, new in INVISIBLE.items():
+        text = text.replace(f'"{old}', f'"{new}')
+    bad = tmp_path / "invisible.gtrace"
+    bad.write_text(text, encoding="utf-8")
+    t = tracer.load(bad)
+    assert {INVISIBLE["linear0"], INVISIBLE["tanh0"]} <= {c.name for c in t.calls}
+    rc, out, _ = _cli(capsys, "show", os.fspath(bad), INVISIBLE["linear0"])
+    assert rc == 0 and out.splitlines()[0] == "call lin\\u200bear0"
+    assert not [ch for ch in out if unicodedata.category(ch) == "Cf"]
+    for command in ("summary", "md5"):
+        rc, out, err = _cli(capsys, command, os.fspath(bad))
+        assert rc == 0 and not [ch for ch in out + err if unicodedata.category(ch) == "Cf"], command
+    rc, out, _ = _cli(capsys, "md5", os.fspath(bad))
+    assert "tan\\ufeffh\\U000e0041\\u061c0:out:" in out and "lin\\u200bear0:out:" in out
+    # the notebook card
+    assert "lin\\u200bear0" in t[INVISIBLE["linear0"]]._repr_html_()
+
+
+def test_megabyte_long_source_lines_module_paths_and_args_are_clipped_in_the_pages(good, tmp_path, capsys):
+    recs = _records(good)
+    code = "x = " + "a + " * 250_000  # a megabyte-long source line in every frame
+    for r in recs:
+        if r["t"] == "frame":
+            r["code"] = code
+        if r.get("name") == "linear0":
+            r["args"] = "k=" + "9" * 1_000_000
+            r["module"] = "m" * 1_000_000
+    paths = []
+    for rank in (0, 1):
+        recs[0]["distributed"] = {"rank": rank, "world_size": 2}
+        paths.append(_write(os.fspath(tmp_path / f"long.rank{rank}.gtrace"), recs))
+    frames = sum(r["t"] == "frame" for r in recs)
+    assert frames >= 5  # 5 MB of source lines: more than the page's budget below
+    out = os.fspath(tmp_path / "long.html")
+    rc, _, err = _cli(capsys, "report", paths[0], "-o", out, "--max-bytes", "4000000")
+    assert rc == 0, err
+    page = Path(out).read_text(encoding="utf-8")
+    assert len(page) < 1_000_000
+    assert page.count(code[:2000] + f"…[{len(code):,} characters]") == frames
+    assert "k=" + "9" * 1998 + "…[1,000,002 characters]" in page and "m" * 2000 + "…[1,000,000 characters]" in page
+    rc, _, err = _cli(capsys, "report", *paths, "-o", os.fspath(tmp_path / "ranks.html"), "--max-bytes", "4000000")
+    assert rc == 0, err

@@ -14,6 +14,8 @@ is part of the report's contract (``PAYLOAD_VERSION``):
 ``fwd_edges`` ``[producer call index, consumer call index, [tensor names]]``
 ``bwd_edges`` ``[grad node index, next node index, [output slots]]``
 ``open``      group indices expanded when the page opens; ``omitted`` says what a byte budget cut
+``unsafe``    the characters the page shows escaped in every string of the trace (a regular
+              expression's class: ``tracer.model.display.UNSAFE_JS``, what ``inert`` escapes)
 
 Groups are what the page folds. They follow module paths, one group per *invocation* (a module
 called twice in separate places gets ``#1``), with a custom ``autograd.Function`` grouping the
@@ -34,7 +36,7 @@ from typing import Any
 from export.views import first_params, module_label, nonfinite, parent_path, prefixes
 from tracer.analysis.numerics import Anomaly, find_anomalies
 from tracer.model import Call, GradNode, Stats, TensorRecord, Trace
-from tracer.model.display import clip, json_number, param_module
+from tracer.model.display import UNSAFE_JS, clip, json_number, param_module
 from tracer.model.frames import frame_class
 from tracer.model.names import base_name, gradient_of
 
@@ -494,6 +496,7 @@ def build_payload(trace: Trace) -> dict[str, Any]:
         "bwd_edges": b.bwd_edges(),
         "open": b.initial_open(ncalls, nnodes),
         "omitted": None,
+        "unsafe": UNSAFE_JS,
     }
 
 
