@@ -143,4 +143,8 @@ def test_two_runs_writing_the_same_file_the_second_refuses_before_its_program_st
     assert main(["run", "--steps", "0,1", "--no-progress", "-o", "same.gtrace", "lr.py", "c", "0.3"]) == 0
     assert os.path.exists("c.started") and sorted(load_steps("same.gtrace")) == [0, 1]
     assert not os.path.exists("same.gtrace.lock")
+    # An output that is no regular file has nothing to protect: no lock file beside /dev/null.
+    with tracer.trace(out=os.devnull):
+        torch.ones(2).sum()
+        assert not os.path.exists(os.devnull + ".lock")
     capsys.readouterr()

@@ -108,8 +108,9 @@ def claim_output(path: str) -> OutputClaim:
 
 
 def _lock(path: str, file: str) -> int | None:
-    """The descriptor of ``file``, locked, holding who locked it; None where no lock can be made."""
-    if fcntl is None:
+    """The descriptor of ``file``, locked, holding who locked it; None where no lock can be made,
+    or where the output is no regular file (``/dev/null``, a pipe: nothing there to protect)."""
+    if fcntl is None or (os.path.exists(path) and not os.path.isfile(path)):
         return None
     # The previous holder removes the lock file when it lets go: a descriptor locked after that
     # is on a file no longer under that name, and the lock on the name's file is tried again.
