@@ -3,10 +3,13 @@
 A seeded generator makes hundreds of variants of a recorded trace: fields swapped for values of
 every other type and range, records cut at boundaries and mid-record, gzip streams cut and
 bombed (bombs kept small by a lowered ``--max-decompressed``), cycles, huge ids, deep nesting and
-injection payloads. Every command that reads a trace runs on each variant in-process; a handful
+injection payloads; stated sizes and counts (a world of 10**7 ranks, shapes of 4,900-digit element
+counts, module paths 300 levels deep, megabyte-long source lines), more traces in a file than the
+reader takes (the limit lowered for the run, as the bombs'), required fields left out, and names
+with invisible characters (zero-width spaces, TAG characters). Every command that reads a trace runs on each variant in-process; a handful
 also as real processes. Each run must end with status 0 or 1, or 2 with exactly one error line;
-never a traceback, never gradtrace's "internal error", never a terminal escape from the file on
-stdout, within a time bound; the processes also within a memory bound.
+never a traceback, never gradtrace's "internal error", never a terminal escape or an invisible
+character from the file on stdout or stderr, within a time bound; the processes also within a memory bound.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import gzip
 import json
 import os
 import random
+import re
 import resource
 import subprocess
 import sys
@@ -28,6 +32,8 @@ import torch
 import tracer
 from export.cli import main
 from tests.models import MLP
+from tracer.model import fileformat
+from tracer.model.display import UNSAFE_RANGES
 
 SEED = 21
 N_FIELD_MUTATIONS = 120
@@ -35,11 +41,16 @@ SECONDS_PER_RUN = 10.0
 SECONDS_PER_PROCESS = 60.0  # a process starts Python and torch on a shared, busy machine
 MAX_RSS_BYTES = 1_500_000_000  # a process's peak (torch alone is a few hundred MB)
 LOW_LIMIT = "200000"  # bytes: --max-decompressed for every run, so a bomb stays small
+LOW_SEGMENTS = 50  # traces in one file for every run, so a file of too many stays small
+# What must never reach the terminal from a file, besides the C0 controls checked as such: the
+# format and invisible characters gradtrace shows escaped.
+SHOWN_ESCAPED = re.compile("[" + "".join(f"\\U{a:08x}-\\U{b:08x}" for a, b in UNSAFE_RANGES if a > 0x1F) + "]")
 
 # Values of every kind the format has, and of the ranges it refuses.
 HOSTILE_VALUES: list[Any] = [
     None, True, False, -1, 0, 2**63, 10**40, 1.5, float("inf"), float("nan"), "", "x", "[/]",
     "[link=https://evil.example]x[/link]", "\x1b]0;owned\x07\x1b[2J", "a\nforged:00", "\u202egnp.exe",
+    "lin\u200bear0", "\ufeff\U000e0041\u061c",
     [], [None], [1, 2], ["a", 3], {}, {"a": [1]}, [[["deep"]]],
 ]
 
@@ -125,6 +136,25 @@ def _structure_mutations(lines: list[str]) -> list[tuple[str, bytes]]:
         ("binary", bytes(range(256)) * 4),
         ("empty", b""),
         ("not-utf8", lines[0].encode() + b"\xff\xfe\n"),
+        # stated sizes and counts: each bounded by what the file holds
+        variant("world-size-huge", lambda rs: rs[0].update(distributed={"rank": 0, "world_size": 10**7})),
+        variant("rank-beyond-world", lambda rs: rs[0].update(distributed={"rank": 3, "world_size": 2})),
+        variant("shape-elements", lambda rs: by_name(rs, t0).update(shape=[2**63 - 1] * 256)),
+        variant("shape-product", lambda rs: by_name(rs, t0).update(shape=[2**32, 2**32])),
+        variant("shape-zero", lambda rs: by_name(rs, t0).update(shape=[0, 2**63 - 1, 2**63 - 1])),
+        variant("module-deep", lambda rs: by_name(rs, a).update(module="a." * 300 + "b")),
+        variant("long-strings", lambda rs: (
+            [r.update(code="x = " + "a + " * 100_000) for r in rs if r["t"] == "frame"],
+            by_name(rs, a).update(args="k=" + "9" * 300_000, module="m" * 300_000))),
+        ("segments-too-many", "".join(lines[0] + '{"t":"end"}\n' for _ in range(LOW_SEGMENTS + 1)).encode()),
+        ("segments-many", ("".join(lines) * 14).encode()),  # more than a command's note lists
+        # required fields
+        variant("memory-no-action", lambda rs: [r.pop("action") for r in rs if r["t"] == "memory"]),
+        variant("memory-no-allocated-after", lambda rs: [r.pop("allocated_after") for r in rs if r["t"] == "memory"]),
+        variant("tensor-no-shape", lambda rs: by_name(rs, t0).pop("shape")),
+        # invisible characters in names, consistently renamed
+        ("invisible-names", "".join(lines).replace(f'"{a}', f'"{a[:3]}\u200b{a[3:]}').replace(
+            f'"{b}', f'"\ufeff{b}\U000e0041\u061c').encode()),
     ]
 
 
@@ -153,12 +183,15 @@ def variants(lines: list[str]) -> list[tuple[str, bytes]]:
     return (_field_mutations(lines, rng) + _structure_mutations(lines) + _cuts(lines, rng) + _bombs(lines))
 
 
-def _argvs(path: str, out_dir: str, good: str) -> list[list[str]]:
+def _argvs(path: str, out_dir: str, good: str, good_rank: str | None = None) -> list[list[str]]:
+    """Every command on ``path``; ``diff-ranks`` against ``good_rank`` (the good trace as rank 1 of
+    a world of the size the variant states) where given."""
     limit = ["--max-decompressed", LOW_LIMIT]
     return [["summary", path, *limit], ["md5", path, *limit], ["show", path, "linear0", *limit],
             ["dot", path, "-o", os.path.join(out_dir, "g.dot"), *limit],
             ["report", path, "-o", os.path.join(out_dir, "r.html"), *limit],
-            ["memory", path, *limit], ["diff", good, path, *limit], ["diff-ranks", path, good, *limit]]
+            ["memory", path, *limit], ["diff", good, path, *limit],
+            ["diff-ranks", path, good_rank or good, *limit]]
 
 
 def _check(argv: list[str], rc: int, out: str, err: str, seconds: float, bound: float = SECONDS_PER_RUN) -> None:
@@ -166,6 +199,7 @@ def _check(argv: list[str], rc: int, out: str, err: str, seconds: float, bound: 
     assert rc in (0, 1, 2), (what, rc, err)
     assert "Traceback" not in err and "internal error" not in err, (what, err)
     assert "\x1b" not in out and "\x07" not in out, what
+    assert not SHOWN_ESCAPED.search(out + err), what
     # Besides the one error line, only warnings and notes of one line each (a truncated file).
     lines = [line for line in err.splitlines() if not line.startswith(("gradtrace: warning: ", "gradtrace: note: "))]
     if rc == 2:
@@ -173,9 +207,14 @@ def _check(argv: list[str], rc: int, out: str, err: str, seconds: float, bound: 
     assert seconds < bound, (what, seconds)
 
 
-def test_every_command_survives_every_hostile_variant(seed_lines, tmp_path, capsys):
+def test_every_command_survives_every_hostile_variant(seed_lines, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(fileformat, "MAX_SEGMENTS", LOW_SEGMENTS)
     good = os.fspath(tmp_path / "good.gtrace")
     Path(good).write_text("".join(seed_lines), encoding="utf-8")
+    header = json.loads(seed_lines[0])
+    good_rank = os.fspath(tmp_path / "good_rank.gtrace")  # rank 1 of whatever world the variant states
+    Path(good_rank).write_text(json.dumps({**header, "distributed": {"rank": 1}}) + "\n" + "".join(seed_lines[1:]),
+                               encoding="utf-8")
     cases = variants(seed_lines)
     assert len(cases) > 150
     refused = 0
@@ -183,7 +222,7 @@ def test_every_command_survives_every_hostile_variant(seed_lines, tmp_path, caps
     for name, data in cases:
         path = os.fspath(tmp_path / ("v.gtrace.gz" if data[:2] == b"\x1f\x8b" else "v.gtrace"))
         Path(path).write_bytes(data)
-        for argv in _argvs(path, os.fspath(tmp_path), good):
+        for argv in _argvs(path, os.fspath(tmp_path), good, good_rank):
             start = time.perf_counter()
             rc = main(argv)
             cap = capsys.readouterr()

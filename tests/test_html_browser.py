@@ -254,6 +254,32 @@ def test_nan_is_red_and_the_table_sorts(opened: Any) -> None:
     assert o.errors == []
 
 
+def test_invisible_characters_in_names_show_as_escapes(opened: Any, tmp_path: Path) -> None:
+    # A module named with a zero-width space (a real one: add_module takes any string) and a
+    # call renamed in the file to lin\u200bear0: the page never shows a name that reads as
+    # linear0, in the graph, the details, the module list or the table.
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("lin\u200bear", nn.Linear(4, 3))
+    with tracer.trace() as t:
+        model(torch.randn(2, 4)).sum().backward()
+    path = tmp_path / "zw.gtrace"
+    t.save(os.fspath(path))
+    path.write_text(path.read_text(encoding="utf-8").replace('"linear0', '"lin\u200bear0\U000e0041'),
+                    encoding="utf-8")
+    o = opened(tracer.load(path), "zw.html")
+    page = o.page
+    page.click('#gt-vp [data-name="lin\u200bear0\U000e0041"]')
+    assert o.details_title() == "lin\\u200bear0\\U000e0041"
+    assert "lin\\u200bear" in page.inner_text("#gt-details .kv")          # its module
+    assert "lin\\u200bear" in page.inner_text("#gt-module")
+    page.click('[data-tab="table"]')
+    assert "lin\\u200bear0\\U000e0041" in page.locator("#gt-table tbody").inner_text()
+    shown = page.evaluate("document.body.innerText")
+    assert "\u200b" not in shown and "\U000e0041" not in shown and "lin\\u200bear0" in shown
+    assert o.errors == []
+
+
 @pytest.mark.slow
 def test_gpt2_12_layers_opens_folded_and_fast(opened: Any) -> None:
     """The load budget (3 s on a 2-core machine) is measured by benchmarks/html_load.py; this

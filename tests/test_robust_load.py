@@ -7,6 +7,7 @@ import gzip
 import json
 import os
 import time
+import unicodedata
 import zlib
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from export.cli import main
 from export.load import open_trace
 from tests.models import MLP, Scale
 from tracer.model import TraceFormatError, read_trace
+from tracer.model.display import inert
 
 COMMANDS = ("summary", "md5", "dot", "report", "memory", "diff", "show")
 
@@ -166,6 +168,17 @@ def _header_and(tail: str) -> str:
     (_header_and('{"t":"end","status":"fine"}\n'), "'status' must be one of ok, failed, truncated"),
     (_header_and('{"t":"frame","id":0,"file":"f","line":1.5,"function":"g","code":""}\n'), "'line' must be an integer"),
     ('{"t":"header","format":"gradtrace","version":2,"step":-1}\n', "'step' must be an integer"),
+    # stated sizes: each integer fits, what they multiply to does not
+    (_header_and('{"t":"tensor","name":"a","shape":[4294967296,4294967296],"dtype":"f","device":"cpu",'
+                 '"role":"output"}\n'), "'shape' holds more than 2**63-1 elements"),
+    ('{"t":"header","format":"gradtrace","version":2,"distributed":{"rank":true,"world_size":2}}\n',
+     "'distributed.rank' must be an integer"),
+    (_header_and('{"t":"call","name":"a","api":"x","module":"' + "a." * 300 + 'b","inputs":[],"outputs":[]}\n'),
+     "'module' is a module path of more than 256 levels"),
+    (_header_and('{"t":"module","path":"' + "a." * 300 + 'b","class":"Linear"}\n'),
+     "'path' is a module path of more than 256 levels"),
+    # required fields
+    (_header_and('{"t":"memory","seq":0,"bytes":5,"device":"cpu"}\n'), "memory record is missing action, addr"),
 ])
 def test_every_field_is_checked_by_type_and_range(tmp_path, content, message):
     p = tmp_path / "bad.gtrace"
@@ -404,3 +417,107 @@ def test_a_gzip_of_blank_lines_is_refused_at_once(tmp_path: Path) -> None:
     with pytest.raises(TraceFormatError, match="more than 10,000 blank lines: not a trace gradtrace wrote"):
         tracer.load(path)
     assert time.perf_counter() - start < 5
+
+
+# ---- stated sizes and counts, required fields (issue 45) -----------------------------------------------
+def test_stated_sizes_and_counts_cost_what_the_file_holds(good, tmp_path, capsys):
+    tmp = os.fspath(tmp_path)
+    recs = _records(good)
+    # Two small rank files that state a world of 10**7 ranks: diff --ranks and the multi-rank
+    # report do what two ranks need, and say how many are missing without listing them all.
+    ranks = []
+    for rank in (0, 1):
+        copy = json.loads(json.dumps(recs))
+        copy[0]["distributed"] = {"rank": rank, "world_size": 10**7, "backend": "gloo"}
+        ranks.append(_write(os.path.join(tmp, f"step.rank{rank}.gtrace"), copy))
+    start = time.perf_counter()
+    rc, out, err = _cli(capsys, "diff", "--ranks", *ranks)
+    assert rc == 0 and out.startswith("REPLICAS AGREE"), err
+    assert "only 2 of 10000000 ranks given (missing: 2, 3, 4, 5, 6, 7, 8, 9 and 9,999,990 more)" in out
+    rc, out, err = _cli(capsys, "report", *ranks, "-o", os.path.join(tmp, "ranks.html"))
+    assert rc == 0 and os.path.getsize(os.path.join(tmp, "ranks.html")) < 1_000_000, err
+    assert time.perf_counter() - start < 30
+    copy[0]["distributed"] = {"rank": 5, "world_size": 2}
+    _assert_refused(capsys, _write(os.path.join(tmp, "beyond.gtrace"), copy), tmp, good,
+                    "header says rank 5 of a world of 2 ranks")
+
+    # 10,001 empty traces in a 2 kB gzip: refused when the count passes the limit.
+    segments = tmp_path / "segments.gtrace.gz"
+    segments.write_bytes(gzip.compress(('{"t":"header","format":"gradtrace","version":2}\n{"t":"end"}\n'
+                                        * 10_001).encode(), 9))
+    assert segments.stat().st_size < 5_000
+    start = time.perf_counter()
+    rc, _, err = _cli(capsys, "md5", os.fspath(segments))
+    assert rc == 2 and err == (f"gradtrace md5: error: {segments}: more than 10,000 traces in one file (line 20001): "
+                               "not a file gradtrace reads; runs that trace more steps write one file per step "
+                               "(per_step_files=True, --per-step-files)\n")
+    assert time.perf_counter() - start < 10
+
+    # 256 dimensions of 2**63-1 on a parameter: its element count has 4,900 digits.
+    weight = next(r for r in recs if r.get("role") == "param")
+    weight["shape"] = [2**63 - 1] * 256
+    _assert_refused(capsys, _write(os.path.join(tmp, "shape.gtrace"), recs), tmp, good,
+                    "tensor record: 'shape' holds more than 2**63-1 elements")
+
+
+def test_memory_records_without_their_required_fields_are_refused(good, tmp_path, capsys):
+    recs = _records(good)
+    assert sum(r["t"] == "memory" for r in recs) > 2
+    for r in recs:
+        if r["t"] == "memory":
+            del r["action"], r["allocated_after"]
+    _assert_refused(capsys, _write(os.fspath(tmp_path / "mem.gtrace"), recs), os.fspath(tmp_path), good,
+                    "memory record is missing action, allocated_after")
+
+
+# ---- invisible characters, long strings (issue 45) ------------------------------------------------------
+INVISIBLE = {"linear0": "lin\u200bear0", "tanh0": "tan\ufeffh\U000e0041\u061c0"}
+
+
+def test_invisible_format_characters_print_escaped(good, tmp_path, capsys):
+    # every format character (Unicode Cf) is escaped, as the control and bidi characters are
+    unescaped = [hex(c) for c in range(0x110000) if unicodedata.category(chr(c)) == "Cf" and inert(chr(c)) == chr(c)]
+    assert unescaped == []
+    text = Path(good).read_text(encoding="utf-8")
+    for old, new in INVISIBLE.items():
+        text = text.replace(f'"{old}', f'"{new}')
+    bad = tmp_path / "invisible.gtrace"
+    bad.write_text(text, encoding="utf-8")
+    t = tracer.load(bad)
+    assert {INVISIBLE["linear0"], INVISIBLE["tanh0"]} <= {c.name for c in t.calls}
+    rc, out, _ = _cli(capsys, "show", os.fspath(bad), INVISIBLE["linear0"])
+    assert rc == 0 and out.splitlines()[0] == "call lin\\u200bear0"
+    assert not [ch for ch in out if unicodedata.category(ch) == "Cf"]
+    for command in ("summary", "md5"):
+        rc, out, err = _cli(capsys, command, os.fspath(bad))
+        assert rc == 0 and not [ch for ch in out + err if unicodedata.category(ch) == "Cf"], command
+    rc, out, _ = _cli(capsys, "md5", os.fspath(bad))
+    assert "tan\\ufeffh\\U000e0041\\u061c0:out:" in out and "lin\\u200bear0:out:" in out
+    # the notebook card
+    assert "lin\\u200bear0" in t[INVISIBLE["linear0"]]._repr_html_()
+
+
+def test_megabyte_long_source_lines_module_paths_and_args_are_clipped_in_the_pages(good, tmp_path, capsys):
+    recs = _records(good)
+    code = "x = " + "a + " * 250_000  # a megabyte-long source line in every frame
+    for r in recs:
+        if r["t"] == "frame":
+            r["code"] = code
+        if r.get("name") == "linear0":
+            r["args"] = "k=" + "9" * 1_000_000
+            r["module"] = "m" * 1_000_000
+    paths = []
+    for rank in (0, 1):
+        recs[0]["distributed"] = {"rank": rank, "world_size": 2}
+        paths.append(_write(os.fspath(tmp_path / f"long.rank{rank}.gtrace"), recs))
+    frames = sum(r["t"] == "frame" for r in recs)
+    assert frames >= 5  # 5 MB of source lines: more than the page's budget below
+    out = os.fspath(tmp_path / "long.html")
+    rc, _, err = _cli(capsys, "report", paths[0], "-o", out, "--max-bytes", "4000000")
+    assert rc == 0, err
+    page = Path(out).read_text(encoding="utf-8")
+    assert len(page) < 1_000_000
+    assert page.count(code[:2000] + f"…[{len(code):,} characters]") == frames
+    assert "k=" + "9" * 1998 + "…[1,000,002 characters]" in page and "m" * 2000 + "…[1,000,000 characters]" in page
+    rc, _, err = _cli(capsys, "report", *paths, "-o", os.fspath(tmp_path / "ranks.html"), "--max-bytes", "4000000")
+    assert rc == 0, err

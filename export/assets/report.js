@@ -5,13 +5,31 @@
  * by the same group tree (module invocations, custom Functions, long runs from one source line),
  * laid out group by group with dagre and cached, so expanding a box re-lays out only the boxes
  * around it. Every string from the trace reaches the page through textContent or setAttribute,
- * never through HTML parsing.
+ * never through HTML parsing, and is shown with its control, format and invisible characters
+ * escaped (shown()).
  */
 (function () {
   'use strict';
   const T0 = performance.now();
   const SVGNS = 'http://www.w3.org/2000/svg';
   const D = JSON.parse(document.getElementById('gt-data').textContent);
+
+  // ---- strings of the trace --------------------------------------------------------------
+  // Shown as the terminal shows them (tracer.model.display.inert; D.unsafe is the same set):
+  // control, format (Unicode Cf) and invisible characters as escapes, so that "lin\u200bear0"
+  // never reads as "linear0" and a bidi override never reorders a line. Keys stay raw.
+  const UNSAFE = new RegExp(D.unsafe, 'gu');
+  const NAMED = { '\n': '\\n', '\r': '\\r', '\t': '\\t' };
+  function hex(c, n) { return c.toString(16).padStart(n, '0'); }
+  function shown(s) {
+    return String(s).replace(UNSAFE, function (ch) {
+      if (NAMED[ch]) return NAMED[ch];
+      const c = ch.codePointAt(0);
+      return c < 0x100 ? '\\x' + hex(c, 2) : c < 0x10000 ? '\\u' + hex(c, 4) : '\\U' + hex(c, 8);
+    });
+  }
+  // a tooltip of several lines: the page's own newlines stay, every line's text is shown()
+  function shownLines(s) { return String(s).split('\n').map(shown).join('\n'); }
 
   // ---- data ------------------------------------------------------------------------------
   function table(t) {
@@ -370,7 +388,7 @@
   }
   function text(parent, x, y, s, cls) {
     const t = S_('text', { x: x, y: y, class: cls || '' }, parent);
-    t.textContent = s;
+    t.textContent = shown(s);
     return t;
   }
   function pathD(pts) {
@@ -451,7 +469,7 @@
     const mark = itemMark(k, s);
     if (mark) text(g, r.w - 30, 13, MARK_TEXT[mark], mark === 'mask' ? 'masktag' : 'badtag').setAttribute('data-mark', mark);
     const tip = S_('title', {}, g);
-    tip.textContent = tooltip(k);
+    tip.textContent = shownLines(tooltip(k));
   }
 
   function tooltip(k) {
@@ -476,7 +494,7 @@
     const t = text(tg, b.x + 8, b.y + 14, '▾ ' + clip(groupTitle(g), Math.max(8, Math.floor((b.w - 24) / 6.6))), 'box-title');
     t.setAttribute('data-fold', '1');
     const tip = S_('title', {}, t);
-    tip.textContent = (g.path || g.label) + '\nclick to fold';
+    tip.textContent = shown(g.path || g.label) + '\nclick to fold';
   }
 
   function anchor(r, out, s) {
@@ -523,7 +541,7 @@
         const tip = S_('title', {}, p);
         tip.textContent = e.what.map(function (n) {
           const t = tensors.get(n);
-          return n + (t ? '  ' + shapeText(t.shape) + ' ' + t.dtype : '');
+          return shown(n) + (t ? '  ' + shapeText(t.shape) + ' ' + shown(t.dtype) : '');
         }).join('\n');
       }
     });
@@ -815,15 +833,16 @@
   function el(tag, attrs) {
     const e = document.createElement(tag);
     if (attrs) for (const k in attrs) {
-      if (k === 'text') e.textContent = attrs[k];
+      if (k === 'text') e.textContent = shown(attrs[k]);
       else if (k === 'class') e.className = attrs[k];
       else if (k === 'onclick') e.addEventListener('click', attrs[k]);
+      else if (k === 'title') e.setAttribute(k, shownLines(attrs[k]));   // shown; other attributes are keys
       else e.setAttribute(k, attrs[k]);
     }
     for (let i = 2; i < arguments.length; i++) {
       const c = arguments[i];
       if (c === null || c === undefined) continue;
-      e.append(c);   // strings become text nodes
+      e.append(typeof c === 'string' ? shown(c) : c);   // strings become text nodes
     }
     return e;
   }
@@ -923,7 +942,7 @@
     }
     const run = D.runs[n.run];
     const box = el('span');
-    box.append('step ' + (n.step + 1) + ' of ' + run.order.length + ' in ' + run.name + ' (' + run.api + ')');
+    box.append(shown('step ' + (n.step + 1) + ' of ' + run.order.length + ' in ' + run.name + ' (' + run.api + ')'));
     const nav = el('div', { class: 'steps' });
     if (n.step > 0) nav.append(el('button', { text: '◀ ran before', 'data-step': 'prev', onclick: function () { goTo(run.order[n.step - 1]); } }));
     if (n.step + 1 < run.order.length) nav.append(el('button', { text: 'ran next ▶', 'data-step': 'next', onclick: function () { goTo(run.order[n.step + 1]); } }));
@@ -948,7 +967,7 @@
       const gl = el('div', { class: 'links' });
       c.grad_nodes.forEach(function (n) {
         const short = n.indexOf(c.name + '/') === 0 ? n.slice(c.name.length + 1) : n;
-        const a = linkTo(n, short); a.title = n; gl.append(a);
+        const a = linkTo(n, short); a.title = shown(n); gl.append(a);
       });
       P.append(kv([['API', el('code', { text: c.api })], ['module', moduleLink(c.module)], ['args', c.args ? el('code', { text: c.args }) : null],
         ['inside', c.parent ? linkTo(c.parent) : null], ['grad nodes', c.grad_nodes.length ? gl : 'none (no autograd graph)'],
@@ -1280,7 +1299,7 @@
       COLS.forEach(function (c) {
         const td = document.createElement('td');
         const v = r[c.id];
-        td.textContent = c.id === 'seq' ? (r.type === 'call' ? String(v) : '') : (v === null || v === undefined ? '' : String(v));
+        td.textContent = c.id === 'seq' ? (r.type === 'call' ? String(v) : '') : (v === null || v === undefined ? '' : shown(v));
         if (c.mono) td.className = 'mono';
         tr.appendChild(td);
       });
@@ -1325,7 +1344,7 @@
   let toastTimer = null;
   function toast(msg) {
     const t = document.getElementById('gt-toast');
-    t.textContent = msg; t.classList.add('open');
+    t.textContent = shownLines(msg); t.classList.add('open');
     clearTimeout(toastTimer);
     toastTimer = setTimeout(function () { t.classList.remove('open'); }, 5000);
   }
@@ -1381,10 +1400,10 @@
     b.textContent = a ? 'first ' + (a.kind === 'nan' ? 'NaN' : 'Inf') : 'no NaN';
     b.disabled = !target;
     if (!target) {
-      b.title = a ? NUM.headline_text + ' (' + a.producer + ' is not on this page)' : 'No NaN or unintended Inf in this step.';
+      b.title = a ? NUM.headline_text + ' (' + shown(a.producer) + ' is not on this page)' : 'No NaN or unintended Inf in this step.';
       return;
     }
-    b.title = 'Select ' + target.name + ': ' + NUM.headline_text;
+    b.title = 'Select ' + shown(target.name) + ': ' + NUM.headline_text;
     b.setAttribute('data-target', target.name);
     b.addEventListener('click', function () {
       if (st.tab !== 'graph') setTab('graph');
@@ -1420,7 +1439,7 @@
   function linkMemoryTables() {
     // names in the Memory tab's tables (owners, producers, live tensors) lead to the graph
     document.querySelectorAll('#gt-memory-tables td.name').forEach(function (td) {
-      const name = td.textContent;
+      const name = td.dataset.name;   // the name itself; the cell shows it escaped (export/html/memory.py)
       if (!callByName.has(name) && !nodeByName.has(name) && !tensors.has(name)) return;
       td.textContent = '';
       td.append(el('a', { class: 'link mono', 'data-goto': name, text: name, onclick: function (ev) {

@@ -254,6 +254,9 @@ def run_command(args: argparse.Namespace) -> int:
                           optimizer_state=True if args.optimizer_state else None, steps=steps, every=args.every,
                           keep_values=keep, keep_values_bytes=args.keep_values_bytes or DEFAULT_KEEP_VALUES_BYTES,
                           per_step_files=args.per_step_files, observer=progress, step_on=args.step_on)
+    # Before the program starts: a second run writing the same file (another learning rate
+    # launched beside this one) refuses here, one line, exit status 2 (OutputInUse, an OSError).
+    st.claim_output()
     # The step trace's hint that no optimizer stepped is said once, by _conclude, as a plain line.
     warnings.filterwarnings("ignore", message=r"gradtrace: no optimizer\.step\(\) ran", category=RuntimeWarning)
     with steplog.logged(args, program):

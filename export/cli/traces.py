@@ -40,6 +40,9 @@ def add_trace_options(p: argparse.ArgumentParser) -> None:
                         f"${ENV_MAX_DECOMPRESSED}); a guard against gzip bombs")
 
 
+NOTE_STEPS = 12  # the steps a command's note lists (one line on stderr); summary lists them all
+
+
 def step_facts(info: StepInfo) -> str:
     """``step 3: failed (RuntimeError), 412 calls, NaN/Inf in 2 tensors``."""
     name = f"step {info.step}" if info.step is not None else f"trace at line {info.line}"
@@ -59,10 +62,12 @@ def load_for(args: argparse.Namespace, path: str, *, say_steps: bool = True) -> 
     print_notes(loaded.notes)
     if say_steps and loaded.several_steps and getattr(args, "step", None) is None:
         shown = loaded.steps[0]
-        print(f"gradtrace: note: {inert(path)} holds {len(loaded.steps)} traces ("
-              + "; ".join(step_facts(s) for s in loaded.steps)
-              + f"); showing the first{'' if shown.step is None else f' (step {shown.step})'}, "
-              "choose one with --step N", file=sys.stderr)
+        listed = "; ".join(step_facts(s) for s in loaded.steps[:NOTE_STEPS])
+        if len(loaded.steps) > NOTE_STEPS:
+            listed += f"; and {len(loaded.steps) - NOTE_STEPS} more (gradtrace summary lists them)"
+        print(f"gradtrace: note: {inert(path)} holds {len(loaded.steps)} traces ({listed}); showing the "
+              f"first{'' if shown.step is None else f' (step {shown.step})'}, choose one with --step N",
+              file=sys.stderr)
     return loaded
 
 

@@ -30,7 +30,7 @@ from export.diff.console import record_line
 from export.diff.result import DiffResult, Divergence, Row, frame_json, module_table
 from export.html.template import fill, json_for_script, script, style
 from tracer.model import Call, Frame, GradNode, Trace
-from tracer.model.display import json_number
+from tracer.model.display import clip_long, inert, json_number
 from tracer.model.frames import fold_label, folded
 
 _COLUMN = 6   # nodes per graph column
@@ -225,9 +225,21 @@ def diff_payload(result: DiffResult, a: Trace, b: Trace) -> dict[str, Any]:
 
 def diff_html_text(result: DiffResult, a: Trace, b: Trace) -> str:
     """The page as text (see ``diff_html``)."""
-    return fill("diff.html", title=html.escape(f"gradtrace diff: {result.a_label} vs {result.b_label}"),
-                data=json_for_script(diff_payload(result, a, b), sort_keys=True),
+    return fill("diff.html", title=html.escape(inert(f"gradtrace diff: {result.a_label} vs {result.b_label}")),
+                data=json_for_script(_shown(diff_payload(result, a, b)), sort_keys=True),
                 css=style("diff.css"), js=script("diff.js"))
+
+
+def _shown(value: Any) -> Any:
+    """Every string of the page's data as the page shows it: clipped (``clip_long``) and with its
+    control and invisible characters escaped (``inert``); the page only displays them."""
+    if isinstance(value, str):
+        return inert(clip_long(value))
+    if isinstance(value, dict):
+        return {k: _shown(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_shown(v) for v in value]
+    return value
 
 
 def diff_html(result: DiffResult, a: Trace, b: Trace, path: str | os.PathLike[str]) -> None:

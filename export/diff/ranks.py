@@ -392,19 +392,34 @@ def diff_ranks(traces: Sequence[Trace | str | os.PathLike[str]]) -> RankDiffResu
     elif algos == {"none"}:
         problems.append("the traces have no checksums (recorded with hash='none')")
     world = next(iter(worlds)) if len(worlds) == 1 else None
+    beyond = sorted(r for r in by_rank if world is not None and r >= world)
+    if beyond:
+        problems.append(f"{_ranks(beyond)} beyond a world of {world} ranks (ranks count from 0)")
     result = RankDiffResult(sorted(by_rank), {r: x.label for r, x in by_rank.items()}, world,
                             notes=notes, problems=problems)
     if problems:
         return result
     if world is not None and len(by_rank) < world:
-        missing = sorted(set(range(world)) - set(by_rank))
-        notes.append(f"only {len(by_rank)} of {world} ranks given (missing: {', '.join(map(str, missing))})")
+        notes.append(f"only {len(by_rank)} of {world} ranks given (missing: {_missing(by_rank, world)})")
     ranked = [by_rank[r] for r in sorted(by_rank)]
     result.collectives = {x.rank: len(x.collectives()) for x in ranked}
     _compare_tensors(ranked, result)
     _compare_schedule(ranked, result)
     result.departures.sort(key=lambda d: (d.order, d.rank, d.record))
     return result
+
+
+def _missing(given: dict[int, Any], world: int, shown: int = 8) -> str:
+    """The first ``shown`` ranks of the world not given, and how many more: the world size is the
+    file's claim, so the work is bounded by the ranks given, not by it."""
+    first: list[int] = []
+    for r in range(world):  # at most len(given) + shown steps: every step past a given rank adds one
+        if r not in given:
+            first.append(r)
+            if len(first) == shown:
+                break
+    more = world - len(given) - len(first)
+    return ", ".join(map(str, first)) + (f" and {more:,} more" if more > 0 else "")
 
 
 def _compare_tensors(ranked: list[_Ranked], result: RankDiffResult) -> None:
@@ -510,8 +525,7 @@ def _departure(members: list[_Ranked], name: str, what: str, values: dict[int, s
 def _compare_schedule(ranked: list[_Ranked], result: RankDiffResult) -> None:
     """The collectives every rank issues on the default group must come in the same order."""
     world = result.world_size or len(ranked)
-    default = str(list(range(world)))
-    seqs = {x.rank: [c for c in x.collectives() if group_of(c) in (default, "")] for x in ranked}
+    seqs = {x.rank: [c for c in x.collectives() if _on_default_group(group_of(c), world)] for x in ranked}
     length = max((len(s) for s in seqs.values()), default=0)
     for i in range(length):
         sig = {}
@@ -536,6 +550,30 @@ def _compare_schedule(ranked: list[_Ranked], result: RankDiffResult) -> None:
             call=shown.name, api=shown.api, module=shown.module, stack=shown.stack,
             order=_call_order(x, mine) if mine else _call_order(x, None)))
         return  # after the first mismatch the two sequences no longer line up
+
+
+def _on_default_group(group: str, world: int) -> bool:
+    """Whether a collective's group text is the default group ``[0, 1, ..., world-1]`` (or says no
+    group). Lengths first: the text of ``world`` ranks is built only where the call's own text,
+    which the file holds, is that long (a stated world of 10**7 costs nothing)."""
+    if group == "":
+        return True
+    if len(group) != _default_group_length(world):
+        return False
+    return group == str(list(range(world)))
+
+
+def _default_group_length(world: int) -> int:
+    """``len(str(list(range(world))))`` without building it: the digits of 0..world-1, a ", "
+    between each two of them, and the brackets."""
+    if world <= 0:
+        return 2
+    digits, width, low = 0, 1, 0
+    while low < world:
+        high = min(world, 10 ** width)
+        digits += (high - low) * width
+        low, width = high, width + 1
+    return digits + 2 * (world - 1) + 2
 
 
 def _call_order(x: _Ranked, call: Call | None) -> int:

@@ -15,6 +15,8 @@ is part of the report's contract (``PAYLOAD_VERSION``):
 ``fwd_edges`` ``[producer call index, consumer call index, [tensor names]]``
 ``bwd_edges`` ``[grad node index, next node index, [output slots]]``
 ``open``      group indices expanded when the page opens; ``omitted`` says what a byte budget cut
+``unsafe``    the characters the page shows escaped in every string of the trace (a regular
+              expression's class: ``tracer.model.display.UNSAFE_JS``, what ``inert`` escapes)
 
 Groups are what the page folds. They follow module paths, one group per *invocation* (a module
 called twice in separate places gets ``#1``), with a custom ``autograd.Function`` grouping the
@@ -35,7 +37,7 @@ from typing import Any
 from export.views import first_params, module_label, nonfinite, parent_path, prefixes
 from tracer.analysis.numerics import Anomaly, NumericsReport
 from tracer.model import Call, GradNode, Stats, TensorRecord, Trace
-from tracer.model.display import clip, json_number, param_module
+from tracer.model.display import UNSAFE_JS, clip, inert, json_number, param_module
 from tracer.model.frames import frame_class
 from tracer.model.names import base_name, gradient_of
 
@@ -453,12 +455,14 @@ def _numerics(report: NumericsReport) -> dict[str, Any]:
     the "first NaN" button's target, and which values are red (``values``: the NaN and unintended
     Infs the story counts; every other non-finite value is an intended Inf or dropped: grey)."""
     skipped = report.skipped_step
-    return {"headline_text": report.headline_text() if report.checked else "",
+    # The sentences hold names and source lines of the trace: shown inert (invisible and control
+    # characters escaped), as every other string of the page.
+    return {"headline_text": inert(report.headline_text()) if report.checked else "",
             "headline": _anomaly(report.headline),
-            "skipped": None if skipped is None else skipped.headline(),
-            "spread": report.spread.line() if report.spread.count else "",
-            "notes": report.notes(),
-            "scaler": [o.describe() for o in report.scaler_overflows],
+            "skipped": None if skipped is None else inert(skipped.headline()),
+            "spread": inert(report.spread.line()) if report.spread.count else "",
+            "notes": [inert(n) for n in report.notes()],
+            "scaler": [inert(o.describe()) for o in report.scaler_overflows],
             "values": report.nonfinite_values}
 
 
@@ -508,6 +512,7 @@ def build_payload(trace: Trace) -> dict[str, Any]:
         "bwd_edges": b.bwd_edges(),
         "open": b.initial_open(ncalls, nnodes),
         "omitted": None,
+        "unsafe": UNSAFE_JS,
     }
 
 

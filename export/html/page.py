@@ -19,6 +19,9 @@ counterpart on the other side (purple, joined by a dashed line).
 Size: the page is bounded by ``max_bytes``. Past it, the report keeps the first calls in
 execution order (with their grad nodes, tensors and backward steps) that fit, and a banner on the
 page says how many were left out; ``gradtrace show``/``summary`` still read the full trace.
+Free-text strings (source lines, module paths, args, errors, notes, the header's values) are
+clipped to ``LONG_TEXT_LIMIT`` characters with their full length noted (``clip_long``), so a trace
+whose source lines are megabytes long still makes a page; record names, the page's keys, are not.
 """
 
 from __future__ import annotations
@@ -28,16 +31,23 @@ import os
 from dataclasses import replace
 from typing import Any
 
+from export.errors import UserError
 from export.html.data import build_payload
 from export.html.memory import memory_svg, memory_tables
 from export.html.template import fill, json_for_script, script, style
 from tracer.model import Trace
-from tracer.model.display import sibling
+from tracer.model.display import LONG_TEXT_LIMIT, clip_long, inert, sibling
 
 DEFAULT_MAX_BYTES = 20_000_000
 
 
+class ReportTooLarge(UserError, ValueError):
+    """``max_bytes`` cannot hold even the page without calls (its frames, modules and memory tab);
+    one line on the command line (a ``ValueError``, as before, for callers)."""
+
+
 def _assemble(payload: dict[str, Any], model: str, memory: str | None = None) -> str:
+    model = inert(model)
     title = f"gradtrace · {model}" if model else "gradtrace report"
     # The memory timeline (escaped inline SVG) and the tables of `gradtrace memory` (escaped
     # HTML) are rendered here: a tab of their own when the trace recorded memory
@@ -66,6 +76,7 @@ def _render(trace: Trace, max_bytes: int) -> tuple[str, dict[str, Any] | None]:
     a binary search on the page size. A trace far past the budget (a million tensor values) is
     never built whole: each page costs a build, and the whole one dominated (17 builds, 130 s
     for a trace of 72,000 calls)."""
+    trace = clipped(trace)
     model = trace.modules.get("", "")
     memory = ((memory_svg(trace) or "") + memory_tables(trace)) or None
     n = len(trace.calls)
@@ -102,9 +113,58 @@ def _render(trace: Trace, max_bytes: int) -> tuple[str, dict[str, Any] | None]:
         else:
             hi = mid - 1
     if best is None:
-        raise ValueError(f"max_bytes={max_bytes} is too small for the report page itself "
-                         f"({len(_assemble(build_payload(Trace()), model).encode('utf-8'))} bytes with no calls)")
+        least = len(cut_page(0)[0].encode("utf-8"))
+        raise ReportTooLarge(f"max_bytes={max_bytes:,} is too small for this trace's page: {least:,} bytes with no "
+                             "calls at all (its frames, modules and memory tab); raise max_bytes "
+                             "(gradtrace report --max-bytes)")
     return best[1], best[2]
+
+
+def clipped(trace: Trace, limit: int = LONG_TEXT_LIMIT) -> Trace:
+    """``trace`` with each free-text string longer than ``limit`` characters clipped
+    (``clip_long``: the first ``limit`` characters and the full length); ``trace`` itself when
+    none is. Record names stay whole: they are what the page links by."""
+    def long(*texts: str | None) -> bool:
+        return any(t is not None and len(t) > limit for t in texts)
+
+    def cut(text: str | None) -> str | None:
+        return None if text is None else clip_long(text, limit)
+
+    def cut_json(v: Any) -> Any:
+        if isinstance(v, str):
+            return clip_long(v, limit)
+        if isinstance(v, dict):
+            return {clip_long(str(k), limit): cut_json(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [cut_json(x) for x in v]
+        return v
+
+    calls = [replace(c, api=clip_long(c.api, limit), module=clip_long(c.module, limit), args=clip_long(c.args, limit),
+                     error=cut(c.error)) if long(c.api, c.module, c.args, c.error) else c for c in trace.calls]
+    frames = [replace(f, file=clip_long(f.file, limit), function=clip_long(f.function, limit),
+                      code=clip_long(f.code, limit)) if long(f.file, f.function, f.code) else f for f in trace.frames]
+    nodes = [replace(n, kind=clip_long(n.kind, limit)) if long(n.kind) else n for n in trace.grad_nodes]
+    runs = [replace(r, api=clip_long(r.api, limit), error=cut(r.error)) if long(r.api, r.error) else r
+            for r in trace.backward_runs]
+    tensors = {k: replace(t, dtype=clip_long(t.dtype, limit), device=clip_long(t.device, limit),
+                          hash_note=cut(t.hash_note)) if long(t.dtype, t.device, t.hash_note) else t
+               for k, t in trace.tensors.items()}
+    changed = (any(a is not b for a, b in zip(calls, trace.calls)) or any(a is not b for a, b in zip(frames, trace.frames))
+               or any(a is not b for a, b in zip(nodes, trace.grad_nodes))
+               or any(a is not b for a, b in zip(runs, trace.backward_runs))
+               or any(tensors[k] is not t for k, t in trace.tensors.items())
+               or long(*trace.modules, *trace.modules.values(), *trace.notes, *(trace.error or {}).values())
+               or cut_json(trace.header) != trace.header or cut_json(trace.meta) != trace.meta)
+    if not changed:
+        return trace
+    out = Trace(header=cut_json(trace.header), meta=cut_json(trace.meta), calls=calls, grad_nodes=nodes,
+                tensors=tensors, backward_runs=runs,
+                modules={clip_long(p, limit): clip_long(c, limit) for p, c in trace.modules.items()},
+                frames=frames, stacks=trace.stacks, status=trace.status,
+                error=None if trace.error is None else {k: clip_long(v, limit) for k, v in trace.error.items()},
+                notes=[clip_long(n, limit) for n in trace.notes], memory=trace.memory)
+    out.resolve()
+    return out
 
 
 def _omitted(trace: Trace, kept: int, max_bytes: int) -> dict[str, Any]:
@@ -161,4 +221,4 @@ def default_output(trace_path: str) -> str:
     return sibling(trace_path, ".html")
 
 
-__all__ = ["DEFAULT_MAX_BYTES", "default_output", "html", "render", "write_page"]
+__all__ = ["DEFAULT_MAX_BYTES", "ReportTooLarge", "clipped", "default_output", "html", "render", "write_page"]

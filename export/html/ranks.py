@@ -19,7 +19,7 @@ from export.diff.ranks import Departure, RankDiffResult, diff_ranks
 from export.html.page import DEFAULT_MAX_BYTES, render
 from export.html.template import fill, script, style
 from tracer.model import Trace
-from tracer.model.display import plural
+from tracer.model.display import clip_long, inert, plural
 
 FIRST_READ = " (first read)"  # how diff_ranks names a record's first reader when no call made it
 
@@ -60,10 +60,16 @@ def html_ranks(traces: list[Trace], path: str | os.PathLike[str], *, max_bytes: 
     return len(data)
 
 
+def _shown(text: str) -> str:
+    """A string of the traces in the banner: clipped (``clip_long``), its control and invisible
+    characters escaped (``inert``), then HTML-escaped."""
+    return _html.escape(inert(clip_long(text)))
+
+
 def _verdict(result: RankDiffResult, by_rank: dict[int, Trace]) -> str:
     """The banner under the switcher: the first departure in words (escaped), or agreement, or
     why the ranks could not be compared."""
-    esc = _html.escape
+    esc = _shown
     d = result.first
     notes = "".join(f'<div class="note">note: {esc(n)}</div>' for n in result.notes)
     if result.problems or d is None:
@@ -93,7 +99,7 @@ def _verdict(result: RankDiffResult, by_rank: dict[int, Trace]) -> str:
     button = ""
     if target is not None:
         rank, name = target
-        button = (f' <button id="gt-show-departure" data-goto-rank="{rank}" data-goto="{esc(name, quote=True)}">'
+        button = (f' <button id="gt-show-departure" data-goto-rank="{rank}" data-goto="{_html.escape(name, quote=True)}">'
                   f"show {esc(name)} in rank {rank}</button>")
     return (f'<div id="gt-rank-verdict" class="departed" data-rank="{d.rank}">' + "<br>".join(lines) + button
             + notes + "</div>")

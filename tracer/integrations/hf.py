@@ -90,8 +90,9 @@ class TraceCallback(TrainerCallback, StepResults):
         self.close()
 
     def close(self, exc: BaseException | None = None) -> None:
-        """Finish a step still being traced (``train()`` raised or stopped in the middle of it)."""
-        self.recorder.end(exc, completed=False)
+        """Finish a step still being traced (``train()`` raised or stopped in the middle of it)
+        and give the trace file's claim back."""
+        self.recorder.close(exc)
 
     def __enter__(self) -> TraceCallback:
         return self

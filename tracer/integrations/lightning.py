@@ -84,11 +84,11 @@ class TraceCallback(Callback, StepResults):
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._started = None
-        self.recorder.end(completed=False)
+        self.recorder.close()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self._started = None
-        self.recorder.end(exception, completed=False)
+        self.recorder.close(exception)
 
 
 class WatchCallback(Callback):

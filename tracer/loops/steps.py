@@ -26,6 +26,7 @@ says so on the console, and later chosen steps are not traced.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import threading
@@ -39,8 +40,10 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from tracer.features.backward_ends import BackwardEnds
 from tracer.features.bounds import Bounds
+from tracer.features.distributed import distributed_info, rank_path
 from tracer.features.plugins import session_plugins
 from tracer.model import Trace
+from tracer.model.claims import OutputClaim, claim_output
 from tracer.model.display import with_tag
 from tracer.options import TraceError, TraceOptions
 from tracer.record import recorder as _recorder
@@ -162,6 +165,7 @@ class StepRecorder:
         self._open: tuple[int, TraceSession, Bounds | None, str | None, int, bool] | None = None
         self._file_started = False
         self._pending_skip: tuple[int, str] | None = None
+        self._claims: dict[str, OutputClaim] = {}  # the files written, claimed until close()
 
     @property
     def recording(self) -> int | None:
@@ -205,6 +209,8 @@ class StepRecorder:
         trace = session.__enter__()
         # Held from here on, so that whatever fails below, end() still closes the session.
         self._open = (step, session, bounds, session.out, session.offset, append)
+        if session.out is not None:  # (claimed by the session; kept between steps, until close())
+            self.hold(session.out)
         if path is not None and not self.per_step_files:
             self._file_started = True
         rec = session.recorder
@@ -258,6 +264,22 @@ class StepRecorder:
             self.exhausted = f"a bound was reached during step {step} ({bounds.tripped.split(':')[0]})"
         self.observer.step_end(step, t, path)
         return t
+
+    def hold(self, path: str) -> None:
+        """Claim ``path`` (``tracer.model.claims``) until ``close()``: between the steps of one file
+        another process must not take it over. Raises ``OutputInUse`` where another process
+        writes it."""
+        if path not in self._claims:
+            self._claims[path] = claim_output(path)
+
+    def close(self, exc: BaseException | None = None) -> Trace | None:
+        """The block is over: end the step being recorded (as ``end(exc, completed=False)``) and
+        give the claimed files back."""
+        try:
+            return self.end(exc, completed=False)
+        finally:
+            while self._claims:
+                self._claims.popitem()[1].release()
 
     def _discard(self, path: str | None, offset: int, append: bool) -> None:
         if path is None:
@@ -320,6 +342,7 @@ class StepTrace(StepResults):
             raise TraceError("optimizer= picks which optimizer's steps count: it has no meaning with step_on='backward'")
         self.selection = StepSelection.parse(steps, every)
         self.recorder = StepRecorder(options, per_step_files=per_step_files, observer=observer)
+        _check_directory(options.out)
         self.optimizer = optimizer
         self.step_on = step_on
         self.step = 0  # the step running now
@@ -328,6 +351,17 @@ class StepTrace(StepResults):
         self._owner: int | None = None
         self._hook: Any = None
         self._backward_ends: BackwardEnds | None = None
+
+    def claim_output(self) -> None:
+        """Claim the file this block writes (this rank's, under torchrun) now, until the block
+        ends: ``gradtrace run`` does, before the program starts, so that a second run writing the
+        same file refuses at once instead of both writing it. Raises ``OutputInUse`` (an
+        ``OSError``) when another process writes it. Without it, each step's file is claimed as
+        the step begins, and kept until the block ends."""
+        out = self.recorder.out
+        if out is not None:
+            info = distributed_info()
+            self.recorder.hold(rank_path(out, info["rank"]) if info is not None else out)
 
     def __enter__(self) -> StepTrace:
         global _ACTIVE
@@ -360,7 +394,7 @@ class StepTrace(StepResults):
         if isinstance(exc, SystemExit) and exc.code in (None, 0):
             exc = None  # sys.exit(0) is how scripts end, not a failure of the step
         try:
-            last = self.recorder.end(exc, completed=False)
+            last = self.recorder.close(exc)
         finally:
             self._release()
         self._say_how_steps_count(last)
@@ -425,6 +459,17 @@ class StepTrace(StepResults):
     def __repr__(self) -> str:
         return (f"<StepTrace steps={self.selection} at step {self.step}, traced {self.steps}"
                 f"{', out=' + self.recorder.out if self.recorder.out else ''}>")
+
+
+def _check_directory(out: str | None) -> None:
+    """An output whose directory is missing fails now, as opening it would, not at the first
+    chosen step (which may come hours later, inside ``optimizer.step()``)."""
+    if out is None or "{rank}" in out:
+        return
+    folder = os.path.dirname(out) or "."
+    if not os.path.isdir(folder):
+        code = errno.ENOTDIR if os.path.exists(folder) else errno.ENOENT
+        raise OSError(code, os.strerror(code), folder)
 
 
 def step(n: int | None = None) -> int | None:

@@ -157,6 +157,19 @@ def clip(text: str, limit: int = 40) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+# Characters of one free-text string of a trace (a source line, a module path, an args string) in
+# a page: a real one is a few hundred at most; a file may hold one of megabytes.
+LONG_TEXT_LIMIT = 2_000
+
+
+def clip_long(text: str, limit: int = LONG_TEXT_LIMIT) -> str:
+    """``text`` as it is up to ``limit`` characters; past it, its first ``limit`` characters, ``…``
+    and how long it was: ``x = a+a+a…[3,000,004 characters]``. Unlike ``clip``, whitespace stays."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}…[{len(text):,} characters]"
+
+
 # ---- trace files ------------------------------------------------------------------------------------
 TRACE_SUFFIXES = (".gtrace.gz", ".gtrace", ".jsonl.gz", ".jsonl", ".json.gz", ".json")
 
@@ -185,13 +198,36 @@ def sibling(path: str, ext: str) -> str:
 
 
 # ---- inert text ----------------------------------------------------------------------------------------
-# What a terminal acts on or a reader is misled by: C0/C1 control characters (ESC starts the
-# sequences that clear a screen or set a window title; a newline would forge an output line),
-# the Unicode line separators, the bidirectional overrides that reorder what is shown, and lone
-# surrogates (not text at all).
-_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
-_UNSAFE_BUT_NEWLINE = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e"
-                                 "\u2066-\u2069\ud800-\udfff]")
+# What a terminal acts on or a reader is misled by, shown as an escape instead: C0/C1 control
+# characters (ESC starts the sequences that clear a screen or set a window title; a newline
+# would forge an output line), the Unicode line separators, every format character (category
+# Cf: the bidirectional overrides that reorder what is shown, zero-width spaces and joiners,
+# U+FEFF, U+061C, the TAG characters U+E0000-E007F) and the other characters Unicode draws as
+# nothing (Default_Ignorable_Code_Point: variation selectors, Hangul fillers), so that
+# ``lin\u200bear0`` never reads as ``linear0``; and lone surrogates (not text at all).
+# Inclusive ranges of code points, shared by the terminal (``inert``) and the HTML pages
+# (``UNSAFE_JS``, which their scripts apply to every string they show).
+UNSAFE_RANGES: tuple[tuple[int, int], ...] = (
+    (0x0000, 0x001F), (0x007F, 0x009F), (0x00AD, 0x00AD), (0x034F, 0x034F), (0x0600, 0x0605),
+    (0x061C, 0x061C), (0x06DD, 0x06DD), (0x070F, 0x070F), (0x0890, 0x0891), (0x08E2, 0x08E2),
+    (0x115F, 0x1160), (0x17B4, 0x17B5), (0x180B, 0x180F), (0x200B, 0x200F), (0x2028, 0x202E),
+    (0x2060, 0x206F), (0x3164, 0x3164), (0xD800, 0xDFFF), (0xFE00, 0xFE0F), (0xFEFF, 0xFEFF),
+    (0xFFA0, 0xFFA0), (0xFFF0, 0xFFFB), (0x110BD, 0x110BD), (0x110CD, 0x110CD), (0x13430, 0x1343F),
+    (0x1BCA0, 0x1BCA3), (0x1D173, 0x1D17A), (0xE0000, 0xE0FFF),
+)
+
+
+def _char_class(ranges: tuple[tuple[int, int], ...], js: bool = False) -> str:
+    """A regular expression's character class of ``ranges`` (``js``: JavaScript's ``\\u{...}``
+    spelling, for a ``u``-flag RegExp)."""
+    def one(c: int) -> str:
+        return f"\\u{{{c:x}}}" if js else f"\\U{c:08x}"
+    return "[" + "".join(one(a) if a == b else f"{one(a)}-{one(b)}" for a, b in ranges) + "]"
+
+
+_UNSAFE = re.compile(_char_class(UNSAFE_RANGES))
+_UNSAFE_BUT_NEWLINE = re.compile(_char_class(((0x00, 0x09), (0x0B, 0x1F), *UNSAFE_RANGES[1:])))
+UNSAFE_JS = _char_class(UNSAFE_RANGES, js=True)
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
@@ -201,7 +237,7 @@ def _escape(m: re.Match[str]) -> str:
     if named is not None:
         return named
     code = ord(ch)
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 
 
 def inert(text: str) -> str:

@@ -35,6 +35,7 @@ from tracer.model.phases import upgrade_phases
 from tracer.model.records import (
     FORMAT,
     MAX_INT,
+    MAX_MODULE_DEPTH,
     PHASES,
     SCHEMA_VERSION,
     TRACE_STATUSES,
@@ -55,6 +56,10 @@ ENV_MAX_DECOMPRESSED = "GRADTRACE_MAX_DECOMPRESSED"
 # well under it, and a gzip bomb stops there instead of filling memory or disk time.
 DEFAULT_MAX_DECOMPRESSED = 4 << 30
 MAX_BLANK_LINES = 10_000  # in one file (gradtrace writes none)
+# Traces (segments) in one file. A traced step is a whole trace, tens of kB at the least, so
+# 10,000 steps in one file is gigabytes; an empty segment is two short lines, and 100,000 of
+# them gzip to 17 kB. Runs that trace more steps write one file per step (per_step_files).
+MAX_SEGMENTS = 10_000
 # One record (one line). The longest real records are backward runs of large models (a step per
 # grad node run) at a few MB; parsing a line costs several times its size in memory.
 MAX_RECORD_BYTES = 64 << 20
@@ -241,14 +246,20 @@ def _depth_ok(value: Any, limit: int = MAX_DEPTH) -> bool:
 
 
 # ---- segments -----------------------------------------------------------------------------------------
-@dataclass
+@dataclass(slots=True)
 class _Segment:
+    """One trace of the file being read; only a kept one holds its records (a segment that is
+    only counted costs its ``StepInfo``)."""
+
     info: StepInfo
     keep: bool
     trace: Trace = field(default_factory=Trace)
     frames: dict[int, Frame] = field(default_factory=dict)
     stacks: dict[int, tuple[int, ...]] = field(default_factory=dict)
     ended: bool = False
+
+
+_COUNTED = Trace()  # what every segment that is not kept points at: never filled, never returned
 
 
 _HEADER_TYPES: dict[str, type | tuple[type, ...]] = {
@@ -275,10 +286,24 @@ def _check_header(path: str, rec: dict[str, Any]) -> None:
         if key in rec and not isinstance(rec[key], kind):
             raise TraceFormatError(f"{path}: header field {key!r} has the wrong type ({type(rec[key]).__name__})")
     step = rec.get("step")
-    if step is not None and not (isinstance(step, int) and not isinstance(step, bool) and 0 <= step <= MAX_INT):
+    if step is not None and not _is_id(step):
         raise TraceFormatError(f"{path}: header field 'step' must be an integer from 0 to 2**63-1")
+    if "distributed" in rec:
+        _check_distributed(path, rec["distributed"])
     if not _depth_ok(rec):
         raise TraceFormatError(f"{path}: header nested more than {MAX_DEPTH} levels deep")
+
+
+def _check_distributed(path: str, info: dict[str, Any]) -> None:
+    """A rank is one of its world: readers size things by these numbers, checked here (how many
+    ranks a world has is the file's claim; readers bound what they do with it by the ranks they
+    are given)."""
+    for key in ("rank", "world_size"):
+        if key in info and not _is_id(info[key]):
+            raise TraceFormatError(f"{path}: header field 'distributed.{key}' must be an integer from 0 to 2**63-1")
+    rank, world = info.get("rank"), info.get("world_size")
+    if rank is not None and world is not None and rank >= world:
+        raise TraceFormatError(f"{path}: header says rank {rank} of a world of {world} ranks (ranks count from 0)")
 
 
 def read_trace(path: str | os.PathLike[str], step: int | None = None, *, all_steps: bool = False,
@@ -351,11 +376,17 @@ def _read(fh: IO[bytes], path: str, step: int | None, all_steps: bool,
                 except TraceFormatError as exc:
                     reason = str(exc).split(": ", 1)[-1]
                     raise TraceFormatError(f"{path}: line {lineno}: bad header of a later trace ({reason})") from None
+            if len(segments) >= MAX_SEGMENTS:
+                raise TraceFormatError(f"{path}: more than {MAX_SEGMENTS:,} traces in one file (line {lineno}): "
+                                       "not a file gradtrace reads; runs that trace more steps write one file per "
+                                       "step (per_step_files=True, --per-step-files)")
             number = rec.get("step")
             keep = all_steps or (not found and (step is None or number == step))
             found = found or keep
-            current = _Segment(StepInfo(number, lineno), keep)
-            current.trace.header = {k: v for k, v in rec.items() if k != "t"}
+            current = _Segment(StepInfo(number, lineno), keep) if keep else \
+                _Segment(StepInfo(number, lineno), keep, _COUNTED)
+            if keep:
+                current.trace.header = {k: v for k, v in rec.items() if k != "t"}
             segments.append(current)
             continue
         try:
@@ -412,6 +443,8 @@ def _apply(seg: _Segment, kind: str, rec: dict[str, Any]) -> None:
             seg.stacks[sid] = tuple(fids)
     elif kind == "module":
         path, cls = _text(rec, "path", None), _text(rec, "class", None)
+        if path.count(".") >= MAX_MODULE_DEPTH:
+            raise TraceFormatError(f"module record: 'path' is a module path of more than {MAX_MODULE_DEPTH} levels")
         if keep:
             trace.modules[path] = cls
     elif kind == "meta":
@@ -453,6 +486,10 @@ _MEMORY_FIELDS: dict[str, str] = {
     "tensor": "opt_str", "source": "str", "after": "bool", "action": "action", "phase": "phase",
 }
 _MEMORY_ACTIONS = ("alloc", "free", "start", "end")
+# Every event gradtrace has written carries these (markers too; "source" and "requested" are the
+# markers' own): the memory views read them without a default.
+_MEMORY_REQUIRED = ("seq", "action", "bytes", "device", "addr", "allocated_after", "reserved_after", "owner",
+                    "after", "phase", "tensor")
 
 
 def _memory_event(rec: dict[str, Any]) -> MemoryEvent:
@@ -467,6 +504,9 @@ def _memory_event(rec: dict[str, Any]) -> MemoryEvent:
         if not ok:
             raise TraceFormatError(f"memory record: {key!r} has a value of the wrong type or range")
         out[key] = v
+    missing = [key for key in _MEMORY_REQUIRED if key not in out]
+    if missing:
+        raise TraceFormatError(f"memory record is missing {', '.join(missing)}")
     return cast(MemoryEvent, out)
 
 

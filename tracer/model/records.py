@@ -142,8 +142,8 @@ class Sharding:
         if not isinstance(dims, list) or not all(x is None or isinstance(x, str) for x in dims):
             raise TraceFormatError("tensor sharding: 'mesh_dims' must be a list of names or nulls")
         coord = None if d.get("coordinate") is None else tuple(_ints(d, "coordinate"))
-        return cls(tuple(_strs(d, "placements")), tuple(dims), tuple(_ints(d, "mesh_shape")),
-                   tuple(_ints(d, "mesh_ranks")), coord, tuple(_ints(d, "local_shape")))
+        return cls(tuple(_strs(d, "placements")), tuple(dims), _shape(d, "mesh_shape"),
+                   tuple(_ints(d, "mesh_ranks")), coord, _shape(d, "local_shape"))
 
 
 # Field order matters: the recorder builds these positionally on its hot path
@@ -220,7 +220,7 @@ class TensorRecord:
         _require(d, "name", "shape", "dtype", "device", "role")
         stats = d.get("stats")
         rec = cls(
-            name=_str(d, "name"), shape=_dims(d, "shape"), dtype=_shared(_str(d, "dtype")),
+            name=_str(d, "name"), shape=_shape(d, "shape"), dtype=_shared(_str(d, "dtype")),
             device=_shared(_str(d, "device")), role=_choice(d, "role", ROLES), producer=_opt_str(d, "producer"),
             stride=None if d.get("stride") is None else _dims(d, "stride"),
             contiguous=_bool(d, "contiguous", True), requires_grad=_bool(d, "requires_grad", False),
@@ -286,7 +286,7 @@ class Call:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Call:
         _require(d, "name", "api", "module", "inputs", "outputs")
-        return cls(name=_str(d, "name"), api=_str(d, "api"), module=_str(d, "module"),
+        return cls(name=_str(d, "name"), api=_str(d, "api"), module=_path(d, "module"),
                    inputs=_strs(d, "inputs"), outputs=_strs(d, "outputs"), args=_str(d, "args", ""),
                    grad_nodes=_strs(d, "grad_nodes"), stack_id=_opt_int(d, "stack"),
                    parent=_opt_str(d, "parent"), kind=_choice(d, "kind", CALL_KINDS, "op"),
@@ -340,7 +340,7 @@ class GradNode:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> GradNode:
         _require(d, "name", "kind")
-        return cls(name=_str(d, "name"), kind=_str(d, "kind"), call=_opt_str(d, "call"), param=_opt_str(d, "param"),
+        return cls(name=_str(d, "name"), kind=_str(d, "kind"), call=_opt_str(d, "call"), param=_path(d, "param", None),
                    next=_opt_strs(d, "next"), stack_id=_opt_int(d, "stack"), seq=_int(d, "seq"),
                    external=_bool(d, "external", False), parent=_opt_str(d, "parent"))
 
@@ -431,6 +431,11 @@ Record = Call | GradNode | TensorRecord | BackwardRun
 # (JSON's true is Python's 1), a float (Infinity, 1e400) or a 5,000-digit number.
 MAX_INT = 2**63 - 1
 MAX_DIMS = 256  # far more dimensions than torch allows; bounds what one shape can cost
+# Levels of a module path (``h.0.mlp`` has 3). Views walk a path's ancestors (the module tree,
+# the DOT fold by depth), which costs the square of its depth: a path of 500,000 levels (1 MB)
+# would hang them. Real models nest a few dozen levels (PyTorch's own recursion over submodules
+# stops near 1,000).
+MAX_MODULE_DEPTH = 256
 _HEX = frozenset("0123456789abcdefABCDEF")
 _MISSING = object()
 
@@ -470,6 +475,15 @@ def _opt_strs(d: dict[str, Any], key: str) -> list[str | None]:
     return list(v)
 
 
+def _path(d: dict[str, Any], key: str, default: Any = _MISSING) -> Any:
+    """A module path (or a parameter's name, which is one), at most ``MAX_MODULE_DEPTH`` levels
+    deep; ``default`` (None) where it may be absent or null."""
+    v = _str(d, key) if default is _MISSING else _opt_str(d, key)
+    if v is not None and v.count(".") >= MAX_MODULE_DEPTH:
+        raise TraceFormatError(f"{d.get('t')} record: {key!r} is a module path of more than {MAX_MODULE_DEPTH} levels")
+    return v
+
+
 def _ints(d: dict[str, Any], key: str) -> list[int]:
     v = d[key]
     if not isinstance(v, list) or len(v) > MAX_DIMS or not all(_is_count(x) for x in v):
@@ -501,6 +515,29 @@ def _dims(d: dict[str, Any], key: str) -> tuple[int, ...]:
     if len(_DIMS) >= _MAX_SHARED:
         _DIMS.clear()
     return _DIMS.setdefault(dims, dims)
+
+
+def _shape(d: dict[str, Any], key: str) -> tuple[int, ...]:
+    """``_dims`` of a shape, whose element count must be a count too: 256 dimensions of 2**63-1
+    are valid integers each, but their product has 4,900 digits, and every report that counts
+    elements would fail on it."""
+    dims = _dims(d, key)
+    if elements(dims) is None:
+        raise TraceFormatError(f"{d.get('t')} record: {key!r} holds more than 2**63-1 elements")
+    return dims
+
+
+def elements(shape: tuple[int, ...] | list[int]) -> int | None:
+    """The element count of ``shape``, or None where it exceeds 2**63-1 (the product is never
+    carried past that: at most one multiplication of two 63-bit numbers)."""
+    if 0 in shape:
+        return 0
+    n = 1
+    for s in shape:
+        n *= s
+        if n > MAX_INT:
+            return None
+    return n
 
 
 def _shared(v: str) -> str:

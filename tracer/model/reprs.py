@@ -1,9 +1,9 @@
 """How one record reads in a REPL and in a notebook: a one-line ``repr`` and a compact HTML card.
 
 Every string of a trace came from a file that may be hostile (a module named ``<script>``, a
-path with quotes), so each one goes through ``html.escape`` here and nothing here writes a
-script or an event handler. Strings are clipped (``clip``) before escaping, so a card stays
-small whatever the trace holds. The records call these from their ``__repr__`` and
+path with quotes, a zero-width space), so each one goes through ``inert`` and ``html.escape`` here
+and nothing here writes a script or an event handler. Strings are clipped (``clip``) before
+escaping, so a card stays small whatever the trace holds. The records call these from their ``__repr__`` and
 ``_repr_html_``; the cards of the analyses and of diff results are built with ``card``.
 """
 
@@ -26,8 +26,9 @@ CARD_STYLE = "font-family:sans-serif;font-size:12px;line-height:1.4"
 
 
 def esc(text: object, limit: int = NAME_LIMIT) -> str:
-    """A string of the trace, clipped to ``limit`` characters and escaped for HTML."""
-    return html.escape(clip(str(text), limit), quote=True)
+    """A string of the trace, clipped to ``limit`` characters, its control and invisible
+    characters shown as escapes (``inert``: ``lin\\u200bear0``), then escaped for HTML."""
+    return html.escape(inert(clip(str(text), limit)), quote=True)
 
 
 def names(items: Sequence[str | None], limit: int = LIST_LIMIT) -> str:

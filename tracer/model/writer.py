@@ -16,6 +16,8 @@ import zlib
 from collections.abc import Iterable
 from typing import IO, Any
 
+from tracer.model.claims import OutputClaim, claim_output
+
 GZIP_MAGIC = b"\x1f\x8b"
 
 
@@ -86,9 +88,16 @@ class StreamWriter:
 
     def __init__(self, path: str, append: bool = False) -> None:
         self.path = str(path)
-        self._raw: IO[bytes] | None = open(self.path, "ab" if append else "wb")  # noqa: SIM115 (kept open)
-        self._gz: gzip.GzipFile | None = gzip.GzipFile(filename=os.path.basename(self.path), mode="wb",
-                                                       fileobj=self._raw) if self.path.endswith(".gz") else None
+        # Claimed before it is opened (and truncated): a second process writing the same file
+        # gets OutputInUse and the first one's file is untouched.
+        self._claim: OutputClaim | None = claim_output(self.path)
+        try:
+            self._raw: IO[bytes] | None = open(self.path, "ab" if append else "wb")  # noqa: SIM115 (kept open)
+            self._gz: gzip.GzipFile | None = gzip.GzipFile(filename=os.path.basename(self.path), mode="wb",
+                                                           fileobj=self._raw) if self.path.endswith(".gz") else None
+        except BaseException:
+            self._claim.release()
+            raise
         _OPEN.add(self)
 
     def disown(self) -> None:
@@ -97,6 +106,7 @@ class StreamWriter:
         pointed at /dev/null, so nothing it writes, flushes or closes (a gzip trailer at exit)
         reaches the parent's file, and the writer writes nothing more."""
         raw, self._raw, self._gz = self._raw, None, None
+        self._claim = None  # the parent's (tracer.model.claims forgets it in the child)
         if raw is None:
             return
         try:
@@ -129,6 +139,9 @@ class StreamWriter:
             self._raw.close()
             self._raw = None
             self._gz = None
+            if self._claim is not None:
+                self._claim.release()
+                self._claim = None
 
 
 # Stream writers with an open file, for the fork handler below.

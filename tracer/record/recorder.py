@@ -93,6 +93,7 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin, Swap
                  on_records: Callable[[], None] | None = None) -> None:
         super().__init__(trace, options, on_records=on_records)
         self._mode = RecordingMode(self)
+        self._mode_entered = False
         self._compiled_functions = CompiledFunctionWatch(self)
 
     # ---- installation -------------------------------------------------------------------------
@@ -105,6 +106,7 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin, Swap
         install_swap_wrapper()
         install_rebuild_wrappers()
         self._mode.__enter__()
+        self._mode_entered = True
         self._compiled_functions.install()
 
     def uninstall(self) -> None:
@@ -123,7 +125,11 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin, Swap
             self.close_region(self._opaque[-1])
         self._compiled_functions.uninstall()
         try:
-            self._mode.__exit__(None, None, None)
+            # A mode's exit pops whatever mode is on top of the stack: only the recorder's own,
+            # never the program's (install() may have failed before entering it).
+            if self._mode_entered:
+                self._mode_entered = False
+                self._mode.__exit__(None, None, None)
             # The mode points back at this recorder: once it is off the stack, drop that link, so
             # that a finished trace is freed by reference counting, not by the cycle collector
             # (which would walk all of its records to find the cycle).

@@ -156,14 +156,18 @@ class TraceSession:
             t.header["fingerprint"] = FINGERPRINT_ALGORITHM
         t.header.update(self.header_extra)
         rec.listeners.extend(o.listeners)
+        self._t0 = time.perf_counter()
+        if self.out:
+            # The file first, before anything is installed: a path that cannot be opened (a
+            # missing directory, no permission, another process writing it) raises here as it is,
+            # and the program's own modes and hooks are left exactly as they were.
+            if self.append and os.path.exists(self.out):
+                self.offset = os.path.getsize(self.out)
+            self._writer = StreamWriter(self.out, append=self.append)
         self._recorder = rec
         try:
-            if self.out:
-                if self.append and os.path.exists(self.out):
-                    self.offset = os.path.getsize(self.out)
-                self._writer = StreamWriter(self.out, append=self.append)
+            if self._writer is not None:
                 self._writer.write([t.header_record(), {"t": "meta", **t.meta}])
-            self._t0 = time.perf_counter()
             self._last_flush_time = time.monotonic()
             COMPILED.ran = False
             # Every call adds a few small records; with CPython's default thresholds the young
