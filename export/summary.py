@@ -28,12 +28,21 @@ from export.errors import UserError
 from export.text import call_site, compact_stats, format_stack, inert, inert_lines, stats_text
 from export.views import checksum, module_groups, module_with_class, nonfinite, param_totals
 from tracer.model import BackwardRun, Call, Frame, GradNode, TensorRecord, Trace
-from tracer.model.display import format_bytes, format_number, plural, shape_compact, short_api, short_dtype
+from tracer.model.display import (
+    clip,
+    format_bytes,
+    format_number,
+    plural,
+    shape_compact,
+    short_api,
+    short_dtype,
+)
 from tracer.model.frames import folded
 from tracer.model.gradients import summed_from
 
 TOP_APIS = 15
 MAX_ROWS = 40
+MAX_WHY_NOT = 4  # reasons named on the "without stats" line; the rest are counted as "other"
 
 
 def _add_row(table: Table, *cells: Any, style: str | None = None) -> None:
@@ -146,6 +155,7 @@ def _render_nonfinite(trace: Trace, console: Console, all_anomalies: bool, all_f
         # A file of several steps: the verdict is this step's (the list of steps says the others').
         of_step = f" of step {trace.header['step']}" if "step" in trace.header else ""
         console.print(f"No NaN or Inf in the {plural(len(with_stats), 'tensor')} with stats{of_step}.")
+        _render_without_stats(trace, console)
         return
     # The verdict first: where the first non-finite value was made, forward and backward.
     report = trace.anomalies
@@ -166,6 +176,32 @@ def _render_nonfinite(trace: Trace, console: Console, all_anomalies: bool, all_f
     if len(bad) > MAX_ROWS:
         _add_row(table, f"... {len(bad) - MAX_ROWS} more", "", "", "", "", "", "", style="dim")
     console.print(table)
+    _render_without_stats(trace, console)
+
+
+def _render_without_stats(trace: Trace, console: Console) -> None:
+    """Say which tensors the NaN/Inf verdict could not look at, and why: the header counts every
+    tensor, the verdict only those with stats (``8 tensors without stats: 8 empty``)."""
+    why = Counter(_why_no_stats(t) for t in trace.tensors.values() if t.stats is None)
+    if not why:
+        return
+    named = why.most_common(MAX_WHY_NOT)
+    parts = [f"{n:,} {reason}" for reason, n in named]
+    if len(why) > MAX_WHY_NOT:
+        parts.append(f"{why.total() - sum(n for _, n in named):,} other")
+    console.print(Text(inert(f"{plural(why.total(), 'tensor')} without stats: {', '.join(parts)}.")))
+
+
+def _why_no_stats(t: TensorRecord) -> str:
+    """Why a tensor has no stats, in a few words; a hash note (from the file) clipped to its gist."""
+    if t.uninitialized:
+        return "uninitialised"
+    if t.hash_note:
+        gist = t.hash_note.removeprefix("not hashed: ").split("(")[0].split(";")[0]
+        return f"not hashed ({clip(gist.strip() or t.hash_note, 40)})"
+    if 0 in t.shape:
+        return "empty"
+    return "no stats recorded"
 
 
 # ---- show ------------------------------------------------------------------------------------------
