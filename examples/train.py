@@ -5,18 +5,26 @@ model where ``transformers`` is not installed, and wraps step ``--trace-step`` i
 ``tracer.trace(out=...)``: forward, backward and the optimizer step of that one step are
 recorded and streamed to ``--out``. Look at the result with::
 
-    python examples/train.py --steps 5 --trace-step 2 --out step.gtrace
-    gradtrace summary step.gtrace
-    gradtrace report step.gtrace          # -> step.html
+    python examples/train.py --steps 5 --trace-step 2 --out a.gtrace
+    gradtrace summary a.gtrace
+    gradtrace report a.gtrace             # -> a.html
+
+With ``--ddp`` under ``torchrun`` the model is wrapped in ``DistributedDataParallel`` (gloo on the
+CPU, nccl on GPUs), each rank trains on its own batches and writes its own trace::
+
+    torchrun --nproc-per-node 2 examples/train.py --ddp --steps 5 --trace-step 2 --out ddp.gtrace
+    gradtrace diff --ranks ddp.rank*.gtrace   # ddp.rank0.gtrace, ddp.rank1.gtrace
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -90,6 +98,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=32, help=f"tokens per sequence, at most {CONTEXT} (default 32)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ddp", action="store_true",
+                   help="DistributedDataParallel over the processes torchrun starts; each rank writes "
+                        "OUT.rankN.gtrace")
     args = p.parse_args(argv)
     if not 2 <= args.seq <= CONTEXT:
         p.error(f"--seq must be between 2 and {CONTEXT}")
@@ -98,18 +109,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def start_ddp(device: str) -> tuple[int, str]:
+    """Join the process group torchrun set up; this rank and the device it trains on."""
+    cuda = device.startswith("cuda")
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank = dist.get_rank()
+    if cuda:
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    return rank, device
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    torch.manual_seed(args.seed)
+    rank, device = start_ddp(args.device) if args.ddp else (0, args.device)
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
     model, kind = build_model(args.model)
-    model.to(args.device).train()
+    model.to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    if args.ddp:
+        model = nn.parallel.DistributedDataParallel(model)
     # Random tokens, drawn once: a fixed little data set the model can start to memorise.
     data = torch.randint(0, VOCAB, (8 * args.batch, args.seq), generator=torch.Generator().manual_seed(args.seed))
-    print(f"model {kind}, {sum(p.numel() for p in model.parameters())} parameters, device {args.device}")
+    # Each rank its own batches: 0, world, 2 * world, ... for rank 0.
+    world = dist.get_world_size() if args.ddp else 1
+    say = print if rank == 0 else _quiet
+    say(f"model {kind}, {sum(p.numel() for p in model.parameters())} parameters, device {device}"
+        + (f", {world} ranks" if args.ddp else ""))
 
     for step in range(args.steps):
-        batch = data[(step * args.batch) % len(data):][: args.batch].to(args.device)
+        index = step * world + rank
+        batch = data[(index * args.batch) % len(data):][: args.batch].to(device)
         traced = step == args.trace_step
         ctx = tracer.trace(out=args.out, hash=args.hash) if traced else contextlib.nullcontext()
         with ctx as t:
@@ -120,9 +151,15 @@ def main(argv: list[str] | None = None) -> int:
         line = f"step {step} loss {loss.item():.4f}"
         if traced:
             line += (f"  [traced: {len(t.calls)} calls, {len(t.grad_nodes)} grad nodes, "
-                     f"{len(t.tensors)} tensors -> {args.out}]")
-        print(line, flush=True)
+                     f"{len(t.tensors)} tensors -> {t.meta.get('out', args.out)}]")
+        say(line, flush=True)
+    if args.ddp:
+        dist.destroy_process_group()
     return 0
+
+
+def _quiet(*args: object, **kwargs: object) -> None:
+    """Ranks other than 0 print nothing: one log for the run."""
 
 
 if __name__ == "__main__":

@@ -28,13 +28,22 @@ from export.errors import UserError
 from export.text import call_site, compact_stats, format_stack, inert, inert_lines, stats_text
 from export.views import checksum, module_groups, module_with_class, nonfinite, param_totals
 from tracer.model import BackwardRun, Call, Frame, GradNode, TensorRecord, Trace
-from tracer.model.display import format_bytes, format_number, plural, shape_compact, short_api, short_dtype
+from tracer.model.display import (
+    clip,
+    format_bytes,
+    format_number,
+    plural,
+    shape_compact,
+    short_api,
+    short_dtype,
+)
 from tracer.model.frames import folded, short_line, user_frame
 from tracer.model.gradients import summed_from
 from tracer.model.records import PHASES
 
 TOP_APIS = 15
 MAX_ROWS = 40
+MAX_WHY_NOT = 4  # reasons named on the "without stats" line; the rest are counted as "other"
 
 
 def _add_row(table: Table, *cells: Any, style: str | None = None) -> None:
@@ -170,6 +179,7 @@ def _render_nonfinite(trace: Trace, console: Console, all_anomalies: bool, all_f
         # A file of several steps: the verdict is this step's (the list of steps says the others').
         of_step = f" of step {trace.header['step']}" if "step" in trace.header else ""
         console.print(f"No NaN or Inf in the {plural(len(with_stats), 'tensor')} with stats{of_step}.")
+        _render_without_stats(trace, console)
         return
     # The verdict first, in the numerics report's words (its headline is never an intended Inf).
     report = trace.anomalies
@@ -197,6 +207,7 @@ def _render_nonfinite(trace: Trace, console: Console, all_anomalies: bool, all_f
     if rest > 0:
         console.print(Text(f"{plural(rest, 'other value')} with NaN or Inf not listed: intended Infs (-inf masks) "
                            "and values no later value keeps", style="dim"))
+    _render_without_stats(trace, console)
 
 
 def _render_story_of(trace: Trace, name: str, console: Console) -> None:
@@ -211,6 +222,31 @@ def _render_story_of(trace: Trace, name: str, console: Console) -> None:
     elif name in report.nonfinite_values:
         console.print(Text(inert(f"numerics: holds NaN/Inf reached from {h.producer} — {report.headline_text()}"),
                            style="red"), soft_wrap=True)
+
+
+def _render_without_stats(trace: Trace, console: Console) -> None:
+    """Say which tensors the NaN/Inf verdict could not look at, and why: the header counts every
+    tensor, the verdict only those with stats (``8 tensors without stats: 8 empty``)."""
+    why = Counter(_why_no_stats(t) for t in trace.tensors.values() if t.stats is None)
+    if not why:
+        return
+    named = why.most_common(MAX_WHY_NOT)
+    parts = [f"{n:,} {reason}" for reason, n in named]
+    if len(why) > MAX_WHY_NOT:
+        parts.append(f"{why.total() - sum(n for _, n in named):,} other")
+    console.print(Text(inert(f"{plural(why.total(), 'tensor')} without stats: {', '.join(parts)}.")))
+
+
+def _why_no_stats(t: TensorRecord) -> str:
+    """Why a tensor has no stats, in a few words; a hash note (from the file) clipped to its gist."""
+    if t.uninitialized:
+        return "uninitialised"
+    if t.hash_note:
+        gist = t.hash_note.removeprefix("not hashed: ").split("(")[0].split(";")[0]
+        return f"not hashed ({clip(gist.strip() or t.hash_note, 40)})"
+    if 0 in t.shape:
+        return "empty"
+    return "no stats recorded"
 
 
 # ---- show ------------------------------------------------------------------------------------------

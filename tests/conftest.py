@@ -48,6 +48,16 @@ def nothing_left_installed():
 
 
 @pytest.fixture(autouse=True)
+def _excepthook_kept():
+    """Each test starts with the process's sys.excepthook: torch.distributed's init_process_group
+    replaces it for good ("[rank0]: " before every traceback line), and under pytest-xdist a test
+    that initialised a group can run before one that reads a traceback in the same worker."""
+    hook = sys.excepthook
+    yield
+    sys.excepthook = hook
+
+
+@pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
     yield

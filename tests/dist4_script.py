@@ -3,6 +3,8 @@ run by tests/test_distributed_dtensor.py and benchmarks/distributed_overhead.py.
 
     python -m torch.distributed.run --nproc_per_node=4 tests/dist4_script.py --out DIR/step.gtrace \
         [--mode fsdp|tp] [--perturb PARAM] [--device cpu|cuda] [--untraced]
+    python -m torch.distributed.run --nproc_per_node=4 tests/dist4_script.py \
+        --job A/step.gtrace,fsdp --job B/step.gtrace,tp --job C/step.gtrace,tp,PARAM   # three steps, one launch
 
 - ``--mode fsdp``: FSDP2 (``fully_shard``) over all ranks, one unit per decoder layer and the root.
 - ``--mode tp``: a 2-D mesh ``("dp", "tp")`` of shape (2, 2): tensor parallelism inside each pair
@@ -97,22 +99,37 @@ def _md5(t: torch.Tensor) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", help="trace file of the one step (one per rank)")
     ap.add_argument("--mode", choices=("fsdp", "tp"), default="fsdp")
     ap.add_argument("--perturb", default=None, help="parameter path (under the model) the last rank nudges")
+    # (not --run: torchrun, which parses the script's arguments too, takes it for its --run-path)
+    ap.add_argument("--job", action="append", default=[], metavar="OUT,MODE[,PERTURB]",
+                    help="instead of --out/--mode/--perturb: one step per --job, in this one launch, each with "
+                         "its own model, mesh and trace (four processes start once, not once per step)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--untraced", action="store_true")
     args = ap.parse_args()
+    runs = [tuple(r.split(",")) for r in args.job] or [(args.out, args.mode, args.perturb)]
+    if any(r[0] is None or len(r) not in (2, 3) or r[1] not in ("fsdp", "tp") for r in runs):
+        ap.error("give --out, or --job OUT,MODE[,PERTURB] with MODE fsdp or tp")
 
     backend = "nccl" if args.device == "cuda" else "gloo"
     dist.init_process_group(backend)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    for out, mode, *perturb in runs:
+        step(out, mode, perturb[0] if perturb else None, args)
+    dist.destroy_process_group()
+
+
+def step(out: str, mode: str, perturb: str | None, args: argparse.Namespace) -> None:
+    """One traced training step of a fresh model sharded by ``mode``; prints this rank's RESULT."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # the same initial weights on every rank
     model = build_model(args.layers).to(args.device)
-    if args.mode == "fsdp":
+    if mode == "fsdp":
         mesh = init_device_mesh(args.device, (world,), mesh_dim_names=("dp",))
         shard_fsdp(model, mesh)
         dp_rank = rank
@@ -124,9 +141,9 @@ def main() -> None:
     # Each data-parallel rank its own batch; the ranks of one tp group share theirs.
     gen = torch.Generator().manual_seed(100 + dp_rank)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen).to(args.device)
-    if args.perturb and rank == world - 1:
+    if perturb and rank == world - 1:
         with torch.no_grad():
-            local = local_of(model.get_parameter(args.perturb)).view(-1)
+            local = local_of(model.get_parameter(perturb)).view(-1)
             local[0] = torch.nextafter(local[0], local[0] + 1)
 
     # Checksums of two local shards taken by hand, for the test to hold the trace's against.
@@ -134,8 +151,8 @@ def main() -> None:
 
     import tracer
 
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    ctx = tracer.trace(out=args.out) if not args.untraced else None
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    ctx = tracer.trace(out=out) if not args.untraced else None
     t = ctx.__enter__() if ctx is not None else None
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
@@ -145,15 +162,13 @@ def main() -> None:
     params = {n: p for n, p in model.named_parameters()}
     norm = params["model.norm.weight"]
     result = {
-        "rank": rank, "world": world, "loss": float(local_of(loss.detach())),
+        "rank": rank, "world": world, "out": out, "loss": float(local_of(loss.detach())),
         "path": None if t is None else t.meta.get("out"),
         "norm_placements": [str(p) for p in norm.placements] if isinstance(norm, DTensor) else None,
         "params": len(params), "dtensors": sum(isinstance(p, DTensor) for p in params.values()),
         "local_md5": local_md5,
     }
     print("RESULT " + json.dumps(result), flush=True)
-    dist.destroy_process_group()
-
 
 if __name__ == "__main__":
     run_and_exit(main)

@@ -201,33 +201,51 @@ def _inference_first() -> dict[str, list[object]]:
 
 def _ddp_rank(rank: int, world: int, port: int, out: str) -> None:
     """One rank of a two-process DDP step (gloo), a .grad existing before the block, then an
-    all_reduce in place; rank 0 writes its records to ``out``."""
+    all_reduce in place, through the immediate path and then through the batches (one process
+    group for both: two launches of two processes cost more than the steps); rank 0 writes each
+    mode's records to ``out`` (a JSON object by mode)."""
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results: dict[str, object] = {}
+    try:
+        for mode in ("immediate", "batched"):
+            if mode == "batched":
+                os.environ["GRADTRACE_FUSED_INTERPRET"] = "1"  # read by each trace's hasher
+            try:
+                results[mode] = _ddp_step(rank)
+            finally:
+                os.environ.pop("GRADTRACE_FUSED_INTERPRET", None)
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump(results, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _ddp_step(rank: int) -> dict[str, list[object]]:
+    """A fresh DDP model, one untraced step, then the traced one; every record's fingerprint and
+    stats by name."""
     import torch.distributed as dist
 
     import tracer
 
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank + 1))
-        ddp(x).sum().backward()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank + 1))
+    ddp(x).sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    with tracer.trace(hash="fast") as t:
+        ddp(x).sum().backward()  # DDP copies the averaged gradients back into each .grad
         opt.step()
-        opt.zero_grad(set_to_none=False)
-        with tracer.trace(hash="fast") as t:
-            ddp(x).sum().backward()  # DDP copies the averaged gradients back into each .grad
-            opt.step()
-            total = x * (rank + 1)
-            dist.all_reduce(total)  # a collective writes a recorded value in place
-        if rank == 0:
-            with open(out, "w") as f:
-                json.dump({name: [r.fingerprint, None if r.stats is None else [r.stats.min, r.stats.max]]
-                           for name, r in t.tensors.items()}, f)
-    finally:
-        dist.destroy_process_group()
+        total = x * (rank + 1)
+        dist.all_reduce(total)  # a collective writes a recorded value in place
+    return {name: [r.fingerprint, None if r.stats is None else [r.stats.min, r.stats.max]]
+            for name, r in t.tensors.items()}
 
 
 def ddp_results() -> dict[str, object]:
@@ -237,21 +255,14 @@ def ddp_results() -> dict[str, object]:
 
     import torch.multiprocessing as mp
 
-    out: dict[str, object] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for mode in ("immediate", "batched"):
-            if mode == "batched":
-                os.environ["GRADTRACE_FUSED_INTERPRET"] = "1"
-            with socket.socket() as sock:  # a free port
-                sock.bind(("127.0.0.1", 0))
-                port = sock.getsockname()[1]
-            path = os.path.join(tmp, f"{mode}.json")
-            try:
-                mp.spawn(_ddp_rank, args=(2, port, path), nprocs=2)
-            finally:
-                os.environ.pop("GRADTRACE_FUSED_INTERPRET", None)
-            with open(path) as f:
-                out[mode] = json.load(f)
+        with socket.socket() as sock:  # a free port
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        path = os.path.join(tmp, "ddp.json")
+        mp.spawn(_ddp_rank, args=(2, port, path), nprocs=2)
+        with open(path) as f:
+            out: dict[str, object] = json.load(f)
     return out
 
 

@@ -50,7 +50,7 @@ def _example_lines(text: str) -> list[str]:
 
 def _argv(line: str) -> list[str]:
     """A documented command line as the shell would pass it: the glob of rank files expanded."""
-    line = line.replace("step.rank*.gtrace", "step.rank0.gtrace step.rank1.gtrace")
+    line = re.sub(r"(\w+)\.rank\*\.gtrace", r"\1.rank0.gtrace \1.rank1.gtrace", line)
     return shlex.split(line.replace("[", "").replace("]", "").replace("...", ""))[1:]
 
 
@@ -156,3 +156,29 @@ def test_run_progress_of_a_one_call_step(tmp_path, monkeypatch, capsys):
     assert main(["run", "--steps", "1", "one.py"]) == 0
     err = capsys.readouterr().err.splitlines()
     assert err[0] == "gradtrace: step 1 traced: 1 call, 0 grad nodes, 0 backward runs"
+
+
+def test_summary_says_which_tensors_have_no_stats_and_why(tmp_path, capsys):
+    """The header counts every tensor, the NaN/Inf verdict only those with stats: the difference
+    is said, by reason (the records' ``uninitialized``, ``hash_note`` and shape)."""
+    w = torch.ones(4, requires_grad=True)
+    with tracer.trace() as t:
+        buf = torch.empty(4)  # uninitialised memory: no checksum, no stats
+        buf2 = torch.empty_like(w)
+        meta = torch.ones(3, device="meta") * 2  # meta tensors: no data to hash
+        none = torch.zeros(0)  # no elements: nothing to take stats of
+        (w * 3).sum().backward()
+    path = str(tmp_path / "kinds.gtrace")
+    t.save(path)
+    loaded = tracer.load(path)
+    without = {n: r for n, r in loaded.tensors.items() if r.stats is None}
+    assert sorted(without) == ["empty0:out", "empty_like0:out", "mul0:out", "ones0:out", "zeros0:out"]
+    assert without["empty0:out"].uninitialized and without["empty_like0:out"].uninitialized
+    assert without["ones0:out"].hash_note == "not hashed: meta tensor (no data)"
+    with_stats = len(loaded.tensors) - len(without)
+    rc, out, err = run(capsys, "summary", path)
+    assert rc == 0 and err == ""
+    assert out.splitlines()[-2:] == [
+        f"No NaN or Inf in the {with_stats} tensors with stats.",
+        "5 tensors without stats: 2 uninitialised, 2 not hashed (meta tensor), 1 empty."]
+    del buf, buf2, meta, none

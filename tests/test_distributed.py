@@ -246,7 +246,9 @@ def _free_port() -> int:
 
 
 def _torchrun(cwd, *args: str, launcher: list[str] | None = None, nproc: int = 2,
-              timeout: int = 180) -> list[dict]:
+              timeout: int = 180, runs: int = 1) -> list[dict]:
+    """Run a script on ``nproc`` ranks; each rank's ``RESULT {json}`` of each of its ``runs``
+    steps, by rank (a stable sort: a rank's runs in the order it printed them)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
            f"--master_port={_free_port()}", *(launcher or []), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -256,7 +258,7 @@ def _torchrun(cwd, *args: str, launcher: list[str] | None = None, nproc: int = 2
     # decode each payload where it starts instead of splitting on lines.
     decoder = json.JSONDecoder()
     results = [decoder.raw_decode(chunk)[0] for chunk in proc.stdout.split("RESULT ")[1:]]
-    assert sorted(r["rank"] for r in results) == list(range(nproc)), proc.stdout
+    assert sorted(r["rank"] for r in results) == sorted(list(range(nproc)) * runs), proc.stdout
     return sorted(results, key=lambda r: r["rank"])
 
 

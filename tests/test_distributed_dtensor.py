@@ -38,24 +38,36 @@ def _paths(d: Any) -> list[str]:
     return [str(d / f"step.rank{r}.gtrace") for r in range(4)]
 
 
-def _run(tmp_path_factory: Any, name: str, *args: str) -> tuple[Any, list[dict[str, Any]]]:
-    d = tmp_path_factory.mktemp(name)
-    return d, _torchrun(d, SCRIPT, "--out", str(d / "step.gtrace"), *args, nproc=4, timeout=600)
+# The three four-rank steps the tests read, in one launch: four processes importing torch and
+# transformers cost more than a step, three launches took 11-26 s each on a 2-core machine.
+STEPS = {"fsdp4": ("fsdp",), "tp4": ("tp",), "tp4_perturbed": ("tp", PERTURBED)}
 
 
 @pytest.fixture(scope="module")
-def fsdp4(tmp_path_factory):
-    return _run(tmp_path_factory, "fsdp4", "--mode", "fsdp")
+def launched(tmp_path_factory) -> dict[str, tuple[Any, list[dict[str, Any]]]]:
+    """Each step's directory and its four ranks' RESULTs, by step name."""
+    root = tmp_path_factory.mktemp("dist4")
+    runs = [arg for name, how in STEPS.items() for arg in ("--job", ",".join([str(root / name / "step.gtrace"), *how]))]
+    results = _torchrun(root, SCRIPT, *runs, nproc=4, timeout=600, runs=len(STEPS))
+    by_out: dict[str, list[dict[str, Any]]] = {}
+    for r in results:
+        by_out.setdefault(r["out"], []).append(r)
+    return {name: (root / name, by_out[str(root / name / "step.gtrace")]) for name in STEPS}
 
 
 @pytest.fixture(scope="module")
-def tp4(tmp_path_factory):
-    return _run(tmp_path_factory, "tp4", "--mode", "tp")
+def fsdp4(launched):
+    return launched["fsdp4"]
 
 
 @pytest.fixture(scope="module")
-def tp4_perturbed(tmp_path_factory):
-    return _run(tmp_path_factory, "tp4_perturbed", "--mode", "tp", "--perturb", PERTURBED)
+def tp4(launched):
+    return launched["tp4"]
+
+
+@pytest.fixture(scope="module")
+def tp4_perturbed(launched):
+    return launched["tp4_perturbed"]
 
 
 # ---- one rank, in process --------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The house's floors, enforced: who may import whom, no imports hidden in functions, and no module
 reading another's private names (docs/architecture.md draws the same rules).
 
-- ``tracer/`` is layered: model, options, version (0) <- analysis (1) <- record (2) <- features (3)
+- ``tracer/`` is layered: model, options, version, companion (0) <- analysis (1) <- record (2) <- features (3)
   <- loops, integrations, demo (4) <- api and the package itself (5). A module imports its own
   layer and those below. ``tracer`` never imports ``export``, but for ``python -m tracer``.
 - ``export/`` imports, of ``tracer``, only the data model, the analyses, the options and the
@@ -27,7 +27,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("tracer", "export")
 
-TRACER_LAYERS = {"model": 0, "options": 0, "version": 0, "analysis": 1, "record": 2, "features": 3,
+TRACER_LAYERS = {"model": 0, "options": 0, "version": 0, "companion": 0, "analysis": 1, "record": 2, "features": 3,
                  "loops": 4, "integrations": 4, "demo": 4, "api": 5, "__init__": 5}
 EXPORT_MAY_IMPORT = ("tracer.model", "tracer.analysis", "tracer.options", "tracer.version")
 CLI_MAY_ALSO_IMPORT = ("tracer.loops", "tracer.demo", "tracer.api", "tracer")

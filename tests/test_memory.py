@@ -423,3 +423,18 @@ def test_csv_cells_from_the_trace_cannot_run_as_formulas(tmp_path):
     assert "'=HYPERLINK(\"http://evil/x\")" in modules and "'+1" in modules
     assert all(not v.startswith(("=", "+", "-", "@")) for r in rows for v in r.values())
     assert csv_cell(-5) == -5 and csv_cell(None) == "" and csv_cell("\tx") == "'\tx" and csv_cell("a=b") == "a=b"
+
+
+def test_memory_plot_without_matplotlib_is_one_line_before_any_table(tmp_trace, tmp_path, monkeypatch, capsys):
+    from export.cli import main
+
+    with tracer.trace(hash="none", memory=True) as t:
+        planted_model()(torch.randn(5, 8)).sum().backward()
+    t.save(tmp_trace)
+    png = tmp_path / "m.png"
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as where it is not installed
+    assert main(["memory", tmp_trace, "--plot", os.fspath(png)]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == "gradtrace memory: error: --plot needs matplotlib: pip install 'gradtrace[memory]' (or matplotlib)\n"
+    assert not png.exists()

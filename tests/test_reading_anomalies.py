@@ -14,6 +14,7 @@ import transformers as tf
 
 import tracer
 from export.cli.main import main
+from tests.fresh_stack import on_a_fresh_stack
 from tracer.model.frames import fold_label, frame_class
 
 HERE = os.path.abspath(__file__)
@@ -38,7 +39,11 @@ def _runs(stack: tuple[tracer.Frame, ...]) -> list[str]:
     return lines
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", name="planted")
+def planted_fixture(tmp_path_factory: pytest.TempPathFactory) -> tuple[tracer.Trace, str, list[warnings.WarningMessage]]:
+    return on_a_fresh_stack(planted, tmp_path_factory)  # the same frames under any test runner
+
+
 def planted(tmp_path_factory: pytest.TempPathFactory) -> tuple[tracer.Trace, str, list[warnings.WarningMessage]]:
     torch.manual_seed(0)
     cfg = tf.GPT2Config(n_layer=12, n_embd=16, n_head=2, vocab_size=50, n_positions=16)

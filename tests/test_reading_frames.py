@@ -15,6 +15,7 @@ import transformers
 import tracer
 from export.cli.main import main
 from export.html.data import build_payload
+from tests.fresh_stack import on_a_fresh_stack
 from tests.models import hf_model
 from tracer.model.frames import fold_label, folded, frame_class, stack_lines
 
@@ -52,7 +53,11 @@ def test_frame_classes_are_exact_for_known_paths(path: str, cls: str) -> None:
     assert frame_class(path) == cls
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", name="gpt2_trace")
+def gpt2_trace_fixture(tmp_path_factory: pytest.TempPathFactory) -> tuple[tracer.Trace, str]:
+    return on_a_fresh_stack(gpt2_trace, tmp_path_factory)  # the same frames under any test runner
+
+
 def gpt2_trace(tmp_path_factory: pytest.TempPathFactory) -> tuple[tracer.Trace, str]:
     torch.manual_seed(0)
     model, x = hf_model("gpt2")

@@ -9,6 +9,7 @@ import torch
 
 import tracer
 from tests import test_html_browser as shared
+from tests.fresh_stack import on_a_fresh_stack
 from tests.models import hf_model
 from tracer.model.frames import frame_class
 
@@ -17,7 +18,11 @@ browser = shared.browser  # the module's fixtures, shared
 opened = shared.opened
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", name="gpt2")
+def gpt2_fixture() -> tracer.Trace:
+    return on_a_fresh_stack(gpt2)  # the same frames under any test runner
+
+
 def gpt2() -> tracer.Trace:
     torch.manual_seed(0)
     model, x = hf_model("gpt2")

@@ -223,3 +223,47 @@ def test_run_watch_beside_an_export_py_writes_the_incident_report(tmp_path, monk
             in err.splitlines())
     assert (tmp_path / "incident.step3.html").read_text().startswith("<!DOCTYPE html>")
     assert sys.modules["export"] is own
+
+
+# A script that uses gradtrace in its code, beside its own export.py.
+USES_GRADTRACE = textwrap.dedent("""\
+    import {first}, {second}
+    import torch
+    with tracer.trace() as t:
+        torch.ones(2).sum()
+    print("traced", len(t.calls))
+    export.html(t, "step.html")
+    """)
+
+
+@pytest.mark.parametrize("order", ["tracer, export", "export, tracer"])
+def test_importing_tracer_beside_an_export_py_names_both_files(tmp_path, order):
+    (tmp_path / "export.py").write_text(USER_EXPORT)
+    first, second = order.split(", ")
+    (tmp_path / "train.py").write_text(USES_GRADTRACE.format(first=first, second=second))
+    p = _proc([sys.executable, "train.py"], cwd=tmp_path)
+    assert p.returncode == 1 and p.stdout == "traced 2\n"
+    err = p.stderr.splitlines()
+    assert err[0] == (
+        f"{tmp_path / 'train.py'}:1: ExportShadowedWarning: 'import export' here finds {tmp_path / 'export.py'}, "
+        f"not gradtrace's export package in {os.path.join(ROOT, 'export')}: export.html, export.dot, export.diff "
+        "and the other reports are not reachable under that name (an AttributeError when used). Rename or move "
+        f"{tmp_path / 'export.py'} to use gradtrace's (python looks in the script's or the current directory and "
+        "PYTHONPATH first); if you meant your own, ignore this ('gradtrace report FILE' still writes gradtrace's "
+        "reports)")
+    assert err[1] == f"  import {order}"
+    assert err[-1] == "AttributeError: module 'export' has no attribute 'html'"
+    assert sum("ExportShadowedWarning" in line for line in err) == 1
+
+
+def test_importing_tracer_where_export_is_gradtraces_says_nothing(tmp_path):
+    (tmp_path / "train.py").write_text(USES_GRADTRACE.format(first="tracer", second="export"))
+    p = _proc([sys.executable, "-W", "error::UserWarning", "train.py"], cwd=tmp_path)
+    assert (p.returncode, p.stdout, p.stderr) == (0, "traced 2\n", "")
+    assert (tmp_path / "step.html").read_text().startswith("<!DOCTYPE html>")
+
+
+def test_python_m_tracer_beside_an_export_py_does_not_warn(yolo):
+    # python -m tracer loads gradtrace's export from beside tracer whatever the directory holds
+    p = _proc([sys.executable, "-m", "tracer", "--version"], cwd=yolo)
+    assert (p.returncode, p.stdout, p.stderr) == (0, "gradtrace 0.1.0\n", "")

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from tracer.analysis.memory import MemoryRecord
 from tracer.analysis.numerics import Anomaly, NonFiniteError, NumericsReport
+from tracer.companion import ExportShadowedWarning, warn_if_export_is_shadowed
 from tracer.model import (
     SCHEMA_VERSION,
     BackwardRun,
@@ -41,6 +42,9 @@ from tracer.version import __version__
 # gradtrace's tracer, not another module of that name (a user's tracer.py, a PyPI "tracer"):
 # export checks it when it imports tracer, ``python -m tracer`` and the command line check export's.
 __gradtrace__ = "tracer"
+# And the other way round: a program whose own export.py hides gradtrace's export is told so here,
+# naming both files, rather than meeting "module 'export' has no attribute 'html'" later.
+warn_if_export_is_shadowed()
 
 if TYPE_CHECKING:  # the names resolved on first use, below
     from tracer.analysis.determinism import DeterminismReport
@@ -88,6 +92,7 @@ __all__ = [
     "BackwardRun",
     "Call",
     "DeterminismReport",
+    "ExportShadowedWarning",
     "Frame",
     "GradNode",
     "Incident",

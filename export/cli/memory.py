@@ -4,6 +4,7 @@ CSV or a plot."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 
 from rich.text import Text
 
@@ -36,7 +37,18 @@ def _rows(text: str) -> int:
     return value
 
 
+def _plotting_installed() -> bool:
+    """Whether matplotlib, which ``--plot`` draws with, can be imported (found, not imported)."""
+    try:
+        return importlib.util.find_spec("matplotlib") is not None
+    except (ImportError, ValueError):  # a broken install, or a module without a spec
+        return False
+
+
 def _cmd_memory(args: argparse.Namespace) -> int:
+    # Before anything is loaded or printed: a missing plotter is one line, not the tables and then an error.
+    if args.plot is not None and not _plotting_installed():
+        raise UserError("--plot needs matplotlib: pip install 'gradtrace[memory]' (or matplotlib)")
     for option, out in (("--csv", args.csv), ("--plot", args.plot)):
         if out is not None:
             check_output(out, [args.trace], option=option)
