@@ -9,7 +9,10 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 PY=${PYTHON:-python3}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
-"$PY" -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py tests/test_fingerprint.py tests/test_fused.py tests/test_memory.py tests/test_backward_hooks.py \
-    tests/test_distributed.py 2>&1 | tail -${GPU_TEST_TAIL:-25}
+# Every CUDA-marked test of the suite (the recorder, checksums, memory, watch, step log, determinism),
+# then the tests of the recorder's hot paths on a machine whose torch is a CUDA build.
+"$PY" -m pytest -q -p no:cacheprovider -m cuda tests/ 2>&1 | tail -${GPU_TEST_TAIL:-25}
+"$PY" -m pytest -q -p no:cacheprovider tests/test_backward_hooks.py tests/test_stories.py -k "not page" 2>&1 | tail -5
+"$PY" benchmarks/steplog_overhead.py --device cuda 2>&1 | tail -12
 "$PY" benchmarks/overhead.py --device cuda --model "${GPU_MODEL:-gpt2-small}" --warmup 1 --repeats "${GPU_REPEATS:-3}" \
     --configs "${GPU_CONFIGS:-plain,nostacks,stacks,fast,md5,numerics,anomaly,profiler,debugmode}" 2>&1 | tail -24

@@ -164,8 +164,10 @@ def test_non_reentrant_checkpoint_recomputation_is_recorded_in_backward(options:
     with tracer.trace(**options) as t:
         y = checkpoint.checkpoint(block, x, use_reentrant=False).sum()
         y.backward()
-    forward = [c.api for c in t.calls if c.phase == "forward"]
-    again = [c.api for c in _backward_calls(t)]
+    # The block's own calls (checkpoint's bookkeeping around them differs by machine: on a host
+    # with CUDA it makes empty tensors for the random states first).
+    forward = [c.api for c in t.calls if c.phase == "forward" and c.module]
+    again = [c.api for c in _backward_calls(t) if c.module]
     assert forward[:3] == ["torch.nn.functional.linear", "torch.nn.functional.gelu", "torch.nn.functional.linear"]
     assert again[:2] == ["torch.nn.functional.linear", "torch.nn.functional.gelu"]  # recomputed
     # Every parameter still gets its gradient, linked to its accumulator.

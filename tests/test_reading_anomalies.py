@@ -69,8 +69,9 @@ def test_planted_nan_in_a_12_layer_gpt2_is_reported_briefly(planted: tuple[trace
     assert [f.function for f in fwd.stack if frame_class(f.file) == "user"] == ["planted", "_planted_nan"]
     # The story: the headline (where the NaN was made, the user's line), its stack, then what it
     # reached as a count and a range, never a list.
+    line = _planted_nan.__code__.co_firstlineno + 1
     headline = ("NaN made by sqrt0 (torch.sqrt) in forward, module transformer.h.7.mlp.act — "
-                "test_reading_anomalies.py:23: return torch.sqrt(x - 10.0)  # every element is below 10: NaN everywhere")
+                f"test_reading_anomalies.py:{line}: return torch.sqrt(x - 10.0)  # every element is below 10: NaN everywhere")
     assert report.headline is fwd and report.origin is fwd and report.headline_text() == headline
     expected = "\n".join([
         headline,
