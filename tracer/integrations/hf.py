@@ -46,19 +46,25 @@ import inspect
 import os
 from collections.abc import Callable, Iterable
 from types import TracebackType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-
-try:
-    from transformers import TrainerCallback
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError("tracer.integrations.hf needs the transformers package (pip install transformers)") from exc
 
 from tracer.features.steplog import StepLog
 from tracer.features.watch import Watch, check_options
 from tracer.loops.steps import StepRecorder, StepResults, StepSelection
 from tracer.options import TraceError, TraceOptions
+
+if TYPE_CHECKING:
+    class TrainerCallback:
+        """transformers' ``TrainerCallback`` as the type checker sees it: a plain base, so that mypy's
+        verdict on this module is the same with or without transformers installed (the events below
+        take ``Any``: the Trainer's own signatures add nothing gradtrace relies on)."""
+else:
+    try:
+        from transformers import TrainerCallback
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError("tracer.integrations.hf needs the transformers package (pip install transformers)") from exc
 
 
 class TraceCallback(TrainerCallback, StepResults):

@@ -36,15 +36,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
-from typing import Any
-
-try:
-    from lightning.pytorch.callbacks import Callback
-except ImportError:  # pragma: no cover - depends on the environment
-    try:
-        from pytorch_lightning.callbacks import Callback  # type: ignore[assignment]
-    except ImportError as exc:
-        raise ImportError("tracer.integrations.lightning needs lightning (or pytorch_lightning)") from exc
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -52,6 +44,20 @@ from tracer.features.steplog import StepLog
 from tracer.features.watch import Watch, check_options
 from tracer.loops.steps import StepRecorder, StepResults, StepSelection
 from tracer.options import TraceOptions
+
+if TYPE_CHECKING:
+    class Callback:
+        """Lightning's ``Callback`` as the type checker sees it: a plain base, so that mypy's verdict on
+        this module is the same whether lightning, pytorch_lightning or neither is installed (the hooks
+        below take ``Any``: Lightning's own signatures add nothing gradtrace relies on)."""
+else:
+    try:
+        from lightning.pytorch.callbacks import Callback
+    except ImportError:  # pragma: no cover - depends on the environment
+        try:
+            from pytorch_lightning.callbacks import Callback
+        except ImportError as exc:
+            raise ImportError("tracer.integrations.lightning needs lightning (or pytorch_lightning)") from exc
 
 
 class TraceCallback(Callback, StepResults):
