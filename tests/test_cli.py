@@ -18,7 +18,7 @@ import torch.nn as nn
 from rich.console import Console
 
 import tracer
-from export.cli import demo as demo_command
+from export.cli import demo_step as demo_command
 from export.cli import main
 from export.summary import md5_lines, render_record, render_summary
 

@@ -58,7 +58,7 @@ def test_every_example_in_the_help_is_a_valid_command_line(capsys):
     examples = _example_lines(EXAMPLES)
     for command in ("run", "diff", "bisect"):
         examples += _example_lines(_help(capsys, command).split("examples:")[1])
-    assert len(examples) == 8 + 5 + 4 + 3
+    assert len(examples) == 8 + 6 + 4 + 3
     parser = build_parser()
     for line in examples:
         args = parser.parse_args(_argv(line))

@@ -250,3 +250,29 @@ def test_reading_a_trace_needs_no_torch() -> None:
             "tracer.TraceOptions(); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "False"
+
+
+def test_a_private_read_across_modules_is_caught(tmp_path, monkeypatch) -> None:
+    """Break the private-name rule on purpose, in both forms (``from x import _y`` and ``x._y``):
+    the check above would fail. A module's own privates, ``self._x`` and torch's are not flagged."""
+    fake = _fake_modules(tmp_path, {
+        "tracer.model.owner": "_LIMIT = 3\n\ndef _helper():\n    return _LIMIT\n",
+        "tracer.model.reader": "import torch\nfrom tracer.model import owner\nfrom tracer.model.owner import _helper\n\n"
+                               "class Box:\n    def __init__(self):\n        self._mine = owner._LIMIT\n\n"
+                               "    def get(self):\n        return self._mine, _helper(), torch._C\n",
+    })
+    monkeypatch.setitem(globals(), "MODULES", fake)  # private_violations reads this module's MODULES
+    assert sorted(private_violations()) == [
+        "tracer.model.reader:3 imports _helper from tracer.model.owner",
+        "tracer.model.reader:7 reads owner._LIMIT (a private of tracer.model.owner)",
+    ]
+
+
+def _fake_modules(folder: os.PathLike[str], sources: dict[str, str]) -> dict[str, str]:
+    """Modules written to ``folder``, keyed by dotted name as ``MODULES`` is."""
+    paths = {}
+    for name, source in sources.items():
+        paths[name] = os.path.join(folder, name.replace(".", "_") + ".py")
+        with open(paths[name], "w", encoding="utf-8") as fh:
+            fh.write(source)
+    return paths

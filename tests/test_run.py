@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -12,7 +13,9 @@ import pytest
 import tracer
 from export.cli import main
 from export.cli.main import build_parser
+from export.cli.run import NOT_ON_THE_COMMAND_LINE, trace_options
 from tracer.model import load_steps
+from tracer.options import TraceOptions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "examples", "train.py")
@@ -152,6 +155,48 @@ def test_optimizer_state_option_keeps_the_state_in_a_trace_without_checksums(scr
         [False, True, True]
 
 
+EVERY_OPTION = ["--out", "x.gtrace", "--hash", "fast", "--no-stacks", "--stats", "--check-numerics", "--raise-on-nonfinite",
+                "--memory", "--optimizer-ops", "--node-runs", "--optimizer-state", "--keep-values", "h.*",
+                "--keep-values-bytes", "1MiB", "--max-calls", "10", "--max-bytes", "20M", "--flush-every", "7"]
+
+
+def test_every_trace_option_is_an_option_of_gradtrace_run():
+    """Each field of TraceOptions is an option of gradtrace run whose dest is the field's name
+    (listeners aside, with the reason), and what the command line says reaches the options: a
+    new field without its option fails here."""
+    fields = {f.name for f in dataclasses.fields(TraceOptions)}
+    on_the_command_line = fields - set(NOT_ON_THE_COMMAND_LINE)
+    assert set(NOT_ON_THE_COMMAND_LINE) == {"listeners"}
+    assert on_the_command_line - set(vars(build_parser().parse_args(["run", "s.py"]))) == set()
+    given = TraceOptions.from_kwargs(**trace_options(build_parser().parse_args(["run", *EVERY_OPTION, "s.py"])))
+    assert given == TraceOptions(hash="fast", stacks=False, stats=True, out="x.gtrace", flush_every=7, memory=True,
+                                 max_calls=10, max_bytes=20_000_000, check_numerics=True, raise_on_nonfinite=True,
+                                 optimizer_ops=True, node_runs=True, optimizer_state=True, keep_values=("h.*",),
+                                 keep_values_bytes=1 << 20)
+    default = TraceOptions()
+    assert {f for f in fields if getattr(given, f) != getattr(default, f)} == on_the_command_line
+    negated = build_parser().parse_args(["run", "--no-stats", "--no-node-runs", "--no-optimizer-state", "s.py"])
+    assert (negated.stats, negated.node_runs, negated.optimizer_state) == (False, False, False)
+
+
+def test_the_new_trace_options_reach_the_trace(script, capsys):
+    assert main_run(["--steps", "1", "--hash", "none", "--no-stacks", "--check-numerics", "--memory",
+                     "--no-node-runs", "--flush-every", "3", "-o", "lean.gtrace", script]) == 0
+    t = tracer.load("lean.gtrace")
+    assert {k: t.header[k] for k in ("hash", "stacks", "check_numerics", "node_runs")} == \
+        {"hash": "none", "stacks": False, "check_numerics": True, "node_runs": False}
+    assert [c.name for c in t.calls] == ["ones0", "linear0", "sum0", "SGD0"]
+    assert all(c.stack_id is None for c in t.calls) and t.memory
+    assert all(t.tensors[n].stats is not None for n in t.calls[1].outputs)  # --check-numerics: stats
+
+
+def test_watch_refuses_the_options_of_a_trace_it_does_not_take(script, capsys):
+    assert main_run(["--watch", "--memory", "--no-stacks", "-o", "w.gtrace", script]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "gradtrace run: error: --watch traces only the steps that trip, where the program's watch says: drop "
+        "--no-stacks, --out, --memory (give out= and the trace options to tracer.watch)")
+
+
 def test_module_mode_runs_like_python_dash_m(tmp_path, monkeypatch, capsys):
     pkg = tmp_path / "mypkg"
     pkg.mkdir()
@@ -197,7 +242,7 @@ def test_register_sends_options_after_the_program_to_the_program():
 
 
 def test_a_step_whose_recording_gradtrace_stopped_says_why():
-    from export.cli.run import why_stopped
+    from export.cli.run_program import why_stopped
     from tracer.model import Trace
 
     t = Trace()

@@ -36,7 +36,7 @@ from tracer.model import (
     load,
     load_steps,
 )
-from tracer.options import TraceError, TraceOptions
+from tracer.options import TraceError, TraceKwargs, TraceOptions
 from tracer.version import __version__
 
 # gradtrace's tracer, not another module of that name (a user's tracer.py, a PyPI "tracer"):
@@ -110,6 +110,7 @@ __all__ = [
     "Trace",
     "TraceError",
     "TraceFormatError",
+    "TraceKwargs",
     "TraceOptions",
     "TraceSession",
     "TruncatedTraceWarning",

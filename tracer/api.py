@@ -5,16 +5,18 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterable, Iterator
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, overload
 
 from tracer.analysis.memory import MemoryRecord
 from tracer.features.plugins import session_plugins
-from tracer.loops.steps import StepObserver, StepOn, StepTrace, step
+from tracer.loops.steps import StepObserver, StepTrace, step
 from tracer.model import Trace
-from tracer.options import DEFAULT_KEEP_VALUES_BYTES, HashKind, TraceError, TraceOptions, value_patterns
+from tracer.options import OPTION_NAMES, StepOn, TraceError, TraceKwargs, TraceOptions
 from tracer.record.checksums.prewarm import PREWARM
-from tracer.record.listeners import Listener
 from tracer.record.session import TraceSession
+
+if TYPE_CHECKING:  # annotations only (typing.Unpack is Python 3.11's; typing_extensions comes with torch)
+    from typing_extensions import Unpack
 
 __all__ = ["check_numerics", "explain_errors", "record_memory", "step", "trace"]
 
@@ -34,34 +36,16 @@ def _path(out: str | os.PathLike[str] | None) -> str | None:
 
 
 @overload
-def trace(*, hash: HashKind = ..., stacks: bool = ..., stats: bool | None = ...,
-          out: str | os.PathLike[str] | None = ..., flush_every: int = ..., listeners: Iterable[Listener] | None = ...,
-          memory: bool = ..., max_calls: int | None = ..., max_bytes: int | None = ...,
-          check_numerics: bool = ..., raise_on_nonfinite: bool = ..., optimizer_ops: bool = ...,
-          node_runs: bool | None = ..., optimizer_state: bool | None = ...,
-          keep_values: bool | str | Iterable[str] = ..., keep_values_bytes: int = ...,
-          steps: None = None, every: None = None) -> TraceSession: ...
+def trace(*, steps: None = None, every: None = None, **options: Unpack[TraceKwargs]) -> TraceSession: ...
 
 
 @overload
-def trace(*, hash: HashKind = ..., stacks: bool = ..., stats: bool | None = ...,
-          out: str | os.PathLike[str] | None = ..., flush_every: int = ..., listeners: Iterable[Listener] | None = ...,
-          memory: bool = ..., max_calls: int | None = ..., max_bytes: int | None = ...,
-          check_numerics: bool = ..., raise_on_nonfinite: bool = ..., optimizer_ops: bool = ...,
-          node_runs: bool | None = ..., optimizer_state: bool | None = ...,
-          keep_values: bool | str | Iterable[str] = ..., keep_values_bytes: int = ...,
-          steps: StepSpec | None = ..., every: int | None = ..., per_step_files: bool = ...,
-          optimizer: Any = ..., observer: StepObserver | None = ..., step_on: StepOn = ...) -> StepTrace: ...
+def trace(*, steps: StepSpec | None = ..., every: int | None = ..., per_step_files: bool = ...,
+          optimizer: Any = ..., observer: StepObserver | None = ..., step_on: StepOn = ...,
+          **options: Unpack[TraceKwargs]) -> StepTrace: ...
 
 
-def trace(*, hash: HashKind = "md5", stacks: bool = True, stats: bool | None = None,
-          out: str | os.PathLike[str] | None = None, flush_every: int = 256,
-          listeners: Iterable[Listener] | None = (), memory: bool = False, max_calls: int | None = None,
-          max_bytes: int | None = None, check_numerics: bool = False, raise_on_nonfinite: bool = False,
-          optimizer_ops: bool = False, node_runs: bool | None = None, optimizer_state: bool | None = None,
-          keep_values: bool | str | Iterable[str] = False,
-          keep_values_bytes: int = DEFAULT_KEEP_VALUES_BYTES, steps: StepSpec | None = None,
-          every: int | None = None, **step_options: Any) -> TraceSession | StepTrace:
+def trace(*, steps: StepSpec | None = None, every: int | None = None, **options: Any) -> TraceSession | StepTrace:
     """Record forward API calls, grad nodes, call stacks and tensor checksums of a block.
 
     ``hash``: ``"md5"`` (exact MD5 of every tensor, the default), ``"fast"`` (a 64-bit
@@ -115,21 +99,17 @@ def trace(*, hash: HashKind = "md5", stacks: bool = True, stats: bool | None = N
     Only the thread that enters the block is traced. Nothing stays installed after the block,
     also when it raises; then the trace is marked ``failed`` and the exception propagates.
     """
-    options = TraceOptions(hash=hash, stacks=stacks, stats=stats, out=_path(out), flush_every=flush_every,
-                           listeners=tuple(listeners or ()), memory=memory, max_calls=max_calls, max_bytes=max_bytes,
-                           check_numerics=check_numerics, raise_on_nonfinite=raise_on_nonfinite,
-                           optimizer_ops=optimizer_ops, node_runs=node_runs,
-                           optimizer_state=optimizer_state, keep_values=value_patterns(keep_values),
-                           keep_values_bytes=keep_values_bytes)
+    chosen = TraceOptions.from_kwargs(**{k: v for k, v in options.items() if k in OPTION_NAMES})
+    step_options = {k: v for k, v in options.items() if k not in OPTION_NAMES}
     if steps is not None or every is not None:
         unknown = sorted(set(step_options) - STEP_OPTIONS)
         if unknown:
             raise TraceError(f"unknown option(s) for tracer.trace(): {', '.join(unknown)}")
-        return StepTrace(options, steps=steps, every=every, **step_options)
+        return StepTrace(chosen, steps=steps, every=every, **step_options)
     if step_options:
         hint = " (only with steps= or every=)" if set(step_options) <= STEP_OPTIONS else ""
         raise TraceError(f"unknown option(s) for tracer.trace(): {', '.join(sorted(step_options))}{hint}")
-    return TraceSession(options, plugins=session_plugins(options))
+    return TraceSession(chosen, plugins=session_plugins(chosen))
 
 
 def check_numerics(*, raise_on_nonfinite: bool = False, stacks: bool = True,
@@ -153,7 +133,7 @@ def explain_errors(*, out: str | os.PathLike[str] | None = None) -> TraceSession
 
 
 @contextlib.contextmanager
-def record_memory(**trace_options: Any) -> Iterator[MemoryRecord]:
+def record_memory(**trace_options: Unpack[TraceKwargs]) -> Iterator[MemoryRecord]:
     """Record every allocation and free of the block; the record is filled when the block ends.
 
     Runs a light trace (``hash="none"``, stacks on) with ``memory=True``; ``trace_options`` are

@@ -4,6 +4,12 @@ re-lists or re-checks the keywords. ``TraceError`` is the error for their misuse
 ``tracer.trace(...)`` builds one from its keywords; ``TraceOptions.from_kwargs(**kw)`` does the
 same for callers that pass options through (``record_memory``, the framework callbacks,
 ``gradtrace run``), refusing unknown keywords by name.
+
+The keywords themselves are listed once too, as ``TypedDict``s (``TraceKwargs`` and the two
+narrower ones below it): ``tracer.trace``'s overloads, ``record_memory``, ``tracer.watch`` and the
+framework callbacks take ``**options: Unpack[...]`` of one of them, so a type checker refuses a
+misspelled option wherever it is passed, and a new option is added here and in ``TraceOptions``
+(a test compares the two).
 """
 
 from __future__ import annotations
@@ -12,10 +18,16 @@ import dataclasses
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypedDict
+
+if TYPE_CHECKING:  # the listeners' class records, a layer above this one: annotations only
+    from tracer.record.listeners import Listener
 
 HashKind = Literal["md5", "fast", "none"]
 HASH_ALGORITHMS: tuple[HashKind, ...] = ("md5", "fast", "none")
+# What ends a step of a step trace (``tracer.trace(steps=..., step_on=...)``, ``gradtrace run --step-on``).
+StepOn = Literal["optimizer", "backward"]
+STEP_ON: tuple[StepOn, ...] = ("optimizer", "backward")
 # Bytes of tensor values one trace keeps at most (``keep_values``) unless ``keep_values_bytes``
 # says otherwise: enough for the weights of a few layers of a small model.
 DEFAULT_KEEP_VALUES_BYTES = 64 << 20
@@ -63,6 +75,41 @@ def value_patterns(value: object) -> bool | tuple[str, ...]:
         raise TraceError("keep_values must be True (parameters and buffers), a glob pattern or a list of "
                          f"glob patterns on tensor names and module paths, got {value!r}")
     return tuple(str(p) for p in out) or False
+
+
+class ReplayKwargs(TypedDict, total=False):
+    """What a trace records, as keywords (see ``tracer.trace`` for each): every option of
+    ``tracer.trace`` but ``out`` and ``check_numerics``. ``tracer.watch`` takes these for the
+    replay of a tripped step (it names the incident file itself, and the replay always checks)."""
+
+    hash: HashKind
+    stacks: bool
+    stats: bool | None
+    flush_every: int
+    listeners: Iterable[Listener] | None
+    memory: bool
+    max_calls: int | None
+    max_bytes: int | None
+    raise_on_nonfinite: bool
+    optimizer_ops: bool
+    node_runs: bool | None
+    optimizer_state: bool | None
+    keep_values: bool | str | Iterable[str]
+    keep_values_bytes: int
+
+
+class RecordKwargs(ReplayKwargs, total=False):
+    """Every option of ``tracer.trace`` but ``out``: what the framework callbacks'
+    ``TraceCallback``s take beside their own ``out=`` (with a default of their own)."""
+
+    check_numerics: bool
+
+
+class TraceKwargs(RecordKwargs, total=False):
+    """Every option of ``tracer.trace`` (``TraceOptions``' fields, in the types a caller may pass:
+    a path-like ``out``, any iterable of ``listeners``, one glob or several for ``keep_values``)."""
+
+    out: str | os.PathLike[str] | None
 
 
 @dataclass(frozen=True)
@@ -124,7 +171,7 @@ class TraceOptions:
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> TraceOptions:
         """Options from keywords, refusing unknown ones (``TraceError`` naming them)."""
-        unknown = sorted(set(kwargs) - {f.name for f in dataclasses.fields(cls)})
+        unknown = sorted(set(kwargs) - OPTION_NAMES)
         if unknown:
             raise TraceError(f"unknown option(s) for tracer.trace(): {', '.join(unknown)}")
         return cls(**kwargs)
@@ -173,3 +220,7 @@ class TraceOptions:
         if self.numerics:
             return True
         return self.hash != "none" if self.stats is None else self.stats
+
+
+# The names of the options (TraceOptions' fields: TraceKwargs' keys, as a test checks).
+OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(TraceOptions))

@@ -1,78 +1,21 @@
 """``gradtrace demo``: trace one training step of the bundled tiny GPT and show what came out.
 
-It writes ``demo.gtrace`` (streamed while recording), prints the summary, writes ``demo.html``
-beside it, and lists the next commands to try.
+This module is the command's definition; what it does is ``export.cli.demo_step``'s, imported
+(with torch) when the command runs, so that ``gradtrace --help`` starts without torch.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import shlex
 
-from export.cli.command import Command
-from export.cli.console import make_console
-from export.errors import UserError
-from export.html import default_output, html
-from export.summary import render_summary
-from tracer.api import trace
-from tracer.demo import build_demo, demo_step
+from export.cli.command import Command, deferred
 
 DEFAULT_OUT = "demo.gtrace"
-
-
-def _check_writable(path: str) -> None:
-    # Overwriting an older demo trace is the point of running the demo again; overwriting some
-    # other file the user happens to have under that name is not.
-    if not os.path.exists(path):
-        return
-    if os.path.isdir(path):
-        raise UserError(f"{path} is a directory; pass a file name with -o")
-    with open(path, "rb") as fh:
-        first = fh.readline(1 << 16)
-    if first.startswith(b"\x1f\x8b"):  # a gzip trace
-        return
-    try:
-        head = json.loads(first)
-    except ValueError:
-        head = None
-    if not (isinstance(head, dict) and head.get("t") == "header" and head.get("format") == "gradtrace"):
-        raise UserError(f"{path} exists and is not a gradtrace trace; choose another name with -o")
-
-
-def run_demo(out: str, report: bool = True) -> list[str]:
-    """Trace one demo step into ``out`` (and its HTML report); return the files written."""
-    _check_writable(out)
-    model, optimizer, batch = build_demo(seed=0)
-    with trace(out=out) as t:
-        demo_step(model, optimizer, batch)
-    console = make_console()
-    render_summary(t, console)
-    written = [out]
-    if report:
-        page = default_output(out)
-        html(t, page)
-        written.append(page)
-    console.print()
-    console.print("Wrote " + ", ".join(written), soft_wrap=True, markup=False)
-    q = shlex.quote(out)
-    nxt = [f"gradtrace show {q} linear3", f"gradtrace show {q} linear3/AddmmBackward0",
-           f"gradtrace show {q} StraightThroughClamp0", f"gradtrace md5 {q}", f"gradtrace report {q}"]
-    console.print("Next, try:")
-    for cmd in nxt:
-        console.print(f"  {cmd}", soft_wrap=True, markup=False)
-    return written
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--out", default=DEFAULT_OUT, help=f"trace file to write (default {DEFAULT_OUT})")
     p.add_argument("--no-report", action="store_true", help="do not write the HTML report")
-
-
-def _cmd_demo(args: argparse.Namespace) -> int:
-    run_demo(args.out, report=not args.no_report)
-    return 0
 
 
 COMMAND = Command(
@@ -81,4 +24,4 @@ COMMAND = Command(
                 "model that ships with gradtrace, write the trace (and an HTML report when "
                 "available) and print a summary. An existing file that is not a trace is "
                 "never overwritten.",
-    arguments=_arguments, run=_cmd_demo)
+    arguments=_arguments, run=deferred("export.cli.demo_step", "cmd_demo"))

@@ -8,15 +8,14 @@ one line on stderr and exit status 2, no traceback. So are a file that cannot be
 line too (``GRADTRACE_DEBUG=1`` shows its traceback). The line is inert text: control characters
 from a trace or a path are escaped, so one error is always one line.
 
-The commands that run a program (``run``, ``demo``) import torch; their modules are loaded only
-when one of them is chosen or every command is listed, so that the commands on saved files
-(``summary``, ``diff``, ``bisect``, ...) start without it (importing torch takes a second or two).
+No command's definition imports torch (importing it takes seconds): ``--help`` and the commands
+on saved files (``summary``, ``diff``, ``bisect``, ...) start without it. The commands that run
+a program (``run``, ``demo``) import it when they run (``export.cli.command.deferred``).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import shutil
 import sys
@@ -26,36 +25,16 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from export import companion
-from export.cli import bisect, diff, dot, memory, report, summary
-from export.cli.command import Command
+from export.cli import bisect, demo, diff, dot, memory, report, run, summary
 from export.errors import UserError
 from export.text import inert
 from tracer.model import TraceFormatError
 from tracer.options import TraceError
 from tracer.version import __version__
 
-# The order --help lists the commands in.
-ORDER = ("summary", "show", "md5", "demo", "dot", "report", "diff", "run", "bisect", "memory", "diff-ranks")
-# Commands whose modules import torch (see the module docstring), by name: imported on demand,
-# the way tracer's own names that need torch are (PEP 562 in tracer/__init__.py).
-RECORDING = {"run": "export.cli.run", "demo": "export.cli.demo"}
-
-
-def commands(chosen: str | None = None) -> tuple[Command, ...]:
-    """The commands in ``--help``'s order; those that record only when ``chosen`` (the command
-    line's subcommand) is one of them or is not a command that reads saved files (``None``:
-    every command, as ``--help`` lists them)."""
-    table = {c.name: c for c in (summary.SUMMARY, summary.SHOW, summary.MD5, dot.COMMAND, report.COMMAND,
-                                 diff.DIFF, bisect.COMMAND, memory.COMMAND, diff.DIFF_RANKS)}
-    if chosen is None or chosen not in table:
-        for name, module in RECORDING.items():
-            table[name] = importlib.import_module(module).COMMAND
-    return tuple(table[name] for name in ORDER if name in table)
-
-
-def chosen_command(argv: Sequence[str]) -> str | None:
-    """The subcommand a command line names (its first word that is not an option)."""
-    return next((a for a in argv if not a.startswith("-")), None)
+# The commands, in the order --help lists them.
+COMMANDS = (summary.SUMMARY, summary.SHOW, summary.MD5, demo.COMMAND, dot.COMMAND, report.COMMAND, diff.DIFF,
+            run.COMMAND, bisect.COMMAND, memory.COMMAND, diff.DIFF_RANKS)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -93,9 +72,8 @@ def _paragraphs(text: str) -> str:
     return "\n\n".join(textwrap.fill(part, width) for part in text.split("\n\n"))
 
 
-def build_parser(chosen: str | None = None) -> argparse.ArgumentParser:
-    """The parser of every command (``chosen``: of the command line's subcommand, and what
-    ``commands`` loads with it)."""
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of every command."""
     parser = _Parser(
         prog="gradtrace", formatter_class=argparse.RawDescriptionHelpFormatter,
         description=_paragraphs("Record, render, summarise and diff PyTorch forward/backward traces. Record "
@@ -104,7 +82,7 @@ def build_parser(chosen: str | None = None) -> argparse.ArgumentParser:
         epilog=EXAMPLES)
     parser.add_argument("--version", action="version", version=f"gradtrace {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for command in commands(chosen):
+    for command in COMMANDS:
         options: dict[str, Any] = {
             "description": _paragraphs(command.description), "usage": command.usage, "epilog": command.epilog,
             "formatter_class": argparse.RawDescriptionHelpFormatter}
@@ -124,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"gradtrace: error: {inert(str(exc))}", file=sys.stderr)
         return 2
     words = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser(chosen_command(words))
+    parser = build_parser()
     args = parser.parse_args(words)
     func = getattr(args, "func", None)
     if func is None:

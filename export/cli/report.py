@@ -7,7 +7,7 @@ import argparse
 import os
 import sys
 
-from export.cli.command import Command
+from export.cli.command import Command, size
 from export.cli.outputs import check_output
 from export.cli.overwrite import add_force, check_overwrite
 from export.cli.progress import Stages, describe_load, describe_write
@@ -22,8 +22,9 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("more", nargs="*", metavar="TRACE",
                    help="more traces: the other ranks of a distributed run (one page, a rank switcher)")
     p.add_argument("-o", "--output", help="output .html (default: the trace path with .html)")
-    p.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES,
-                   help=f"page size limit; past it only the first calls are kept (default {DEFAULT_MAX_BYTES:,})")
+    p.add_argument("--max-bytes", type=size, default=DEFAULT_MAX_BYTES, metavar="SIZE",
+                   help=f"page size limit (20M, 50MB, 64MiB or bytes); past it only the first calls are kept (default "
+                        f"{DEFAULT_MAX_BYTES:,} bytes)")
     add_force(p)
     add_trace_options(p)
 
@@ -35,8 +36,6 @@ def _cmd_report(args: argparse.Namespace) -> int:
             raise UserError(f"no such trace file: {p}")
     out = args.output or default_output(args.trace)
     check_output(out, paths)
-    if args.max_bytes < 1:
-        raise UserError(f"--max-bytes must be 1 or more, got {args.max_bytes}")
     check_overwrite(out, args.trace, args.force)
     if args.more:  # several ranks of one run: one page with a rank switcher
         with Stages([*paths, out]) as stages:

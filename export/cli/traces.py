@@ -6,11 +6,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from export.cli.command import size
 from export.load import LoadedTrace, open_trace, print_notes
 from export.text import inert
 from tracer.model import StepInfo
 from tracer.model.display import plural
-from tracer.model.fileformat import ENV_MAX_DECOMPRESSED, parse_size
+from tracer.model.fileformat import ENV_MAX_DECOMPRESSED
 
 
 def _step(text: str) -> int:
@@ -23,19 +24,12 @@ def _step(text: str) -> int:
     return value
 
 
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def add_trace_options(p: argparse.ArgumentParser) -> None:
     """``--step N`` and ``--max-decompressed SIZE`` on a command that reads traces."""
     p.add_argument("--step", type=_step, metavar="N",
                    help="in a file of several traced steps, the step to use (default: the first; the "
                         "file's steps and their status are listed)")
-    p.add_argument("--max-decompressed", type=_size, metavar="SIZE",
+    p.add_argument("--max-decompressed", type=size, metavar="SIZE",
                    help=f"refuse a gzip trace that decompresses to more than SIZE (default 4GiB, or "
                         f"${ENV_MAX_DECOMPRESSED}); a guard against gzip bombs")
 

@@ -46,19 +46,27 @@ import inspect
 import os
 from collections.abc import Callable, Iterable
 from types import TracebackType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-try:
-    from transformers import TrainerCallback
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError("tracer.integrations.hf needs the transformers package (pip install transformers)") from exc
-
 from tracer.features.steplog import StepLog
-from tracer.features.watch import Watch, check_options
+from tracer.features.watch import Watch, WatchKwargs, check_options
 from tracer.loops.steps import StepRecorder, StepResults, StepSelection
-from tracer.options import TraceError, TraceOptions
+from tracer.options import RecordKwargs, TraceError, TraceOptions
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack is Python 3.11's; typing_extensions comes with torch
+
+    class TrainerCallback:
+        """transformers' ``TrainerCallback`` as the type checker sees it: a plain base, so that mypy's
+        verdict on this module is the same with or without transformers installed (the events below
+        take ``Any``: the Trainer's own signatures add nothing gradtrace relies on)."""
+else:
+    try:
+        from transformers import TrainerCallback
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError("tracer.integrations.hf needs the transformers package (pip install transformers)") from exc
 
 
 class TraceCallback(TrainerCallback, StepResults):
@@ -71,7 +79,7 @@ class TraceCallback(TrainerCallback, StepResults):
 
     def __init__(self, steps: str | int | Iterable[int] | None = None, *, every: int | None = None,
                  out: str | os.PathLike[str] | None = "hf.gtrace", per_step_files: bool = False,
-                 **trace_options: Any) -> None:
+                 **trace_options: Unpack[RecordKwargs]) -> None:
         self.selection = StepSelection.parse(steps, every)
         self.recorder = StepRecorder(TraceOptions.from_kwargs(out=out, **trace_options),
                                      per_step_files=per_step_files)
@@ -108,7 +116,7 @@ class WatchCallback(TrainerCallback):
     ``tracer.watch``'s: ``on``, ``out``, ``policy``, ``snapshots``, ``lag``, ``report``, and the
     replay's trace options. ``.watch`` is the ``Watch`` once training began (its ``incidents``)."""
 
-    def __init__(self, **watch_options: Any) -> None:
+    def __init__(self, **watch_options: Unpack[WatchKwargs]) -> None:
         self.watch_options = watch_options
         check_options(**watch_options)
         self.watch: Watch | None = None

@@ -36,22 +36,30 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
-from typing import Any
-
-try:
-    from lightning.pytorch.callbacks import Callback
-except ImportError:  # pragma: no cover - depends on the environment
-    try:
-        from pytorch_lightning.callbacks import Callback  # type: ignore[assignment]
-    except ImportError as exc:
-        raise ImportError("tracer.integrations.lightning needs lightning (or pytorch_lightning)") from exc
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tracer.features.steplog import StepLog
-from tracer.features.watch import Watch, check_options
+from tracer.features.watch import Watch, WatchKwargs, check_options
 from tracer.loops.steps import StepRecorder, StepResults, StepSelection
-from tracer.options import TraceOptions
+from tracer.options import RecordKwargs, TraceOptions
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack is Python 3.11's; typing_extensions comes with torch
+
+    class Callback:
+        """Lightning's ``Callback`` as the type checker sees it: a plain base, so that mypy's verdict on
+        this module is the same whether lightning, pytorch_lightning or neither is installed (the hooks
+        below take ``Any``: Lightning's own signatures add nothing gradtrace relies on)."""
+else:
+    try:
+        from lightning.pytorch.callbacks import Callback
+    except ImportError:  # pragma: no cover - depends on the environment
+        try:
+            from pytorch_lightning.callbacks import Callback
+        except ImportError as exc:
+            raise ImportError("tracer.integrations.lightning needs lightning (or pytorch_lightning)") from exc
 
 
 class TraceCallback(Callback, StepResults):
@@ -61,7 +69,7 @@ class TraceCallback(Callback, StepResults):
 
     def __init__(self, steps: str | int | Iterable[int] | None = None, *, every: int | None = None,
                  out: str | os.PathLike[str] | None = "lightning.gtrace", per_step_files: bool = False,
-                 **trace_options: Any) -> None:
+                 **trace_options: Unpack[RecordKwargs]) -> None:
         super().__init__()
         self.selection = StepSelection.parse(steps, every)
         self.recorder = StepRecorder(TraceOptions.from_kwargs(out=out, **trace_options),
@@ -95,7 +103,7 @@ class WatchCallback(Callback):
     """``tracer.watch`` for a Lightning Trainer (see the module docstring). ``watch_options`` are
     ``tracer.watch``'s; ``.watch`` is the ``Watch`` once training started (its ``incidents``)."""
 
-    def __init__(self, **watch_options: Any) -> None:
+    def __init__(self, **watch_options: Unpack[WatchKwargs]) -> None:
         super().__init__()
         check_options(**watch_options)
         self.watch_options = watch_options

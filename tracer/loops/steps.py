@@ -45,13 +45,11 @@ from tracer.features.plugins import session_plugins
 from tracer.model import Trace
 from tracer.model.claims import OutputClaim, claim_output
 from tracer.model.display import with_tag
-from tracer.options import TraceError, TraceOptions
+from tracer.options import STEP_ON, StepOn, TraceError, TraceOptions
 from tracer.record import recorder as _recorder
 from tracer.record.session import TraceSession
 
 _ACTIVE: StepTrace | None = None
-StepOn = Literal["optimizer", "backward"]
-STEP_ON: tuple[StepOn, ...] = ("optimizer", "backward")
 
 
 # ---- which steps -------------------------------------------------------------------------------

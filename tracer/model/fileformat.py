@@ -29,6 +29,7 @@ import warnings
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import IO, Any, cast
 
 from tracer.model.phases import upgrade_phases
@@ -90,16 +91,22 @@ class StepInfo:
 
 
 # ---- sizes -------------------------------------------------------------------------------------------
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(i?))?b?\s*$", re.IGNORECASE)
 
 
 def parse_size(text: str) -> int:
-    """``4G``, ``500M``, ``64KiB`` or plain bytes: k/M/G/T are powers of 1000, KiB/MiB/... of 1024."""
+    """A size as a person writes it: the one grammar of every size gradtrace reads (the command
+    line's ``--max-bytes``, ``--keep-values-bytes``, ``--max-decompressed``, and
+    ``GRADTRACE_MAX_DECOMPRESSED``). Plain bytes (``4096``, ``4096B``); ``k``, ``M``, ``G``,
+    ``T`` (also ``kB``, ``MB``, ...) are powers of 1000, as gradtrace prints sizes (``3.2 MB``);
+    ``KiB``, ``MiB``, ``GiB``, ``TiB`` (also ``Ki``, ``Mi``, ...) powers of 1024; the case does not
+    matter, a fraction is rounded down to whole bytes (``1.5G``: 1,500,000,000)."""
     m = _SIZE.match(text)
     if m is None:
         raise ValueError(f"not a size: {text[:40]!r} (write e.g. 500M, 8G or 8GiB)")
-    base = 1024 if m.group(3) else 1000
-    value = int(float(m.group(1)) * base ** " kmgt".index(m.group(2).lower() or " "))
+    unit, binary = (m.group(2) or "").lower(), m.group(3)
+    power = (1024 if binary else 1000) ** " kmgt".index(unit or " ")
+    value = int(Fraction(m.group(1)) * power)  # exact: 4.1G is 4,100,000,000, not one byte less
     if value < 1:
         raise ValueError(f"not a size: {text[:40]!r} (must be at least 1 byte)")
     return value

@@ -150,7 +150,7 @@ def call_html(c: Call) -> str:
 
 # ---- grad nodes and backward runs ------------------------------------------------------------------
 def node_repr(n: GradNode) -> str:
-    """``<GradNode linear0.AddmmBackward0 of linear0 -> 3 edges>``."""
+    """``<GradNode linear0/AddmmBackward0 of linear0 -> 3 edges>``."""
     if n.param:
         origin = f"accumulates into {clip(n.param, NAME_LIMIT)}"
     elif n.call:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tracer.features.watch.core import (
     Incident,
@@ -32,13 +32,32 @@ from tracer.features.watch.core import (
     check_options,
 )
 from tracer.features.watch.triggers import Spike, Trigger
+from tracer.options import ReplayKwargs
+
+if TYPE_CHECKING:  # annotations only (typing.Unpack is Python 3.11's; typing_extensions comes with torch)
+    from typing_extensions import Unpack
+
+
+class WatchKwargs(ReplayKwargs, total=False):
+    """``tracer.watch``'s keywords after the model and the optimizer, with the replay's trace
+    options: what the framework ``WatchCallback``s take."""
+
+    on: str | Trigger | Callable[[Any], Any]
+    out: str | os.PathLike[str] | None
+    policy: Policy
+    snapshots: SnapshotPlacement
+    lag: int | None
+    grads: bool | None
+    report: ReportOption
+    status_every: int | None
+    log: str | os.PathLike[str] | None
 
 
 def watch(model: Any, optimizer: Any, *, on: str | Trigger | Callable[[Any], Any] = "nonfinite",
           out: str | os.PathLike[str] | None = "incident.gtrace", policy: Policy = "raise",
           snapshots: SnapshotPlacement = "auto", lag: int | None = None, grads: bool | None = None,
           report: ReportOption = None, status_every: int | None = None,
-          log: str | os.PathLike[str] | None = None, **trace_options: Any) -> Watch:
+          log: str | os.PathLike[str] | None = None, **trace_options: Unpack[ReplayKwargs]) -> Watch:
     """Watch a training step cheaply; on a trip, replay it under a full trace.
 
     Use the result as a decorator (``@tracer.watch(model, opt)``), as a wrapper
@@ -70,4 +89,5 @@ def watch(model: Any, optimizer: Any, *, on: str | Trigger | Callable[[Any], Any
                  report=report, status_every=status_every, log=log, **trace_options)
 
 
-__all__ = ["Incident", "NonFiniteStepError", "Spike", "Trigger", "Watch", "WatchTripped", "check_options", "watch"]
+__all__ = ["Incident", "NonFiniteStepError", "Spike", "Trigger", "Watch", "WatchKwargs", "WatchTripped", "check_options",
+           "watch"]

@@ -40,7 +40,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -56,9 +56,12 @@ from tracer.features.watch.snapshot import Layout, Placement, StateSnapshot, rea
 from tracer.features.watch.triggers import Trigger, make_trigger
 from tracer.model import Trace
 from tracer.model.display import format_size, plural, sibling, with_tag
-from tracer.options import RaisedOnPurpose, TraceError, TraceOptions
+from tracer.options import RaisedOnPurpose, ReplayKwargs, TraceError, TraceOptions
 from tracer.record.recorder import active_recorder
 from tracer.record.session import NumericsWarning, TraceSession
+
+if TYPE_CHECKING:  # annotations only (typing.Unpack is Python 3.11's; typing_extensions comes with torch)
+    from typing_extensions import Unpack
 
 # Status lines at INFO (logging.getLogger("gradtrace.watch").setLevel("INFO") shows them),
 # incidents at WARNING. Not a log component of traces: set_log_level() leaves it alone.
@@ -221,7 +224,7 @@ class Watch:
                  out: str | os.PathLike[str] | None = "incident.gtrace", policy: Policy = "raise",
                  snapshots: SnapshotPlacement = "auto", lag: int | None = None, grads: bool | None = None,
                  report: ReportOption = None, status_every: int | None = None,
-                 log: str | os.PathLike[str] | None = None, **trace_options: Any) -> None:
+                 log: str | os.PathLike[str] | None = None, **trace_options: Unpack[ReplayKwargs]) -> None:
         self.options = check_options(model=model, on=on, out=out, policy=policy, snapshots=snapshots, lag=lag,
                                      status_every=status_every, log=log, **trace_options)
         try:
