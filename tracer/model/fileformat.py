@@ -241,7 +241,9 @@ def _parse(raw: bytes) -> Any:
     return rec
 
 
-def _depth_ok(value: Any, limit: int = MAX_DEPTH) -> bool:
+def depth_within(value: Any, limit: int = MAX_DEPTH) -> bool:
+    """Whether JSON ``value`` nests at most ``limit`` levels deep (walked without recursion: a
+    hostile file nests a million levels)."""
     todo: list[tuple[Any, int]] = [(value, 0)]
     while todo:
         v, depth = todo.pop()
@@ -297,7 +299,7 @@ def _check_header(path: str, rec: dict[str, Any]) -> None:
         raise TraceFormatError(f"{path}: header field 'step' must be an integer from 0 to 2**63-1")
     if "distributed" in rec:
         _check_distributed(path, rec["distributed"])
-    if not _depth_ok(rec):
+    if not depth_within(rec):
         raise TraceFormatError(f"{path}: header nested more than {MAX_DEPTH} levels deep")
 
 
@@ -455,7 +457,7 @@ def _apply(seg: _Segment, kind: str, rec: dict[str, Any]) -> None:
         if keep:
             trace.modules[path] = cls
     elif kind == "meta":
-        if not _depth_ok(rec):
+        if not depth_within(rec):
             raise TraceFormatError(f"meta record nested more than {MAX_DEPTH} levels deep")
         if keep:
             trace.meta.update({k: v for k, v in rec.items() if k != "t"})

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import IO, Any
 
+from tracer.model.fileformat import depth_within
 from tracer.model.records import MAX_DIMS, MAX_INT, TraceFormatError
 
 STEPLOG_FORMAT = "gradtrace-steps"
@@ -264,7 +265,7 @@ def _header(rec: dict[str, Any], r: StepLogReader) -> tuple[int, str, dict[str, 
     if not isinstance(fingerprint, str) or len(fingerprint) > 64:
         raise r._error("the header's 'fingerprint' must name an algorithm")
     meta = rec.get("meta", {})
-    if not isinstance(meta, dict) or not _depth_ok(meta):
+    if not isinstance(meta, dict) or not depth_within(meta, MAX_META_DEPTH):
         raise r._error(f"the header's 'meta' must be an object nested at most {MAX_META_DEPTH} levels")
     return version, fingerprint, meta
 
@@ -355,17 +356,6 @@ def _fingerprints(rec: dict[str, Any], key: str, n: int, r: StepLogReader) -> li
         raise r._error(f"{rec['t']}: {key!r} must be {n:,} fingerprints of {FP_CHARS} hexadecimal digits (or "
                        f"{FP_CHARS} dashes: none)")
     return [None if p == NO_GRAD else p for p in (v[i:i + FP_CHARS] for i in range(0, len(v), FP_CHARS))]
-
-
-def _depth_ok(value: Any, limit: int = MAX_META_DEPTH) -> bool:
-    todo: list[tuple[Any, int]] = [(value, 0)]
-    while todo:
-        v, depth = todo.pop()
-        if isinstance(v, dict | list):
-            if depth >= limit:
-                return False
-            todo.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
-    return True
 
 
 __all__ = ["FP_CHARS", "NO_GRAD", "STEPLOG_FORMAT", "STEPLOG_VERSION", "SUFFIX", "Final", "Layout", "LogParam",
