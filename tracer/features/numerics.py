@@ -47,8 +47,7 @@ class NonFiniteGuard(Listener):
         """Stop with the story so far: its headline is the value just met (the first of the step)."""
         rec = self._recorder
         rec.hasher.drain(wait=True)
-        table = rec.stack_table
-        report = find_anomalies(trace, table.frames_of if table is not None else None)
+        report = find_anomalies(trace, rec.stack_table.frames_of)
         if report.headline is not None:
             raise NonFiniteError(report.headline, report)
 

@@ -362,7 +362,7 @@ class AutogradMixin(LeafGradsMixin):
         with self.lock, torch._C.DisableTorchFunction():
             first = args[0] if args else kwargs.get("tensors", kwargs.get("outputs"))
             roots = [self.name_of(t) for t in unique(flat_tensors(first))]
-            stack_id = self.stack_table.capture() if self.stack_table is not None else None
+            stack_id = self.stack_table.capture()
             # Started by a running node's own code (autograd.grad in a custom backward): its parent.
             parent = self._running[-1] if self._running else (self._engine_node() if self._in_backward else None)
             run = BackwardRun(name=self.counters.next("grad" if api.endswith(".grad") else "backward"),
@@ -523,9 +523,7 @@ class AutogradMixin(LeafGradsMixin):
     def _explain(self, exc: Exception, run: BackwardRun, running: list[str], unknown: bool = False) -> None:
         try:
             with self.lock, torch._C.DisableTorchFunction():
-                table = self.stack_table
-                note = explain_backward_error(self.trace, run, running, exc,
-                                              table.frames_of if table is not None else lambda _sid: (),
+                note = explain_backward_error(self.trace, run, running, exc, self.stack_table.frames_of,
                                               unknown_node=unknown, raised_at=raised_in_backward_python(exc))
         except Exception as inner:  # never let the explanation hide the user's error
             note = f"gradtrace: could not explain this error ({type(inner).__name__}: {inner})"

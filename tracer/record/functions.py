@@ -62,7 +62,7 @@ class FunctionsMixin(RecorderState):
     def _record_failed_named(self, name: str, api: str, args: tuple[Any, ...], kwargs: dict[str, Any],
                              in_names: list[str], seq: int, exc: BaseException) -> None:
         with self.lock, torch._C.DisableTorchFunction():
-            stack_id = self.stack_table.capture() if self.stack_table is not None else None
+            stack_id = self.stack_table.capture()
             self.trace.calls.append(Call(
                 name=name, api=api, module=self._module_stack[-1] if self._module_stack else "",
                 inputs=in_names, outputs=[], args=naming.short_args(args, kwargs), stack_id=stack_id,

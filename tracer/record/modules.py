@@ -89,15 +89,9 @@ class ModulesMixin(RecorderState):
                 self.recorder_failed(exc)
                 path = f"<{type(module).__name__}>"
         self._module_stack.append(path)
-        table = self.stack_table
-        if table is not None:
-            # The frame that called this hook runs the module's forward and stays on the stack
-            # until the post-hook: stack captures inside the module stop walking there.
-            frame = sys._getframe(1)
-            table.open_scope(frame)
-            self._scope_frames.append(frame)
-        else:
-            self._scope_frames.append(None)
+        # The frame that called this hook runs the module's forward and stays on the stack until
+        # the post-hook: stack captures inside the module stop walking there.
+        self._scope_frames.append(self.stack_table.open_scope(sys._getframe(1)))
         if type(module).__name__ == "OptimizedModule" and not self.paused:
             self._enter_opaque(module, args)
 
@@ -112,10 +106,8 @@ class ModulesMixin(RecorderState):
         del self._module_stack[start:]
         frames = self._scope_frames
         if len(frames) > start:
-            table = self.stack_table
-            if table is not None:
-                for f in frames[start:]:
-                    table.close_scope(f)
+            for f in frames[start:]:
+                self.stack_table.close_scope(f)
             del frames[start:]
 
     def _module_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -223,7 +215,7 @@ class ModulesMixin(RecorderState):
         recompile), our global module hooks removed (Dynamo would inline them into the compiled
         frame) and recording paused."""
         pending = self.begin_call(ins, api="torch.compile", short="compiled", kind="compiled")
-        pending.stack_id = self.stack_table.capture(2) if self.stack_table is not None else None
+        pending.stack_id = self.stack_table.capture(2)
         if not self._opaque:
             self._remove_module_hooks()
         region = OpaqueRegion(owner, ModeOff(self._mode), hook, pending)

@@ -122,7 +122,7 @@ class OptimizerMixin(RecorderState):
             seq = self._call_seq
             self._call_seq += 1
             name = self.counters.next(cls.__name__)
-            stack_id = self.stack_table.capture() if self.stack_table is not None else None
+            stack_id = self.stack_table.capture()
         tokens = [li.before_call() for li in self.listeners] if self.listeners else None
         # No sequence-number bracket: a step makes no grad nodes.
         call = PendingCall(f"{cls.__module__}.{cls.__qualname__}.step", cls.__name__, "optimizer", ins, in_names,

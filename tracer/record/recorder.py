@@ -140,8 +140,7 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin, Swap
                     pass
             self._handles.clear()
             self._remove_module_hooks()
-            if self.stack_table is not None:
-                self.stack_table.clear_scopes()
+            self.stack_table.clear_scopes()
             self._scope_frames.clear()
 
     @property
@@ -338,7 +337,7 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin, Swap
         seq1 = get_seq() if get_seq is not None else None
         with self.lock, torch._C.DisableTorchFunction():
             if stack_id == CAPTURE_NOW:
-                stack_id = self.stack_table.capture(skip) if self.stack_table is not None else None
+                stack_id = self.stack_table.capture(skip)
             if name is None:
                 name = self.counters.next(short)
             # Inputs by identity, for what the call wrote or returned unchanged: built only where a
@@ -537,7 +536,7 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin, Swap
 
     def capture_stack(self) -> int | None:
         """The interned id of the caller's stack (None when stacks are off)."""
-        return self.stack_table.capture(2) if self.stack_table is not None else None
+        return self.stack_table.capture(2)
 
     def current_name(self, t: torch.Tensor) -> str | None:
         """The name ``t`` has in the trace if its value has not changed since, else None."""
@@ -579,7 +578,7 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin, Swap
     def _record_failed(self, api: str, short: str, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any],
                        in_names: list[str], seq: int, exc: BaseException) -> None:
         with self.lock, torch._C.DisableTorchFunction():
-            stack_id = self.stack_table.capture() if self.stack_table is not None else None
+            stack_id = self.stack_table.capture()
             name = self.counters.next(short)
             call = Call(name=name, api=api,
                         module=self._module_stack[-1] if self._module_stack else "", inputs=in_names,

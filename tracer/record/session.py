@@ -234,9 +234,8 @@ class TraceSession:
             finish = getattr(li, "finish", None)  # listeners that write into the trace at the end
             if finish is not None:
                 finish(t)
-        if rec.stack_table is not None:
-            t.frames = rec.stack_table.symbolize()
-            t.stacks = list(rec.stack_table.stacks)
+        t.frames = rec.stack_table.symbolize()
+        t.stacks = list(rec.stack_table.stacks)
         t.calls.sort(key=lambda c: c.seq)
         t.meta["seconds"] = round(time.perf_counter() - self._t0, 6)
         if COMPILED.ran:
@@ -278,13 +277,12 @@ class TraceSession:
             pending = set() if final else rec.hasher.pending()
             out: list[dict[str, Any]] = []
             n = self._written
-            if rec.stack_table is not None:
-                frames = t.frames[n["frames"]:] if final else rec.stack_table.symbolize(n["frames"])
-                out += [f.to_json(n["frames"] + i) for i, f in enumerate(frames)]
-                n["frames"] += len(frames)
-                stacks = rec.stack_table.stacks[n["stacks"]:]
-                out += [{"t": "stack", "id": n["stacks"] + i, "frames": list(s)} for i, s in enumerate(stacks)]
-                n["stacks"] += len(stacks)
+            frames = t.frames[n["frames"]:] if final else rec.stack_table.symbolize(n["frames"])
+            out += [f.to_json(n["frames"] + i) for i, f in enumerate(frames)]
+            n["frames"] += len(frames)
+            stacks = rec.stack_table.stacks[n["stacks"]:]
+            out += [{"t": "stack", "id": n["stacks"] + i, "frames": list(s)} for i, s in enumerate(stacks)]
+            n["stacks"] += len(stacks)
             mods = list(itertools.islice(t.modules.items(), n["modules"], None))
             out += [{"t": "module", "path": p, "class": c} for p, c in mods]
             n["modules"] += len(mods)

@@ -25,7 +25,7 @@ from tracer.record.listeners import Listener
 from tracer.record.module_roots import name_in_callers, parameter_path, swaps_parameters
 from tracer.record.owners import constructing_a_module, needs_search, owning_root_module
 from tracer.record.phases import PhaseTracker
-from tracer.record.stacks import StackTable
+from tracer.record.stacks import NoStacks, Stacks, StackTable
 from tracer.record.tensors import (
     DEVICE_NAMES,
     DTYPE_NAMES,
@@ -77,7 +77,7 @@ class RecorderState:
         self.lock = threading.RLock()
         self.api = naming.ApiNames()
         self.counters = naming.Counters()
-        self.stack_table: StackTable | None = StackTable() if options.stacks else None
+        self.stack_table: Stacks = StackTable() if options.stacks else NoStacks()
         self.hasher = Hasher(options.hash, stats=options.effective_stats)
         self._own_hasher = self.hasher
         # Whether values are read at all (checksums or stats): only then is a view worth telling
