@@ -63,7 +63,7 @@ class FunctionsMixin(RecorderState):
                              in_names: list[str], seq: int, exc: BaseException) -> None:
         with self.lock, torch._C.DisableTorchFunction():
             stack_id = self.stack_table.capture()
-            self.trace.calls.append(Call(
+            self.append_call(Call(
                 name=name, api=api, module=self._module_stack[-1] if self._module_stack else "",
                 inputs=in_names, outputs=[], args=naming.short_args(args, kwargs), stack_id=stack_id,
                 parent=self._parents[-1] if self._parents else None, kind="function",

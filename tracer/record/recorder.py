@@ -444,17 +444,11 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin, Swap
             # Positional, in Call's field order: this runs for every recorded call.
             call = Call(name, api, module, in_names, out_names, naming.short_args(args, kwargs), node_names,
                         stack_id, parent, kind, phase, seq, mutated_names)  # type: ignore[arg-type]
-            self.trace.calls.append(call)
             if running and parent == running[-1]:  # made by a grad node's own code
                 step = self._open_steps.get(parent)
                 if step is not None:
                     step.calls.append(name)
-            if self.listeners:
-                for li, tok in zip(self.listeners, tokens or [None] * len(self.listeners)):
-                    li.on_call(self.trace, call, tok, produced)
-            if self.max_calls is not None and len(self.trace.calls) >= self.max_calls:
-                self.stop(f"recording stopped at max_calls={self.max_calls}: later calls, grad nodes "
-                          "and backward runs were not recorded")
+            self.append_call(call, tokens, produced)
         if self.on_records is not None:
             self.on_records()
         return call
@@ -503,15 +497,26 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin, Swap
         """Add a call whose records the caller made itself (``next_call_seq``, ``call_name``,
         ``new_version``...): listeners hear it, bounds count it."""
         with self.lock:
-            self.trace.calls.append(call)
-            for li in self.listeners:
-                li.on_call(self.trace, call, None, list(produced))
-            if self.max_calls is not None and len(self.trace.calls) >= self.max_calls:
-                self.stop(f"recording stopped at max_calls={self.max_calls}: later calls, grad nodes "
-                          "and backward runs were not recorded")
+            self.append_call(call, None, list(produced))
         if self.on_records is not None:
             self.on_records()
         return call
+
+    def append_call(self, call: Call, tokens: list[Any] | None = None, produced: list[torch.Tensor] | None = None) -> None:
+        """The one place a call joins the trace (the caller holds the lock): appended, heard by
+        the listeners (``tokens``: what each one's ``before_call`` returned) and counted against
+        ``max_calls``. A call that raised (its error set already) made nothing: no listener
+        hears it and it stops nothing."""
+        self.trace.calls.append(call)
+        if call.error is not None:
+            return
+        listeners = self.listeners
+        if listeners:
+            for li, tok in zip(listeners, tokens or [None] * len(listeners)):
+                li.on_call(self.trace, call, tok, produced if produced is not None else [])
+        if self.max_calls is not None and len(self.trace.calls) >= self.max_calls:
+            self.stop(f"recording stopped at max_calls={self.max_calls}: later calls, grad nodes "
+                      "and backward runs were not recorded")
 
     @contextlib.contextmanager
     def unhashed(self, note: str) -> Iterator[None]:
@@ -586,7 +591,7 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin, Swap
                         parent=self._parents[-1] if self._parents else None, kind=cast(CallKind, kind),
                         phase=self.phase_of(name, kind, in_names, ()), seq=seq,
                         error=f"{type(exc).__name__}: {exc}")
-            self.trace.calls.append(call)
+            self.append_call(call)
 
 
 
