@@ -59,9 +59,6 @@ SHARED_MEMBERS_LEFT: dict[str, frozenset[str]] = {
         "_reads_values", "_retained", "_running", "_saved_hooks", "_self_ref", "_slot_grad", "_slot_tensor",
         "_tensor_names", "_unhooked", "_untaken", "_versions", "_view_source"
     }),
-    "tracer.record.functions": frozenset({
-        "_module_stack", "_parents"
-    }),
     "tracer.record.leaf_grads": frozenset({
         "_acc_post_only", "_acc_vars", "_base_name", "_bump", "_create_graph", "_grad_before",
         "_grad_unnamed", "_index_alias", "_name_at", "_new_tensor", "_open_steps", "_run_index", "_running",
@@ -79,9 +76,9 @@ SHARED_MEMBERS_LEFT: dict[str, frozenset[str]] = {
         "_base_name", "_bump", "_collect_nodes", "_defer_submits", "_engine_node", "_handles",
         "_in_backward", "_index_alias", "_install_module_hooks", "_module_paths", "_module_stack",
         "_name_at", "_named", "_new_leaf_grad", "_new_tensor", "_node_modules", "_opaque", "_open_runs",
-        "_open_steps", "_optimizer_pre", "_parents", "_reads_values", "_record_failed_named",
-        "_remove_module_hooks", "_run_index", "_running", "_same_values_input", "_scope_frames",
-        "_slot_tensor", "_submit_deferred", "_tensor_names", "_versions", "_write_through_aliases"
+        "_open_steps", "_optimizer_pre", "_reads_values", "_remove_module_hooks", "_run_index", "_running",
+        "_same_values_input", "_scope_frames", "_slot_tensor", "_submit_deferred", "_tensor_names",
+        "_versions", "_write_through_aliases"
     }),
     "tracer.record.state": frozenset({
         "_engine_node", "_name_leaf_grad"

@@ -45,7 +45,7 @@ from tracer.record.effects import OVERWRITING, SET_DATA_API, UNINITIALISED, Writ
 from tracer.record.engine import install_engine_wrapper, uninstall_engine_wrapper
 from tracer.record.failsafe import passes_on
 from tracer.record.functions import (
-    FunctionsMixin,
+    CustomFunctions,
     active_recorder,
     install_apply_wrapper,
     uninstall_apply_wrapper,
@@ -55,6 +55,7 @@ from tracer.record.mode import RecordingMode
 from tracer.record.modules import ModulesMixin
 from tracer.record.optimizer import OptimizerMixin
 from tracer.record.own_work import OWN_WORK
+from tracer.record.part import Part
 from tracer.record.stacks import user_stacklevel
 from tracer.record.swaps import SwapsMixin, install_swap_wrapper, uninstall_swap_wrapper
 from tracer.record.tensors import (
@@ -86,7 +87,7 @@ class _Unhashed:
         return getattr(self._real, name)
 
 
-class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin, SwapsMixin):
+class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, SwapsMixin):
     """Owns every hook of one active trace and turns what they see into trace records."""
 
     def __init__(self, trace: Trace, options: TraceOptions, *,
@@ -94,6 +95,8 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin, Swap
         super().__init__(trace, options, on_records=on_records)
         self._mode = RecordingMode(self)
         self._compiled_functions = CompiledFunctionWatch(self)
+        self.functions = CustomFunctions(self)
+        self._parts: list[Part] = [self.functions]
 
     # ---- installation -------------------------------------------------------------------------
     def install(self) -> None:
@@ -143,10 +146,17 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin, Swap
             self.stack_table.clear_scopes()
             self._scope_frames.clear()
 
+    def release(self) -> None:
+        """The trace is done (uninstalled and finalised): drop the parts' links back to the
+        recorder, its only reference cycle, so that it and its trace are freed by reference
+        counting, not by the cycle collector walking every record. Safe to call twice."""
+        for part in self._parts:
+            part.release()
+
     @property
     def function_depth(self) -> int:
         """How many custom Function forwards enclose the call being recorded."""
-        return len(self._parents)
+        return self.functions.depth
 
     @property
     def finished_runs(self) -> int:
@@ -424,7 +434,7 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin, Swap
                 if root is not None:
                     self._slot_tensor[(root, t.output_nr)] = names_of[identity(t)]
             running = self._running
-            parent = self._parents[-1] if self._parents else (running[-1] if running else None)
+            parent = self.functions.innermost() or (running[-1] if running else None)
             if parent is None and self._in_backward:  # a hook's op: the node whose hook it is
                 parent = self._engine_node()
             if self._module_stack:
@@ -489,7 +499,7 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin, Swap
         """Record a call begun with ``begin_call`` that raised ``exc`` (it has no outputs)."""
         p = pending
         if p.name is not None:
-            self._record_failed_named(p.name, p.api, args, kwargs or {}, p.in_names, p.seq, exc)
+            self.functions.record_failed(p.name, p.api, args, kwargs or {}, p.in_names, p.seq, exc)
         else:
             self._record_failed(p.api, p.short, p.kind, args, kwargs or {}, p.in_names, p.seq, exc)
 
@@ -588,7 +598,7 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin, Swap
             call = Call(name=name, api=api,
                         module=self._module_stack[-1] if self._module_stack else "", inputs=in_names,
                         outputs=[], args=naming.short_args(args, kwargs), stack_id=stack_id,
-                        parent=self._parents[-1] if self._parents else None, kind=cast(CallKind, kind),
+                        parent=self.functions.innermost(), kind=cast(CallKind, kind),
                         phase=self.phase_of(name, kind, in_names, ()), seq=seq,
                         error=f"{type(exc).__name__}: {exc}")
             self.append_call(call)

@@ -218,10 +218,11 @@ class TraceSession:
         finally:
             if self._writer is not None:
                 self._writer.close()
-            # The recorder's flush callback points back at this session: drop it, so that the
-            # finished recorder and trace are freed by reference counting, not by the cycle
-            # collector walking every record.
+            # The recorder's flush callback points back at this session, and its parts at the
+            # recorder: drop both, so that the finished recorder and trace are freed by reference
+            # counting, not by the cycle collector walking every record.
             rec.on_records = None
+            rec.release()
 
     def _finalize(self, rec: _recorder.Recorder, t: Trace, exc: BaseException | None) -> None:
         try:

@@ -119,7 +119,6 @@ class RecorderState:
         self._module_paths: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
         self._module_stack: list[str] = []
         self._scope_frames: list[FrameType | None] = []  # per _module_stack entry, see _module_pre
-        self._parents: list[str] = []  # enclosing custom Function calls
         self._running: list[str] = []  # grad nodes running now (nesting in backward)
         self._node_by_seq: dict[tuple[int, str], str] = {}
         self.trace_id = next(_TRACE_IDS)
@@ -670,8 +669,6 @@ class RecorderState:
         def _engine_node(self) -> str | None: ...
         def _new_leaf_grad(self, g: torch.Tensor, name: str, producer: str | None, previous: str | None) -> str: ...
         def close_step(self, error: str | None = None) -> None: ...
-        def _record_failed_named(self, name: str, api: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-                                 in_names: list[str], seq: int, exc: BaseException) -> None: ...
         def begin_call(self, ins: list[torch.Tensor], *, api: str, short: str, kind: str,
                        name: str | None = None) -> PendingCall: ...
         def finish_call(self, pending: PendingCall, outs: list[torch.Tensor], mutated: Sequence[torch.Tensor] = (),

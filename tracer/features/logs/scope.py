@@ -302,6 +302,7 @@ class LogScope:
                 self._listener = None
             if self._light is not None:
                 self._light.uninstall()
+                self._light.release()
         finally:
             try:
                 if self._torch is not None:
