@@ -53,20 +53,16 @@ SHARED_MEMBERS_LEFT: dict[str, frozenset[str]] = {
     "tracer.record.autograd": frozenset({
         "_acc_by_var", "_acc_post_only", "_acc_vars", "_adopted_kinds", "_base_name", "_bump", "_call_seq",
         "_edges", "_every_node_run", "_external_pending", "_flush_before", "_infer_grad_before",
-        "_module_backward_hooks", "_module_stack", "_name_accumulated", "_name_grad_from_before",
-        "_name_leaf_incoming", "_new_tensor", "_node_by_seq", "_node_modules", "_node_recs",
-        "_note_grad_before", "_note_grads_before", "_open_runs", "_open_steps", "_own_hasher", "_passed_on",
-        "_reads_values", "_retained", "_running", "_saved_hooks", "_self_ref", "_slot_grad", "_slot_tensor",
-        "_tensor_names", "_unhooked", "_untaken", "_versions", "_view_source"
+        "_name_accumulated", "_name_grad_from_before", "_name_leaf_incoming", "_new_tensor", "_node_by_seq",
+        "_node_modules", "_node_recs", "_note_grad_before", "_note_grads_before", "_open_runs",
+        "_open_steps", "_own_hasher", "_passed_on", "_reads_values", "_retained", "_running",
+        "_saved_hooks", "_self_ref", "_slot_grad", "_slot_tensor", "_tensor_names", "_unhooked", "_untaken",
+        "_versions", "_view_source"
     }),
     "tracer.record.leaf_grads": frozenset({
         "_acc_post_only", "_acc_vars", "_base_name", "_bump", "_create_graph", "_grad_before",
         "_grad_unnamed", "_index_alias", "_name_at", "_new_tensor", "_open_steps", "_run_index", "_running",
         "_slot_tensor", "_tensor_names"
-    }),
-    "tracer.record.modules": frozenset({
-        "_in_backward", "_mode", "_module_paths", "_module_stack", "_named", "_new_tensor", "_opaque",
-        "_scope_frames", "_tensor_names"
     }),
     "tracer.record.optimizer": frozenset({
         "_base_name", "_bump", "_handles", "_name_at", "_name_model_of", "_named", "_new_leaf_grad",
@@ -74,11 +70,10 @@ SHARED_MEMBERS_LEFT: dict[str, frozenset[str]] = {
     }),
     "tracer.record.recorder": frozenset({
         "_base_name", "_bump", "_collect_nodes", "_defer_submits", "_engine_node", "_handles",
-        "_in_backward", "_index_alias", "_install_module_hooks", "_module_paths", "_module_stack",
-        "_name_at", "_named", "_new_leaf_grad", "_new_tensor", "_node_modules", "_opaque", "_open_runs",
-        "_open_steps", "_optimizer_pre", "_reads_values", "_remove_module_hooks", "_run_index", "_running",
-        "_same_values_input", "_scope_frames", "_slot_tensor", "_submit_deferred", "_tensor_names",
-        "_versions", "_write_through_aliases"
+        "_in_backward", "_index_alias", "_name_at", "_named", "_new_leaf_grad", "_new_tensor",
+        "_node_modules", "_open_runs", "_open_steps", "_optimizer_pre", "_reads_values", "_run_index",
+        "_running", "_same_values_input", "_slot_tensor", "_submit_deferred", "_tensor_names", "_versions",
+        "_write_through_aliases"
     }),
     "tracer.record.state": frozenset({
         "_engine_node", "_name_leaf_grad"

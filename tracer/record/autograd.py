@@ -165,8 +165,10 @@ class AutogradMixin(LeafGradsMixin):
         # trace removes its hooks from them when it ends; else every traced step added a pair
         # that every later backward called.
         user_code = runs_user_code(node, kind)
-        if user_code and self._module_stack:
-            self._node_modules[name] = self._module_stack[-1]
+        if user_code:
+            module = self.scopes.innermost()
+            if module is not None:
+                self._node_modules[name] = module
         if kind == ACCUMULATE and not user_code and self._acc_hook_alone():
             # Nothing needs the accumulator's start: its hook alone names what the leaf's .grad
             # became, from what .grad was when the backward started (_note_grads_before).
@@ -263,7 +265,7 @@ class AutogradMixin(LeafGradsMixin):
             var = ref()
             if var is not None and has_backward_hooks(var):
                 return True
-        return self._module_backward_hooks()
+        return self.scopes.backward_hooks()
 
     def _reaches_unhooked(self, roots: list[torch.Tensor]) -> bool:
         """Whether a backward from ``roots`` reaches a recorded node that has no hook."""

@@ -52,7 +52,7 @@ from tracer.record.functions import (
 )
 from tracer.record.identity import identity
 from tracer.record.mode import RecordingMode
-from tracer.record.modules import ModulesMixin
+from tracer.record.modules import ModuleScopes
 from tracer.record.optimizer import OptimizerMixin
 from tracer.record.own_work import OWN_WORK
 from tracer.record.part import Part
@@ -87,27 +87,28 @@ class _Unhashed:
         return getattr(self._real, name)
 
 
-class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, SwapsMixin):
+class Recorder(AutogradMixin, OptimizerMixin, SwapsMixin):
     """Owns every hook of one active trace and turns what they see into trace records."""
 
     def __init__(self, trace: Trace, options: TraceOptions, *,
                  on_records: Callable[[], None] | None = None) -> None:
         super().__init__(trace, options, on_records=on_records)
-        self._mode = RecordingMode(self)
+        self.mode = RecordingMode(self)
         self._compiled_functions = CompiledFunctionWatch(self)
         self.functions = CustomFunctions(self)
-        self._parts: list[Part] = [self.functions]
+        self.scopes = ModuleScopes(self)
+        self._parts: list[Part] = [self.functions, self.scopes]
 
     # ---- installation -------------------------------------------------------------------------
     def install(self) -> None:
         self.hasher.prepare()
-        self._install_module_hooks()
+        self.scopes.install_hooks()
         self._handles.append(register_optimizer_step_pre_hook(self._optimizer_pre))
         install_apply_wrapper(self)
         install_engine_wrapper()
         install_swap_wrapper()
         install_rebuild_wrappers()
-        self._mode.__enter__()
+        self.mode.__enter__()
         self._compiled_functions.install()
 
     def uninstall(self) -> None:
@@ -122,15 +123,14 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, SwapsMixin):
         self.closed = True
         # Regions still open (the block left from inside compiled code) put the mode back first:
         # the mode's own exit pops whatever is on top of the stack.
-        while self._opaque:
-            self.close_region(self._opaque[-1])
+        self.scopes.close_all()
         self._compiled_functions.uninstall()
         try:
-            self._mode.__exit__(None, None, None)
+            self.mode.__exit__(None, None, None)
             # The mode points back at this recorder: once it is off the stack, drop that link, so
             # that a finished trace is freed by reference counting, not by the cycle collector
             # (which would walk all of its records to find the cycle).
-            self._mode.recorder = None
+            self.mode.recorder = None
         finally:
             uninstall_apply_wrapper(self)
             uninstall_engine_wrapper()
@@ -142,9 +142,9 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, SwapsMixin):
                 except Exception:  # a handle whose owner is gone already
                     pass
             self._handles.clear()
-            self._remove_module_hooks()
+            self.scopes.remove_hooks()
             self.stack_table.clear_scopes()
-            self._scope_frames.clear()
+            self.scopes.let_go_of_frames()
 
     def release(self) -> None:
         """The trace is done (uninstalled and finalised): drop the parts' links back to the
@@ -173,7 +173,7 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, SwapsMixin):
     @property
     def current_module(self) -> str:
         """The path of the innermost module running now (``""``: the root module, or none)."""
-        return self._module_stack[-1] if self._module_stack else ""
+        return self.scopes.innermost() or ""
 
     @property
     def running_node(self) -> str | None:
@@ -437,15 +437,16 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, SwapsMixin):
             parent = self.functions.innermost() or (running[-1] if running else None)
             if parent is None and self._in_backward:  # a hook's op: the node whose hook it is
                 parent = self._engine_node()
-            if self._module_stack:
-                module = self._module_stack[-1]
+            module_now = self.scopes.innermost()
+            if module_now is not None:
+                module = module_now
             else:  # in backward: the module of the running node's forward call
                 module = self._node_modules.get(running[-1], "") if running else ""
             # The phase (tracer.record.phases): the usual call, inside a module's forward, decides
             # with two tests.
             if self._in_backward:
                 phase: Phase = "backward"
-            elif self._module_stack and kind != "optimizer":
+            elif module_now is not None and kind != "optimizer":
                 phase = "forward"
                 if self.phases.window_open:
                     self.phases.module_call()
@@ -583,7 +584,13 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, SwapsMixin):
 
     def module_path(self, module: torch.nn.Module) -> str | None:
         """The path the trace named ``module`` by (None: not seen)."""
-        return self._module_paths.get(module)
+        return self.scopes.path_of(module)
+
+    def register_root_module(self, module: torch.nn.Module, held_as: str | None = None) -> None:
+        """Name modules, parameters and buffers from ``module`` down, as if it were called first
+        (a trainer's model, whose forward may never be called itself). ``held_as``: the name the
+        user's code holds it by, the prefix of a second root."""
+        self.scopes.register_root_module(module, held_as)
 
     @property
     def run_index(self) -> int:
@@ -596,7 +603,7 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, SwapsMixin):
             stack_id = self.stack_table.capture()
             name = self.counters.next(short)
             call = Call(name=name, api=api,
-                        module=self._module_stack[-1] if self._module_stack else "", inputs=in_names,
+                        module=self.current_module, inputs=in_names,
                         outputs=[], args=naming.short_args(args, kwargs), stack_id=stack_id,
                         parent=self.functions.innermost(), kind=cast(CallKind, kind),
                         phase=self.phase_of(name, kind, in_names, ()), seq=seq,

@@ -9,7 +9,6 @@ import itertools
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,7 +48,7 @@ from tracer.record.weakmap import IdWeakMap
 if TYPE_CHECKING:
     from tracer.record.calls import PendingCall
     from tracer.record.mode import RecordingMode
-    from tracer.record.opaque import OpaqueRegion
+    from tracer.record.modules import ModuleScopes
     from tracer.record.optimizer import OpenStep
 
 _TRACE_IDS = itertools.count()
@@ -116,9 +115,6 @@ class RecorderState:
         # What p.grad or p.data returned before the parameter p was named -> (p, "grad"/"data"):
         # named when a call first uses it (see name_grad_alias, name_data_alias).
         self._read_before_named: IdWeakMap[tuple[torch.Tensor, str]] = IdWeakMap()
-        self._module_paths: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
-        self._module_stack: list[str] = []
-        self._scope_frames: list[FrameType | None] = []  # per _module_stack entry, see _module_pre
         self._running: list[str] = []  # grad nodes running now (nesting in backward)
         self._node_by_seq: dict[tuple[int, str], str] = {}
         self.trace_id = next(_TRACE_IDS)
@@ -169,8 +165,6 @@ class RecorderState:
         self._flush_before: set[str] = set()
         # Saved-tensor hooks were active while the call being finished ran (see _register_node).
         self._saved_hooks = True
-        self._opaque: list[OpaqueRegion] = []  # compiled regions running now, innermost last
-        self._module_handles: list[Any] = []
         self._run: BackwardRun | None = None
         # The seq of every backward run still being filled: from its start to its end (its
         # outputs named), an enclosing run under the nested runs it started (reentrant
@@ -193,7 +187,7 @@ class RecorderState:
         wrote a tensor in place."""
         if self._in_backward:
             return "backward"
-        if self._module_stack and kind != "optimizer":
+        if kind != "optimizer" and self.scopes.innermost() is not None:
             return self.phases.module_call()
         return self.phases.outside_modules(name, kind, in_names, produced, writes)
 
@@ -495,9 +489,9 @@ class RecorderState:
         first (tracer.record.owners). Whether ``p`` has a name to take now."""
         if constructing_a_module():
             return False
-        if self._module_stack:  # used by a module running now: the one that holds it, if any
-            running = self._module_stack[-1]
-            module = next((m for m, path in self._module_paths.items() if path == running), None)
+        running = self.scopes.innermost()
+        if running is not None:  # used by a module running now: the one that holds it, if any
+            module = self.scopes.module_at(running)
             if module is not None and self._name_replaced(module, running, p):
                 return True
             # Not its own: another model's, reached by the walk over the graph (a GAN's generator,
@@ -508,12 +502,45 @@ class RecorderState:
         root = owning_root_module(p, search)
         if root is None:
             return False
-        if root in self._module_paths:
-            return self._name_replaced(root, self._module_paths[root], p)
+        root_path = self.scopes.path_of(root)
+        if root_path is not None:
+            return self._name_replaced(root, root_path, p)
         # A second model (an EMA updated after the trained model's step) under the name the
         # user's code holds it by.
-        self.register_root_module(root, name_in_callers(root, 1) if "" in self.trace.modules else None)
+        self.scopes.register_root_module(root, name_in_callers(root, 1) if "" in self.trace.modules else None)
         return p in self._named
+
+    def name_by_paths(self, params: list[tuple[str, torch.Tensor]], buffers: list[tuple[str, torch.Tensor]]) -> None:
+        """A root module's parameters and buffers, by path (``named_parameters()``'s order and
+        first-wins naming of shared ones): each takes its path for a name."""
+        named = self._named
+        renamed: list[tuple[torch.Tensor, str, Role]] = []
+        for pname, p in params:
+            if p not in named:
+                named[p] = (pname, "param")
+                renamed.append((p, pname, "param"))
+        for bname, b in buffers:
+            if b not in named:
+                named[b] = (bname, "buffer")
+                renamed.append((b, bname, "buffer"))
+        self._take_paths(renamed)
+
+    def _take_paths(self, tensors: list[tuple[torch.Tensor, str, Role]]) -> None:
+        """Parameters and buffers the trace met before their module ran (made and initialised in
+        the block, by the model's own constructor: ``input4``, ``zeros0:out``) take their paths
+        now: a record of that name holding the value they hold (its checksum copied),
+        ``previous`` the name they had."""
+        known = self._tensor_names
+        with self.lock, torch._C.DisableTorchFunction():
+            for t, path, role in tensors:
+                hit = known.get(t)
+                if hit is None:
+                    continue
+                rec = self.trace.tensors.get(hit[0])
+                if rec is None or rec.role in ("param", "buffer"):
+                    continue
+                same = rec if hit[1] == version_of(t) and not rec.uninitialized else None
+                self._new_tensor(t, path, role, rec.producer, previous=hit[0], same_as=same)
 
     def _name_replaced(self, module: torch.nn.Module, prefix: str, p: torch.Tensor) -> bool:
         """A parameter of a model the trace has named already, not named itself: a new Parameter
@@ -521,7 +548,7 @@ class RecorderState:
         a move between devices, ``module.weight = nn.Parameter(...)``). It is a new version of
         the path's value (``0.weight@v1``, ``previous`` the path's last version) when the path
         has a record, else the path itself."""
-        if swaps_parameters(self._module_paths.keys()):
+        if swaps_parameters(self.scopes.modules()):
             # FSDP2 puts the unsharded parameter in place of the sharded one for each forward
             # and backward: another form of the same value (named by the all-gather that makes
             # it), not a new one.
@@ -657,15 +684,12 @@ class RecorderState:
         return names.version_name(base, n)
 
     if TYPE_CHECKING:  # defined by the rooms that join in Recorder; declared for the others
-        _mode: RecordingMode
+        mode: RecordingMode
+        scopes: ModuleScopes
 
         def _collect_nodes(self, root: Any, seq0: int | None, seq1: int | None, call: str, stack_id: int | None,
                            out: list[str], local_kinds: dict[str, int]) -> str | None: ...
-        def _install_module_hooks(self) -> None: ...
-        def register_root_module(self, module: torch.nn.Module, held_as: str | None = None) -> None: ...
-        def _remove_module_hooks(self) -> None: ...
         def _name_leaf_grad(self, t: torch.Tensor, version: int) -> str | None: ...
-        def _module_backward_hooks(self) -> bool: ...
         def _engine_node(self) -> str | None: ...
         def _new_leaf_grad(self, g: torch.Tensor, name: str, producer: str | None, previous: str | None) -> str: ...
         def close_step(self, error: str | None = None) -> None: ...

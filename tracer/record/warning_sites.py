@@ -117,7 +117,7 @@ def quiet_global_hooks_warning(rec: Recorder) -> Callable[[], None] | None:
     warning of the user's program (a deprecation in a module it calls) then printed again at
     every traced step. A new "ignore" filter needs no reset: an ignored warning is never
     entered in a registry, and what the registries hold stays true."""
-    if not rec.holds_every_global_module_hook():
+    if not rec.scopes.holds_every_global_module_hook():
         return None
     entry = ("ignore", re.compile(re.escape(_GLOBAL_HOOKS_WARNING), re.I), UserWarning, None, 0)
     filters = cast(list[Any], warnings.filters)  # a list at run time
