@@ -7,6 +7,7 @@ a grad node's hook."""
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import pytest
@@ -144,18 +145,16 @@ def _accumulating_step() -> list[torch.Tensor]:
 
 @pytest.mark.usefixtures("lenient")
 @pytest.mark.parametrize(("where", "after"), [
-    ("OptimizerMixin.close_step", 0), ("AutogradMixin._accumulator", 2), ("RecorderState._new_tensor", 20),
-    ("AutogradMixin._collect_nodes", 3), ("AutogradMixin._start_step", 1), ("AutogradMixin._grad_names", 5),
-    ("LeafGradsMixin._name_accumulated", 2), ("RecorderState._write_through_aliases", 0)])
+    ("optimizer.OptimizerSteps.close", 0), ("autograd.AutogradMixin._accumulator", 2),
+    ("state.RecorderState._new_tensor", 20), ("autograd.AutogradMixin._collect_nodes", 3),
+    ("autograd.AutogradMixin._start_step", 1), ("autograd.AutogradMixin._grad_names", 5),
+    ("leaf_grads.LeafGradsMixin._name_accumulated", 2), ("state.RecorderState._write_through_aliases", 0)])
 def test_a_fault_anywhere_in_the_recorder_leaves_the_result_and_a_loadable_trace(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, where: str, after: int) -> None:
-    from tracer.record import leaf_grads, optimizer, state
-
-    owners = {"OptimizerMixin": optimizer.OptimizerMixin, "AutogradMixin": autograd.AutogradMixin,
-              "RecorderState": state.RecorderState, "LeafGradsMixin": leaf_grads.LeafGradsMixin}
+    # ``where``: <module of tracer.record>.<class>.<method>, the recorder's part and its method.
+    module, cls, attr = where.split(".")
     want = _accumulating_step()
-    cls, attr = where.split(".")
-    _fail_after(monkeypatch, owners[cls], attr, after)
+    _fail_after(monkeypatch, getattr(importlib.import_module(f"tracer.record.{module}"), cls), attr, after)
     with pytest.warns(RuntimeWarning, match="gradtrace failed while recording"), tracer.trace(hash="md5") as t:
         got = _accumulating_step()
     assert all(torch.equal(a, b) for a, b in zip(got, want))

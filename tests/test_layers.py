@@ -64,19 +64,15 @@ SHARED_MEMBERS_LEFT: dict[str, frozenset[str]] = {
         "_grad_unnamed", "_index_alias", "_name_at", "_new_tensor", "_open_steps", "_run_index", "_running",
         "_slot_tensor", "_tensor_names"
     }),
-    "tracer.record.optimizer": frozenset({
-        "_base_name", "_bump", "_handles", "_name_at", "_name_model_of", "_named", "_new_leaf_grad",
-        "_new_tensor", "_step_hooked", "_tensor_names"
-    }),
     "tracer.record.recorder": frozenset({
         "_base_name", "_bump", "_collect_nodes", "_defer_submits", "_engine_node", "_handles",
         "_in_backward", "_index_alias", "_name_at", "_named", "_new_leaf_grad", "_new_tensor",
-        "_node_modules", "_open_runs", "_open_steps", "_optimizer_pre", "_reads_values", "_run_index",
-        "_running", "_same_values_input", "_slot_tensor", "_submit_deferred", "_tensor_names", "_versions",
+        "_node_modules", "_open_runs", "_open_steps", "_reads_values", "_run_index", "_running",
+        "_same_values_input", "_slot_tensor", "_submit_deferred", "_tensor_names", "_versions",
         "_write_through_aliases"
     }),
     "tracer.record.state": frozenset({
-        "_engine_node", "_name_leaf_grad"
+        "_engine_node", "_name_leaf_grad", "_new_leaf_grad"
     }),
     "tracer.record.swaps": frozenset({
         "_acc_by_var", "_acc_vars", "_aliases", "_base_name", "_bump", "_grad_unnamed", "_named",

@@ -107,10 +107,11 @@ class RecordingMode(TorchFunctionMode):
                     except Exception as exc:  # gradtrace's own fault: see tracer.record.failsafe
                         rec.recorder_failed(exc)
                 return out
-            if rec.open_step is not None and not rec.step_running():
+            steps = rec.steps
+            if steps.open is not None and not steps.running():
                 try:
                     with OWN_WORK():
-                        rec.close_step("optimizer.step() raised; its changes up to there are recorded")
+                        steps.close("optimizer.step() raised; its changes up to there are recorded")
                 except Exception as exc:
                     rec.recorder_failed(exc)
             # Tensor.backward is run as naming.tensor_backward: the function the mode was handed may

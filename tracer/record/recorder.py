@@ -30,7 +30,6 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tracer.model import Call, TensorRecord, Trace, names
 from tracer.model.records import CallKind, Phase, Role
@@ -53,7 +52,7 @@ from tracer.record.functions import (
 from tracer.record.identity import identity
 from tracer.record.mode import RecordingMode
 from tracer.record.modules import ModuleScopes
-from tracer.record.optimizer import OptimizerMixin
+from tracer.record.optimizer import OptimizerSteps
 from tracer.record.own_work import OWN_WORK
 from tracer.record.part import Part
 from tracer.record.stacks import user_stacklevel
@@ -87,7 +86,7 @@ class _Unhashed:
         return getattr(self._real, name)
 
 
-class Recorder(AutogradMixin, OptimizerMixin, SwapsMixin):
+class Recorder(AutogradMixin, SwapsMixin):
     """Owns every hook of one active trace and turns what they see into trace records."""
 
     def __init__(self, trace: Trace, options: TraceOptions, *,
@@ -97,13 +96,14 @@ class Recorder(AutogradMixin, OptimizerMixin, SwapsMixin):
         self._compiled_functions = CompiledFunctionWatch(self)
         self.functions = CustomFunctions(self)
         self.scopes = ModuleScopes(self)
-        self._parts: list[Part] = [self.functions, self.scopes]
+        self.steps = OptimizerSteps(self)
+        self._parts: list[Part] = [self.functions, self.scopes, self.steps]
 
     # ---- installation -------------------------------------------------------------------------
     def install(self) -> None:
         self.hasher.prepare()
         self.scopes.install_hooks()
-        self._handles.append(register_optimizer_step_pre_hook(self._optimizer_pre))
+        self.steps.install()
         install_apply_wrapper(self)
         install_engine_wrapper()
         install_swap_wrapper()
@@ -115,11 +115,7 @@ class Recorder(AutogradMixin, OptimizerMixin, SwapsMixin):
         """Remove every mode, hook and wrapper. Safe to call twice."""
         if self.closed:
             return
-        if self.open_step is not None:  # the block ended inside optimizer.step() (it raised)
-            try:
-                self.close_step("optimizer.step() raised; its changes up to there are recorded")
-            except Exception:  # recording must not stop the uninstall
-                self.open_step = None
+        self.steps.close_open()  # the block ended inside optimizer.step() (it raised)
         self.closed = True
         # Regions still open (the block left from inside compiled code) put the mode back first:
         # the mode's own exit pops whatever is on top of the stack.
@@ -142,6 +138,7 @@ class Recorder(AutogradMixin, OptimizerMixin, SwapsMixin):
                 except Exception:  # a handle whose owner is gone already
                     pass
             self._handles.clear()
+            self.steps.remove_hooks()
             self.scopes.remove_hooks()
             self.stack_table.clear_scopes()
             self.scopes.let_go_of_frames()

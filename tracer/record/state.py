@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from tracer.record.calls import PendingCall
     from tracer.record.mode import RecordingMode
     from tracer.record.modules import ModuleScopes
-    from tracer.record.optimizer import OpenStep
+    from tracer.record.optimizer import OptimizerSteps
 
 _TRACE_IDS = itertools.count()
 # Searches of the live objects for a parameter's model per trace (each one gc pass; see owners.py).
@@ -65,13 +65,6 @@ class RecorderState:
                  on_records: Callable[[], None] | None = None) -> None:
         self.trace = trace
         self.options = options
-        # False: each optimizer.step() is one call (see _open_step); True: every op inside it.
-        self.optimizer_ops = options.optimizer_ops
-        # Whether a step's state tensors are its inputs and outputs (see TraceOptions).
-        self.optimizer_state = options.records_optimizer_state
-        self.open_step: OpenStep | None = None  # the optimizer step running now, recorded as one call
-        self._step_depth = 0  # where step_running last found the open step's frame (0: not yet)
-        self._step_hooked: weakref.WeakSet[Any] = weakref.WeakSet()
         self.owner = threading.get_ident()
         self.lock = threading.RLock()
         self.api = naming.ApiNames()
@@ -510,6 +503,62 @@ class RecorderState:
         self.scopes.register_root_module(root, name_in_callers(root, 1) if "" in self.trace.modules else None)
         return p in self._named
 
+    def name_step_inputs(self, optimizer: Any) -> None:
+        """An optimizer step begins: its parameters, their gradients and their state get names
+        (a parameter met first here: its model is named; a ``.grad`` no backward of the block
+        made; state that is not named yet: ``<param>.<key>``)."""
+        with self.lock, torch._C.DisableTorchFunction():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    named = self._named.get(p)
+                    if named is None:  # a step before any module of its model ran in the block
+                        if p in self._tensor_names or not self._name_model_of(p):
+                            continue
+                        named = self._named.get(p)
+                        assert named is not None  # (what _name_model_of says)
+                    pname = named[0]
+                    g = p.grad
+                    if g is not None:
+                        hit = self._tensor_names.get(g)
+                        if hit is None:
+                            # A .grad no backward of the block made (set by hand, or before the block).
+                            base = f"{pname}@grad"
+                            self._new_leaf_grad(g, self._bump(base) if base in self.trace.tensors else base,
+                                                None, None)
+                        elif hit[1] != version_of(g):
+                            self.name_of(g)  # changed in place since it was named: a new version
+                        else:
+                            self.name_assigned_grad(pname, g, hit)
+                    for key, v in optimizer.state.get(p, {}).items():
+                        if isinstance(v, torch.Tensor) and v not in self._named:
+                            self._named[v] = (f"{pname}.{key}", "state")
+
+    def names_at(self, ts: list[torch.Tensor], versions: list[int]) -> list[str]:
+        """The names of many tensors whose versions the caller has just read, their new values
+        handed to the hasher together (an optimizer step's parameters and state)."""
+        with self.submits_batched():
+            return [self._name_at(t, v) for t, v in zip(ts, versions)]
+
+    def name_new_state(self, optimizer: Any, producer: str | None, record: bool) -> list[torch.Tensor]:
+        """After an optimizer step: state it made (its first step) is named after its parameter,
+        ``<param>.<key>``; ``record``: also recorded, made by ``producer``. Returns what was
+        recorded."""
+        created: list[torch.Tensor] = []
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                named = self._named.get(p)
+                hit = self._tensor_names.get(p) if named is None else None
+                owner = named[0] if named is not None else self._base_name(hit[0]) if hit is not None else None
+                for key, v in optimizer.state.get(p, {}).items():
+                    # State made by this step (the first one): named after its parameter.
+                    if owner is not None and isinstance(v, torch.Tensor) and v not in self._named \
+                            and self._tensor_names.get(v) is None:
+                        self._named[v] = (f"{owner}.{key}", "state")
+                        if record:
+                            self._new_tensor(v, f"{owner}.{key}", "state", producer)
+                            created.append(v)
+        return created
+
     def name_by_paths(self, params: list[tuple[str, torch.Tensor]], buffers: list[tuple[str, torch.Tensor]]) -> None:
         """A root module's parameters and buffers, by path (``named_parameters()``'s order and
         first-wins naming of shared ones): each takes its path for a name."""
@@ -686,13 +735,13 @@ class RecorderState:
     if TYPE_CHECKING:  # defined by the rooms that join in Recorder; declared for the others
         mode: RecordingMode
         scopes: ModuleScopes
+        steps: OptimizerSteps
 
         def _collect_nodes(self, root: Any, seq0: int | None, seq1: int | None, call: str, stack_id: int | None,
                            out: list[str], local_kinds: dict[str, int]) -> str | None: ...
         def _name_leaf_grad(self, t: torch.Tensor, version: int) -> str | None: ...
         def _engine_node(self) -> str | None: ...
         def _new_leaf_grad(self, g: torch.Tensor, name: str, producer: str | None, previous: str | None) -> str: ...
-        def close_step(self, error: str | None = None) -> None: ...
         def begin_call(self, ins: list[torch.Tensor], *, api: str, short: str, kind: str,
                        name: str | None = None) -> PendingCall: ...
         def finish_call(self, pending: PendingCall, outs: list[torch.Tensor], mutated: Sequence[torch.Tensor] = (),
