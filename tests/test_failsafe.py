@@ -146,9 +146,9 @@ def _accumulating_step() -> list[torch.Tensor]:
 @pytest.mark.usefixtures("lenient")
 @pytest.mark.parametrize(("where", "after"), [
     ("optimizer.OptimizerSteps.close", 0), ("autograd.AutogradMixin._accumulator", 2),
-    ("state.RecorderState._new_tensor", 20), ("autograd.AutogradMixin._collect_nodes", 3),
+    ("tensor_names.TensorNames.new_tensor", 20), ("autograd.AutogradMixin._collect_nodes", 3),
     ("autograd.AutogradMixin._start_step", 1), ("autograd.AutogradMixin._grad_names", 5),
-    ("leaf_grads.LeafGradsMixin._name_accumulated", 2), ("state.RecorderState._write_through_aliases", 0)])
+    ("leaf_grads.LeafGradsMixin._name_accumulated", 2), ("tensor_names.TensorNames.write_through_aliases", 0)])
 def test_a_fault_anywhere_in_the_recorder_leaves_the_result_and_a_loadable_trace(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, where: str, after: int) -> None:
     # ``where``: <module of tracer.record>.<class>.<method>, the recorder's part and its method.

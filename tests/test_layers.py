@@ -51,32 +51,19 @@ LAZY_OK = ("matplotlib", "triton", "graphviz", "transformers", "lightning", "pyt
 # shrinks: a new entry fails the test below, and one no longer needed must be taken out.
 SHARED_MEMBERS_LEFT: dict[str, frozenset[str]] = {
     "tracer.record.autograd": frozenset({
-        "_acc_by_var", "_acc_post_only", "_acc_vars", "_adopted_kinds", "_base_name", "_bump", "_call_seq",
-        "_edges", "_every_node_run", "_external_pending", "_flush_before", "_infer_grad_before",
-        "_name_accumulated", "_name_grad_from_before", "_name_leaf_incoming", "_new_tensor", "_node_by_seq",
-        "_node_modules", "_node_recs", "_note_grad_before", "_note_grads_before", "_open_runs",
-        "_open_steps", "_own_hasher", "_passed_on", "_reads_values", "_retained", "_running",
-        "_saved_hooks", "_self_ref", "_slot_grad", "_slot_tensor", "_tensor_names", "_unhooked", "_untaken",
-        "_versions", "_view_source"
+        "_acc_by_var", "_acc_post_only", "_acc_vars", "_adopted_kinds", "_call_seq", "_edges",
+        "_every_node_run", "_external_pending", "_flush_before", "_grad_unnamed", "_hook_inputs_noted",
+        "_infer_grad_before", "_name_accumulated", "_name_grad_from_before", "_name_leaf_incoming",
+        "_node_by_seq", "_node_modules", "_node_recs", "_note_grad_before", "_note_grads_before",
+        "_open_runs", "_open_steps", "_passed_on", "_retained", "_running", "_self_ref", "_slot_grad",
+        "_slot_tensor", "_unhooked"
     }),
     "tracer.record.leaf_grads": frozenset({
-        "_acc_post_only", "_acc_vars", "_base_name", "_bump", "_create_graph", "_grad_before",
-        "_grad_unnamed", "_index_alias", "_name_at", "_new_tensor", "_open_steps", "_run_index", "_running",
-        "_slot_tensor", "_tensor_names"
+        "_acc_post_only", "_acc_vars", "_create_graph", "_grad_before", "_grad_unnamed", "_open_steps",
+        "_run_index", "_running", "_slot_tensor"
     }),
     "tracer.record.recorder": frozenset({
-        "_base_name", "_bump", "_collect_nodes", "_defer_submits", "_engine_node", "_handles",
-        "_in_backward", "_index_alias", "_name_at", "_named", "_new_leaf_grad", "_new_tensor",
-        "_node_modules", "_open_runs", "_open_steps", "_reads_values", "_run_index", "_running",
-        "_same_values_input", "_slot_tensor", "_submit_deferred", "_tensor_names", "_versions",
-        "_write_through_aliases"
-    }),
-    "tracer.record.state": frozenset({
-        "_engine_node", "_name_leaf_grad", "_new_leaf_grad"
-    }),
-    "tracer.record.swaps": frozenset({
-        "_acc_by_var", "_acc_vars", "_aliases", "_base_name", "_bump", "_grad_unnamed", "_named",
-        "_new_tensor", "_passed_on", "_read_before_named", "_retained", "_tensor_names"
+        "_engine_node", "_handles", "_in_backward", "_open_runs", "_run_index", "_running"
     }),
 }
 

@@ -5,7 +5,6 @@ produced (a leaf's ``.grad`` included), the calls a node's own code made, the no
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import threading
 import weakref
@@ -15,6 +14,7 @@ import torch
 
 from tracer.analysis.explain import add_note, explain_backward_error
 from tracer.model import BackwardRun, GradNode, NodeRun, TensorRecord, names
+from tracer.model.names import base_name
 from tracer.options import RaisedOnPurpose
 from tracer.record.engine import expect_backward
 from tracer.record.identity import identity
@@ -32,6 +32,7 @@ from tracer.record.tensors import (
     grad_fn_of,
     has_backward_hooks,
     runs_user_code,
+    saved_tensor_hooks_active,
     unique,
     version_of,
 )
@@ -50,6 +51,38 @@ class AutogradMixin(LeafGradsMixin):
     """Grad nodes and backward runs (part of ``Recorder``)."""
 
     # ---- grad nodes ---------------------------------------------------------------------------
+    def link_call_nodes(self, produced: list[torch.Tensor], grad_fns: list[Any], seq0: int | None,
+                        seq1: int | None, call: str, stack_id: int | None, names_of: dict[int, str]) -> list[str]:
+        """Name and link the grad nodes the call ``call`` made: those reachable from the grad_fn
+        of what it produced, inside its sequence-number bracket [``seq0``, ``seq1``). Each
+        output's slot of its node is that output's tensor (``names_of``, by identity). Returns
+        the nodes' names."""
+        node_names: list[str] = []
+        local_kinds: dict[str, int] | None = None
+        for t, gf in zip(produced, grad_fns):
+            if gf is None:
+                continue
+            if local_kinds is None:
+                local_kinds = {}
+                self._saved_hooks = saved_tensor_hooks_active()
+            root = self._collect_nodes(gf, seq0, seq1, call, stack_id, node_names, local_kinds)
+            if root is not None:
+                self._slot_tensor[(root, t.output_nr)] = names_of[identity(t)]
+        return node_names
+
+    def note_node_call(self, parent: str, call: str) -> None:
+        """The call ``call`` was made by ``parent``: when that is the grad node running now (its
+        own code), the node's run lists it."""
+        running = self._running
+        if running and parent == running[-1]:
+            step = self._open_steps.get(parent)
+            if step is not None:
+                step.calls.append(call)
+
+    def module_of_node(self, node: str) -> str:
+        """The module of the forward call of a node that runs user code (``""``: none known)."""
+        return self._node_modules.get(node, "")
+
     def _node_key(self, node: Any) -> tuple[int, str]:
         return (node._sequence_nr(), type(node).__name__)
 
@@ -122,7 +155,7 @@ class AutogradMixin(LeafGradsMixin):
         var = node.variable
         name = self._acc_by_var.get(var)
         if name is None:
-            tname = self._base_name(self.name_of(var))
+            tname = base_name(self.names.name_of(var))
             name = f"{tname}/AccumulateGrad"
             if name in self._node_recs:  # a new Parameter in a path's place (module_roots.parameter_path)
                 k = 1
@@ -203,7 +236,7 @@ class AutogradMixin(LeafGradsMixin):
         (a checksum waiting for .grad's bytes must be read before the accumulator adds into
         them) and no listener acts on a node's start (the memory one attributes the
         accumulator's allocation to it while it runs)."""
-        return self.hasher is self._own_hasher and not self.hasher.active \
+        return self.hasher is self.own_hasher and not self.hasher.active \
             and not (self.listeners and self._begin_listeners())
 
     def _listeners_need_runs(self) -> bool:
@@ -230,7 +263,7 @@ class AutogradMixin(LeafGradsMixin):
                 return
             key = identity(t)
             if key not in self._retained:
-                self._retained[key] = (weakref.ref(t), f"{self.name_of(t)}.grad")
+                self._retained[key] = (weakref.ref(t), f"{self.names.name_of(t)}.grad")
 
     def _name_retained_grads(self, run: BackwardRun) -> None:
         """After a backward: name each retained ``.grad`` it set or replaced: ``<t>.grad``, then
@@ -245,15 +278,15 @@ class AutogradMixin(LeafGradsMixin):
                 g = t.grad
                 if g is None:
                     continue
-                hit = self._tensor_names.get(g)
+                hit = self.names.lookup(g)
                 if hit is not None and hit[1] == version_of(g):
                     continue  # named already: this run left it as it was
                 if base not in self.trace.tensors:
-                    self._new_tensor(g, base, "grad", run.name)
+                    self.names.new_tensor(g, base, "grad", run.name)
                     continue
-                n = self._versions.get(base, 0)
+                n = self.names.last_version(base)
                 latest = names.version_name(base, n) if n else base
-                self._new_tensor(g, self._bump(base), "grad", run.name, previous=latest)
+                self.names.new_tensor(g, self.names.bump(base), "grad", run.name, previous=latest)
 
     def _backward_hooks(self) -> bool:
         """Whether user hooks may run in this backward: a tensor hook registered in the block, one
@@ -363,7 +396,7 @@ class AutogradMixin(LeafGradsMixin):
         checksums waiting read first."""
         with self.lock, torch._C.DisableTorchFunction():
             first = args[0] if args else kwargs.get("tensors", kwargs.get("outputs"))
-            roots = [self.name_of(t) for t in unique(flat_tensors(first))]
+            roots = [self.names.name_of(t) for t in unique(flat_tensors(first))]
             stack_id = self.stack_table.capture()
             # Started by a running node's own code (autograd.grad in a custom backward): its parent.
             parent = self._running[-1] if self._running else (self._engine_node() if self._in_backward else None)
@@ -478,7 +511,7 @@ class AutogradMixin(LeafGradsMixin):
         if api.endswith(".grad"):
             with self.lock, torch._C.DisableTorchFunction():
                 results = flat_tensors(out)
-                run.outputs = [self._new_tensor(t, names.output_name(run.name, i, len(results)), "grad", run.name)
+                run.outputs = [self.names.new_tensor(t, names.output_name(run.name, i, len(results)), "grad", run.name)
                                for i, t in enumerate(results)]
         return out
 
@@ -603,7 +636,7 @@ class AutogradMixin(LeafGradsMixin):
         reads exactly as one of them (``ViewBackward``'s reshape) copies its checksum and stats."""
         edges = self._edges.get(node, ()) if produced else ()
         names: list[str | None] = []
-        tensor_names = self._tensor_names
+        lookup = self.names.lookup
         passed = self._passed_on
         for i, g in enumerate(grads):
             if not isinstance(g, torch.Tensor):
@@ -618,7 +651,7 @@ class AutogradMixin(LeafGradsMixin):
                 if on_edge is not None and on_edge[1]() is g and on_edge[2] == version_of(g):
                     names.append(on_edge[0])
                     continue
-            hit = tensor_names.get(g)
+            hit = lookup(g)
             if hit is not None and hit[1] == version_of(g) and not (own_calls and self._made_by(hit[0], own_calls)):
                 if produced and i < len(edges) and edges[i][0] is not None:
                     names.append(self._pass_on(node, i, g, hit[0], edges[i]))
@@ -633,12 +666,12 @@ class AutogradMixin(LeafGradsMixin):
                     names.append(hit[0])
                     continue
                 same = self._received_as(node, g, received, received_names) \
-                    if received_names and self._reads_values else None
-                names.append(self._new_tensor(g, gname or self._in_run(f"{node}:grad{i}"), "grad", node,
+                    if received_names and self.names.reads_values else None
+                names.append(self.names.new_tensor(g, gname or self._in_run(f"{node}:grad{i}"), "grad", node,
                                               same_as=same))
             else:
                 gname = self._slot_grad(node, i) or self._in_run(f"{node}:gin{i}")
-                names.append(self._new_tensor(g, gname, "grad", None))
+                names.append(self.names.new_tensor(g, gname, "grad", None))
         return names
 
     def _received_as(self, node: str, g: torch.Tensor, received: tuple[Any, ...],
@@ -650,7 +683,7 @@ class AutogradMixin(LeafGradsMixin):
             return None
         rec = self._node_recs.get(node)
         order = VIEW_NODES.get(rec.kind.rstrip("0123456789")) if rec is not None else None
-        return self._view_source(g, base, order, zip(received, received_names))
+        return self.names.view_source(g, base, order, zip(received, received_names))
 
     def _pass_on(self, node: str, i: int, g: torch.Tensor, name: str, edge: tuple[str | None, int]) -> str:
         """A gradient ``node`` received and passes on unchanged (``AddBackward0`` hands its
@@ -665,13 +698,9 @@ class AutogradMixin(LeafGradsMixin):
         original = self.trace.tensors.get(name)
         if original is None:
             return name
-        edge_name = self._untaken(edge_name)
-        rec = dataclasses.replace(original, name=edge_name, role="grad", producer=node, seq=self._tensor_seq,
-                                  md5=None, fingerprint=None, hash_note=None, stats=None, previous=None)
-        self._tensor_seq += 1
-        self.trace.tensors[edge_name] = rec
+        edge_name = self.names.untaken(edge_name)
+        self.names.add_copy(original, edge_name, node)
         self._passed_on[(dest, k)] = (edge_name, weakref.ref(g), version_of(g))
-        self.hasher.same_as(rec, original)
         return edge_name
 
     def _made_by(self, tensor: str, calls: list[str]) -> bool:
@@ -750,7 +779,7 @@ class AutogradMixin(LeafGradsMixin):
     def _hook_accumulator_starts(self, accs: list[str]) -> None:
         """Give accumulators hooked alone their pre-hook after all: their leaf got a
         post-accumulate-grad hook after the forward (user code, whose calls read .grad while
-        the accumulator counts as running: see _name_leaf_grad)."""
+        the accumulator counts as running: see name_leaf_grad)."""
         for acc in accs:
             ref = self._acc_vars.get(acc)
             var = ref() if ref is not None else None
@@ -761,6 +790,38 @@ class AutogradMixin(LeafGradsMixin):
             if tag is not None and tuple(tag) == (self.trace_id, acc):
                 self._handles.append(node.register_prehook(functools.partial(node_hook, self._self_ref, acc)))
                 self._acc_post_only.discard(acc)
+
+    def forget_tensor(self, t: torch.Tensor) -> None:
+        """Drop every weak reference of the graph to ``t`` (``swap_tensors`` refuses a tensor
+        that has one; an accumulator's leaf among them: a new accumulator follows, swap_tensors
+        poisons the one it had)."""
+        self._acc_by_var.pop(t)
+        for name in [n for n, r in self._acc_vars.items() if r() is t]:
+            del self._acc_vars[name]
+        for key in [k for k, (r, _) in self._retained.items() if r() is t]:
+            del self._retained[key]
+        for slot in [k for k, v in self._passed_on.items() if v[1]() is t]:
+            del self._passed_on[slot]
+        for acc in [a for a, (r, _) in self._grad_unnamed.items() if r() is t]:
+            del self._grad_unnamed[acc]
+
+    def note_unnamed_hook_input(self, input_name: str) -> None:
+        """A tensor without a name met in a hook of a grad node whose run is not recorded
+        (``node_runs`` off): possibly a gradient that node received or produced, handed to a
+        hook registered on the node itself (``grad_fn.register_hook``), which gradtrace cannot
+        see. It stays ``input<k>`` (it may as well come from before the block); a note per
+        node says so and how to have the node's gradients named."""
+        if not self._unhooked:
+            return
+        node = self._engine_node()
+        if node is None or node not in self._unhooked or node in self._hook_inputs_noted:
+            return
+        self._hook_inputs_noted.add(node)
+        self.trace.notes.append(
+            f"a hook of grad node {node} read {input_name}, a tensor without a name: if it is one of the "
+            f"node's gradients (a hook registered on the node itself, grad_fn.register_hook, which gradtrace "
+            f"cannot see), its name is not known because the node's run was not recorded; "
+            f"trace(node_runs=True) names every node's gradients")
 
     def _engine_node(self) -> str | None:
         """The recorded name of the grad node the autograd engine runs on this thread now (the

@@ -47,7 +47,7 @@ class LeafGradsMixin(RecorderState):
         # by the hook's call), with that record's checksum and stats.
         incoming = step.grads_in[0]
         known = self.trace.tensors.get(incoming) if incoming is not None else None
-        step.grads_in[0] = self._new_tensor(g, slot, "grad", known.producer if known is not None else None,
+        step.grads_in[0] = self.names.new_tensor(g, slot, "grad", known.producer if known is not None else None,
                                             same_as=known if known is not None and version_of(g) == known.version
                                             else None)
 
@@ -57,14 +57,14 @@ class LeafGradsMixin(RecorderState):
         if g is None:
             self._grad_before[acc] = None
             return
-        hit = self._tensor_names.get(g)
+        hit = self.names.lookup(g)
         if hit is not None and hit[1] == version_of(g):
             self._grad_before[acc] = hit[0]
         elif hit is not None:  # changed where the trace could not see it
-            self._grad_before[acc] = self._name_at(g, version_of(g))
+            self._grad_before[acc] = self.names.name_at(g, version_of(g))
         else:
             base = f"{self._slot_tensor[(acc, 0)]}@grad"
-            self._grad_before[acc] = self._new_leaf_grad(g, names.version_name(base, 0), None, None)
+            self._grad_before[acc] = self.names.new_leaf_grad(g, names.version_name(base, 0), None, None)
         # The accumulator adds into an existing .grad in place (whoever else holds it), with no
         # op the recorder sees: a value of it still waiting for its checksum is read first.
         self.hasher.before_write([g])
@@ -89,7 +89,7 @@ class LeafGradsMixin(RecorderState):
             if g is None:
                 self._grad_before.pop(acc, None)
                 continue
-            hit = self._tensor_names.get(g)
+            hit = self.names.lookup(g)
             if hit is not None and hit[1] == version_of(g):
                 self._grad_before[acc] = hit[0]
             elif hit is None and not self._create_graph:
@@ -106,7 +106,7 @@ class LeafGradsMixin(RecorderState):
         would be at 0), it is a .grad from before the block that the accumulator added into.
         (A named one needs nothing: _name_accumulated sees its version change.)"""
         g = self._grad_of_leaf(acc)
-        if g is not None and self._tensor_names.get(g) is None and version_of(g) > 0:
+        if g is not None and self.names.lookup(g) is None and version_of(g) > 0:
             self._grad_unnamed[acc] = (weakref.ref(g), version_of(g) - 1)
 
     def _name_grad_from_before(self, acc: str) -> None:
@@ -120,18 +120,13 @@ class LeafGradsMixin(RecorderState):
         g = old if old is not None else self._grad_of_leaf(acc)
         if g is None:
             return
-        name = self._new_leaf_grad(g, names.version_name(f"{self._slot_tensor[(acc, 0)]}@grad", 0), None, None)
+        name = self.names.new_leaf_grad(g, names.version_name(f"{self._slot_tensor[(acc, 0)]}@grad", 0), None, None)
         self.trace.tensors[name].version = version
         # The old value itself (added into in place), else the new .grad that replaced it (added
         # out of place), which is not that value: its version -1 makes _name_accumulated see a
         # new version of this name in it.
-        self._tensor_names[g] = (name, version if old is not None else -1)
+        self.names.set_name(g, name, version if old is not None else -1)
         self._grad_before[acc] = name
-
-    def _new_leaf_grad(self, g: torch.Tensor, name: str, producer: str | None, previous: str | None) -> str:
-        name = self._new_tensor(g, name, "grad", producer, previous=previous)
-        self._index_alias(g)
-        return name
 
     def _name_accumulated(self, acc: str, step: NodeRun | None) -> None:
         """Hook of an accumulator (it has run): give its leaf's .grad its name."""
@@ -140,30 +135,30 @@ class LeafGradsMixin(RecorderState):
         if g is None:
             return
         ver = version_of(g)
-        hit = self._tensor_names.get(g)
+        hit = self.names.lookup(g)
         if hit is not None:
             if hit[1] != ver:  # accumulated in place
-                base = self._base_name(hit[0])
-                self._new_leaf_grad(g, self._bump(base), acc, hit[0])
+                base = names.base_name(hit[0])
+                self.names.new_leaf_grad(g, self.names.bump(base), acc, hit[0])
             return  # else: the incoming gradient itself, already named
         incoming = step.grads_in[0] if step is not None and step.grads_in else None
         if before is None and incoming is not None:
             # A copy of the incoming gradient (it was still referenced, so not stolen): the same
             # bytes under the same name.
-            self._tensor_names[g] = (incoming, ver)
-            self._index_alias(g)
+            self.names.set_name(g, incoming, ver)
+            self.names.index_alias(g)
             return
         base = f"{self._slot_tensor[(acc, 0)]}@grad"  # added out of place into the old .grad
-        self._new_leaf_grad(g, self._bump(base) if base in self.trace.tensors else base, acc, before)
+        self.names.new_leaf_grad(g, self.names.bump(base) if base in self.trace.tensors else base, acc, before)
 
-    def _name_leaf_grad(self, t: torch.Tensor, version: int) -> str | None:
+    def name_leaf_grad(self, t: torch.Tensor, version: int) -> str | None:
         """A tensor seen for the first time while an accumulator runs (a post-accumulate-grad hook
         reading .grad): the .grad the accumulator has just made, named as its hook would."""
         acc = self._running[-1]
         if acc not in self._acc_vars or self._grad_of_leaf(acc) is not t:
             return None
         self._name_accumulated(acc, self._open_steps.get(acc))
-        hit = self._tensor_names.get(t)
+        hit = self.names.lookup(t)
         # What the accumulator's own hook will find: .grad named, unchanged since.
         self._grad_before[acc] = None if hit is None else hit[0]
         return None if hit is None else hit[0]

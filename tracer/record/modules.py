@@ -219,7 +219,7 @@ class ModuleScopes(Part):
             dot = f"{full}." if full else ""
             params += [(dot + k, v) for k, v in sub._parameters.items() if v is not None]
             buffers += [(dot + k, v) for k, v in sub._buffers.items() if v is not None]
-        self.rec.name_by_paths(params, buffers)
+        self.rec.names.name_by_paths(params, buffers)
         return self._paths[module]
 
     # ---- compiled regions ----------------------------------------------------------------------

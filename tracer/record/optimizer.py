@@ -84,7 +84,7 @@ class OptimizerSteps(Part):
         """An optimizer step begins (``caller``: the frame that runs it): name what it reads and
         open its record."""
         rec = self.rec
-        rec.name_step_inputs(optimizer)
+        rec.names.name_step_inputs(optimizer)
         closure = (args[1] if len(args) > 1 else None) or (kwargs or {}).get("closure")
         if not (self._every_op or rec.paused or rec.stopped or closure is not None):
             # A closure (LBFGS) runs a forward and backward inside the step: those stay visible.
@@ -132,7 +132,7 @@ class OptimizerSteps(Part):
             vers = versions_of(ins)
             # A fresh trace meets the optimizer's state here first: hundreds of values, whose
             # stats are computed together (Hasher.submit_many).
-            in_names = rec.names_at(ins, vers)
+            in_names = rec.names.names_at(ins, vers)
             seq = rec.next_call_seq()
             name = rec.counters.next(cls.__name__)
             stack_id = rec.stack_table.capture()
@@ -199,7 +199,7 @@ class OptimizerSteps(Part):
             written = st.written if error is None else set()
             now = versions_of(st.call.ins)
             mutated = [t for t, v, n in zip(st.call.ins, st.versions, now) if n != v or identity(t) in written]
-            created = rec.name_new_state(st.optimizer, st.call.name, self._with_state)
+            created = rec.names.name_new_state(st.optimizer, st.call.name, self._with_state)
         # Its outputs are what it changed (as an in-place op returns its target) and what it made.
         call = rec.finish_call(st.call, mutated + created, mutated)
         if error is not None:

@@ -38,9 +38,9 @@ from tracer.record import naming
 from tracer.record.arrivals import install_rebuild_wrappers, uninstall_rebuild_wrappers
 from tracer.record.autograd import AutogradMixin
 from tracer.record.calls import CAPTURE_NOW, PendingCall
-from tracer.record.checksums.hasher import BATCH_MIN, Hasher
+from tracer.record.checksums.hasher import Hasher
 from tracer.record.compiled_functions import CompiledFunctionWatch
-from tracer.record.effects import OVERWRITING, SET_DATA_API, UNINITIALISED, Writes
+from tracer.record.effects import OVERWRITING, Writes
 from tracer.record.engine import install_engine_wrapper, uninstall_engine_wrapper
 from tracer.record.failsafe import passes_on
 from tracer.record.functions import (
@@ -56,7 +56,8 @@ from tracer.record.optimizer import OptimizerSteps
 from tracer.record.own_work import OWN_WORK
 from tracer.record.part import Part
 from tracer.record.stacks import user_stacklevel
-from tracer.record.swaps import SwapsMixin, install_swap_wrapper, uninstall_swap_wrapper
+from tracer.record.swaps import Swaps, install_swap_wrapper, uninstall_swap_wrapper
+from tracer.record.tensor_names import TensorNames
 from tracer.record.tensors import (
     GRAD_FN,
     call_tensors,
@@ -64,7 +65,6 @@ from tracer.record.tensors import (
     get_seq,
     grad_fn_of,
     same_view,
-    saved_tensor_hooks_active,
     unique,
     version_of,
     versions_of,
@@ -86,7 +86,7 @@ class _Unhashed:
         return getattr(self._real, name)
 
 
-class Recorder(AutogradMixin, SwapsMixin):
+class Recorder(AutogradMixin):
     """Owns every hook of one active trace and turns what they see into trace records."""
 
     def __init__(self, trace: Trace, options: TraceOptions, *,
@@ -97,7 +97,9 @@ class Recorder(AutogradMixin, SwapsMixin):
         self.functions = CustomFunctions(self)
         self.scopes = ModuleScopes(self)
         self.steps = OptimizerSteps(self)
-        self._parts: list[Part] = [self.functions, self.scopes, self.steps]
+        self.names = TensorNames(self)
+        self.swaps = Swaps(self)
+        self._parts: list[Part] = [self.functions, self.scopes, self.steps, self.names, self.swaps]
 
     # ---- installation -------------------------------------------------------------------------
     def install(self) -> None:
@@ -231,10 +233,11 @@ class Recorder(AutogradMixin, SwapsMixin):
         # Lists of exactly the right length (not grown by appends): they are kept in the Call.
         in_names = [""] * len(ins)
         with self.lock:
-            known = self._tensor_names.get
+            names = self.names
+            known = names.lookup
             for i, t in enumerate(ins):
-                hit = known(t)  # _name_at's usual outcome inlined: a tensor named before, unchanged
-                in_names[i] = hit[0] if hit is not None and hit[1] == vers[i] else self._name_at(
+                hit = known(t)  # name_at's usual outcome inlined: a tensor named before, unchanged
+                in_names[i] = hit[0] if hit is not None and hit[1] == vers[i] else names.name_at(
                     t, vers[i], short if i == 0 and short in OVERWRITING else None)
             seq = self._call_seq
             self._call_seq += 1
@@ -285,20 +288,21 @@ class Recorder(AutogradMixin, SwapsMixin):
         """``source.data`` returned ``alias`` (see ``name_data_alias``)."""
         if isinstance(source, torch.Tensor) and isinstance(alias, torch.Tensor):
             with self.lock, torch._C.DisableTorchFunction():
-                self.name_data_alias(source, alias)
+                self.names.name_data_alias(source, alias)
 
     def grad_alias(self, param: Any, grad: Any) -> None:
         """``param.grad`` returned ``grad`` (see ``name_grad_alias``)."""
-        hit = self._tensor_names.get(grad)
+        names = self.names
+        hit = names.lookup(grad)
         if hit is None:
             if isinstance(param, torch.Tensor):
                 with self.lock, torch._C.DisableTorchFunction():
-                    self.name_grad_alias(param, grad)
-        elif not self._in_backward and not hit[0].endswith("@grad"):  # (usually <param>@grad)
-            named = self._named.get(param)
+                    names.name_grad_alias(param, grad)
+        elif not self.in_backward and not hit[0].endswith("@grad"):  # (usually <param>@grad)
+            named = names.owned_name(param)
             if named is not None and named[1] == "param" and hit[1] == version_of(grad):
                 with self.lock, torch._C.DisableTorchFunction():
-                    self.name_assigned_grad(named[0], grad, hit)
+                    names.name_assigned_grad(named[0], grad, hit)
 
     def record_set_data(self, func: Any, api: str, short: str, args: tuple[Any, ...], kwargs: dict[str, Any],
                         writes: Writes | None) -> Any:
@@ -347,119 +351,45 @@ class Recorder(AutogradMixin, SwapsMixin):
                 stack_id = self.stack_table.capture(skip)
             if name is None:
                 name = self.counters.next(short)
-            # Inputs by identity, for what the call wrote or returned unchanged: built only where a
-            # scan of the inputs could cost more (by C calls: a comprehension is a Python frame).
-            in_pos = dict(zip(map(identity, ins), range(len(ins)))) if mutated or len(ins) > 4 else None
-            names_of: dict[int, str] = {}
-            # A call with many new values (an optimizer step, a foreach op) hands them to the
-            # hasher together: it reduces the small ones of one size in one go.
-            deferred = len(mutated) + len(outs) >= BATCH_MIN and self._defer_submits()
-            try:
-                # Lists of exactly the right length, filled in place (they are kept in the Call).
-                mutated_names = [""] * len(mutated)
-                if mutated:
-                    assert in_pos is not None
-                    tensors = self.trace.tensors
-                    versions = self._versions
-                    # Foreach ops and optimizer steps never resize, restride or retype a tensor.
-                    same_meta = kind == "optimizer" or api.startswith("torch._foreach_")
-                    for j, t in enumerate(mutated):  # an optimizer's foreach op changes ~150 at once
-                        old = in_names[in_pos[identity(t)]]
-                        old_rec = tensors.get(old)
-                        role = old_rec.role if old_rec is not None and old_rec.role in ("param", "buffer", "state") \
-                            else "output"
-                        head, sep, tail = old.rpartition("@v")  # names.base_name(old), inlined
-                        base = head if sep and tail.isdigit() else old
-                        n = versions.get(base, 0) + 1
-                        versions[base] = n
-                        new = self._new_tensor(t, names.version_name(base, n), role, name, previous=old,
-                                               like=old_rec if same_meta else None)
-                        names_of[identity(t)] = new
-                        mutated_names[j] = new
-                    if api == SET_DATA_API:
-                        # Its new bytes are the value's; no other tensor's bytes changed.
-                        self._index_alias(mutated[0])
-                    else:
-                        self._write_through_aliases(mutated, names_of, name, ins)
-                uninit = short in UNINITIALISED
-                n_outs = len(outs)
-                out_names = [""] * n_outs
-                tensor_names = self._tensor_names
-                for i, t in enumerate(outs):
-                    key = identity(t)
-                    known = names_of.get(key)
-                    if known is None and ins:  # returned an input unchanged (x.to(x.dtype))
-                        if in_pos is not None:
-                            if key in in_pos:
-                                known = in_names[in_pos[key]]
-                        else:
-                            for x, xname in zip(ins, in_names):
-                                if x is t:
-                                    known = xname
-                                    break
-                    if known is None and kind != "function":
-                        # A custom Function's outputs are the very tensors its forward's inner ops
-                        # made, but as the Function's outputs they carry its grad node: they are
-                        # named by the Function (MyFn0:out), not by the op inside it.
-                        hit = tensor_names.get(t)
-                        if hit is not None and hit[1] == version_of(t):
-                            known = hit[0]
-                    if known is None:
-                        known = self._new_tensor(t, names.output_name(name, i, n_outs), "output", name,
-                                                 uninitialized=uninit,
-                                                 same_as=self._same_values_input(t, short if kind == "op" else "", ins,
-                                                                                 in_names, names_of)
-                                                 if ins and not uninit and self._reads_values else None)
-                    names_of[key] = known
-                    out_names[i] = known
-            finally:
-                if deferred:
-                    self._submit_deferred()
-            if len(produced) > n_outs:
-                # What it wrote without returning it (foreach in-place ops, GradScaler's unscale
-                # return nothing) is among its outputs too.
-                out_names += [names_of[identity(t)] for t in produced[n_outs:]]
-            node_names: list[str] = []
-            local_kinds: dict[str, int] | None = None
-            for t, gf in zip(produced, grad_fns):
-                if gf is None:
-                    continue
-                if local_kinds is None:
-                    local_kinds = {}
-                    self._saved_hooks = saved_tensor_hooks_active()
-                root = self._collect_nodes(gf, seq0, seq1, name, stack_id, node_names, local_kinds)
-                if root is not None:
-                    self._slot_tensor[(root, t.output_nr)] = names_of[identity(t)]
-            running = self._running
-            parent = self.functions.innermost() or (running[-1] if running else None)
-            if parent is None and self._in_backward:  # a hook's op: the node whose hook it is
-                parent = self._engine_node()
-            module_now = self.scopes.innermost()
-            if module_now is not None:
-                module = module_now
-            else:  # in backward: the module of the running node's forward call
-                module = self._node_modules.get(running[-1], "") if running else ""
-            # The phase (tracer.record.phases): the usual call, inside a module's forward, decides
-            # with two tests.
-            if self._in_backward:
-                phase: Phase = "backward"
-            elif module_now is not None and kind != "optimizer":
-                phase = "forward"
-                if self.phases.window_open:
-                    self.phases.module_call()
-            else:
-                phase = self.phases.outside_modules(name, kind, in_names, produced, bool(mutated))
+            mutated_names, out_names, names_of = self.names.name_call_values(api, short, kind, name, ins, in_names,
+                                                                              outs, mutated, produced)
+            node_names = self.link_call_nodes(produced, grad_fns, seq0, seq1, name, stack_id, names_of)
+            parent, module, phase = self._context(name, kind, in_names, produced, bool(mutated))
             # Positional, in Call's field order: this runs for every recorded call.
             call = Call(name, api, module, in_names, out_names, naming.short_args(args, kwargs), node_names,
                         stack_id, parent, kind, phase, seq, mutated_names)  # type: ignore[arg-type]
-            if running and parent == running[-1]:  # made by a grad node's own code
-                step = self._open_steps.get(parent)
-                if step is not None:
-                    step.calls.append(name)
+            if parent is not None:
+                self.note_node_call(parent, name)
             self.append_call(call, tokens, produced)
         if self.on_records is not None:
             self.on_records()
         return call
+
+    def _context(self, name: str, kind: str, in_names: list[str], produced: list[torch.Tensor],
+                 wrote: bool) -> tuple[str | None, str, Phase]:
+        """Where the call ``name`` was made: its parent (the custom Function whose forward runs,
+        else the grad node whose code or hook runs), its module (in backward: the module of
+        the running node's forward call) and its phase (tracer.record.phases)."""
+        running = self.running_node
+        parent = self.functions.innermost() or running
+        in_backward = self.in_backward
+        if parent is None and in_backward:  # a hook's op: the node whose hook it is
+            parent = self._engine_node()
+        module_now = self.scopes.innermost()
+        if module_now is not None:
+            module = module_now
+        else:
+            module = self.module_of_node(running) if running is not None else ""
+        # The usual call, inside a module's forward, decides with two tests.
+        if in_backward:
+            phase: Phase = "backward"
+        elif module_now is not None and kind != "optimizer":
+            phase = "forward"
+            if self.phases.window_open:
+                self.phases.module_call()
+        else:
+            phase = self.phases.outside_modules(name, kind, in_names, produced, wrote)
+        return parent, module, phase
 
     # ---- the public recording API (features record their own calls through it) ---------------
     def begin_call(self, ins: list[torch.Tensor], *, api: str, short: str, kind: str,
@@ -471,7 +401,7 @@ class Recorder(AutogradMixin, SwapsMixin):
         waiting for its checksum is read first; the tensors it writes, when those are known: only
         the waiting values they reach; False or none: nothing is read first."""
         with self.lock, torch._C.DisableTorchFunction():
-            in_names = [self.name_of(t) for t in ins]
+            in_names = [self.names.name_of(t) for t in ins]
             seq = self._call_seq
             self._call_seq += 1
         # After the naming: an input first seen here is among what is read.
@@ -551,32 +481,37 @@ class Recorder(AutogradMixin, SwapsMixin):
         """The interned id of the caller's stack (None when stacks are off)."""
         return self.stack_table.capture(2)
 
+    def name_of(self, t: torch.Tensor) -> str:
+        """The current name of a tensor, registering it (and hashing it) on first sight."""
+        with self.lock:
+            return self.names.name_of(t)
+
     def current_name(self, t: torch.Tensor) -> str | None:
         """The name ``t`` has in the trace if its value has not changed since, else None."""
-        hit = self._tensor_names.get(t)
+        hit = self.names.lookup(t)
         return hit[0] if hit is not None and hit[1] == version_of(t) else None
 
     def known_name(self, t: torch.Tensor) -> str | None:
         """The last name ``t`` had in the trace, whatever happened to it since (None: never seen)."""
-        hit = self._tensor_names.get(t)
+        hit = self.names.lookup(t)
         return None if hit is None else hit[0]
 
     def param_name(self, t: torch.Tensor) -> str | None:
         """The module path of a parameter or buffer the trace has seen."""
-        named = self._named.get(t)
+        named = self.names.owned_name(t)
         return None if named is None else named[0]
 
     def new_version(self, t: torch.Tensor, of: str, role: Role, producer: str | None) -> str:
         """Record ``t`` as the next version of ``of`` (changed in place by ``producer``)."""
         with self.lock:
-            return self._new_tensor(t, self._bump(self._base_name(of)), role, producer, previous=of)
+            return self.names.new_tensor(t, self.names.bump(names.base_name(of)), role, producer, previous=of)
 
     def leaf_grad(self, t: torch.Tensor, param: str, producer: str | None, previous: str | None) -> str:
         """Record ``t`` as a value of leaf ``param``'s gradient: ``param@grad``, or its next
         version when that name is taken."""
         base = f"{param}@grad"
         with self.lock:
-            return self._new_leaf_grad(t, self._bump(base) if base in self.trace.tensors else base, producer,
+            return self.names.new_leaf_grad(t, self.names.bump(base) if base in self.trace.tensors else base, producer,
                                        previous)
 
     def module_path(self, module: torch.nn.Module) -> str | None:
