@@ -93,7 +93,7 @@ def test_a_fault_in_a_grad_nodes_hook_leaves_the_backward(monkeypatch: pytest.Mo
     def broken(*_: object) -> None:
         raise Fault("injected in a node hook")
 
-    monkeypatch.setattr(autograd.AutogradMixin, "node_end", broken)
+    monkeypatch.setattr(autograd.Graph, "node_end", broken)
     model = _model()
     with pytest.warns(RuntimeWarning), tracer.trace(hash="md5") as t:
         got = _step(model)
@@ -145,10 +145,10 @@ def _accumulating_step() -> list[torch.Tensor]:
 
 @pytest.mark.usefixtures("lenient")
 @pytest.mark.parametrize(("where", "after"), [
-    ("optimizer.OptimizerSteps.close", 0), ("autograd.AutogradMixin._accumulator", 2),
-    ("tensor_names.TensorNames.new_tensor", 20), ("autograd.AutogradMixin._collect_nodes", 3),
-    ("autograd.AutogradMixin._start_step", 1), ("autograd.AutogradMixin._grad_names", 5),
-    ("leaf_grads.LeafGradsMixin._name_accumulated", 2), ("tensor_names.TensorNames.write_through_aliases", 0)])
+    ("optimizer.OptimizerSteps.close", 0), ("autograd.Graph._accumulator", 2),
+    ("tensor_names.TensorNames.new_tensor", 20), ("autograd.Graph._collect_nodes", 3),
+    ("autograd.Graph._start_step", 1), ("autograd.Graph._grad_names", 5),
+    ("leaf_grads.LeafGrads.name_accumulated", 2), ("tensor_names.TensorNames.write_through_aliases", 0)])
 def test_a_fault_anywhere_in_the_recorder_leaves_the_result_and_a_loadable_trace(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, where: str, after: int) -> None:
     # ``where``: <module of tracer.record>.<class>.<method>, the recorder's part and its method.

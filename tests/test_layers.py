@@ -13,7 +13,7 @@ reading another's private names (docs/architecture.md draws the same rules).
   project: a module's privates are its own.
 - ``self._name`` where ``_name`` is a member (state or method) of a class in another file: a
   class's tables are read in the file that owns them, and other parts call its public methods
-  (the recorder's parts, docs/architecture.md). ``SHARED_MEMBERS_LEFT`` lists what is still shared.
+  (the recorder's parts, docs/architecture.md).
 
 Everything is read from the source (``ast``): nothing is imported.
 """
@@ -46,26 +46,6 @@ LAZY_OK = ("matplotlib", "triton", "graphviz", "transformers", "lightning", "pyt
            "tracer.record.checksums.triton_kernels", "torch.utils._debug_mode", "rich.progress")
 
 
-# Members still shared across files while the recorder's rooms become parts that own their state
-# (issue 44): what each module still reads of another file's class through ``self``. It only
-# shrinks: a new entry fails the test below, and one no longer needed must be taken out.
-SHARED_MEMBERS_LEFT: dict[str, frozenset[str]] = {
-    "tracer.record.autograd": frozenset({
-        "_acc_by_var", "_acc_post_only", "_acc_vars", "_adopted_kinds", "_call_seq", "_edges",
-        "_every_node_run", "_external_pending", "_flush_before", "_grad_unnamed", "_hook_inputs_noted",
-        "_infer_grad_before", "_name_accumulated", "_name_grad_from_before", "_name_leaf_incoming",
-        "_node_by_seq", "_node_modules", "_node_recs", "_note_grad_before", "_note_grads_before",
-        "_open_runs", "_open_steps", "_passed_on", "_retained", "_running", "_self_ref", "_slot_grad",
-        "_slot_tensor", "_unhooked"
-    }),
-    "tracer.record.leaf_grads": frozenset({
-        "_acc_post_only", "_acc_vars", "_create_graph", "_grad_before", "_grad_unnamed", "_open_steps",
-        "_run_index", "_running", "_slot_tensor"
-    }),
-    "tracer.record.recorder": frozenset({
-        "_engine_node", "_handles", "_in_backward", "_open_runs", "_run_index", "_running"
-    }),
-}
 
 
 @dataclass(frozen=True)
@@ -268,14 +248,7 @@ def test_no_module_reads_another_modules_privates() -> None:
 
 
 def test_a_class_keeps_its_members_to_its_file() -> None:
-    found: dict[str, set[str]] = {}
-    for v in self_private_violations(MODULES):
-        module, rest = v.split(":", 1)
-        found.setdefault(module, set()).add(rest.split("self.", 1)[1].split(" ", 1)[0])
-    new = {m: sorted(names - SHARED_MEMBERS_LEFT.get(m, frozenset())) for m, names in found.items()}
-    assert {m: names for m, names in new.items() if names} == {}
-    stale = {m: sorted(names - found.get(m, set())) for m, names in SHARED_MEMBERS_LEFT.items()}
-    assert {m: names for m, names in stale.items() if names} == {}, "no longer shared: take them out of the list"
+    assert self_private_violations(MODULES) == []
 
 
 def test_a_member_read_from_another_file_is_caught(tmp_path) -> None:

@@ -279,6 +279,7 @@ class _Seen:
         self.owner = threading.get_ident()  # the hooks record only for the tracing thread
         self.events: list[tuple[str, str, tuple[object, ...]]] = []
         self.received: list[tuple[object, ...]] = []  # the hook's grad_outputs (an accumulator's own need them)
+        self.graph = self  # the recorder's part that hears node events (tracer.record.autograd.Graph)
 
     def node_begin(self, name: str, grads: tuple[object, ...]) -> None:
         self.events.append(("begin", name, grads))

@@ -121,12 +121,12 @@ class RecordingMode(TorchFunctionMode):
                     func = tensor_backward_of(func)
                 return func(*args, **kwargs)
             if kind == "backward":
-                return rec.record_backward(tensor_backward_of(func) if api == "Tensor.backward" else func, api, args,
+                return rec.graph.record_backward(tensor_backward_of(func) if api == "Tensor.backward" else func, api, args,
                                            kwargs)
             if kind == "hook":
                 try:
                     with OWN_WORK():
-                        rec.tensor_hook_registered()
+                        rec.graph.tensor_hook_registered()
                 except Exception as exc:
                     rec.recorder_failed(exc)
                 return func(*args, **kwargs)
@@ -134,7 +134,7 @@ class RecordingMode(TorchFunctionMode):
                 out = func(*args, **kwargs)
                 try:
                     with OWN_WORK():
-                        rec.grad_retained(args[0])
+                        rec.graph.grad_retained(args[0])
                 except Exception as exc:
                     rec.recorder_failed(exc)
                 return out

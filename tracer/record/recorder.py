@@ -25,6 +25,8 @@ outputs reach it (documented in the trace header as ``node_attribution``).
 from __future__ import annotations
 
 import contextlib
+import itertools
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
@@ -33,16 +35,16 @@ import torch
 
 from tracer.model import Call, TensorRecord, Trace, names
 from tracer.model.records import CallKind, Phase, Role
-from tracer.options import TraceOptions
+from tracer.options import RaisedOnPurpose, TraceOptions
 from tracer.record import naming
 from tracer.record.arrivals import install_rebuild_wrappers, uninstall_rebuild_wrappers
-from tracer.record.autograd import AutogradMixin
+from tracer.record.autograd import Graph
 from tracer.record.calls import CAPTURE_NOW, PendingCall
 from tracer.record.checksums.hasher import Hasher
 from tracer.record.compiled_functions import CompiledFunctionWatch
 from tracer.record.effects import OVERWRITING, Writes
 from tracer.record.engine import install_engine_wrapper, uninstall_engine_wrapper
-from tracer.record.failsafe import passes_on
+from tracer.record.failsafe import failure_note, passes_on
 from tracer.record.functions import (
     CustomFunctions,
     active_recorder,
@@ -50,12 +52,14 @@ from tracer.record.functions import (
     uninstall_apply_wrapper,
 )
 from tracer.record.identity import identity
+from tracer.record.listeners import Listener
 from tracer.record.mode import RecordingMode
 from tracer.record.modules import ModuleScopes
 from tracer.record.optimizer import OptimizerSteps
 from tracer.record.own_work import OWN_WORK
 from tracer.record.part import Part
-from tracer.record.stacks import user_stacklevel
+from tracer.record.phases import PhaseTracker
+from tracer.record.stacks import NoStacks, Stacks, StackTable, user_stacklevel
 from tracer.record.swaps import Swaps, install_swap_wrapper, uninstall_swap_wrapper
 from tracer.record.tensor_names import TensorNames
 from tracer.record.tensors import (
@@ -69,6 +73,8 @@ from tracer.record.tensors import (
     version_of,
     versions_of,
 )
+
+_TRACE_IDS = itertools.count()
 
 
 class _Unhashed:
@@ -86,12 +92,41 @@ class _Unhashed:
         return getattr(self._real, name)
 
 
-class Recorder(AutogradMixin):
-    """Owns every hook of one active trace and turns what they see into trace records."""
+class Recorder:
+    """Owns every hook of one active trace and turns what they see into trace records: a façade
+    over the parts that own the recorder's state (docs/architecture.md, "The recorder's parts"),
+    holding what they share (the trace, the lock, the hasher, the flags)."""
 
     def __init__(self, trace: Trace, options: TraceOptions, *,
                  on_records: Callable[[], None] | None = None) -> None:
-        super().__init__(trace, options, on_records=on_records)
+        self.trace = trace
+        self.options = options
+        self.owner = threading.get_ident()
+        self.lock = threading.RLock()
+        self.api = naming.ApiNames()
+        self.counters = naming.Counters()
+        self.stack_table: Stacks = StackTable() if options.stacks else NoStacks()
+        self.hasher = Hasher(options.hash, stats=options.effective_stats)
+        # The recorder's own hasher (``hasher`` is a stand-in while ``unhashed`` runs).
+        self.own_hasher = self.hasher
+        self.on_records = on_records
+        self.listeners: list[Listener] = []
+        self.paused = False
+        self.closed = False
+        # Set when a bound (max_calls) is reached: from then on nothing more is recorded.
+        self.stopped = False
+        self.failed = False  # gradtrace's own code failed while recording (recorder_failed)
+        self.max_calls: int | None = options.max_calls
+        # Set by tracer.features.distributed: (recorder, function) -> the recording wrapper of a
+        # collective the mode met, or None.
+        self.collective_hook: Callable[[Any, Any], Callable[..., Any] | None] | None = None
+        self.phases = PhaseTracker(trace.tensors)  # which phase each call is in
+        # >0 while a recorded op runs: a Function applied inside an op (a torch.library custom
+        # op's generated autograd Function) is that op's implementation, not a call of its own.
+        self.op_depth = 0
+        self.call_seq = 0  # the place in the trace of the next call to begin
+        self.trace_id = next(_TRACE_IDS)
+        self.node_attribution = "sequence-number" if get_seq is not None else "first-seen"
         self.mode = RecordingMode(self)
         self._compiled_functions = CompiledFunctionWatch(self)
         self.functions = CustomFunctions(self)
@@ -99,7 +134,8 @@ class Recorder(AutogradMixin):
         self.steps = OptimizerSteps(self)
         self.names = TensorNames(self)
         self.swaps = Swaps(self)
-        self._parts: list[Part] = [self.functions, self.scopes, self.steps, self.names, self.swaps]
+        self.graph = Graph(self)
+        self._parts: list[Part] = [self.functions, self.scopes, self.steps, self.names, self.swaps, self.graph]
 
     # ---- installation -------------------------------------------------------------------------
     def install(self) -> None:
@@ -134,12 +170,7 @@ class Recorder(AutogradMixin):
             uninstall_engine_wrapper()
             uninstall_swap_wrapper()
             uninstall_rebuild_wrappers()
-            for h in self._handles:
-                try:
-                    h.remove()
-                except Exception:  # a handle whose owner is gone already
-                    pass
-            self._handles.clear()
+            self.graph.remove_hooks()
             self.steps.remove_hooks()
             self.scopes.remove_hooks()
             self.stack_table.clear_scopes()
@@ -162,12 +193,12 @@ class Recorder(AutogradMixin):
         """How many backward runs, from the first, are finished: the records a streamed file may
         hold. A run still open (one whose nested runs are running included) and every run after it
         are still being filled."""
-        return min(self._open_runs, default=len(self.trace.backward_runs))
+        return self.graph.finished_runs
 
     @property
     def in_backward(self) -> bool:
         """Whether a backward run of this trace is in progress."""
-        return self._in_backward > 0
+        return self.graph.in_backward
 
     @property
     def current_module(self) -> str:
@@ -177,7 +208,30 @@ class Recorder(AutogradMixin):
     @property
     def running_node(self) -> str | None:
         """The grad node running now (innermost), when a backward is in progress."""
-        return self._running[-1] if self._running else None
+        return self.graph.running_node
+
+    def phase_of(self, name: str, kind: str, in_names: Sequence[str], produced: Sequence[Any],
+                 writes: bool = False) -> Phase:
+        """The phase of a call named ``name`` about to be recorded (tracer.record.phases): for
+        features that build their own ``Call`` (collectives, custom Functions). ``writes``: it
+        wrote a tensor in place."""
+        if self.graph.in_backward:
+            return "backward"
+        if kind != "optimizer" and self.scopes.innermost() is not None:
+            return self.phases.module_call()
+        return self.phases.outside_modules(name, kind, in_names, produced, writes)
+
+    def recorder_failed(self, exc: Exception) -> None:
+        """gradtrace's own code raised ``exc`` while recording, inside the user's program
+        (tracer.record.failsafe): stop recording and keep the trace; or pass ``exc`` on, when
+        gradtrace raised it on purpose or runs strict."""
+        __tracebackhide__ = True
+        if isinstance(exc, RaisedOnPurpose):  # (its traceback below here is gradtrace's own)
+            raise exc.with_traceback(None) from exc.__cause__
+        if passes_on(exc):
+            raise exc
+        self.failed = True
+        self.stop(failure_note(exc))
 
     def stop(self, reason: str) -> None:
         """Stop recording cleanly (a bound was reached); the trace and the console say why."""
@@ -239,8 +293,8 @@ class Recorder(AutogradMixin):
                 hit = known(t)  # name_at's usual outcome inlined: a tensor named before, unchanged
                 in_names[i] = hit[0] if hit is not None and hit[1] == vers[i] else names.name_at(
                     t, vers[i], short if i == 0 and short in OVERWRITING else None)
-            seq = self._call_seq
-            self._call_seq += 1
+            seq = self.call_seq
+            self.call_seq += 1
         tokens = [li.before_call() for li in self.listeners] if self.listeners else None
         seq0 = get_seq() if get_seq is not None else None
         # What the op's schema says this call writes (most schemas name an ``out=`` that the
@@ -353,13 +407,13 @@ class Recorder(AutogradMixin):
                 name = self.counters.next(short)
             mutated_names, out_names, names_of = self.names.name_call_values(api, short, kind, name, ins, in_names,
                                                                               outs, mutated, produced)
-            node_names = self.link_call_nodes(produced, grad_fns, seq0, seq1, name, stack_id, names_of)
+            node_names = self.graph.link_call_nodes(produced, grad_fns, seq0, seq1, name, stack_id, names_of)
             parent, module, phase = self._context(name, kind, in_names, produced, bool(mutated))
             # Positional, in Call's field order: this runs for every recorded call.
             call = Call(name, api, module, in_names, out_names, naming.short_args(args, kwargs), node_names,
                         stack_id, parent, kind, phase, seq, mutated_names)  # type: ignore[arg-type]
             if parent is not None:
-                self.note_node_call(parent, name)
+                self.graph.note_node_call(parent, name)
             self.append_call(call, tokens, produced)
         if self.on_records is not None:
             self.on_records()
@@ -374,12 +428,12 @@ class Recorder(AutogradMixin):
         parent = self.functions.innermost() or running
         in_backward = self.in_backward
         if parent is None and in_backward:  # a hook's op: the node whose hook it is
-            parent = self._engine_node()
+            parent = self.graph.engine_node()
         module_now = self.scopes.innermost()
         if module_now is not None:
             module = module_now
         else:
-            module = self.module_of_node(running) if running is not None else ""
+            module = self.graph.module_of_node(running) if running is not None else ""
         # The usual call, inside a module's forward, decides with two tests.
         if in_backward:
             phase: Phase = "backward"
@@ -402,8 +456,8 @@ class Recorder(AutogradMixin):
         the waiting values they reach; False or none: nothing is read first."""
         with self.lock, torch._C.DisableTorchFunction():
             in_names = [self.names.name_of(t) for t in ins]
-            seq = self._call_seq
-            self._call_seq += 1
+            seq = self.call_seq
+            self.call_seq += 1
         # After the naming: an input first seen here is among what is read.
         if may_write is True:
             self.hasher.before_write()
@@ -469,8 +523,8 @@ class Recorder(AutogradMixin):
     def next_call_seq(self) -> int:
         """The place in the trace of a call about to start."""
         with self.lock:
-            seq = self._call_seq
-            self._call_seq += 1
+            seq = self.call_seq
+            self.call_seq += 1
             return seq
 
     def call_name(self, short: str) -> str:
@@ -527,7 +581,7 @@ class Recorder(AutogradMixin):
     @property
     def run_index(self) -> int:
         """The index of the backward run in progress or last run (0 before any)."""
-        return max(self._run_index, 0)
+        return self.graph.run_index
 
     def _record_failed(self, api: str, short: str, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any],
                        in_names: list[str], seq: int, exc: BaseException) -> None:

@@ -75,7 +75,7 @@ class Swaps(Part):
         (the graph's references, an accumulator's leaf among them, are dropped: a new
         accumulator follows, swap_tensors poisons the one it had)."""
         held = self.rec.names.take_off(t)
-        self.rec.forget_tensor(t)
+        self.rec.graph.forget_tensor(t)
         return held
 
     def _after_swap(self, t1: torch.Tensor, t2: torch.Tensor, held: tuple[Held, Held], swapped: bool) -> None:

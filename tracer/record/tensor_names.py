@@ -427,7 +427,7 @@ class TensorNames(Part):
             self.index_alias(t, key)
             return name
         if self.rec.running_node is not None:
-            leaf = self.rec.name_leaf_grad(t, version)
+            leaf = self.rec.graph.name_leaf_grad(t, version)
             if leaf is not None:
                 return leaf
         if self._aliases:
@@ -452,7 +452,7 @@ class TensorNames(Part):
             return name
         name = self.new_tensor(t, f"input{self._inputs - 1}", "input", None)
         if self.rec.in_backward:
-            self.rec.note_unnamed_hook_input(name)
+            self.rec.graph.note_unnamed_hook_input(name)
         self.index_alias(t)
         return name
 

@@ -41,14 +41,14 @@ from typing import Any, cast
 
 import torch.overrides
 
-from tracer.record.autograd import AutogradMixin
+from tracer.record.autograd import Graph
 from tracer.record.mode import RecordingMode
 from tracer.record.recorder import Recorder
 
 # The frames that run a traced op: the mode's handler and the recorder methods it calls.
 _HANDLER: CodeType = RecordingMode.__torch_function__.__code__
 _RUNNERS: frozenset[CodeType] = frozenset({_HANDLER, Recorder.record_call.__code__,
-                                           AutogradMixin.record_backward.__code__})
+                                           Graph.record_backward.__code__})
 _RUNNER_FILES = frozenset(c.co_filename for c in _RUNNERS)
 # A Python-level torch function (F.softmax, Tensor.__format__...) reaches the handler through
 # handle_torch_function; the op's caller is the one that called that public function.
