@@ -169,7 +169,7 @@ def test_a_fault_before_a_call_is_recorded_leaves_the_call(monkeypatch: pytest.M
     # Two checks that run in the mode's handler before record_call's own guard: whether a
     # ``.data =`` changes anything (a lazy module's first forward made it raise), and the
     # description of a torch function met for the first time.
-    from tracer.record import recorder
+    from tracer.record import capture
 
     def materialise_and_step() -> list[torch.Tensor]:
         model = _model()
@@ -179,7 +179,7 @@ def test_a_fault_before_a_call_is_recorded_leaves_the_call(monkeypatch: pytest.M
 
     want = materialise_and_step()
     if where == "same_view":
-        _fail_after(monkeypatch, recorder, "same_view", 0)  # type: ignore[arg-type]
+        _fail_after(monkeypatch, capture, "same_view", 0)  # type: ignore[arg-type]
     else:
         _fail_after(monkeypatch, naming.ApiNames, "describe", 0)
     with pytest.warns(RuntimeWarning, match="gradtrace failed while recording"), tracer.trace(hash="md5") as t:

@@ -139,7 +139,7 @@ class RecordingMode(TorchFunctionMode):
                     rec.recorder_failed(exc)
                 return out
             if kind == "set_data":
-                return rec.record_set_data(func, api, short, args, kwargs, writes)
+                return rec.capture.record_set_data(func, api, short, args, kwargs, writes)
             if kind == "collective":
                 # References to collectives taken before the trace land here, not in the wrappers
                 # (tracer.features.distributed sets the hook while a process group is traced).
@@ -148,7 +148,7 @@ class RecordingMode(TorchFunctionMode):
                 if wrapped is not None:
                     return wrapped(*args, **kwargs)
                 kind = "op"
-            return rec.record_call(func, api, short, kind, args, kwargs, writes)
+            return rec.capture.record_call(func, api, short, kind, args, kwargs, writes)
 
         except Exception as exc:
             if isinstance(exc, RaisedOnPurpose):

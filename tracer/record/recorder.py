@@ -39,10 +39,10 @@ from tracer.options import RaisedOnPurpose, TraceOptions
 from tracer.record import naming
 from tracer.record.arrivals import install_rebuild_wrappers, uninstall_rebuild_wrappers
 from tracer.record.autograd import Graph
-from tracer.record.calls import CAPTURE_NOW, PendingCall
+from tracer.record.calls import PendingCall
+from tracer.record.capture import PythonCapture
 from tracer.record.checksums.hasher import Hasher
 from tracer.record.compiled_functions import CompiledFunctionWatch
-from tracer.record.effects import OVERWRITING, Writes
 from tracer.record.engine import install_engine_wrapper, uninstall_engine_wrapper
 from tracer.record.failsafe import failure_note, passes_on
 from tracer.record.functions import (
@@ -51,27 +51,18 @@ from tracer.record.functions import (
     install_apply_wrapper,
     uninstall_apply_wrapper,
 )
-from tracer.record.identity import identity
 from tracer.record.listeners import Listener
 from tracer.record.mode import RecordingMode
 from tracer.record.modules import ModuleScopes
 from tracer.record.optimizer import OptimizerSteps
-from tracer.record.own_work import OWN_WORK
 from tracer.record.part import Part
 from tracer.record.phases import PhaseTracker
 from tracer.record.stacks import NoStacks, Stacks, StackTable, user_stacklevel
 from tracer.record.swaps import Swaps, install_swap_wrapper, uninstall_swap_wrapper
 from tracer.record.tensor_names import TensorNames
 from tracer.record.tensors import (
-    GRAD_FN,
-    call_tensors,
-    flat_tensors,
     get_seq,
-    grad_fn_of,
-    same_view,
-    unique,
     version_of,
-    versions_of,
 )
 
 _TRACE_IDS = itertools.count()
@@ -135,7 +126,9 @@ class Recorder:
         self.names = TensorNames(self)
         self.swaps = Swaps(self)
         self.graph = Graph(self)
-        self._parts: list[Part] = [self.functions, self.scopes, self.steps, self.names, self.swaps, self.graph]
+        self.capture = PythonCapture(self)
+        self._parts: list[Part] = [self.functions, self.scopes, self.steps, self.names, self.swaps, self.graph,
+                                   self.capture]
 
     # ---- installation -------------------------------------------------------------------------
     def install(self) -> None:
@@ -241,103 +234,6 @@ class Recorder:
         self.trace.notes.append(reason)
         warnings.warn(f"gradtrace: {reason}", RuntimeWarning, stacklevel=user_stacklevel())
 
-    # ---- forward calls ------------------------------------------------------------------------
-    def record_call(self, func: Any, api: str, short: str, kind: str, args: tuple[Any, ...],
-                    kwargs: dict[str, Any], writes: Writes | None = None) -> Any:
-        # Three parts: before the op, the op, after it. A failure of gradtrace's own code
-        # before or after stops the recording and leaves the op to run (tracer.record.failsafe);
-        # the op's own exception is recorded and goes on to the program. The parts before and
-        # after are gradtrace's own work, which no mode of the program's sees (OWN_WORK, see
-        # tracer.record.own_work); the op runs under the modes the program called it under.
-        try:
-            with OWN_WORK():
-                before = self._before_call(api, short, kind, args, kwargs, writes)
-        except Exception as exc:
-            self.recorder_failed(exc)
-            return func(*args, **kwargs)
-        ins, vers, in_names, seq, tokens, seq0, written = before
-        self.op_depth += 1
-        try:
-            out = func(*args, **kwargs)
-        except BaseException as exc:
-            try:
-                self._record_failed(api, short, kind, args, kwargs, in_names, seq, exc)
-            except Exception as own:
-                self.recorder_failed(own)
-            raise
-        finally:
-            self.op_depth -= 1
-        marks = (len(self.trace.calls), len(self.trace.tensors), len(self.trace.grad_nodes))
-        try:
-            with OWN_WORK():
-                self._after_call(api, short, kind, args, kwargs, ins, vers, in_names, seq, seq0, tokens, written,
-                                 out)
-        except Exception as exc:
-            if not passes_on(exc):  # (a stop raised on purpose keeps the call that raised it)
-                self._roll_back(marks)
-            self.recorder_failed(exc)
-        return out
-
-    def _before_call(self, api: str, short: str, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-                     writes: Writes | None) -> tuple[list[torch.Tensor], list[int], list[str], int,
-                                                     list[Any] | None, int | None, list[torch.Tensor] | None]:
-        """Name a call's inputs and take its place, before the op runs."""
-        ins = call_tensors(args, kwargs)
-        vers = versions_of(ins)
-        # Lists of exactly the right length (not grown by appends): they are kept in the Call.
-        in_names = [""] * len(ins)
-        with self.lock:
-            names = self.names
-            known = names.lookup
-            for i, t in enumerate(ins):
-                hit = known(t)  # name_at's usual outcome inlined: a tensor named before, unchanged
-                in_names[i] = hit[0] if hit is not None and hit[1] == vers[i] else names.name_at(
-                    t, vers[i], short if i == 0 and short in OVERWRITING else None)
-            seq = self.call_seq
-            self.call_seq += 1
-        tokens = [li.before_call() for li in self.listeners] if self.listeners else None
-        seq0 = get_seq() if get_seq is not None else None
-        # What the op's schema says this call writes (most schemas name an ``out=`` that the
-        # call does not pass: then it writes nothing).
-        written = writes.tensors(args, kwargs) if writes is not None else None
-        if self.hasher.active:
-            # Tensors waiting for a checksum are read before a write: only those the write can
-            # reach when the schema names every tensor written, else all of them.
-            if kind != "op" or "out" in kwargs or kwargs.get("inplace") is True:
-                self.hasher.before_write()
-            elif written:
-                self.hasher.before_write(written)
-        return ins, vers, in_names, seq, tokens, seq0, written
-
-    def _after_call(self, api: str, short: str, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-                    ins: list[torch.Tensor], vers: list[int], in_names: list[str], seq: int, seq0: int | None,
-                    tokens: list[Any] | None, written: list[torch.Tensor] | None, out: Any) -> None:
-        """Record a call whose op has returned ``out``."""
-        outs = unique(flat_tensors(out))
-        mutated: list[torch.Tensor] = []
-        if ins:
-            now = versions_of(ins)
-            if written:  # what the op's schema says it writes, whatever the version counters say
-                ids = {identity(t) for t in written}
-                mutated = [t for t, v, n in zip(ins, vers, now) if n != v or identity(t) in ids]
-            elif now != vers:  # one comparison in C for the usual call that changes nothing
-                mutated = [t for t, v, n in zip(ins, vers, now) if n != v]
-        if not outs and not mutated:
-            return  # metadata queries and conversions: noise, not a call
-        # The stack starts at the caller of the mode's handler: capture <- _finish_call <-
-        # _after_call <- record_call <- _Mode.__torch_function__ <- the caller.
-        self._finish_call(api, short, kind, args, kwargs, ins, in_names, outs, mutated, seq, seq0, tokens=tokens,
-                          skip=5)
-
-    def _roll_back(self, marks: tuple[int, int, int]) -> None:
-        """Take back what a call that failed half-way recorded (its records would link to
-        names no record has)."""
-        calls, tensors, nodes = marks
-        del self.trace.calls[calls:]
-        del self.trace.grad_nodes[nodes:]
-        for name in list(self.trace.tensors)[tensors:]:
-            del self.trace.tensors[name]
-
     def data_alias(self, source: Any, alias: Any) -> None:
         """``source.data`` returned ``alias`` (see ``name_data_alias``)."""
         if isinstance(source, torch.Tensor) and isinstance(alias, torch.Tensor):
@@ -358,65 +254,27 @@ class Recorder:
                 with self.lock, torch._C.DisableTorchFunction():
                     names.name_assigned_grad(named[0], grad, hit)
 
-    def record_set_data(self, func: Any, api: str, short: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-                        writes: Writes | None) -> Any:
-        """``t.data = v``: from now on ``t`` shows ``v``'s bytes, its version counter unchanged
-        (``Module.to``/``.half()``/``.float()`` on every parameter and its ``.grad``,
-        ``vector_to_parameters``). Recorded as a call that writes ``t``: a new version of it,
-        read again. Assigning ``t`` a view of its own bytes (``Module.to`` to the device and
-        dtype it has already) changes nothing and is not recorded."""
-        target = args[0] if args else None
-        value = args[1] if len(args) > 1 else None
-        try:
-            with OWN_WORK():
-                unchanged = not isinstance(target, torch.Tensor) or not isinstance(value, torch.Tensor) \
-                    or value is target or same_view(target, value)
-        except Exception as exc:  # gradtrace's own fault: see tracer.record.failsafe
-            self.recorder_failed(exc)
-            return func(*args, **kwargs)
-        if unchanged:
-            return func(*args, **kwargs)
-        return self.record_call(func, api, short, "op", args, kwargs, writes)
-
-    def _finish_call(self, api: str, short: str, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-                     ins: list[torch.Tensor], in_names: list[str], outs: list[torch.Tensor],
-                     mutated: list[torch.Tensor], seq: int, seq0: int | None,
-                     name: str | None = None, tokens: list[Any] | None = None,
-                     stack_id: int | None = CAPTURE_NOW, skip: int = 2) -> Call:
-        """Record a finished call. ``skip``: where the stack capture starts, counted outwards from
-        the capture's own frame (0); every frame it jumps must be the recorder's. Jumped frames
-        are not read, and under an audit hook each read frame costs one (see tracer.record.identity)."""
-        if mutated:
-            # By identity through a set: an in-place foreach op returns the ~150 tensors it also
-            # mutated, and a pairwise test was quadratic in them.
-            out_ids = {identity(o) for o in outs}
-            produced = outs + [t for t in mutated if identity(t) not in out_ids]
-        else:
-            produced = outs
-        # Read grad_fn inside the bracket: an in-place change through a view regenerates the
-        # base's grad_fn lazily (CopySlices), and it must land on this call.
-        try:
-            grad_fns = list(map(GRAD_FN, produced))
-        except RuntimeError:  # a view made under no_grad whose base changed in place refuses it
-            grad_fns = [grad_fn_of(t) for t in produced]
-        seq1 = get_seq() if get_seq is not None else None
-        with self.lock, torch._C.DisableTorchFunction():
-            if stack_id == CAPTURE_NOW:
-                stack_id = self.stack_table.capture(skip)
-            if name is None:
-                name = self.counters.next(short)
-            mutated_names, out_names, names_of = self.names.name_call_values(api, short, kind, name, ins, in_names,
-                                                                              outs, mutated, produced)
-            node_names = self.graph.link_call_nodes(produced, grad_fns, seq0, seq1, name, stack_id, names_of)
-            parent, module, phase = self._context(name, kind, in_names, produced, bool(mutated))
-            # Positional, in Call's field order: this runs for every recorded call.
-            call = Call(name, api, module, in_names, out_names, naming.short_args(args, kwargs), node_names,
-                        stack_id, parent, kind, phase, seq, mutated_names)  # type: ignore[arg-type]
-            if parent is not None:
-                self.graph.note_node_call(parent, name)
-            self.append_call(call, tokens, produced)
-        if self.on_records is not None:
-            self.on_records()
+    def record_captured(self, api: str, short: str, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                        ins: list[torch.Tensor], in_names: list[str], outs: list[torch.Tensor],
+                        mutated: list[torch.Tensor], produced: list[torch.Tensor], grad_fns: list[Any], seq: int,
+                        seq0: int | None, seq1: int | None, name: str | None, tokens: list[Any] | None,
+                        stack_id: int | None) -> Call:
+        """Record a call the capture has closed (``PythonCapture.close``: what it returned and
+        wrote, their grad_fn, its sequence-number bracket [``seq0``, ``seq1``) and its stack), in
+        phases: its values named, its grad nodes named and linked, where it was made, its record
+        appended. The caller holds the lock, with torch functions off."""
+        if name is None:
+            name = self.counters.next(short)
+        mutated_names, out_names, names_of = self.names.name_call_values(api, short, kind, name, ins, in_names, outs,
+                                                                          mutated, produced)
+        node_names = self.graph.link_call_nodes(produced, grad_fns, seq0, seq1, name, stack_id, names_of)
+        parent, module, phase = self._context(name, kind, in_names, produced, bool(mutated))
+        # Positional, in Call's field order: this runs for every recorded call.
+        call = Call(name, api, module, in_names, out_names, naming.short_args(args, kwargs), node_names,
+                    stack_id, parent, kind, phase, seq, mutated_names)  # type: ignore[arg-type]
+        if parent is not None:
+            self.graph.note_node_call(parent, name)
+        self.append_call(call, tokens, produced)
         return call
 
     def _context(self, name: str, kind: str, in_names: list[str], produced: list[torch.Tensor],
@@ -472,9 +330,9 @@ class Recorder:
         """Record a call begun with ``begin_call`` that returned ``outs`` and wrote ``mutated``."""
         p = pending
         with torch._C.DisableTorchFunction():
-            return self._finish_call(p.api, p.short, p.kind, args, kwargs or {}, p.ins, p.in_names, outs,
-                                     list(mutated), p.seq, p.seq0, name=p.name, tokens=p.tokens,
-                                     stack_id=p.stack_id, skip=3)
+            return self.capture.close(p.api, p.short, p.kind, args, kwargs or {}, p.ins, p.in_names, outs,
+                                      list(mutated), p.seq, p.seq0, name=p.name, tokens=p.tokens,
+                                      stack_id=p.stack_id, skip=3)
 
     def fail_call(self, pending: PendingCall, exc: BaseException, *, args: tuple[Any, ...] = (),
                   kwargs: dict[str, Any] | None = None) -> None:
@@ -483,7 +341,7 @@ class Recorder:
         if p.name is not None:
             self.functions.record_failed(p.name, p.api, args, kwargs or {}, p.in_names, p.seq, exc)
         else:
-            self._record_failed(p.api, p.short, p.kind, args, kwargs or {}, p.in_names, p.seq, exc)
+            self.record_raised(p.api, p.short, p.kind, args, kwargs or {}, p.in_names, p.seq, exc)
 
     def add_call(self, call: Call, produced: Sequence[torch.Tensor] = ()) -> Call:
         """Add a call whose records the caller made itself (``next_call_seq``, ``call_name``,
@@ -583,8 +441,9 @@ class Recorder:
         """The index of the backward run in progress or last run (0 before any)."""
         return self.graph.run_index
 
-    def _record_failed(self, api: str, short: str, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-                       in_names: list[str], seq: int, exc: BaseException) -> None:
+    def record_raised(self, api: str, short: str, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                      in_names: list[str], seq: int, exc: BaseException) -> None:
+        """A call whose op raised ``exc``: recorded with its inputs and the error, no outputs."""
         with self.lock, torch._C.DisableTorchFunction():
             stack_id = self.stack_table.capture()
             name = self.counters.next(short)

@@ -23,7 +23,7 @@ import torch
 from tracer.model import TensorRecord, names
 from tracer.model.records import Role
 from tracer.record.checksums.hasher import BATCH_MIN
-from tracer.record.effects import SET_DATA_API, UNINITIALISED
+from tracer.record.effects import OVERWRITING, SET_DATA_API, UNINITIALISED
 from tracer.record.identity import identity
 from tracer.record.module_roots import name_in_callers, parameter_path, swaps_parameters
 from tracer.record.owners import constructing_a_module, needs_search, owning_root_module
@@ -96,6 +96,19 @@ class TensorNames(Part):
         self._owner_searches = 0  # passes over the live objects made for this trace (see name_model_of)
 
     # ---- a call's values ----------------------------------------------------------------------
+    def name_inputs(self, ins: list[torch.Tensor], versions: list[int], short: str) -> list[str]:
+        """The names of a call's inputs, whose versions the caller has just read, before its op
+        runs (the caller holds the lock). The first input of an initialiser that is met here
+        first is recorded as what that initialiser overwrites (``name_at``'s ``overwritten_by``)."""
+        # A list of exactly the right length (not grown by appends): it is kept in the Call.
+        in_names = [""] * len(ins)
+        known = self.lookup
+        for i, t in enumerate(ins):
+            hit = known(t)  # name_at's usual outcome inlined: a tensor named before, unchanged
+            in_names[i] = hit[0] if hit is not None and hit[1] == versions[i] else self.name_at(
+                t, versions[i], short if i == 0 and short in OVERWRITING else None)
+        return in_names
+
     def name_call_values(self, api: str, short: str, kind: str, name: str, ins: list[torch.Tensor],
                          in_names: list[str], outs: list[torch.Tensor], mutated: list[torch.Tensor],
                          produced: list[torch.Tensor]) -> tuple[list[str], list[str], dict[int, str]]:
