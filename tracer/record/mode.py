@@ -199,7 +199,8 @@ def top_recording_mode() -> RecordingMode | None:
 class Owned(Protocol):
     """A recorder, as far as telling its threads apart goes."""
 
-    owner: int  # the ident of the thread that entered the block
+    @property
+    def owner(self) -> int: ...  # the ident of the thread that entered the block
 
 
 def on_traced_thread(rec: Owned) -> bool:

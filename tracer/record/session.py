@@ -24,6 +24,7 @@ from tracer.record import warning_sites
 from tracer.record.checksums.fingerprint import ALGORITHM as FINGERPRINT_ALGORITHM
 from tracer.record.end_progress import checksum_progress
 from tracer.record.mode import COMPILED
+from tracer.record.protocol import RecorderAPI
 from tracer.record.stacks import user_stacklevel
 from tracer.version import __version__
 
@@ -91,7 +92,7 @@ class SessionPlugin(Protocol):
 
     def prepare(self, session: TraceSession, trace: Trace) -> None: ...
 
-    def attach(self, recorder: _recorder.Recorder) -> Callable[[], None] | None: ...
+    def attach(self, recorder: RecorderAPI) -> Callable[[], None] | None: ...
 
 
 class TraceSession:
