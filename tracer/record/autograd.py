@@ -226,16 +226,16 @@ class Graph(Part):
         if kind == ACCUMULATE:
             return self._accumulator(root)
         sn = root._sequence_nr()
-        key = (sn, kind)
+        root_key = (sn, kind)
         # The cheap bracket test first: an output can carry an earlier call's node.
-        if (bracket and not (seq0 <= sn < seq1)) or key in node_by_seq:
-            return node_by_seq.get(key)
+        if (bracket and not (seq0 <= sn < seq1)) or root_key in node_by_seq:
+            return node_by_seq.get(root_key)
         nexts = root.next_functions
         new: list[tuple[int, str, Any, Any]] = [(sn, kind, root, nexts)]
         todo = [nxt for nxt, _ in nexts if nxt is not None]
         # Nodes are told apart by (sequence number, class), as everywhere in the recorder; a
         # node reached twice is skipped the second time, whether new or not.
-        new_keys: set[tuple[int, str]] = {key}
+        new_keys: set[tuple[int, str]] = {root_key}
         while todo:
             node = todo.pop()
             kind = type(node).__name__
@@ -260,12 +260,12 @@ class Graph(Part):
             k = local_kinds.get(kind, 0)
             local_kinds[kind] = k + 1
             nname = f"{call}/{kind}" if k == 0 else f"{call}/{kind}#{k}"
-            self._register_node(node, nname, kind, call, None, stack_id, external=False, key=(sn, kind))
+            self._register_node(node, nname, kind, call, None, stack_id, False, (sn, kind))
             names.append(nname)
         out.extend(names)
         for (_, _, node, nexts), nname in zip(new, names):
             self._link_edges(node, nname, nexts)
-        return node_by_seq.get((root._sequence_nr(), type(root).__name__))
+        return node_by_seq.get(root_key)  # (root's key, read once above)
 
     def _node_name(self, node: Any) -> str | None:
         kind = type(node).__name__
@@ -306,18 +306,16 @@ class Graph(Part):
                        stack_id: int | None, external: bool, key: tuple[int, str] | None = None) -> None:
         if kind != ACCUMULATE:  # accumulators are known by their leaf (see _accumulator)
             self._node_by_seq[key if key is not None else self._node_key(node)] = name
-        self._add_node_record(name, kind, call, param, stack_id, external)
-        self._hook_node(node, name, kind, external)
-        if self.rec.listeners and self._listens("on_grad_node"):
-            for li in self.rec.listeners:
-                li.on_grad_node(self._trace, name, node)
-
-    def _add_node_record(self, name: str, kind: str, call: str | None, param: str | None,
-                         stack_id: int | None, external: bool) -> None:
+        # Positional, in GradNode's field order (a record per node).
         rec = GradNode(name, kind, call, param, [], stack_id, self._node_seq, external)
         self._node_seq += 1
         self._trace.grad_nodes.append(rec)
         self._node_recs[name] = rec
+        self._hook_node(node, name, kind, external)
+        listeners = self.rec.listeners
+        if listeners and self._listens("on_grad_node"):
+            for li in listeners:
+                li.on_grad_node(self._trace, name, node)
 
     def _hook_node(self, node: Any, name: str, kind: str, external: bool) -> None:
         # Hook handles are not kept for the nodes a call made: the hooks go with their node (the

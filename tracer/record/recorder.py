@@ -282,16 +282,17 @@ class Recorder:
         """Where the call ``name`` was made: its parent (the custom Function whose forward runs,
         else the grad node whose code or hook runs), its module (in backward: the module of
         the running node's forward call) and its phase (tracer.record.phases)."""
-        running = self.running_node
+        graph = self.graph
+        running = graph.running_node
         parent = self.functions.innermost() or running
-        in_backward = self.in_backward
+        in_backward = graph.in_backward
         if parent is None and in_backward:  # a hook's op: the node whose hook it is
-            parent = self.graph.engine_node()
+            parent = graph.engine_node()
         module_now = self.scopes.innermost()
         if module_now is not None:
             module = module_now
         else:
-            module = self.graph.module_of_node(running) if running is not None else ""
+            module = graph.module_of_node(running) if running is not None else ""
         # The usual call, inside a module's forward, decides with two tests.
         if in_backward:
             phase: Phase = "backward"

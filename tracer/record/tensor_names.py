@@ -262,7 +262,8 @@ class TensorNames(Part):
         (``torch.empty_like``): recorded, never hashed. ``same_as``: the record of a value
         this one reads as (``_reads_as``: a view of it): its checksum and stats are copied from
         that record, not computed again."""
-        name = self.untaken(name)
+        if name in self._trace.tensors:  # (untaken's usual outcome inlined: a name not taken yet)
+            name = self.untaken(name)
         if like is not None:
             try:
                 ver = t._version
@@ -359,8 +360,9 @@ class TensorNames(Part):
         self._tensor_names[t] = (name, ver)
         if rec.uninitialized:
             return name
-        hasher = self.rec.hasher
-        if hasher is self.rec.own_hasher:
+        rec_ = self.rec
+        hasher = rec_.hasher
+        if hasher is rec_.own_hasher:
             # With nothing to hash or summarise, skip the call.
             if hasher.active:
                 if same_as is not None:
