@@ -26,6 +26,7 @@ from tracer.record.part import Part
 from tracer.record.stacks import raised_in_backward_python
 from tracer.record.tensors import (
     ACCUMULATE,
+    NODE_KINDS,
     VIEW_NODES,
     creates_graph,
     first,
@@ -33,6 +34,7 @@ from tracer.record.tensors import (
     get_seq,
     grad_fn_of,
     has_backward_hooks,
+    node_kind,
     runs_user_code,
     saved_tensor_hooks_active,
     unique,
@@ -215,14 +217,14 @@ class Graph(Part):
         return self._node_modules.get(node, "")
 
     def _node_key(self, node: Any) -> tuple[int, str]:
-        return (node._sequence_nr(), type(node).__name__)
+        return (node._sequence_nr(), NODE_KINDS.get(type(node)) or node_kind(node))
 
     def _collect_nodes(self, root: Any, seq0: int | None, seq1: int | None, call: str, stack_id: int | None,
                        out: list[str], local_kinds: dict[str, int]) -> str | None:
         """Name the nodes this call created, reachable from ``root``; returns root's name."""
         node_by_seq = self._node_by_seq
         bracket = seq0 is not None and seq1 is not None
-        kind = type(root).__name__
+        kind = NODE_KINDS.get(type(root)) or node_kind(root)
         if kind == ACCUMULATE:
             return self._accumulator(root)
         sn = root._sequence_nr()
@@ -238,7 +240,7 @@ class Graph(Part):
         new_keys: set[tuple[int, str]] = {root_key}
         while todo:
             node = todo.pop()
-            kind = type(node).__name__
+            kind = NODE_KINDS.get(type(node)) or node_kind(node)
             if kind == ACCUMULATE:
                 continue
             sn = node._sequence_nr()
@@ -268,7 +270,7 @@ class Graph(Part):
         return node_by_seq.get(root_key)  # (root's key, read once above)
 
     def _node_name(self, node: Any) -> str | None:
-        kind = type(node).__name__
+        kind = NODE_KINDS.get(type(node)) or node_kind(node)
         if kind == ACCUMULATE:
             tag = node.metadata.get(_NODE_TAG)
             return tag[1] if tag is not None and tag[0] == self.rec.trace_id else None
@@ -452,7 +454,7 @@ class Graph(Part):
         seen: set[tuple[int, str]] = set()
         while todo:
             node = todo.pop()
-            kind = type(node).__name__
+            kind = NODE_KINDS.get(type(node)) or node_kind(node)
             if kind == ACCUMULATE:
                 continue  # (hooked when named)
             key = (node._sequence_nr(), kind)
@@ -481,7 +483,7 @@ class Graph(Part):
                 dest = None
             else:
                 # _node_name inlined (once per edge); _dest_name names what is not known yet.
-                kind = type(nxt).__name__
+                kind = NODE_KINDS.get(type(nxt)) or node_kind(nxt)
                 if kind == ACCUMULATE:
                     dest = self._accumulator(nxt)
                 else:
@@ -498,7 +500,7 @@ class Graph(Part):
         known = self._node_name(node)
         if known is not None:
             return known
-        kind = type(node).__name__
+        kind = NODE_KINDS.get(type(node)) or node_kind(node)
         if kind == ACCUMULATE:
             return self._accumulator(node)
         # Created before the traced block (or by code the trace could not see).
@@ -992,7 +994,7 @@ class Graph(Part):
         local_kinds = self._adopted_kinds.setdefault(parent, {})
         for g in grads:
             gf = grad_fn_of(g) if isinstance(g, torch.Tensor) else None
-            if gf is None or type(gf).__name__ == ACCUMULATE or self._node_name(gf) is not None:
+            if gf is None or (NODE_KINDS.get(type(gf)) or node_kind(gf)) == ACCUMULATE or self._node_name(gf) is not None:
                 continue
             self._collect_nodes(gf, seq0, seq1, parent, stack_id, names, local_kinds)
         for n in names:

@@ -15,6 +15,7 @@ from torch.overrides import TorchFunctionMode
 from tracer.options import RaisedOnPurpose
 from tracer.record.naming import tensor_backward_of
 from tracer.record.own_work import OWN_WORK
+from tracer.record.tensors import NODE_KINDS, node_kind
 
 if TYPE_CHECKING:
     from tracer.record.recorder import Recorder
@@ -40,6 +41,9 @@ COMPILED = CompiledRegions()
 # What an aten operator called from Python is (``torch.ops.aten.mm.default``): what a
 # ``__torch_dispatch__`` handler calls.
 _OP_OVERLOADS = frozenset({"OpOverload", "OpOverloadPacket"})
+# Whether a callable's class is one of those, by the class: every torch call asks, and reading the
+# name of a class defined in C (``builtin_function_or_method``) makes a new string each time.
+_IS_OVERLOAD: dict[type, bool] = {}
 _HANDLER_DEPTH = 12  # frames looked at above an operator call for a __torch_dispatch__ handler
 
 
@@ -78,7 +82,10 @@ class RecordingMode(TorchFunctionMode):
                 COMPILED.ran = True
                 return func(*args, **kwargs)
             rec = self.recorder
-            if rec is None or (type(func).__name__ in _OP_OVERLOADS and from_dispatch_handler()):
+            overload = _IS_OVERLOAD.get(type(func))
+            if overload is None:
+                overload = _IS_OVERLOAD[type(func)] = type(func).__name__ in _OP_OVERLOADS
+            if rec is None or (overload and from_dispatch_handler()):
                 return func(*args, **kwargs)
             try:  # ApiNames.describe, its cache hit inlined: this runs for every torch call
                 hit = rec.api.cache.get(func)
@@ -170,7 +177,7 @@ class BackwardRecordingMode(RecordingMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         node = current_autograd_node() if current_autograd_node is not None else None
-        if node is not None and type(node).__name__ in COMPILED_BACKWARDS:
+        if node is not None and (NODE_KINDS.get(type(node)) or node_kind(node)) in COMPILED_BACKWARDS:
             return func(*args, **(kwargs or {}))
         return super().__torch_function__(func, types, args, kwargs)
 
