@@ -69,7 +69,6 @@ def _counted(fn: Callable[[], Any], out: str) -> int:
 
 def inner(args: argparse.Namespace) -> None:
     import torch
-
     from workloads import build
 
     _configs()
@@ -90,7 +89,7 @@ def inner(args: argparse.Namespace) -> None:
                 w.step()
         traces: list[Any] = []
 
-        def traced(make: Callable[[], Any] = make) -> None:
+        def traced(make: Callable[[], Any] = make, traces: list[Any] = traces) -> None:
             with make() as t:
                 w.step()
             traces.append(t)

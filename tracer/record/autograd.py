@@ -350,7 +350,7 @@ class Graph(Part):
             hook = functools.partial(node_hook, self._rec_ref, name)
             pre, post = node.register_prehook(hook), node.register_hook(hook)
             if external or kind == ACCUMULATE:
-                self._handles += (pre, post)  # removed by Recorder.uninstall
+                self._handles += (pre, post)  # removed by remove_hooks (Recorder.uninstall)
             if user_code and self.rec.hasher.active:
                 self._flush_before.add(name)
         elif self._every_node_run or (self.rec.listeners and self._listeners_need_runs()):

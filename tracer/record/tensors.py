@@ -13,7 +13,7 @@ import torch
 
 from tracer.record.identity import identity
 
-# Private: autograd's per-thread sequence number (None where missing; see Recorder's docstring).
+# Private: autograd's per-thread sequence number (None where missing; see tracer.record.recorder's docstring).
 get_seq: Callable[[], int] | None = getattr(torch._C._autograd, "_get_sequence_nr", None)
 # Private: the innermost saved-tensor hooks (None when none are active). Where it is missing,
 # hooks are assumed active (every node then gets the pre-hook, as before this mattered).
