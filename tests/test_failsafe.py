@@ -7,6 +7,7 @@ a grad node's hook."""
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import pytest
@@ -92,7 +93,7 @@ def test_a_fault_in_a_grad_nodes_hook_leaves_the_backward(monkeypatch: pytest.Mo
     def broken(*_: object) -> None:
         raise Fault("injected in a node hook")
 
-    monkeypatch.setattr(autograd.AutogradMixin, "node_end", broken)
+    monkeypatch.setattr(autograd.Graph, "node_end", broken)
     model = _model()
     with pytest.warns(RuntimeWarning), tracer.trace(hash="md5") as t:
         got = _step(model)
@@ -144,18 +145,16 @@ def _accumulating_step() -> list[torch.Tensor]:
 
 @pytest.mark.usefixtures("lenient")
 @pytest.mark.parametrize(("where", "after"), [
-    ("OptimizerMixin.close_step", 0), ("AutogradMixin._accumulator", 2), ("RecorderState._new_tensor", 20),
-    ("AutogradMixin._collect_nodes", 3), ("AutogradMixin._start_step", 1), ("AutogradMixin._grad_names", 5),
-    ("LeafGradsMixin._name_accumulated", 2), ("RecorderState._write_through_aliases", 0)])
+    ("optimizer.OptimizerSteps.close", 0), ("autograd.Graph._accumulator", 2),
+    ("tensor_names.TensorNames.new_tensor", 20), ("autograd.Graph._collect_nodes", 3),
+    ("autograd.Graph._start_step", 1), ("autograd.Graph._grad_names", 5),
+    ("leaf_grads.LeafGrads.name_accumulated", 2), ("tensor_names.TensorNames.write_through_aliases", 0)])
 def test_a_fault_anywhere_in_the_recorder_leaves_the_result_and_a_loadable_trace(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, where: str, after: int) -> None:
-    from tracer.record import leaf_grads, optimizer, state
-
-    owners = {"OptimizerMixin": optimizer.OptimizerMixin, "AutogradMixin": autograd.AutogradMixin,
-              "RecorderState": state.RecorderState, "LeafGradsMixin": leaf_grads.LeafGradsMixin}
+    # ``where``: <module of tracer.record>.<class>.<method>, the recorder's part and its method.
+    module, cls, attr = where.split(".")
     want = _accumulating_step()
-    cls, attr = where.split(".")
-    _fail_after(monkeypatch, owners[cls], attr, after)
+    _fail_after(monkeypatch, getattr(importlib.import_module(f"tracer.record.{module}"), cls), attr, after)
     with pytest.warns(RuntimeWarning, match="gradtrace failed while recording"), tracer.trace(hash="md5") as t:
         got = _accumulating_step()
     assert all(torch.equal(a, b) for a, b in zip(got, want))
@@ -170,7 +169,7 @@ def test_a_fault_before_a_call_is_recorded_leaves_the_call(monkeypatch: pytest.M
     # Two checks that run in the mode's handler before record_call's own guard: whether a
     # ``.data =`` changes anything (a lazy module's first forward made it raise), and the
     # description of a torch function met for the first time.
-    from tracer.record import recorder
+    from tracer.record import capture
 
     def materialise_and_step() -> list[torch.Tensor]:
         model = _model()
@@ -180,7 +179,7 @@ def test_a_fault_before_a_call_is_recorded_leaves_the_call(monkeypatch: pytest.M
 
     want = materialise_and_step()
     if where == "same_view":
-        _fail_after(monkeypatch, recorder, "same_view", 0)  # type: ignore[arg-type]
+        _fail_after(monkeypatch, capture, "same_view", 0)  # type: ignore[arg-type]
     else:
         _fail_after(monkeypatch, naming.ApiNames, "describe", 0)
     with pytest.warns(RuntimeWarning, match="gradtrace failed while recording"), tracer.trace(hash="md5") as t:

@@ -79,7 +79,7 @@ def test_batched_trace_equals_the_immediate_path_despite_in_place_changes(interp
     # they reach instead; out-of-place ops (whose schemas name an unused out=) launch nothing.
     # Before, every one of them launched: 28 and 54. Per iteration one launch more (16, was 14),
     # where the backward's gradients go on to the leaves' accumulators with tensors waiting: a
-    # held gradient would not be kept as .grad (Recorder.let_go_after).
+    # held gradient would not be kept as .grad (Graph.let_go_after).
     assert interpreted["trace"]["step"]["launches"] == interpreted["trace"]["ops"]["launches"] == 16
 
 

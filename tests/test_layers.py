@@ -11,6 +11,9 @@ reading another's private names (docs/architecture.md draws the same rules).
   in a comment on that line.
 - ``obj._name`` and ``from x import _name`` where ``_name`` belongs to another module of the
   project: a module's privates are its own.
+- ``self._name`` where ``_name`` is a member (state or method) of a class in another file: a
+  class's tables are read in the file that owns them, and other parts call its public methods
+  (the recorder's parts, docs/architecture.md).
 
 Everything is read from the source (``ast``): nothing is imported.
 """
@@ -41,6 +44,8 @@ TORCH_PRIVATES = frozenset({"_C", "_version", "_base", "_cdata", "_schema", "_se
 # line or the line above).
 LAZY_OK = ("matplotlib", "triton", "graphviz", "transformers", "lightning", "pytorch_lightning", "torch.distributed",
            "tracer.record.checksums.triton_kernels", "torch.utils._debug_mode", "rich.progress")
+
+
 
 
 @dataclass(frozen=True)
@@ -195,6 +200,41 @@ def private_violations() -> list[str]:
     return out
 
 
+def _own_members(tree: ast.AST) -> set[str]:
+    """The private members a module's classes own: ``self._x`` assigned, ``def _x`` in a class body."""
+    names: set[str] = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ClassDef):
+            names.update(f.name for f in n.body if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef))
+        elif isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self" \
+                and isinstance(n.ctx, ast.Store):
+            names.add(n.attr)
+    return {x for x in names if x.startswith("_") and not x.startswith("__")}
+
+
+def self_private_violations(modules: dict[str, str]) -> list[str]:
+    """``self._x`` read in one module where ``_x`` is a member another module's class owns (and
+    this module's classes do not): state or a method shared across files through inheritance
+    (a mixin reading its siblings' tables). A class's private members are read in the file that
+    assigns them; other files call its public methods."""
+    trees = {}
+    for m, p in modules.items():
+        with open(p, encoding="utf-8") as f:
+            trees[m] = ast.parse(f.read())
+    owned = {m: _own_members(tree) for m, tree in trees.items()}
+    owners: dict[str, set[str]] = {}
+    for m, names in owned.items():
+        for name in names:
+            owners.setdefault(name, set()).add(m)
+    out = []
+    for m, tree in trees.items():
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self" \
+                    and not isinstance(n.ctx, ast.Store) and n.attr in owners and n.attr not in owned[m]:
+                out.append(f"{m}:{n.lineno} reads self.{n.attr} (owned by {', '.join(sorted(owners[n.attr]))})")
+    return out
+
+
 def test_layers_are_respected() -> None:
     assert layer_violations(IMPORTS) == []
 
@@ -205,6 +245,23 @@ def test_no_imports_hidden_in_functions() -> None:
 
 def test_no_module_reads_another_modules_privates() -> None:
     assert private_violations() == []
+
+
+def test_a_class_keeps_its_members_to_its_file() -> None:
+    assert self_private_violations(MODULES) == []
+
+
+def test_a_member_read_from_another_file_is_caught(tmp_path) -> None:
+    """A mixin reading its sibling's table through ``self`` is refused; a class reading its own
+    members, or another part's public method, is not."""
+    (tmp_path / "state.py").write_text("class State:\n    def __init__(self):\n        self._names = {}\n\n"
+                                       "    def name_of(self, t):\n        return self._names.get(t)\n")
+    (tmp_path / "graph.py").write_text("from state import State\n\nclass Graph(State):\n"
+                                       "    def node(self, t):\n        return self._names[t]\n")
+    (tmp_path / "part.py").write_text("class Part:\n    def __init__(self, names):\n        self._own = names\n\n"
+                                      "    def node(self, t):\n        return self._own.name_of(t)\n")
+    modules = {m: str(tmp_path / f"{m}.py") for m in ("state", "graph", "part")}
+    assert self_private_violations(modules) == ["graph:5 reads self._names (owned by state)"]
 
 
 @pytest.mark.parametrize("module, target, message", [

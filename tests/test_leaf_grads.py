@@ -15,7 +15,7 @@ import torch.nn as nn
 
 import tracer
 from tracer.model import Trace
-from tracer.record.autograd import AutogradMixin
+from tracer.record.autograd import Graph
 
 
 def _model() -> nn.Sequential:
@@ -43,7 +43,7 @@ def both_hooks(monkeypatch: pytest.MonkeyPatch) -> Callable[[], Any]:
     @contextlib.contextmanager
     def forced() -> Iterator[None]:
         with monkeypatch.context() as m:
-            m.setattr(AutogradMixin, "_acc_hook_alone", lambda self: False)
+            m.setattr(Graph, "_acc_hook_alone", lambda self: False)
             yield
     return forced
 

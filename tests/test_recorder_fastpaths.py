@@ -96,7 +96,7 @@ def test_no_frame_is_held_after_the_trace_even_when_a_module_raises() -> None:
         assert rec is not None and rec.stack_table is not None
         outer(torch.randn(1, 2))
     assert t.status == "failed"
-    assert rec.stack_table._scopes == {} and rec._scope_frames == [] and rec._module_stack == []
+    assert rec.stack_table._scopes == {} and rec.scopes._scope_frames == [] and rec.scopes._stack == []
 
 
 def _gen() -> Iterator[object]:
@@ -188,7 +188,7 @@ def test_the_mode_lets_calls_through_once_its_recorder_is_gone() -> None:
     with tracer.trace(hash="none"):
         rec = recorder_mod.active_recorder()
         assert rec is not None
-        mode = rec._mode
+        mode = rec.mode
     assert mode.recorder is None and rec.on_records is None
     x = torch.ones(2)
     assert mode.__torch_function__(torch.add, (torch.Tensor,), (x, x)).tolist() == [2.0, 2.0]
@@ -279,6 +279,7 @@ class _Seen:
         self.owner = threading.get_ident()  # the hooks record only for the tracing thread
         self.events: list[tuple[str, str, tuple[object, ...]]] = []
         self.received: list[tuple[object, ...]] = []  # the hook's grad_outputs (an accumulator's own need them)
+        self.graph = self  # the recorder's part that hears node events (tracer.record.autograd.Graph)
 
     def node_begin(self, name: str, grads: tuple[object, ...]) -> None:
         self.events.append(("begin", name, grads))

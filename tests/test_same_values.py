@@ -233,8 +233,8 @@ def test_a_transformer_step_records_the_same_values_with_and_without_the_copies(
     """A GPT-2 step (attention splits q, k and v, views them into heads and transposes them) and
     its AdamW step, traced twice from the same state: once as shipped, once with every value read
     from its own bytes. Every record's checksum and stats agree; on CUDA through the batched kernels."""
-    from tracer.record.autograd import AutogradMixin
-    from tracer.record.state import RecorderState
+    from tracer.record.autograd import Graph
+    from tracer.record.tensor_names import TensorNames
 
     model, ids = _gpt2_step(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -251,8 +251,8 @@ def test_a_transformer_step_records_the_same_values_with_and_without_the_copies(
         return t
 
     copied = traced()
-    monkeypatch.setattr(RecorderState, "_same_values_input", lambda self, *a: None)
-    monkeypatch.setattr(AutogradMixin, "_received_as", lambda self, *a: None)
+    monkeypatch.setattr(TensorNames, "same_values_input", lambda self, *a: None)
+    monkeypatch.setattr(Graph, "_received_as", lambda self, *a: None)
     computed = traced()
     assert list(copied.tensors) == list(computed.tensors)
     differing = [n for n in copied.tensors if _stats_key(copied.tensors[n]) != _stats_key(computed.tensors[n])]

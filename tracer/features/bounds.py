@@ -7,6 +7,7 @@ from typing import Any
 from tracer.model import Trace
 from tracer.record import recorder as _recorder
 from tracer.record.listeners import Listener
+from tracer.record.protocol import RecorderAPI
 
 
 class Bounds(Listener):
@@ -31,7 +32,7 @@ class Bounds(Listener):
         self.max_bytes = max_bytes
         self.calls_before = calls_before
         self.bytes_before = bytes_before
-        self.recorder: _recorder.Recorder | None = None
+        self.recorder: RecorderAPI | None = None
         self.tripped: str | None = None
         self._node_runs = 0
 

@@ -73,7 +73,7 @@ from tracer.model import BackwardRun, Call, Trace, names
 from tracer.record import naming
 from tracer.record.listeners import Listener
 from tracer.record.mode import on_traced_thread
-from tracer.record.recorder import Recorder
+from tracer.record.protocol import RecorderAPI
 from tracer.record.tensors import flat_tensors
 
 # ---- which collectives, and which of their arguments they write ----------------------------------
@@ -308,8 +308,8 @@ def _inside() -> Iterator[None]:
         _local.depth -= 1
 
 
-def _should_record(rec: Any) -> bool:
-    if rec.closed or rec.stopped or rec.paused or getattr(_local, "depth", 0):
+def _should_record(rec: RecorderAPI) -> bool:
+    if rec.closed or rec.stopped or rec.paused or getattr(_local, "depth", 0) > 0:
         return False
     # DDP/FSDP hooks issue collectives from autograd engine threads during a traced backward.
     return on_traced_thread(rec)
@@ -323,7 +323,7 @@ def _add_note(trace: Trace, note: str) -> None:
 class _Attachment:
     """Everything ``attach`` installed for one recorder; ``detach`` removes it all."""
 
-    def __init__(self, rec: Any) -> None:
+    def __init__(self, rec: RecorderAPI) -> None:
         self.ref = weakref.ref(rec)
         self.patches: list[tuple[Any, str, Any]] = []  # (module, attribute, original)
         self.by_original: dict[Any, Any] = {}  # original function -> its recording wrapper
@@ -422,7 +422,7 @@ class _Attachment:
 
         return wrapper
 
-    def _run(self, rec: Recorder, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any], api: str,
+    def _run(self, rec: RecorderAPI, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any], api: str,
              short: str, described: dict[str, Any], ins: list[torch.Tensor], writes: list[torch.Tensor],
              is_async: bool, waiter: Callable[[Any], Any] | None) -> Any:
         """Name the inputs, run the collective (waited for by ``waiter`` for functional ones, whose
@@ -537,7 +537,7 @@ def _funcol_op_name(func: Any) -> str | None:
     return None
 
 
-def _record_ddp(rec: Recorder, ddp: Any, run: BackwardRun) -> None:
+def _record_ddp(rec: RecorderAPI, ddp: Any, run: BackwardRun) -> None:
     name = rec.call_name(DDP_CALL)
     params = getattr(ddp, "_module_parameters", None) or [p for p in ddp.parameters() if p.requires_grad]
     ins: list[str] = []
@@ -585,7 +585,7 @@ def _record_ddp(rec: Recorder, ddp: Any, run: BackwardRun) -> None:
 _ATTACHED: weakref.WeakKeyDictionary[Any, _Attachment] = weakref.WeakKeyDictionary()
 
 
-def attach(recorder: Any) -> Callable[[], None]:
+def attach(recorder: RecorderAPI) -> Callable[[], None]:
     """Install the collective wrappers and the DDP listener for ``recorder``; returns the
     function that removes them all (safe to call twice)."""
     att = _Attachment(recorder)
@@ -599,7 +599,7 @@ def attach(recorder: Any) -> Callable[[], None]:
     return att.detach
 
 
-def collective_for(recorder: Any, func: Any) -> Callable[..., Any] | None:
+def collective_for(recorder: RecorderAPI, func: Any) -> Callable[..., Any] | None:
     """The recording wrapper of a collective, for the recorder's TorchFunctionMode.
 
     Code that took a reference before the trace (``from torch.distributed import all_reduce``)
@@ -643,5 +643,5 @@ class DistributedPlugin:
             if session.out:
                 session.out = rank_path(session.out, self.info["rank"])
 
-    def attach(self, recorder: Any) -> Callable[[], None] | None:
+    def attach(self, recorder: RecorderAPI) -> Callable[[], None] | None:
         return attach(recorder) if self.info is not None else None

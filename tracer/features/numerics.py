@@ -11,6 +11,7 @@ from tracer.analysis.rules import carries_intended_inf, has_inf_constant
 from tracer.model import Trace
 from tracer.record.listeners import Listener
 from tracer.record.own_work import own_work
+from tracer.record.protocol import RecorderAPI
 from tracer.record.transforms import transforms_off, unwrap
 
 
@@ -22,7 +23,7 @@ class NonFiniteGuard(Listener):
     for hunting a NaN, not for routine runs (``check_numerics`` alone costs no sync per op).
     """
 
-    def __init__(self, recorder: Any) -> None:
+    def __init__(self, recorder: RecorderAPI) -> None:
         self._recorder = recorder
         self._intended: set[str] = set()  # tensors whose Inf is intended (see the module docstring)
 
@@ -47,8 +48,7 @@ class NonFiniteGuard(Listener):
         """Stop with the story so far: its headline is the value just met (the first of the step)."""
         rec = self._recorder
         rec.hasher.drain(wait=True)
-        table = rec.stack_table
-        report = find_anomalies(trace, table.frames_of if table is not None else None)
+        report = find_anomalies(trace, rec.stack_table.frames_of)
         if report.headline is not None:
             raise NonFiniteError(report.headline, report)
 

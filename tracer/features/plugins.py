@@ -15,20 +15,20 @@ from tracer.features.values import KeepValues
 from tracer.model import Trace
 from tracer.options import TraceOptions
 from tracer.record.listeners import Listener
-from tracer.record.recorder import Recorder
+from tracer.record.protocol import RecorderAPI
 from tracer.record.session import SessionPlugin
 
 
 class ListenerPlugin:
     """Attaches a listener made for the recorder (the NaN guard needs it; others ignore it)."""
 
-    def __init__(self, make: Callable[[Recorder], Listener]) -> None:
+    def __init__(self, make: Callable[[RecorderAPI], Listener]) -> None:
         self.make = make
 
     def prepare(self, session: Any, trace: Trace) -> None:
         pass
 
-    def attach(self, recorder: Recorder) -> Callable[[], None] | None:
+    def attach(self, recorder: RecorderAPI) -> Callable[[], None] | None:
         recorder.listeners.append(self.make(recorder))
         return None
 
@@ -39,13 +39,13 @@ class LogsPlugin:
     def prepare(self, session: Any, trace: Trace) -> None:
         pass
 
-    def attach(self, recorder: Recorder) -> Callable[[], None] | None:
+    def attach(self, recorder: RecorderAPI) -> Callable[[], None] | None:
         attach_if_enabled(recorder)
         return None
 
 
-def _bounds(max_bytes: int) -> Callable[[Recorder], Listener]:
-    def make(rec: Recorder) -> Listener:
+def _bounds(max_bytes: int) -> Callable[[RecorderAPI], Listener]:
+    def make(rec: RecorderAPI) -> Listener:
         bounds = Bounds(max_bytes=max_bytes)
         bounds.recorder = rec
         return bounds

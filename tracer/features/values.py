@@ -36,7 +36,7 @@ from tracer.model.values import DTYPE_SIZES
 from tracer.options import TraceOptions
 from tracer.record.checksums.bytes import as_bytes, host_bytes, unhashable_reason
 from tracer.record.own_work import own_work
-from tracer.record.recorder import Recorder
+from tracer.record.protocol import RecorderAPI
 from tracer.record.transforms import is_wrapped, transforms_active
 
 # The largest value one tensor record may carry: base64 grows it by a third, and the rest of the
@@ -190,7 +190,7 @@ class KeepValues:
         patterns: Any = "params" if self.patterns is True else list(self.patterns or ())
         trace.header["keep_values"] = {"patterns": patterns, "max_bytes": self.max_bytes}
 
-    def attach(self, recorder: Recorder) -> Callable[[], None] | None:
+    def attach(self, recorder: RecorderAPI) -> Callable[[], None] | None:
         keeper = ValueKeeper(self.patterns, self.max_bytes, lambda: recorder.current_module)
         real = recorder.hasher
         recorder.hasher = KeepingHasher(real, keeper)  # type: ignore[assignment]

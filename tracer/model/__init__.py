@@ -19,7 +19,7 @@ from tracer.model.records import (
     TraceFormatError,
 )
 from tracer.model.trace import Trace, install_view
-from tracer.model.writer import StreamWriter, write_trace
+from tracer.model.writer import StreamWriter, TraceStream, write_trace
 
 __all__ = [
     "FORMAT",
@@ -38,6 +38,7 @@ __all__ = [
     "TensorRecord",
     "Trace",
     "TraceFormatError",
+    "TraceStream",
     "TruncatedTraceWarning",
     "install_view",
     "load",

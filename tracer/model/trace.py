@@ -22,7 +22,7 @@ from tracer.model.records import (
     Record,
     TensorRecord,
 )
-from tracer.model.writer import write_trace
+from tracer.model.writer import memory_record, meta_record, module_record, stack_record, write_trace
 
 if TYPE_CHECKING:
     from tracer.analysis.numerics import NumericsReport
@@ -226,13 +226,13 @@ class Trace:
     def records(self) -> Iterator[dict[str, Any]]:
         """Every record of the trace in canonical order (what ``save`` writes)."""
         yield self.header_record()
-        yield {"t": "meta", **self.meta}
+        yield meta_record(self.meta)
         for i, f in enumerate(self.frames):
             yield f.to_json(i)
         for i, s in enumerate(self.stacks):
-            yield {"t": "stack", "id": i, "frames": list(s)}
+            yield stack_record(i, s)
         for path, cls in self.modules.items():
-            yield {"t": "module", "path": path, "class": cls}
+            yield module_record(path, cls)
         for t in self.tensors_in_order():
             yield t.to_json()
         for c in self.calls:
@@ -242,7 +242,7 @@ class Trace:
         for b in self.backward_runs:
             yield b.to_json()
         for m in self.memory:
-            yield {"t": "memory", **m}
+            yield memory_record(m)
         yield self.end_record()
 
     def save(self, path: str) -> None:

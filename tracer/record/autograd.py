@@ -1,29 +1,32 @@
-"""The recorder's backward side: naming the grad nodes each call creates and linking them, hooking
-them, and recording every backward run: the order nodes ran in, the gradients each received and
+"""The graph (a part of the recorder): naming the grad nodes each call creates and linking them
+(``Graph.link_call_nodes``; the edges of one node: ``Graph._link_edges``), hooking them, and
+recording every backward run: the order nodes ran in, the gradients each received and
 produced (a leaf's ``.grad`` included), the calls a node's own code made, the nodes a
 ``create_graph`` backward made, and the node a failed backward was running."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import threading
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tracer.analysis.explain import add_note, explain_backward_error
 from tracer.model import BackwardRun, GradNode, NodeRun, TensorRecord, names
+from tracer.model.names import base_name
 from tracer.options import RaisedOnPurpose
 from tracer.record.engine import expect_backward
 from tracer.record.identity import identity
-from tracer.record.leaf_grads import LeafGradsMixin
+from tracer.record.leaf_grads import LeafGrads
 from tracer.record.listeners import Listener, needs_node_runs
 from tracer.record.mode import current_autograd_node, on_traced_thread
+from tracer.record.part import Part
 from tracer.record.stacks import raised_in_backward_python
 from tracer.record.tensors import (
     ACCUMULATE,
+    NODE_KINDS,
     VIEW_NODES,
     creates_graph,
     first,
@@ -31,10 +34,16 @@ from tracer.record.tensors import (
     get_seq,
     grad_fn_of,
     has_backward_hooks,
+    node_kind,
     runs_user_code,
+    saved_tensor_hooks_active,
     unique,
     version_of,
 )
+from tracer.record.weakmap import IdWeakMap
+
+if TYPE_CHECKING:
+    from tracer.record.recorder import Recorder
 
 _UINT64_MAX = 2**64 - 1
 # The node a leaf's gradient goes to (its accumulator): public since torch 2.2.
@@ -46,35 +55,192 @@ get_gradient_edge: Any = getattr(torch.autograd.graph, "get_gradient_edge", None
 _NODE_TAG = "gradtrace"
 
 
-class AutogradMixin(LeafGradsMixin):
-    """Grad nodes and backward runs (part of ``Recorder``)."""
+class Graph(Part):
+    """Grad nodes and backward runs (a part of ``Recorder``): the nodes each call made, named and
+    linked, their hooks, and every backward run. Owns the node tables; a leaf's ``.grad`` is
+    named by ``LeafGrads`` (leaf_grads.py), which asks it for a leaf's accumulator."""
+
+    def __init__(self, rec: Recorder) -> None:
+        super().__init__(rec)
+        self._trace = rec.trace
+        self._rec_ref = weakref.ref(rec)  # what the nodes' hooks hold: never the recorder itself
+        self._leaves = LeafGrads(rec)
+        # Built-in grad nodes get their hook (their runs recorded) at once when this is set,
+        # else only when a backward run starts that needs them (see _hook_waiting_nodes):
+        # names of the nodes waiting for it.
+        self._every_node_run = rec.options.every_node_run
+        self._unhooked: set[str] = set()
+        self._in_backward = 0
+        self._running: list[str] = []  # grad nodes running now (nesting in backward)
+        self._node_by_seq: dict[tuple[int, str], str] = {}
+        self._acc_by_var: IdWeakMap[str] = IdWeakMap()  # leaf tensor -> its accumulator's name
+        self._acc_vars: dict[str, weakref.ref[torch.Tensor]] = {}  # accumulator name -> its leaf
+        self._tensor_hooks = False  # Tensor.register_hook was called in the block
+        # Non-leaf tensors whose gradient is retained (Tensor.retain_grad in the block): the
+        # tensor (weakly) and the name its .grad gets, ``<name then>.grad`` (see grad_retained).
+        self._retained: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
+        # Accumulators hooked without a pre-hook (see _acc_hook_alone): what their leaf's .grad was
+        # is noted when a backward starts (LeafGrads.note_grads_before).
+        self._acc_post_only: set[str] = set()
+        # Nodes whose runs are not recorded and whose hooks read tensors without a name
+        # (note_unnamed_hook_input).
+        self._hook_inputs_noted: set[str] = set()
+        self._node_modules: dict[str, str] = {}  # nodes that run user code -> their call's module
+        # A backward run with create_graph=True makes grad nodes while it runs; those are
+        # adopted by the node that made them (see _adopt_nodes).
+        self._create_graph = False
+        # Per adopting node, how many nodes of each class it adopted: a node that runs in
+        # several backward runs (autograd.functional.hvp) continues its numbering (#1, #2...).
+        self._adopted_kinds: dict[str, dict[str, int]] = {}
+        self._bwd_seq0: tuple[int, int] | None = None  # (thread, sequence number) at its start
+        self._reads_queued: object = None  # the backward run whose final reading is queued
+        self._edges: dict[str, tuple[tuple[str | None, int], ...]] = {}  # node -> (dest node, slot) per output
+        self._node_recs: dict[str, GradNode] = {}
+        self._external_pending: list[tuple[Any, str]] = []  # external nodes to link (_dest_name)
+        self._slot_tensor: dict[tuple[str, int], str] = {}
+        # Edges into each (node, input slot) in the graph the running backward walks: a gradient
+        # that alone flows into a tensor's slot is that tensor's gradient (see _grad_names).
+        self._indegree: dict[tuple[str, int], int] | None = {}
+        # The node names the running backward started from (None: every recorded node), for
+        # counting _indegree when it is first needed.
+        self._indegree_roots: list[str] | None = []
+        # A gradient passed on unchanged, by the slot it was sent to: (its name on that edge, a weak
+        # reference to the tensor, its version). Where several edges meet in that slot the node
+        # takes their sum, a new tensor: the passed-on one may die first, and its id be reused.
+        self._passed_on: dict[tuple[str, int], tuple[str, weakref.ref[torch.Tensor], int]] = {}
+        # Hooks on nodes that outlive the trace (accumulators, nodes made before the block).
+        self._handles: list[Any] = []
+        # Grad nodes that run user Python (custom Function backwards, accumulators with
+        # post-accumulate hooks such as an optimizer step in backward): flush checksums first.
+        self._flush_before: set[str] = set()
+        # Saved-tensor hooks were active while the call being finished ran (see _register_node).
+        self._saved_hooks = True
+        self._run: BackwardRun | None = None
+        # The seq of every backward run still being filled: from its start to its end (its
+        # outputs named), an enclosing run under the nested runs it started (reentrant
+        # checkpointing), and a run the trace did not see start till the end of the block.
+        self._open_runs: list[int] = []
+        self._run_index = -1
+        self._open_steps: dict[str, NodeRun] = {}
+        self._node_seq = 0
+
+    def release(self) -> None:
+        self._leaves.release()
+        super().release()
+
+    # ---- what the other parts ask ------------------------------------------------------------
+    @property
+    def in_backward(self) -> bool:
+        """Whether a backward run of this trace is in progress."""
+        return self._in_backward > 0
+
+    @property
+    def running_node(self) -> str | None:
+        """The grad node running now (innermost), when a backward is in progress."""
+        return self._running[-1] if self._running else None
+
+    @property
+    def run_index(self) -> int:
+        """The index of the backward run in progress or last run (0 before any)."""
+        return max(self._run_index, 0)
+
+    @property
+    def finished_runs(self) -> int:
+        """How many backward runs, from the first, are finished: the records a streamed file may
+        hold. A run still open (one whose nested runs are running included) and every run after it
+        are still being filled."""
+        return min(self._open_runs, default=len(self._trace.backward_runs))
+
+    def remove_hooks(self) -> None:
+        """Remove the hooks of the nodes that outlive the trace (the trace is ending)."""
+        for h in self._handles:
+            try:
+                h.remove()
+            except Exception:  # a handle whose owner is gone already
+                pass
+        self._handles.clear()
+
+    def leaf_of(self, acc: str) -> torch.Tensor | None:
+        """The leaf tensor of the accumulator node ``acc``, if it is alive."""
+        ref = self._acc_vars.get(acc)
+        return ref() if ref is not None else None
+
+    def leaf_name(self, acc: str) -> str:
+        """The name of the leaf whose accumulator is ``acc`` (its slot 0's tensor)."""
+        return self._slot_tensor[(acc, 0)]
+
+    def slot_grad(self, node: str, slot: int) -> str | None:
+        """``<tensor>@grad`` for the gradient into ``node``'s input ``slot`` when that slot is a
+        named tensor's (the suffix says which backward run), else None."""
+        base = self._slot_tensor.get((node, slot))
+        return None if base is None else f"{base}{names.grad_suffix(max(self._run_index, 0))}"
+
+    def name_leaf_grad(self, t: torch.Tensor, version: int) -> str | None:
+        """A tensor seen for the first time while an accumulator runs (a post-accumulate-grad hook
+        reading .grad): the .grad the accumulator has just made, named as its hook would."""
+        acc = self._running[-1] if self._running else None
+        if acc is None or acc not in self._acc_vars:
+            return None
+        return self._leaves.name_leaf_grad(t, acc, self._open_steps.get(acc))
 
     # ---- grad nodes ---------------------------------------------------------------------------
+    def link_call_nodes(self, produced: list[torch.Tensor], grad_fns: list[Any], seq0: int | None,
+                        seq1: int | None, call: str, stack_id: int | None, names_of: dict[int, str]) -> list[str]:
+        """Name and link the grad nodes the call ``call`` made: those reachable from the grad_fn
+        of what it produced, inside its sequence-number bracket [``seq0``, ``seq1``). Each
+        output's slot of its node is that output's tensor (``names_of``, by identity). Returns
+        the nodes' names."""
+        node_names: list[str] = []
+        local_kinds: dict[str, int] | None = None
+        for t, gf in zip(produced, grad_fns):
+            if gf is None:
+                continue
+            if local_kinds is None:
+                local_kinds = {}
+                self._saved_hooks = saved_tensor_hooks_active()
+            root = self._collect_nodes(gf, seq0, seq1, call, stack_id, node_names, local_kinds)
+            if root is not None:
+                self._slot_tensor[(root, t.output_nr)] = names_of[identity(t)]
+        return node_names
+
+    def note_node_call(self, parent: str, call: str) -> None:
+        """The call ``call`` was made by ``parent``: when that is the grad node running now (its
+        own code), the node's run lists it."""
+        running = self._running
+        if running and parent == running[-1]:
+            step = self._open_steps.get(parent)
+            if step is not None:
+                step.calls.append(call)
+
+    def module_of_node(self, node: str) -> str:
+        """The module of the forward call of a node that runs user code (``""``: none known)."""
+        return self._node_modules.get(node, "")
+
     def _node_key(self, node: Any) -> tuple[int, str]:
-        return (node._sequence_nr(), type(node).__name__)
+        return (node._sequence_nr(), NODE_KINDS.get(type(node)) or node_kind(node))
 
     def _collect_nodes(self, root: Any, seq0: int | None, seq1: int | None, call: str, stack_id: int | None,
                        out: list[str], local_kinds: dict[str, int]) -> str | None:
         """Name the nodes this call created, reachable from ``root``; returns root's name."""
         node_by_seq = self._node_by_seq
         bracket = seq0 is not None and seq1 is not None
-        kind = type(root).__name__
+        kind = NODE_KINDS.get(type(root)) or node_kind(root)
         if kind == ACCUMULATE:
             return self._accumulator(root)
         sn = root._sequence_nr()
-        key = (sn, kind)
+        root_key = (sn, kind)
         # The cheap bracket test first: an output can carry an earlier call's node.
-        if (bracket and not (seq0 <= sn < seq1)) or key in node_by_seq:
-            return node_by_seq.get(key)
+        if (bracket and not (seq0 <= sn < seq1)) or root_key in node_by_seq:
+            return node_by_seq.get(root_key)
         nexts = root.next_functions
         new: list[tuple[int, str, Any, Any]] = [(sn, kind, root, nexts)]
         todo = [nxt for nxt, _ in nexts if nxt is not None]
         # Nodes are told apart by (sequence number, class), as everywhere in the recorder; a
         # node reached twice is skipped the second time, whether new or not.
-        new_keys: set[tuple[int, str]] = {key}
+        new_keys: set[tuple[int, str]] = {root_key}
         while todo:
             node = todo.pop()
-            kind = type(node).__name__
+            kind = NODE_KINDS.get(type(node)) or node_kind(node)
             if kind == ACCUMULATE:
                 continue
             sn = node._sequence_nr()
@@ -96,18 +262,18 @@ class AutogradMixin(LeafGradsMixin):
             k = local_kinds.get(kind, 0)
             local_kinds[kind] = k + 1
             nname = f"{call}/{kind}" if k == 0 else f"{call}/{kind}#{k}"
-            self._register_node(node, nname, kind, call, None, stack_id, external=False, key=(sn, kind))
+            self._register_node(node, nname, kind, call, None, stack_id, False, (sn, kind))
             names.append(nname)
         out.extend(names)
         for (_, _, node, nexts), nname in zip(new, names):
             self._link_edges(node, nname, nexts)
-        return node_by_seq.get((root._sequence_nr(), type(root).__name__))
+        return node_by_seq.get(root_key)  # (root's key, read once above)
 
     def _node_name(self, node: Any) -> str | None:
-        kind = type(node).__name__
+        kind = NODE_KINDS.get(type(node)) or node_kind(node)
         if kind == ACCUMULATE:
             tag = node.metadata.get(_NODE_TAG)
-            return tag[1] if tag is not None and tag[0] == self.trace_id else None
+            return tag[1] if tag is not None and tag[0] == self.rec.trace_id else None
         return self._node_by_seq.get((node._sequence_nr(), kind))
 
     def _accumulator(self, node: Any) -> str:
@@ -117,12 +283,12 @@ class AutogradMixin(LeafGradsMixin):
         the same accumulator for the trace (one name, one record) but needs its own hooks."""
         md = node.metadata
         tag = md.get(_NODE_TAG)
-        if tag is not None and tag[0] == self.trace_id:
+        if tag is not None and tag[0] == self.rec.trace_id:
             return str(tag[1])
         var = node.variable
         name = self._acc_by_var.get(var)
         if name is None:
-            tname = self._base_name(self.name_of(var))
+            tname = base_name(self.rec.names.name_of(var))
             name = f"{tname}/AccumulateGrad"
             if name in self._node_recs:  # a new Parameter in a path's place (module_roots.parameter_path)
                 k = 1
@@ -135,25 +301,23 @@ class AutogradMixin(LeafGradsMixin):
             self._register_node(node, name, ACCUMULATE, None, tname, None, external=False)
         else:
             self._hook_node(node, name, ACCUMULATE, external=False)
-        md[_NODE_TAG] = (self.trace_id, name)
+        md[_NODE_TAG] = (self.rec.trace_id, name)
         return name
 
     def _register_node(self, node: Any, name: str, kind: str, call: str | None, param: str | None,
                        stack_id: int | None, external: bool, key: tuple[int, str] | None = None) -> None:
         if kind != ACCUMULATE:  # accumulators are known by their leaf (see _accumulator)
             self._node_by_seq[key if key is not None else self._node_key(node)] = name
-        self._add_node_record(name, kind, call, param, stack_id, external)
-        self._hook_node(node, name, kind, external)
-        if self.listeners and self._listens("on_grad_node"):
-            for li in self.listeners:
-                li.on_grad_node(self.trace, name, node)
-
-    def _add_node_record(self, name: str, kind: str, call: str | None, param: str | None,
-                         stack_id: int | None, external: bool) -> None:
+        # Positional, in GradNode's field order (a record per node).
         rec = GradNode(name, kind, call, param, [], stack_id, self._node_seq, external)
         self._node_seq += 1
-        self.trace.grad_nodes.append(rec)
+        self._trace.grad_nodes.append(rec)
         self._node_recs[name] = rec
+        self._hook_node(node, name, kind, external)
+        listeners = self.rec.listeners
+        if listeners and self._listens("on_grad_node"):
+            for li in listeners:
+                li.on_grad_node(self._trace, name, node)
 
     def _hook_node(self, node: Any, name: str, kind: str, external: bool) -> None:
         # Hook handles are not kept for the nodes a call made: the hooks go with their node (the
@@ -165,32 +329,34 @@ class AutogradMixin(LeafGradsMixin):
         # trace removes its hooks from them when it ends; else every traced step added a pair
         # that every later backward called.
         user_code = runs_user_code(node, kind)
-        if user_code and self._module_stack:
-            self._node_modules[name] = self._module_stack[-1]
+        if user_code:
+            module = self.rec.scopes.innermost()
+            if module is not None:
+                self._node_modules[name] = module
         if kind == ACCUMULATE and not user_code and self._acc_hook_alone():
             # Nothing needs the accumulator's start: its hook alone names what the leaf's .grad
             # became, from what .grad was when the backward started (_note_grads_before).
-            self._handles.append(node.register_hook(functools.partial(node_hook, self._self_ref, name)))
+            self._handles.append(node.register_hook(functools.partial(node_hook, self._rec_ref, name)))
             self._acc_post_only.add(name)
             return
         # Other accumulators get both: the pre-hook notes the leaf's .grad before it runs, the
         # hook names what it became (the gradient itself, or a new version accumulated into it).
         if user_code or external or kind == ACCUMULATE or self._saved_hooks \
-                or (self.listeners and self._begin_listeners()):
+                or (self.rec.listeners and self._begin_listeners()):
             # Something needs the node's start: its own Python code (custom backward, post-
             # accumulate hooks) or a saved-tensor unpack hook records calls whose parent is the
             # running node, and listeners such as the memory one attribute work to it. One
             # callable serves as pre-hook and hook (told apart by their arguments).
-            hook = functools.partial(node_hook, self._self_ref, name)
+            hook = functools.partial(node_hook, self._rec_ref, name)
             pre, post = node.register_prehook(hook), node.register_hook(hook)
             if external or kind == ACCUMULATE:
-                self._handles += (pre, post)  # removed by Recorder.uninstall
-            if user_code and self.hasher.active:
+                self._handles += (pre, post)  # removed by remove_hooks (Recorder.uninstall)
+            if user_code and self.rec.hasher.active:
                 self._flush_before.add(name)
-        elif self._every_node_run or (self.listeners and self._listeners_need_runs()):
+        elif self._every_node_run or (self.rec.listeners and self._listeners_need_runs()):
             # A built-in node runs no Python: its hook alone sees what it received and made
             # (one hook per node instead of two: half the registrations and engine callbacks).
-            node.register_hook(functools.partial(node_done_hook, self._self_ref, name))
+            node.register_hook(functools.partial(node_done_hook, self._rec_ref, name))
         else:
             # Nothing needs its run yet (no checksums or stats): the graph, names, links and
             # stacks are recorded already. A backward that needs it hooks it then.
@@ -201,18 +367,18 @@ class AutogradMixin(LeafGradsMixin):
         (a checksum waiting for .grad's bytes must be read before the accumulator adds into
         them) and no listener acts on a node's start (the memory one attributes the
         accumulator's allocation to it while it runs)."""
-        return self.hasher is self._own_hasher and not self.hasher.active \
-            and not (self.listeners and self._begin_listeners())
+        return self.rec.hasher is self.rec.own_hasher and not self.rec.hasher.active \
+            and not (self.rec.listeners and self._begin_listeners())
 
     def _listeners_need_runs(self) -> bool:
-        return any(needs_node_runs(li) for li in self.listeners)
+        return any(needs_node_runs(li) for li in self.rec.listeners)
 
     def _node_runs_wanted(self, create_graph: bool) -> bool:
         """Whether the backward run starting now needs every node's run: a listener attached since
         (a log scope around the backward), a ``create_graph`` run (the nodes it makes belong
         to the node whose backward made them: see _adopt_nodes), or backward hooks (a hook's
         calls read the gradient the node before it made: that node's hook names it)."""
-        return create_graph or bool(self.listeners and self._listeners_need_runs()) or self._backward_hooks()
+        return create_graph or bool(self.rec.listeners and self._listeners_need_runs()) or self._backward_hooks()
 
     def tensor_hook_registered(self) -> None:
         """A tensor hook was registered during the block (``Tensor.register_hook``)."""
@@ -223,18 +389,18 @@ class AutogradMixin(LeafGradsMixin):
         non-leaf ``t`` (a copy the engine makes of the gradient that reached it, after its
         hooks) is named ``<t>.grad`` when the backward ends (a leaf's ``.grad`` is named by its
         accumulator)."""
-        with self.lock, torch._C.DisableTorchFunction():
+        with self.rec.lock, torch._C.DisableTorchFunction():
             if t.grad_fn is None:
                 return
             key = identity(t)
             if key not in self._retained:
-                self._retained[key] = (weakref.ref(t), f"{self.name_of(t)}.grad")
+                self._retained[key] = (weakref.ref(t), f"{self.rec.names.name_of(t)}.grad")
 
     def _name_retained_grads(self, run: BackwardRun) -> None:
         """After a backward: name each retained ``.grad`` it set or replaced: ``<t>.grad``, then
         ``<t>.grad@v<k>`` for each later value (another run added into it or set it anew, as an
         in-place change does), ``previous`` the latest value of that name."""
-        with self.lock, torch._C.DisableTorchFunction():
+        with self.rec.lock, torch._C.DisableTorchFunction():
             for key, (ref, base) in list(self._retained.items()):
                 t = ref()
                 if t is None:
@@ -243,15 +409,15 @@ class AutogradMixin(LeafGradsMixin):
                 g = t.grad
                 if g is None:
                     continue
-                hit = self._tensor_names.get(g)
+                hit = self.rec.names.lookup(g)
                 if hit is not None and hit[1] == version_of(g):
                     continue  # named already: this run left it as it was
-                if base not in self.trace.tensors:
-                    self._new_tensor(g, base, "grad", run.name)
+                if base not in self._trace.tensors:
+                    self.rec.names.new_tensor(g, base, "grad", run.name)
                     continue
-                n = self._versions.get(base, 0)
+                n = self.rec.names.last_version(base)
                 latest = names.version_name(base, n) if n else base
-                self._new_tensor(g, self._bump(base), "grad", run.name, previous=latest)
+                self.rec.names.new_tensor(g, self.rec.names.bump(base), "grad", run.name, previous=latest)
 
     def _backward_hooks(self) -> bool:
         """Whether user hooks may run in this backward: a tensor hook registered in the block, one
@@ -263,7 +429,7 @@ class AutogradMixin(LeafGradsMixin):
             var = ref()
             if var is not None and has_backward_hooks(var):
                 return True
-        return self._module_backward_hooks()
+        return self.rec.scopes.backward_hooks()
 
     def _reaches_unhooked(self, roots: list[torch.Tensor]) -> bool:
         """Whether a backward from ``roots`` reaches a recorded node that has no hook."""
@@ -283,12 +449,12 @@ class AutogradMixin(LeafGradsMixin):
 
     def _hook_waiting_nodes(self, roots: list[torch.Tensor]) -> None:
         """Hook the recorded nodes still without one that a backward from ``roots`` can reach."""
-        node_by_seq, unhooked, ref = self._node_by_seq, self._unhooked, self._self_ref
+        node_by_seq, unhooked, ref = self._node_by_seq, self._unhooked, self._rec_ref
         todo = [gf for gf in map(grad_fn_of, roots) if gf is not None]
         seen: set[tuple[int, str]] = set()
         while todo:
             node = todo.pop()
-            kind = type(node).__name__
+            kind = NODE_KINDS.get(type(node)) or node_kind(node)
             if kind == ACCUMULATE:
                 continue  # (hooked when named)
             key = (node._sequence_nr(), kind)
@@ -317,7 +483,7 @@ class AutogradMixin(LeafGradsMixin):
                 dest = None
             else:
                 # _node_name inlined (once per edge); _dest_name names what is not known yet.
-                kind = type(nxt).__name__
+                kind = NODE_KINDS.get(type(nxt)) or node_kind(nxt)
                 if kind == ACCUMULATE:
                     dest = self._accumulator(nxt)
                 else:
@@ -334,11 +500,11 @@ class AutogradMixin(LeafGradsMixin):
         known = self._node_name(node)
         if known is not None:
             return known
-        kind = type(node).__name__
+        kind = NODE_KINDS.get(type(node)) or node_kind(node)
         if kind == ACCUMULATE:
             return self._accumulator(node)
         # Created before the traced block (or by code the trace could not see).
-        name = self.counters.next(f"external/{kind}")
+        name = self.rec.counters.next(f"external/{kind}")
         self._register_node(node, name, kind, None, None, None, external=True)
         # Their edges are linked one node after another, not by recursion: a graph made before
         # the block (a hidden state carried over, a GAN's generator output from the step before)
@@ -359,18 +525,18 @@ class AutogradMixin(LeafGradsMixin):
     def _begin_run(self, api: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> BackwardRun:
         """A backward run begins: its record, the state the engine's hooks read, and the
         checksums waiting read first."""
-        with self.lock, torch._C.DisableTorchFunction():
+        with self.rec.lock, torch._C.DisableTorchFunction():
             first = args[0] if args else kwargs.get("tensors", kwargs.get("outputs"))
-            roots = [self.name_of(t) for t in unique(flat_tensors(first))]
-            stack_id = self.stack_table.capture() if self.stack_table is not None else None
+            roots = [self.rec.names.name_of(t) for t in unique(flat_tensors(first))]
+            stack_id = self.rec.stack_table.capture()
             # Started by a running node's own code (autograd.grad in a custom backward): its parent.
-            parent = self._running[-1] if self._running else (self._engine_node() if self._in_backward else None)
-            run = BackwardRun(name=self.counters.next("grad" if api.endswith(".grad") else "backward"),
-                              api=api, roots=roots, stack_id=stack_id, seq=len(self.trace.backward_runs),
-                              parent=parent, at=self._call_seq)
+            parent = self._running[-1] if self._running else (self.engine_node() if self._in_backward else None)
+            run = BackwardRun(name=self.rec.counters.next("grad" if api.endswith(".grad") else "backward"),
+                              api=api, roots=roots, stack_id=stack_id, seq=len(self._trace.backward_runs),
+                              parent=parent, at=self.rec.call_seq)
             self._run_index = run.seq  # gradients of the k-th run are named ...#k
             self._run = run
-            self.trace.backward_runs.append(run)
+            self._trace.backward_runs.append(run)
             # Counted when a gradient's name first needs it (_sole_grad): a run that hooks only
             # accumulators and custom Functions (node_runs) may never need it.
             self._indegree, self._indegree_roots = None, self._root_names(unique(flat_tensors(first)))
@@ -381,12 +547,12 @@ class AutogradMixin(LeafGradsMixin):
             if self._unhooked and self._node_runs_wanted(self._create_graph):
                 self._hook_waiting_nodes(unique(flat_tensors(first)))
             if self._acc_post_only and not api.endswith(".grad"):  # (autograd.grad runs no accumulator)
-                self._hook_accumulator_starts(self._note_grads_before())
-        for li in self.listeners:
-            li.on_backward_begin(self.trace, run)
+                self._hook_accumulator_starts(self._leaves.note_grads_before(self._acc_post_only, self._create_graph))
+        for li in self.rec.listeners:
+            li.on_backward_begin(self._trace, run)
         # Waiting checksums are read before the backward: gradient accumulation and custom
         # backward code may write into tensors already recorded.
-        self.hasher.before_write()
+        self.rec.hasher.before_write()
         return run
 
     def record_backward(self, func: Any, api: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -399,15 +565,15 @@ class AutogradMixin(LeafGradsMixin):
         except Exception as exc:  # gradtrace's own fault: see tracer.record.failsafe
             (self._run, self._run_index, self._indegree, self._indegree_roots, self._create_graph,
              self._bwd_seq0) = outer
-            self.recorder_failed(exc)
+            self.rec.recorder_failed(exc)
             return func(*args, **kwargs)
         self._open_runs.append(run.seq)
         try:
             out = self._run_backward(run, outer, func, api, args, kwargs)
         finally:
             self._open_runs.remove(run.seq)  # (after its outputs are named: now it may be written)
-        if self.on_records is not None:
-            self.on_records()
+        if self.rec.on_records is not None:
+            self.rec.on_records()
         return out
 
     def _run_backward(self, run: BackwardRun, outer: tuple[Any, ...], func: Any, api: str,
@@ -421,7 +587,7 @@ class AutogradMixin(LeafGradsMixin):
         try:
             # The engine starts under a mode of this recorder (tracer.record.engine): the Python
             # code the backward runs (hooks, recomputation, custom backward) is recorded.
-            expect_backward(self)  # type: ignore[arg-type]
+            expect_backward(self.rec)
             try:
                 out = func(*args, **kwargs)
             finally:
@@ -465,18 +631,18 @@ class AutogradMixin(LeafGradsMixin):
         finally:
             if self._retained:
                 self._name_retained_grads(run)
-            for li in self.listeners:
-                li.on_backward_end(self.trace, run, error)
+            for li in self.rec.listeners:
+                li.on_backward_end(self._trace, run, error)
             self._in_backward -= 1
             self._run, self._run_index, self._indegree, self._indegree_roots, self._create_graph, self._bwd_seq0 = outer
             if self._run is None:
                 self._running.clear()
                 self._open_steps.clear()
-                self.phases.open_window()
+                self.rec.phases.open_window()
         if api.endswith(".grad"):
-            with self.lock, torch._C.DisableTorchFunction():
+            with self.rec.lock, torch._C.DisableTorchFunction():
                 results = flat_tensors(out)
-                run.outputs = [self._new_tensor(t, names.output_name(run.name, i, len(results)), "grad", run.name)
+                run.outputs = [self.rec.names.new_tensor(t, names.output_name(run.name, i, len(results)), "grad", run.name)
                                for i, t in enumerate(results)]
         return out
 
@@ -522,10 +688,8 @@ class AutogradMixin(LeafGradsMixin):
 
     def _explain(self, exc: Exception, run: BackwardRun, running: list[str], unknown: bool = False) -> None:
         try:
-            with self.lock, torch._C.DisableTorchFunction():
-                table = self.stack_table
-                note = explain_backward_error(self.trace, run, running, exc,
-                                              table.frames_of if table is not None else lambda _sid: (),
+            with self.rec.lock, torch._C.DisableTorchFunction():
+                note = explain_backward_error(self._trace, run, running, exc, self.rec.stack_table.frames_of,
                                               unknown_node=unknown, raised_at=raised_in_backward_python(exc))
         except Exception as inner:  # never let the explanation hide the user's error
             note = f"gradtrace: could not explain this error ({type(inner).__name__}: {inner})"
@@ -544,7 +708,7 @@ class AutogradMixin(LeafGradsMixin):
             var = self._acc_vars[dest]()
             if var is not None and has_backward_hooks(var):
                 return None
-        return self._slot_grad(dest, k)
+        return self.slot_grad(dest, k)
 
     def _in_run(self, name: str) -> str:
         """A gradient's own name, with ``#k`` in the k-th backward run (k >= 1)."""
@@ -557,7 +721,7 @@ class AutogradMixin(LeafGradsMixin):
     def _listens(self, event: str) -> bool:
         """Whether an attached listener overrides ``event``."""
         base = getattr(Listener, event)
-        return any(getattr(type(li), event) is not base for li in self.listeners)
+        return any(getattr(type(li), event) is not base for li in self.rec.listeners)
 
     def _current_run(self, ran: str | None = None) -> BackwardRun:
         """The backward run a node event belongs to. At its first node event, the reading of
@@ -569,13 +733,13 @@ class AutogradMixin(LeafGradsMixin):
             if self._acc_post_only:
                 # No accumulator has run yet but ``ran`` (it would have started the run): what
                 # their .grad is now is what it was at the start. ``ran``'s own has changed.
-                self._hook_accumulator_starts(self._note_grads_before(skip=ran))
+                self._hook_accumulator_starts(self._leaves.note_grads_before(self._acc_post_only, self._create_graph, skip=ran))
                 if ran is not None:
-                    self._infer_grad_before(ran)
-            self._run_index = len(self.trace.backward_runs)
-            self._run = BackwardRun(name=self.counters.next("backward"), api="(engine)", roots=[],
-                                    seq=len(self.trace.backward_runs), at=self._call_seq)
-            self.trace.backward_runs.append(self._run)
+                    self._leaves.infer_grad_before(ran)
+            self._run_index = len(self._trace.backward_runs)
+            self._run = BackwardRun(name=self.rec.counters.next("backward"), api="(engine)", roots=[],
+                                    seq=len(self._trace.backward_runs), at=self.rec.call_seq)
+            self._trace.backward_runs.append(self._run)
             self._open_runs.append(self._run.seq)  # no end is seen: filled till the block's end
         if self._reads_queued is not self._run:
             self._read_waiting_at_end(self._run)
@@ -587,9 +751,9 @@ class AutogradMixin(LeafGradsMixin):
         write into gradients the trace has recorded, with no op it sees (DDP copies the averaged
         buckets back into each .grad): they must find those values read."""
         self._reads_queued = run
-        if self.hasher.active and _queue_callback is not None:
+        if self.rec.hasher.active and _queue_callback is not None:
             try:
-                _queue_callback(functools.partial(_read_waiting, self._self_ref))
+                _queue_callback(functools.partial(_read_waiting, self._rec_ref))
             except RuntimeError:  # not inside the engine's run (a hook called by hand)
                 pass
 
@@ -603,7 +767,7 @@ class AutogradMixin(LeafGradsMixin):
         reads exactly as one of them (``ViewBackward``'s reshape) copies its checksum and stats."""
         edges = self._edges.get(node, ()) if produced else ()
         names: list[str | None] = []
-        tensor_names = self._tensor_names
+        lookup = self.rec.names.lookup
         passed = self._passed_on
         for i, g in enumerate(grads):
             if not isinstance(g, torch.Tensor):
@@ -618,7 +782,7 @@ class AutogradMixin(LeafGradsMixin):
                 if on_edge is not None and on_edge[1]() is g and on_edge[2] == version_of(g):
                     names.append(on_edge[0])
                     continue
-            hit = tensor_names.get(g)
+            hit = lookup(g)
             if hit is not None and hit[1] == version_of(g) and not (own_calls and self._made_by(hit[0], own_calls)):
                 if produced and i < len(edges) and edges[i][0] is not None:
                     names.append(self._pass_on(node, i, g, hit[0], edges[i]))
@@ -633,12 +797,12 @@ class AutogradMixin(LeafGradsMixin):
                     names.append(hit[0])
                     continue
                 same = self._received_as(node, g, received, received_names) \
-                    if received_names and self._reads_values else None
-                names.append(self._new_tensor(g, gname or self._in_run(f"{node}:grad{i}"), "grad", node,
+                    if received_names and self.rec.names.reads_values else None
+                names.append(self.rec.names.new_tensor(g, gname or self._in_run(f"{node}:grad{i}"), "grad", node,
                                               same_as=same))
             else:
-                gname = self._slot_grad(node, i) or self._in_run(f"{node}:gin{i}")
-                names.append(self._new_tensor(g, gname, "grad", None))
+                gname = self.slot_grad(node, i) or self._in_run(f"{node}:gin{i}")
+                names.append(self.rec.names.new_tensor(g, gname, "grad", None))
         return names
 
     def _received_as(self, node: str, g: torch.Tensor, received: tuple[Any, ...],
@@ -650,7 +814,7 @@ class AutogradMixin(LeafGradsMixin):
             return None
         rec = self._node_recs.get(node)
         order = VIEW_NODES.get(rec.kind.rstrip("0123456789")) if rec is not None else None
-        return self._view_source(g, base, order, zip(received, received_names))
+        return self.rec.names.view_source(g, base, order, zip(received, received_names))
 
     def _pass_on(self, node: str, i: int, g: torch.Tensor, name: str, edge: tuple[str | None, int]) -> str:
         """A gradient ``node`` received and passes on unchanged (``AddBackward0`` hands its
@@ -662,28 +826,24 @@ class AutogradMixin(LeafGradsMixin):
         edge_name = self._sole_grad(dest, k) or self._in_run(f"{node}:grad{i}")
         if edge_name == name:
             return name
-        original = self.trace.tensors.get(name)
+        original = self._trace.tensors.get(name)
         if original is None:
             return name
-        edge_name = self._untaken(edge_name)
-        rec = dataclasses.replace(original, name=edge_name, role="grad", producer=node, seq=self._tensor_seq,
-                                  md5=None, fingerprint=None, hash_note=None, stats=None, previous=None)
-        self._tensor_seq += 1
-        self.trace.tensors[edge_name] = rec
+        edge_name = self.rec.names.untaken(edge_name)
+        self.rec.names.add_copy(original, edge_name, node)
         self._passed_on[(dest, k)] = (edge_name, weakref.ref(g), version_of(g))
-        self.hasher.same_as(rec, original)
         return edge_name
 
     def _made_by(self, tensor: str, calls: list[str]) -> bool:
-        rec = self.trace.tensors.get(tensor)
+        rec = self._trace.tensors.get(tensor)
         return rec is not None and rec.producer in calls
 
     def node_begin(self, node: str, grad_outputs: tuple[Any, ...]) -> None:
-        if self.stopped:
+        if self.rec.stopped:
             return
         if node in self._flush_before:  # user code next, which may write into recorded tensors
-            self.hasher.before_write()
-        with self.lock, torch._C.DisableTorchFunction():
+            self.rec.hasher.before_write()
+        with self.rec.lock, torch._C.DisableTorchFunction():
             self._open_steps[node] = self._start_step(node, grad_outputs, ran=False)
         self.let_go_after(node)
 
@@ -696,19 +856,19 @@ class AutogradMixin(LeafGradsMixin):
         run.steps.append(step)
         self._running.append(node)
         if node in self._acc_vars:
-            self._name_leaf_incoming(node, step, grad_outputs)
+            self._leaves.name_incoming(node, step, grad_outputs)
             if ran:
-                self._name_grad_from_before(node)
+                self._leaves.name_grad_from_before(node)
             else:
-                self._note_grad_before(node)
-        for li in self.listeners:
-            li.on_node_begin(self.trace, node, step, grad_outputs)
+                self._leaves.note_grad_before(node)
+        for li in self.rec.listeners:
+            li.on_node_begin(self._trace, node, step, grad_outputs)
         return step
 
     def node_end(self, node: str, grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...] = ()) -> None:
-        if self.stopped:
+        if self.rec.stopped:
             return
-        with self.lock, torch._C.DisableTorchFunction():
+        with self.rec.lock, torch._C.DisableTorchFunction():
             step = self._open_steps.pop(node, None)
             if step is None and node in self._acc_post_only:
                 step = self._start_step(node, grad_outputs, ran=True)
@@ -716,13 +876,13 @@ class AutogradMixin(LeafGradsMixin):
             if self._create_graph:
                 self._adopt_nodes(node, grad_inputs)
             if node in self._acc_vars:
-                self._name_accumulated(node, step)
+                self._leaves.name_accumulated(node, step)
             if step is not None:
                 step.grads_out = names
                 # Listeners run while the node still counts as running: one that raises (the
                 # raise_on_nonfinite guard) leaves it on the stack the error explanation reads.
-                for li in self.listeners:
-                    li.on_node_end(self.trace, node, step, grad_inputs)
+                for li in self.rec.listeners:
+                    li.on_node_end(self._trace, node, step, grad_inputs)
             if self._running and self._running[-1] == node:
                 self._running.pop()
             elif node in self._running:
@@ -736,21 +896,21 @@ class AutogradMixin(LeafGradsMixin):
         and a slot several edges feed (their gradients are summed in place only into one nobody
         else holds). Elsewhere the batches keep filling: a launch per node would cost the
         launches batching saves."""
-        if not self.hasher.holds_tensors:
+        if not self.rec.hasher.holds_tensors:
             return
         if node in self._acc_vars:
-            self.hasher.let_go()
+            self.rec.hasher.let_go()
             return
         indegree = self._run_indegree()
         for dest, k in self._edges.get(node, ()):
             if dest is not None and (dest in self._acc_vars or indegree.get((dest, k), 0) > 1):
-                self.hasher.let_go()
+                self.rec.hasher.let_go()
                 return
 
     def _hook_accumulator_starts(self, accs: list[str]) -> None:
         """Give accumulators hooked alone their pre-hook after all: their leaf got a
         post-accumulate-grad hook after the forward (user code, whose calls read .grad while
-        the accumulator counts as running: see _name_leaf_grad)."""
+        the accumulator counts as running: see name_leaf_grad)."""
         for acc in accs:
             ref = self._acc_vars.get(acc)
             var = ref() if ref is not None else None
@@ -758,11 +918,42 @@ class AutogradMixin(LeafGradsMixin):
                 continue
             node = get_gradient_edge(var).node
             tag = node.metadata.get(_NODE_TAG)
-            if tag is not None and tuple(tag) == (self.trace_id, acc):
-                self._handles.append(node.register_prehook(functools.partial(node_hook, self._self_ref, acc)))
+            if tag is not None and tuple(tag) == (self.rec.trace_id, acc):
+                self._handles.append(node.register_prehook(functools.partial(node_hook, self._rec_ref, acc)))
                 self._acc_post_only.discard(acc)
 
-    def _engine_node(self) -> str | None:
+    def forget_tensor(self, t: torch.Tensor) -> None:
+        """Drop every weak reference of the graph to ``t`` (``swap_tensors`` refuses a tensor
+        that has one; an accumulator's leaf among them: a new accumulator follows, swap_tensors
+        poisons the one it had)."""
+        self._acc_by_var.pop(t)
+        for name in [n for n, r in self._acc_vars.items() if r() is t]:
+            del self._acc_vars[name]
+        for key in [k for k, (r, _) in self._retained.items() if r() is t]:
+            del self._retained[key]
+        for slot in [k for k, v in self._passed_on.items() if v[1]() is t]:
+            del self._passed_on[slot]
+        self._leaves.forget(t)
+
+    def note_unnamed_hook_input(self, input_name: str) -> None:
+        """A tensor without a name met in a hook of a grad node whose run is not recorded
+        (``node_runs`` off): possibly a gradient that node received or produced, handed to a
+        hook registered on the node itself (``grad_fn.register_hook``), which gradtrace cannot
+        see. It stays ``input<k>`` (it may as well come from before the block); a note per
+        node says so and how to have the node's gradients named."""
+        if not self._unhooked:
+            return
+        node = self.engine_node()
+        if node is None or node not in self._unhooked or node in self._hook_inputs_noted:
+            return
+        self._hook_inputs_noted.add(node)
+        self._trace.notes.append(
+            f"a hook of grad node {node} read {input_name}, a tensor without a name: if it is one of the "
+            f"node's gradients (a hook registered on the node itself, grad_fn.register_hook, which gradtrace "
+            f"cannot see), its name is not known because the node's run was not recorded; "
+            f"trace(node_runs=True) names every node's gradients")
+
+    def engine_node(self) -> str | None:
         """The recorded name of the grad node the autograd engine runs on this thread now (the
         node whose hooks run), if it is one the trace knows."""
         node = current_autograd_node() if current_autograd_node is not None else None
@@ -770,21 +961,21 @@ class AutogradMixin(LeafGradsMixin):
 
     def node_done(self, node: str, grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
         """A node with no pre-hook ran: what it received and what it produced, in one event."""
-        if self.stopped:
+        if self.rec.stopped:
             return
-        with self.lock, torch._C.DisableTorchFunction():
+        with self.rec.lock, torch._C.DisableTorchFunction():
             run = self._current_run()
             step = NodeRun(node, self._grad_names(node, grad_outputs, False), [])
             run.steps.append(step)
             step.grads_out = self._grad_names(node, grad_inputs, True, None, grad_outputs, step.grads_in)
             if self._create_graph:
                 self._adopt_nodes(node, grad_inputs)
-            if self.listeners:  # attached after this node was made: both events, back to back
+            if self.rec.listeners:  # attached after this node was made: both events, back to back
                 self._running.append(node)
-                for li in self.listeners:
-                    li.on_node_begin(self.trace, node, step, grad_outputs)
-                for li in self.listeners:
-                    li.on_node_end(self.trace, node, step, grad_inputs)
+                for li in self.rec.listeners:
+                    li.on_node_begin(self._trace, node, step, grad_outputs)
+                for li in self.rec.listeners:
+                    li.on_node_end(self._trace, node, step, grad_inputs)
                 self._running.pop()
         self.let_go_after(node)
 
@@ -803,7 +994,7 @@ class AutogradMixin(LeafGradsMixin):
         local_kinds = self._adopted_kinds.setdefault(parent, {})
         for g in grads:
             gf = grad_fn_of(g) if isinstance(g, torch.Tensor) else None
-            if gf is None or type(gf).__name__ == ACCUMULATE or self._node_name(gf) is not None:
+            if gf is None or (NODE_KINDS.get(type(gf)) or node_kind(gf)) == ACCUMULATE or self._node_name(gf) is not None:
                 continue
             self._collect_nodes(gf, seq0, seq1, parent, stack_id, names, local_kinds)
         for n in names:
@@ -864,20 +1055,20 @@ def node_hook(ref: weakref.ref[Any], name: str, grads: tuple[Any, ...], grad_out
         with torch._C.DisableTorchFunction():
             try:
                 if grad_outputs is _PRE_HOOK:
-                    rec.node_begin(name, grads)
+                    rec.graph.node_begin(name, grads)
                 else:
-                    rec.node_end(name, grads, grad_outputs)
+                    rec.graph.node_end(name, grads, grad_outputs)
             except Exception as exc:  # gradtrace's own fault: see tracer.record.failsafe
                 rec.recorder_failed(exc)
 
 
 def node_done_hook(ref: weakref.ref[Any], name: str, grad_inputs: tuple[Any, ...],
                     grad_outputs: tuple[Any, ...]) -> None:
-    """The only hook of a node that needs no pre-hook (see ``Recorder._register_node``)."""
+    """The only hook of a node that needs no pre-hook (see ``Graph._register_node``)."""
     rec = ref()
     if rec is not None and not rec.closed and on_traced_thread(rec):
         with torch._C.DisableTorchFunction():
             try:
-                rec.node_done(name, grad_inputs, grad_outputs)
+                rec.graph.node_done(name, grad_inputs, grad_outputs)
             except Exception as exc:  # gradtrace's own fault: see tracer.record.failsafe
                 rec.recorder_failed(exc)

@@ -146,7 +146,7 @@ class CompiledFunctionWatch:
         local = frame.f_locals
         with torch._C.DisableTorchFunction():
             ins = unique(flat_tensors((local.get("args", ()), local.get("kwargs", {}))))
-        region = rec.open_region(wrapper_frame, ins)
+        region = rec.scopes.open_region(wrapper_frame, ins)
         raised_before = sys.exc_info()[1]  # an exception the caller is handling, not ours
 
         def leave() -> None:
@@ -158,7 +158,7 @@ class CompiledFunctionWatch:
         rec = self._rec_ref()
         if rec is None:
             return
-        pending = rec.close_region(region)
+        pending = rec.scopes.close_region(region)
         raised = sys.exc_info()[1]
         if raised is not None and raised is not raised_before:  # the compiled code raised
             rec.fail_call(pending, raised)

@@ -20,7 +20,7 @@ from tracer.record.mode import (
     top_recording_mode,
 )
 from tracer.record.opaque import ModeOff
-from tracer.record.state import RecorderState
+from tracer.record.part import Part
 
 if TYPE_CHECKING:
     from tracer.record.recorder import Recorder
@@ -32,43 +32,56 @@ from tracer.record.tensors import (
 )
 
 
-class FunctionsMixin(RecorderState):
-    """Custom Function calls (part of ``Recorder``)."""
+class CustomFunctions(Part):
+    """Custom Function calls (a part of ``Recorder``): each ``Function.apply`` one call, named
+    before its forward runs, so the calls inside it name it as their parent."""
 
-    # ---- custom autograd Functions ------------------------------------------------------------
-    def record_function(self, cls: type, apply: Callable[..., Any], args: tuple[Any, ...],
-                        kwargs: dict[str, Any]) -> Any:
+    def __init__(self, rec: Recorder) -> None:
+        super().__init__(rec)
+        self._open: list[str] = []  # the Function calls whose forward runs now, innermost last
+
+    @property
+    def depth(self) -> int:
+        """How many custom Function forwards enclose the call being recorded."""
+        return len(self._open)
+
+    def innermost(self) -> str | None:
+        """The call of the innermost Function whose forward runs now (None: none)."""
+        return self._open[-1] if self._open else None
+
+    def record(self, cls: type, apply: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        rec = self.rec
         with torch._C.DisableTorchFunction():
             ins = unique(flat_tensors(args) + (flat_tensors(kwargs) if kwargs else []))
             vers = [version_of(t) for t in ins]
         # Named before it runs: the calls inside its forward name it as their parent.
-        pending = self.begin_call(ins, api=f"{cls.__module__}.{cls.__qualname__}.apply", short=cls.__name__,
-                                  kind="function", name=self.counters.next(cls.__name__))
+        pending = rec.begin_call(ins, api=f"{cls.__module__}.{cls.__qualname__}.apply", short=cls.__name__,
+                                 kind="function", name=rec.counters.next(cls.__name__))
         assert pending.name is not None
-        self._parents.append(pending.name)
+        self._open.append(pending.name)
         try:
             out = apply(cls, *args, **kwargs)
         except BaseException as exc:
-            self._parents.pop()
-            self.fail_call(pending, exc, args=args, kwargs=kwargs)
+            self._open.pop()
+            rec.fail_call(pending, exc, args=args, kwargs=kwargs)
             raise
-        self._parents.pop()
+        self._open.pop()
         with torch._C.DisableTorchFunction():
             outs = unique(flat_tensors(out))
             mutated = [t for t, v in zip(ins, vers) if version_of(t) != v]
-        self.finish_call(pending, outs, mutated, args=args, kwargs=kwargs)
+        rec.finish_call(pending, outs, mutated, args=args, kwargs=kwargs)
         return out
 
-    def _record_failed_named(self, name: str, api: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-                             in_names: list[str], seq: int, exc: BaseException) -> None:
-        with self.lock, torch._C.DisableTorchFunction():
-            stack_id = self.stack_table.capture() if self.stack_table is not None else None
-            self.trace.calls.append(Call(
-                name=name, api=api, module=self._module_stack[-1] if self._module_stack else "",
-                inputs=in_names, outputs=[], args=naming.short_args(args, kwargs), stack_id=stack_id,
-                parent=self._parents[-1] if self._parents else None, kind="function",
-                phase=self.phase_of(name, "function", in_names, ()), seq=seq,
-                error=f"{type(exc).__name__}: {exc}"))
+    def record_failed(self, name: str, api: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                      in_names: list[str], seq: int, exc: BaseException) -> None:
+        """A Function call named before it ran (``record``) raised."""
+        rec = self.rec
+        with rec.lock, torch._C.DisableTorchFunction():
+            rec.append_call(Call(
+                name=name, api=api, module=rec.current_module, inputs=in_names, outputs=[],
+                args=naming.short_args(args, kwargs), stack_id=rec.stack_table.capture(),
+                parent=self.innermost(), kind="function", phase=rec.phase_of(name, "function", in_names, ()),
+                seq=seq, error=f"{type(exc).__name__}: {exc}"))
 
 
 _FunctionBase = torch.autograd.function.Function
@@ -83,7 +96,7 @@ def _traced_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
         return original(cls, *args, **kwargs)
     __tracebackhide__ = True  # an error raised on purpose reaches the program from here (see mode.py)
     try:
-        return rec.record_function(cls, original, args, kwargs)
+        return rec.functions.record(cls, original, args, kwargs)
     except Exception as exc:
         if isinstance(exc, RaisedOnPurpose):
             raise exc.with_traceback(None) from exc.__cause__

@@ -15,6 +15,7 @@ from torch.overrides import TorchFunctionMode
 from tracer.options import RaisedOnPurpose
 from tracer.record.naming import tensor_backward_of
 from tracer.record.own_work import OWN_WORK
+from tracer.record.tensors import NODE_KINDS, node_kind
 
 if TYPE_CHECKING:
     from tracer.record.recorder import Recorder
@@ -40,6 +41,9 @@ COMPILED = CompiledRegions()
 # What an aten operator called from Python is (``torch.ops.aten.mm.default``): what a
 # ``__torch_dispatch__`` handler calls.
 _OP_OVERLOADS = frozenset({"OpOverload", "OpOverloadPacket"})
+# Whether a callable's class is one of those, by the class: every torch call asks, and reading the
+# name of a class defined in C (``builtin_function_or_method``) makes a new string each time.
+_IS_OVERLOAD: dict[type, bool] = {}
 _HANDLER_DEPTH = 12  # frames looked at above an operator call for a __torch_dispatch__ handler
 
 
@@ -78,7 +82,10 @@ class RecordingMode(TorchFunctionMode):
                 COMPILED.ran = True
                 return func(*args, **kwargs)
             rec = self.recorder
-            if rec is None or (type(func).__name__ in _OP_OVERLOADS and from_dispatch_handler()):
+            overload = _IS_OVERLOAD.get(type(func))
+            if overload is None:
+                overload = _IS_OVERLOAD[type(func)] = type(func).__name__ in _OP_OVERLOADS
+            if rec is None or (overload and from_dispatch_handler()):
                 return func(*args, **kwargs)
             try:  # ApiNames.describe, its cache hit inlined: this runs for every torch call
                 hit = rec.api.cache.get(func)
@@ -107,10 +114,11 @@ class RecordingMode(TorchFunctionMode):
                     except Exception as exc:  # gradtrace's own fault: see tracer.record.failsafe
                         rec.recorder_failed(exc)
                 return out
-            if rec.open_step is not None and not rec.step_running():
+            steps = rec.steps
+            if steps.open is not None and not steps.running():
                 try:
                     with OWN_WORK():
-                        rec.close_step("optimizer.step() raised; its changes up to there are recorded")
+                        steps.close("optimizer.step() raised; its changes up to there are recorded")
                 except Exception as exc:
                     rec.recorder_failed(exc)
             # Tensor.backward is run as naming.tensor_backward: the function the mode was handed may
@@ -120,12 +128,12 @@ class RecordingMode(TorchFunctionMode):
                     func = tensor_backward_of(func)
                 return func(*args, **kwargs)
             if kind == "backward":
-                return rec.record_backward(tensor_backward_of(func) if api == "Tensor.backward" else func, api, args,
+                return rec.graph.record_backward(tensor_backward_of(func) if api == "Tensor.backward" else func, api, args,
                                            kwargs)
             if kind == "hook":
                 try:
                     with OWN_WORK():
-                        rec.tensor_hook_registered()
+                        rec.graph.tensor_hook_registered()
                 except Exception as exc:
                     rec.recorder_failed(exc)
                 return func(*args, **kwargs)
@@ -133,12 +141,12 @@ class RecordingMode(TorchFunctionMode):
                 out = func(*args, **kwargs)
                 try:
                     with OWN_WORK():
-                        rec.grad_retained(args[0])
+                        rec.graph.grad_retained(args[0])
                 except Exception as exc:
                     rec.recorder_failed(exc)
                 return out
             if kind == "set_data":
-                return rec.record_set_data(func, api, short, args, kwargs, writes)
+                return rec.capture.record_set_data(func, api, short, args, kwargs, writes)
             if kind == "collective":
                 # References to collectives taken before the trace land here, not in the wrappers
                 # (tracer.features.distributed sets the hook while a process group is traced).
@@ -147,7 +155,7 @@ class RecordingMode(TorchFunctionMode):
                 if wrapped is not None:
                     return wrapped(*args, **kwargs)
                 kind = "op"
-            return rec.record_call(func, api, short, kind, args, kwargs, writes)
+            return rec.capture.record_call(func, api, short, kind, args, kwargs, writes)
 
         except Exception as exc:
             if isinstance(exc, RaisedOnPurpose):
@@ -169,7 +177,7 @@ class BackwardRecordingMode(RecordingMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         node = current_autograd_node() if current_autograd_node is not None else None
-        if node is not None and type(node).__name__ in COMPILED_BACKWARDS:
+        if node is not None and (NODE_KINDS.get(type(node)) or node_kind(node)) in COMPILED_BACKWARDS:
             return func(*args, **(kwargs or {}))
         return super().__torch_function__(func, types, args, kwargs)
 
@@ -198,7 +206,8 @@ def top_recording_mode() -> RecordingMode | None:
 class Owned(Protocol):
     """A recorder, as far as telling its threads apart goes."""
 
-    owner: int  # the ident of the thread that entered the block
+    @property
+    def owner(self) -> int: ...  # the ident of the thread that entered the block
 
 
 def on_traced_thread(rec: Owned) -> bool:

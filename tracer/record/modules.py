@@ -1,27 +1,31 @@
-"""The recorder's module side: global forward hooks give every call its module path (and a stack
-scope), parameters and buffers are named by module path, and a ``torch.compile`` region is one
-opaque call."""
+"""Module scopes (a part of the recorder): global forward hooks give every call its module path
+(and a stack scope), parameters and buffers are named by module path, and a ``torch.compile``
+region is one opaque call. ``ModuleScopes`` owns the module paths, the stack of modules running
+now and the compiled regions open."""
 
 from __future__ import annotations
 
 import sys
 import threading
-from typing import Any
+import weakref
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.nn.modules import module as nn_module
 
-from tracer.model.records import Role
 from tracer.record.calls import PendingCall
 from tracer.record.mode import on_traced_thread
 from tracer.record.module_roots import Caller, caller, enclosing_module, name_in_caller
 from tracer.record.opaque import COMPILED_NOTE, ModeOff, OpaqueRegion
-from tracer.record.state import RecorderState
+from tracer.record.part import Part
 from tracer.record.tensors import (
     flat_tensors,
     unique,
-    version_of,
 )
+
+if TYPE_CHECKING:
+    from tracer.record.recorder import Recorder
 
 
 def _holds_tensors(module: torch.nn.Module) -> bool:
@@ -29,30 +33,64 @@ def _holds_tensors(module: torch.nn.Module) -> bool:
     return any(m._parameters or m._buffers for m in module.modules())
 
 
-class ModulesMixin(RecorderState):
-    """Module scopes and compiled regions (part of ``Recorder``)."""
+class ModuleScopes(Part):
+    """Module scopes and compiled regions (a part of ``Recorder``)."""
 
-    def _install_module_hooks(self) -> None:
+    def __init__(self, rec: Recorder) -> None:
+        super().__init__(rec)
+        self._paths: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+        self._stack: list[str] = []  # paths of the modules running now, innermost last
+        self._scope_frames: list[FrameType | None] = []  # per _stack entry, see _module_pre
+        self._handles: list[Any] = []
+        self._opaque: list[OpaqueRegion] = []  # compiled regions running now, innermost last
+
+    # ---- what the other parts ask ------------------------------------------------------------
+    def innermost(self) -> str | None:
+        """The path of the innermost module running now (None: none runs; ``""`` is the root)."""
+        return self._stack[-1] if self._stack else None
+
+    def path_of(self, module: torch.nn.Module) -> str | None:
+        """The path the trace named ``module`` by (None: not seen)."""
+        return self._paths.get(module)
+
+    def module_at(self, path: str) -> torch.nn.Module | None:
+        """The module named ``path``, if it is alive."""
+        return next((m for m, p in self._paths.items() if p == path), None)
+
+    def modules(self) -> list[torch.nn.Module]:
+        """Every module the trace has named."""
+        return list(self._paths.keys())
+
+    def close_all(self) -> None:
+        """The trace ends: regions still open (the block left from inside compiled code) put the
+        mode back, and no frame stays held."""
+        while self._opaque:
+            self.close_region(self._opaque[-1])
+
+    def let_go_of_frames(self) -> None:
+        self._scope_frames.clear()
+
+    def install_hooks(self) -> None:
         try:
             post = nn_module.register_module_forward_hook(self._module_post, always_call=True)
         except TypeError:  # older torch without always_call
             post = nn_module.register_module_forward_hook(self._module_post)
-        self._module_handles = [nn_module.register_module_forward_pre_hook(self._module_pre), post]
+        self._handles = [nn_module.register_module_forward_pre_hook(self._module_pre), post]
 
-    def _module_backward_hooks(self) -> bool:
+    def backward_hooks(self) -> bool:
         """Whether a module backward hook is registered: on any module the trace has seen, or
         for every module."""
         if any(getattr(nn_module, name, None) for name in ("_global_backward_hooks", "_global_backward_pre_hooks")):
             return True
         return any(getattr(m, "_backward_hooks", None) or getattr(m, "_backward_pre_hooks", None)
-                   for m in list(self._module_paths.keys()))
+                   for m in list(self._paths.keys()))
 
     def holds_every_global_module_hook(self) -> bool:
         """Whether the module hooks of the whole process are this recorder's and no one else's
         (torch warns about global hooks when a compiled module is called: then it warns about
         ours only)."""
-        ours = {(id(ref()), h.id) for h in self._module_handles if (ref := getattr(h, "hooks_dict_ref", None))}
-        if len(ours) != len(self._module_handles):
+        ours = {(id(ref()), h.id) for h in self._handles if (ref := getattr(h, "hooks_dict_ref", None))}
+        if len(ours) != len(self._handles):
             return False
         for name in ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_hooks",
                      "_global_backward_pre_hooks"):
@@ -63,10 +101,10 @@ class ModulesMixin(RecorderState):
                 return False
         return True
 
-    def _remove_module_hooks(self) -> None:
-        for h in self._module_handles:
+    def remove_hooks(self) -> None:
+        for h in self._handles:
             h.remove()
-        self._module_handles = []
+        self._handles = []
 
     # ---- modules ------------------------------------------------------------------------------
     # In backward, a module runs again when activation checkpointing recomputes its forward
@@ -77,52 +115,46 @@ class ModulesMixin(RecorderState):
     # met in backward (one a hook calls) is passed by, and the calls in it carry the module of
     # the grad node running, as other backward-phase calls do.
     def _module_pre(self, module: torch.nn.Module, args: Any) -> None:
-        if self.closed or (threading.get_ident() != self.owner and not self._recomputes_here()):
+        rec = self.rec
+        if rec.closed or (threading.get_ident() != rec.owner and not self._recomputes_here()):
             return
-        path = self._module_paths.get(module)
+        path = self._paths.get(module)
         if path is None:
-            if self._in_backward:
+            if rec.in_backward:
                 return
             try:
-                path = self._register_module(module, caller(1) if not self._module_stack else None)
+                path = self._register_module(module, caller(1) if not self._stack else None)
             except Exception as exc:  # gradtrace's own fault: see tracer.record.failsafe
-                self.recorder_failed(exc)
+                rec.recorder_failed(exc)
                 path = f"<{type(module).__name__}>"
-        self._module_stack.append(path)
-        table = self.stack_table
-        if table is not None:
-            # The frame that called this hook runs the module's forward and stays on the stack
-            # until the post-hook: stack captures inside the module stop walking there.
-            frame = sys._getframe(1)
-            table.open_scope(frame)
-            self._scope_frames.append(frame)
-        else:
-            self._scope_frames.append(None)
-        if type(module).__name__ == "OptimizedModule" and not self.paused:
+        self._stack.append(path)
+        # The frame that called this hook runs the module's forward and stays on the stack until
+        # the post-hook: stack captures inside the module stop walking there.
+        self._scope_frames.append(rec.stack_table.open_scope(sys._getframe(1)))
+        if type(module).__name__ == "OptimizedModule" and not rec.paused:
             self._enter_opaque(module, args)
 
     def _recomputes_here(self) -> bool:
         """Whether this thread, not the tracing one, is an autograd engine thread running a
         traced backward (where checkpointing recomputes a forward on a device of its own):
         its module calls are the trace's too."""
-        return bool(self._in_backward) and on_traced_thread(self)
+        return self.rec.in_backward and on_traced_thread(self.rec)
 
     def _pop_modules(self, start: int) -> None:
         """Leave the module calls from ``start`` on (module stack and stack-capture scopes)."""
-        del self._module_stack[start:]
+        del self._stack[start:]
         frames = self._scope_frames
         if len(frames) > start:
-            table = self.stack_table
-            if table is not None:
-                for f in frames[start:]:
-                    table.close_scope(f)
+            for f in frames[start:]:
+                self.rec.stack_table.close_scope(f)
             del frames[start:]
 
     def _module_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if self.closed or (threading.get_ident() != self.owner and not self._recomputes_here()):
+        rec = self.rec
+        if rec.closed or (threading.get_ident() != rec.owner and not self._recomputes_here()):
             return
-        path = self._module_paths.get(module)
-        stack = self._module_stack
+        path = self._paths.get(module)
+        stack = self._stack
         if stack and stack[-1] == path:
             self._pop_modules(len(stack) - 1)
         elif path in stack:
@@ -132,7 +164,7 @@ class ModulesMixin(RecorderState):
         """Name modules, parameters and buffers from ``module`` down, as if it were called first
         (a trainer's model, whose forward may never be called itself). ``held_as``: the name the
         user's code holds it by, the prefix of a second root."""
-        if module not in self._module_paths:
+        if module not in self._paths:
             self._register_root(module, None, held_as)
 
     def _register_module(self, module: torch.nn.Module, called_by: Caller | None = None) -> str:
@@ -140,19 +172,19 @@ class ModulesMixin(RecorderState):
         called a root module holds, which may say what holds it and what it is called
         (module_roots)."""
         cls = type(module).__name__
-        if self._module_stack:  # a module not reachable from any root seen so far
-            parent = self._module_stack[-1]
+        if self._stack:  # a module not reachable from any root seen so far
+            parent = self._stack[-1]
             path = f"{parent}.<{cls}>" if parent else f"<{cls}>"
-            self._module_paths[module] = path
-            self.trace.modules[path] = cls
+            self._paths[module] = path
+            self.rec.trace.modules[path] = cls
             return path
         if called_by is not None:
             # A part of a model called from one of the model's methods (training_step, encode):
             # the model is the root, and the part keeps its path in it.
             owner = enclosing_module(called_by, module)
-            if owner is not None and owner not in self._module_paths:
+            if owner is not None and owner not in self._paths:
                 self._register_root(owner, None)
-                held = self._module_paths.get(module)
+                held = self._paths.get(module)
                 if held is not None:
                     return held
         return self._register_root(module, called_by)
@@ -162,59 +194,33 @@ class ModulesMixin(RecorderState):
         names), else under the name its caller holds it by (``held_as`` when known already),
         else under its class."""
         cls = type(module).__name__
+        modules = self.rec.trace.modules
         prefix = ""
         # The unprefixed names are the model's: the first root that holds parameters or buffers
         # (a transform or a loss module called before it holds none, and is named as a second root).
-        if "" in self.trace.modules or not _holds_tensors(module):
+        if "" in modules or not _holds_tensors(module):
             if held_as is None and called_by is not None:
                 held_as = name_in_caller(called_by, module)
-            prefix = held_as if held_as is not None and held_as not in self.trace.modules else cls
+            prefix = held_as if held_as is not None and held_as not in modules else cls
         k = 1
-        while prefix in self.trace.modules and prefix:
+        while prefix in modules and prefix:
             prefix = f"{cls}#{k}"
             k += 1
         # One walk over the modules names them, their parameters and their buffers, in the order
         # (and with the first-wins naming of shared ones) of named_parameters()/named_buffers();
         # three separate walks cost ~2 ms per trace on a GPT-2-sized model.
-        named = self._named
         params: list[tuple[str, torch.Tensor]] = []
         buffers: list[tuple[str, torch.Tensor]] = []
         for sub_path, sub in module.named_modules():
             full = f"{prefix}.{sub_path}" if prefix and sub_path else prefix or sub_path
-            if sub not in self._module_paths:
-                self._module_paths[sub] = full
-                self.trace.modules[full] = type(sub).__name__
+            if sub not in self._paths:
+                self._paths[sub] = full
+                modules[full] = type(sub).__name__
             dot = f"{full}." if full else ""
             params += [(dot + k, v) for k, v in sub._parameters.items() if v is not None]
             buffers += [(dot + k, v) for k, v in sub._buffers.items() if v is not None]
-        renamed: list[tuple[torch.Tensor, str, Role]] = []
-        for pname, p in params:
-            if p not in named:
-                named[p] = (pname, "param")
-                renamed.append((p, pname, "param"))
-        for bname, b in buffers:
-            if b not in named:
-                named[b] = (bname, "buffer")
-                renamed.append((b, bname, "buffer"))
-        self._take_paths(renamed)
-        return self._module_paths[module]
-
-    def _take_paths(self, tensors: list[tuple[torch.Tensor, str, Role]]) -> None:
-        """Parameters and buffers the trace met before their module ran (made and initialised in
-        the block, by the model's own constructor: ``input4``, ``zeros0:out``) take their paths
-        now: a record of that name holding the value they hold (its checksum copied),
-        ``previous`` the name they had."""
-        known = self._tensor_names
-        with self.lock, torch._C.DisableTorchFunction():
-            for t, path, role in tensors:
-                hit = known.get(t)
-                if hit is None:
-                    continue
-                rec = self.trace.tensors.get(hit[0])
-                if rec is None or rec.role in ("param", "buffer"):
-                    continue
-                same = rec if hit[1] == version_of(t) and not rec.uninitialized else None
-                self._new_tensor(t, path, role, rec.producer, previous=hit[0], same_as=same)
+        self.rec.names.name_by_paths(params, buffers)
+        return self._paths[module]
 
     # ---- compiled regions ----------------------------------------------------------------------
     def open_region(self, owner: object, ins: list[torch.Tensor], hook: Any = None) -> OpaqueRegion:
@@ -222,15 +228,16 @@ class ModulesMixin(RecorderState):
         ``close_region``: the mode off the stack (a mode inside makes Dynamo graph-break and
         recompile), our global module hooks removed (Dynamo would inline them into the compiled
         frame) and recording paused."""
-        pending = self.begin_call(ins, api="torch.compile", short="compiled", kind="compiled")
-        pending.stack_id = self.stack_table.capture(2) if self.stack_table is not None else None
+        rec = self.rec
+        pending = rec.begin_call(ins, api="torch.compile", short="compiled", kind="compiled")
+        pending.stack_id = rec.stack_table.capture(2)
         if not self._opaque:
-            self._remove_module_hooks()
-        region = OpaqueRegion(owner, ModeOff(self._mode), hook, pending)
+            self.remove_hooks()
+        region = OpaqueRegion(owner, ModeOff(rec.mode), hook, pending)
         self._opaque.append(region)
-        self.paused = True
-        if COMPILED_NOTE not in self.trace.notes:
-            self.trace.notes.append(COMPILED_NOTE)
+        rec.paused = True
+        if COMPILED_NOTE not in rec.trace.notes:
+            rec.trace.notes.append(COMPILED_NOTE)
         return region
 
     def close_region(self, region: OpaqueRegion) -> PendingCall:
@@ -243,9 +250,9 @@ class ModulesMixin(RecorderState):
         region.mode_off.restore()
         if region.hook is not None:
             region.hook.remove()
-        self.paused = bool(self._opaque)
-        if not self._opaque and not self.closed:
-            self._install_module_hooks()
+        self.rec.paused = bool(self._opaque)
+        if not self._opaque and not self.rec.closed:
+            self.install_hooks()
         return region.pending
 
     def _enter_opaque(self, module: torch.nn.Module, args: Any) -> None:
@@ -264,6 +271,6 @@ class ModulesMixin(RecorderState):
         pending = self.close_region(self._opaque[-1])
         with torch._C.DisableTorchFunction():
             outs = unique(flat_tensors(output))
-        self.finish_call(pending, outs)
-        if self._module_stack:
-            self._pop_modules(len(self._module_stack) - 1)
+        self.rec.finish_call(pending, outs)
+        if self._stack:
+            self._pop_modules(len(self._stack) - 1)

@@ -67,7 +67,7 @@ def _describe(func: Any) -> tuple[str, str, str]:
             return f"Tensor.{prop}", prop, "op"
         if name == "__get__" and prop == "data":
             # ``t.data``: a new tensor object on t's bytes with a version counter of its own;
-            # it takes t's name (tracer.record.state.name_data_alias).
+            # it takes t's name (tracer.record.tensor_names.TensorNames.name_data_alias).
             return "Tensor.data", "data", "data_alias"
         if name == "__get__" and prop == "grad":
             # ``p.grad`` read before anything in the block named it (a block that starts after a

@@ -1,24 +1,29 @@
-"""The recorder's optimizer side: ``optimizer.step()`` recorded as one call, from the parameters,
-gradients and state to what it left behind (``optimizer_ops=True`` records every op inside)."""
+"""Optimizer steps (a part of the recorder): ``optimizer.step()`` recorded as one call, from the
+parameters, gradients and state to what it left behind (``optimizer_ops=True`` records every op
+inside)."""
 
 from __future__ import annotations
 
 import sys
 import threading
+import weakref
 from types import FrameType
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tracer.options import RaisedOnPurpose
 from tracer.record.calls import PendingCall
 from tracer.record.identity import identity
-from tracer.record.state import RecorderState
+from tracer.record.part import Part
 from tracer.record.tensors import (
     unique,
-    version_of,
     versions_of,
 )
+
+if TYPE_CHECKING:
+    from tracer.record.recorder import Recorder
 
 
 class OpenStep(NamedTuple):
@@ -31,53 +36,62 @@ class OpenStep(NamedTuple):
     written: set[int]  # identities of the tensors the step writes, whatever their versions say
 
 
-class OptimizerMixin(RecorderState):
-    """Optimizer steps (part of ``Recorder``)."""
+class OptimizerSteps(Part):
+    """Optimizer steps (a part of ``Recorder``): ``optimizer.step()`` recorded as one call, unless
+    ``optimizer_ops`` asks for every op inside it. Owns the step running now."""
 
-    # ---- optimizers ---------------------------------------------------------------------------
+    def __init__(self, rec: Recorder) -> None:
+        super().__init__(rec)
+        options = rec.options
+        # False: each optimizer.step() is one call (see _open_step); True: every op inside it.
+        self._every_op = options.optimizer_ops
+        # Whether a step's state tensors are its inputs and outputs (see TraceOptions).
+        self._with_state = options.records_optimizer_state
+        self.open: OpenStep | None = None  # the optimizer step running now, recorded as one call
+        self._depth = 0  # where running() last found the open step's frame (0: not yet)
+        self._hooked: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._handles: list[Any] = []
+
+    def install(self) -> None:
+        self._handles.append(register_optimizer_step_pre_hook(self._optimizer_pre))
+
+    def close_open(self) -> None:
+        """Close a step still open (the block ended inside ``optimizer.step()``: it raised)."""
+        if self.open is not None:
+            try:
+                self.close("optimizer.step() raised; its changes up to there are recorded")
+            except Exception:  # recording must not stop the uninstall
+                self.open = None
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            try:
+                h.remove()
+            except Exception:  # a handle whose owner is gone already
+                pass
+        self._handles.clear()
+
     def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if threading.get_ident() != self.owner or self.closed or self.open_step is not None:
+        rec = self.rec
+        if threading.get_ident() != rec.owner or rec.closed or self.open is not None:
             return  # (an open step: an optimizer stepped from inside another's step is part of it)
         try:
             self._step_begins(optimizer, args, kwargs, sys._getframe(1))
         except Exception as exc:  # gradtrace's own fault: see tracer.record.failsafe
-            self.recorder_failed(exc)
+            rec.recorder_failed(exc)
 
     def _step_begins(self, optimizer: Any, args: Any, kwargs: Any, caller: FrameType) -> None:
         """An optimizer step begins (``caller``: the frame that runs it): name what it reads and
         open its record."""
-        with self.lock, torch._C.DisableTorchFunction():
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    named = self._named.get(p)
-                    if named is None:  # a step before any module of its model ran in the block
-                        if p in self._tensor_names or not self._name_model_of(p):
-                            continue
-                        named = self._named.get(p)
-                        assert named is not None  # (what _name_model_of says)
-                    pname = named[0]
-                    g = p.grad
-                    if g is not None:
-                        hit = self._tensor_names.get(g)
-                        if hit is None:
-                            # A .grad no backward of the block made (set by hand, or before the block).
-                            base = f"{pname}@grad"
-                            self._new_leaf_grad(g, self._bump(base) if base in self.trace.tensors else base,
-                                                None, None)
-                        elif hit[1] != version_of(g):
-                            self.name_of(g)  # changed in place since it was named: a new version
-                        else:
-                            self.name_assigned_grad(pname, g, hit)
-                    for key, v in optimizer.state.get(p, {}).items():
-                        if isinstance(v, torch.Tensor) and v not in self._named:
-                            self._named[v] = (f"{pname}.{key}", "state")
+        rec = self.rec
+        rec.names.name_step_inputs(optimizer)
         closure = (args[1] if len(args) > 1 else None) or (kwargs or {}).get("closure")
-        if not (self.optimizer_ops or self.paused or self.stopped or closure is not None):
+        if not (self._every_op or rec.paused or rec.stopped or closure is not None):
             # A closure (LBFGS) runs a forward and backward inside the step: those stay visible.
             self._open_step(optimizer, caller)
         # The step writes into parameters, gradients and state in place: every value waiting for
         # its checksum is read first, those the step's record has just named among them.
-        self.hasher.before_write()
+        rec.hasher.before_write()
 
     def _open_step(self, optimizer: Any, frame: FrameType) -> None:
         """Record ``optimizer.step()`` as one call: its inputs are the parameters, gradients and
@@ -85,10 +99,11 @@ class OptimizerMixin(RecorderState):
         ops inside are not recorded (``optimizer_ops=True`` records them): a foreach AdamW step
         makes ~10 versions of every parameter and state tensor, which cost more to record than
         the rest of a step, and the values that matter are the ones the step leaves behind."""
+        rec = self.rec
         cls = type(optimizer)
         # Hooks run outside the mode's handler, where every tensor attribute read (p.grad) would
         # go through the mode: hence DisableTorchFunction around all of this.
-        with self.lock, torch._C.DisableTorchFunction():
+        with rec.lock, torch._C.DisableTorchFunction():
             tensors: list[torch.Tensor] = []
             # What the step writes: every parameter that has a gradient and that parameter's
             # state, and, when GradScaler passes its scale in (fused optimizers unscale in
@@ -96,7 +111,7 @@ class OptimizerMixin(RecorderState):
             # version counter, so the versions cannot tell.
             written: set[int] = set()
             unscales = getattr(optimizer, "grad_scale", None) is not None
-            with_state = self.optimizer_state
+            with_state = self._with_state
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     tensors.append(p)
@@ -117,46 +132,44 @@ class OptimizerMixin(RecorderState):
             vers = versions_of(ins)
             # A fresh trace meets the optimizer's state here first: hundreds of values, whose
             # stats are computed together (Hasher.submit_many).
-            with self.submits_batched():
-                in_names = [self._name_at(t, v) for t, v in zip(ins, vers)]
-            seq = self._call_seq
-            self._call_seq += 1
-            name = self.counters.next(cls.__name__)
-            stack_id = self.stack_table.capture() if self.stack_table is not None else None
-        tokens = [li.before_call() for li in self.listeners] if self.listeners else None
+            in_names = rec.names.names_at(ins, vers)
+            seq = rec.next_call_seq()
+            name = rec.counters.next(cls.__name__)
+            stack_id = rec.stack_table.capture()
+        tokens = [li.before_call() for li in rec.listeners] if rec.listeners else None
         # No sequence-number bracket: a step makes no grad nodes.
         call = PendingCall(f"{cls.__module__}.{cls.__qualname__}.step", cls.__name__, "optimizer", ins, in_names,
                            seq, None, tokens, name, stack_id)
-        self.open_step = OpenStep(optimizer, frame, call, vers, written)
-        self._step_depth = 0
-        self.paused = True
-        if optimizer not in self._step_hooked:
+        self.open = OpenStep(optimizer, frame, call, vers, written)
+        self._depth = 0
+        rec.paused = True
+        if optimizer not in self._hooked:
             # Per optimizer, so it runs before the global post-hooks (a step trace's boundary).
-            self._step_hooked.add(optimizer)
+            self._hooked.add(optimizer)
             self._handles.append(optimizer.register_step_post_hook(self._optimizer_post))
 
     def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         __tracebackhide__ = True  # (raise_on_nonfinite stops here at a NaN the step made)
-        st = self.open_step
-        if st is not None and st.optimizer is optimizer and threading.get_ident() == self.owner:
+        st = self.open
+        if st is not None and st.optimizer is optimizer and threading.get_ident() == self.rec.owner:
             try:
-                self.close_step()
+                self.close()
             except Exception as exc:  # gradtrace's own fault: see tracer.record.failsafe
                 if isinstance(exc, RaisedOnPurpose):  # raise_on_nonfinite: from here, not from below
                     raise exc.with_traceback(None) from exc.__cause__
-                self.recorder_failed(exc)
+                self.rec.recorder_failed(exc)
 
-    def step_running(self) -> bool:
+    def running(self) -> bool:
         """Whether the open optimizer step is still running (its frame is on this thread's stack);
         False once it raised, which skipped its post-hook."""
-        st = self.open_step
+        st = self.open
         if st is None:
             return False
         # Every op inside the step asks (a per-parameter step: thousands of times). They mostly
         # come from one loop at one depth below the step's frame: a look at that depth first,
         # one C call, and the walk only when it misses (the frame found there is the step's own,
         # so a hit is never wrong).
-        depth = self._step_depth
+        depth = self._depth
         if depth:
             try:
                 if sys._getframe(depth) is st.frame:
@@ -167,40 +180,27 @@ class OptimizerMixin(RecorderState):
         depth = 1
         while f is not None:
             if f is st.frame:
-                self._step_depth = depth
+                self._depth = depth
                 return True
             f = f.f_back
             depth += 1
         return False
 
-    def close_step(self, error: str | None = None) -> None:
+    def close(self, error: str | None = None) -> None:
         """End the open optimizer step: record it as one call (with ``error`` if it raised)."""
-        st = self.open_step
+        st = self.open
         if st is None:
             return
-        self.open_step = None
-        self.paused = False
-        optimizer = st.optimizer
-        created: list[torch.Tensor] = []
-        with self.lock, torch._C.DisableTorchFunction():
+        rec = self.rec
+        self.open = None
+        rec.paused = False
+        with rec.lock, torch._C.DisableTorchFunction():
             # A step that raised wrote what its version counters say, no more can be known.
             written = st.written if error is None else set()
             now = versions_of(st.call.ins)
             mutated = [t for t, v, n in zip(st.call.ins, st.versions, now) if n != v or identity(t) in written]
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    named = self._named.get(p)
-                    hit = self._tensor_names.get(p) if named is None else None
-                    owner = named[0] if named is not None else self._base_name(hit[0]) if hit is not None else None
-                    for key, v in optimizer.state.get(p, {}).items():
-                        # State made by this step (the first one): named after its parameter.
-                        if owner is not None and isinstance(v, torch.Tensor) and v not in self._named \
-                                and self._tensor_names.get(v) is None:
-                            self._named[v] = (f"{owner}.{key}", "state")
-                            if self.optimizer_state:
-                                self._new_tensor(v, f"{owner}.{key}", "state", st.call.name)
-                                created.append(v)
+            created = rec.names.name_new_state(st.optimizer, st.call.name, self._with_state)
         # Its outputs are what it changed (as an in-place op returns its target) and what it made.
-        call = self.finish_call(st.call, mutated + created, mutated)
+        call = rec.finish_call(st.call, mutated + created, mutated)
         if error is not None:
             call.error = error

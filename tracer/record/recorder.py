@@ -25,50 +25,47 @@ outputs reach it (documented in the trace header as ``node_attribution``).
 from __future__ import annotations
 
 import contextlib
+import itertools
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tracer.model import Call, TensorRecord, Trace, names
 from tracer.model.records import CallKind, Phase, Role
-from tracer.options import TraceOptions
+from tracer.options import RaisedOnPurpose, TraceOptions
 from tracer.record import naming
 from tracer.record.arrivals import install_rebuild_wrappers, uninstall_rebuild_wrappers
-from tracer.record.autograd import AutogradMixin
-from tracer.record.calls import CAPTURE_NOW, PendingCall
-from tracer.record.checksums.hasher import BATCH_MIN, Hasher
+from tracer.record.autograd import Graph
+from tracer.record.calls import PendingCall
+from tracer.record.capture import PythonCapture
+from tracer.record.checksums.hasher import Hasher
 from tracer.record.compiled_functions import CompiledFunctionWatch
-from tracer.record.effects import OVERWRITING, SET_DATA_API, UNINITIALISED, Writes
 from tracer.record.engine import install_engine_wrapper, uninstall_engine_wrapper
-from tracer.record.failsafe import passes_on
+from tracer.record.failsafe import failure_note, passes_on
 from tracer.record.functions import (
-    FunctionsMixin,
+    CustomFunctions,
     active_recorder,
     install_apply_wrapper,
     uninstall_apply_wrapper,
 )
-from tracer.record.identity import identity
+from tracer.record.listeners import Listener
 from tracer.record.mode import RecordingMode
-from tracer.record.modules import ModulesMixin
-from tracer.record.optimizer import OptimizerMixin
-from tracer.record.own_work import OWN_WORK
-from tracer.record.stacks import user_stacklevel
-from tracer.record.swaps import SwapsMixin, install_swap_wrapper, uninstall_swap_wrapper
+from tracer.record.modules import ModuleScopes
+from tracer.record.optimizer import OptimizerSteps
+from tracer.record.part import Part
+from tracer.record.phases import PhaseTracker
+from tracer.record.stacks import NoStacks, Stacks, StackTable, user_stacklevel
+from tracer.record.swaps import Swaps, install_swap_wrapper, uninstall_swap_wrapper
+from tracer.record.tensor_names import TensorNames
 from tracer.record.tensors import (
-    GRAD_FN,
-    call_tensors,
-    flat_tensors,
     get_seq,
-    grad_fn_of,
-    same_view,
-    saved_tensor_hooks_active,
-    unique,
     version_of,
-    versions_of,
 )
+
+_TRACE_IDS = itertools.count()
 
 
 class _Unhashed:
@@ -86,26 +83,64 @@ class _Unhashed:
         return getattr(self._real, name)
 
 
-class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin, SwapsMixin):
-    """Owns every hook of one active trace and turns what they see into trace records."""
+class Recorder:
+    """Owns every hook of one active trace and turns what they see into trace records: a façade
+    over the parts that own the recorder's state (docs/architecture.md, "The recorder's parts"),
+    holding what they share (the trace, the lock, the hasher, the flags)."""
 
     def __init__(self, trace: Trace, options: TraceOptions, *,
                  on_records: Callable[[], None] | None = None) -> None:
-        super().__init__(trace, options, on_records=on_records)
-        self._mode = RecordingMode(self)
-        self._mode_entered = False
+        self.trace = trace
+        self.options = options
+        self.owner = threading.get_ident()
+        self.lock = threading.RLock()
+        self.api = naming.ApiNames()
+        self.counters = naming.Counters()
+        self.stack_table: Stacks = StackTable() if options.stacks else NoStacks()
+        self.hasher = Hasher(options.hash, stats=options.effective_stats)
+        # The recorder's own hasher (``hasher`` is a stand-in while ``unhashed`` runs).
+        self.own_hasher = self.hasher
+        self.on_records = on_records
+        self.listeners: list[Listener] = []
+        self.paused = False
+        self.closed = False
+        # Set when a bound (max_calls) is reached: from then on nothing more is recorded.
+        self.stopped = False
+        self.failed = False  # gradtrace's own code failed while recording (recorder_failed)
+        self.max_calls: int | None = options.max_calls
+        # Set by tracer.features.distributed: (recorder, function) -> the recording wrapper of a
+        # collective the mode met, or None.
+        self.collective_hook: Callable[[Any, Any], Callable[..., Any] | None] | None = None
+        self.phases = PhaseTracker(trace.tensors)  # which phase each call is in
+        # >0 while a recorded op runs: a Function applied inside an op (a torch.library custom
+        # op's generated autograd Function) is that op's implementation, not a call of its own.
+        self.op_depth = 0
+        self.call_seq = 0  # the place in the trace of the next call to begin
+        self.trace_id = next(_TRACE_IDS)
+        self.node_attribution = "sequence-number" if get_seq is not None else "first-seen"
+        self.mode = RecordingMode(self)
+        self._mode_entered = False  # (install() may fail before it enters the mode)
         self._compiled_functions = CompiledFunctionWatch(self)
+        self.functions = CustomFunctions(self)
+        self.scopes = ModuleScopes(self)
+        self.steps = OptimizerSteps(self)
+        self.names = TensorNames(self)
+        self.swaps = Swaps(self)
+        self.graph = Graph(self)
+        self.capture = PythonCapture(self)
+        self._parts: list[Part] = [self.functions, self.scopes, self.steps, self.names, self.swaps, self.graph,
+                                   self.capture]
 
     # ---- installation -------------------------------------------------------------------------
     def install(self) -> None:
         self.hasher.prepare()
-        self._install_module_hooks()
-        self._handles.append(register_optimizer_step_pre_hook(self._optimizer_pre))
+        self.scopes.install_hooks()
+        self.steps.install()
         install_apply_wrapper(self)
         install_engine_wrapper()
         install_swap_wrapper()
         install_rebuild_wrappers()
-        self._mode.__enter__()
+        self.mode.__enter__()
         self._mode_entered = True
         self._compiled_functions.install()
 
@@ -113,69 +148,89 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin, Swap
         """Remove every mode, hook and wrapper. Safe to call twice."""
         if self.closed:
             return
-        if self.open_step is not None:  # the block ended inside optimizer.step() (it raised)
-            try:
-                self.close_step("optimizer.step() raised; its changes up to there are recorded")
-            except Exception:  # recording must not stop the uninstall
-                self.open_step = None
+        self.steps.close_open()  # the block ended inside optimizer.step() (it raised)
         self.closed = True
         # Regions still open (the block left from inside compiled code) put the mode back first:
         # the mode's own exit pops whatever is on top of the stack.
-        while self._opaque:
-            self.close_region(self._opaque[-1])
+        self.scopes.close_all()
         self._compiled_functions.uninstall()
         try:
             # A mode's exit pops whatever mode is on top of the stack: only the recorder's own,
             # never the program's (install() may have failed before entering it).
             if self._mode_entered:
                 self._mode_entered = False
-                self._mode.__exit__(None, None, None)
+                self.mode.__exit__(None, None, None)
             # The mode points back at this recorder: once it is off the stack, drop that link, so
             # that a finished trace is freed by reference counting, not by the cycle collector
             # (which would walk all of its records to find the cycle).
-            self._mode.recorder = None
+            self.mode.recorder = None
         finally:
             uninstall_apply_wrapper(self)
             uninstall_engine_wrapper()
             uninstall_swap_wrapper()
             uninstall_rebuild_wrappers()
-            for h in self._handles:
-                try:
-                    h.remove()
-                except Exception:  # a handle whose owner is gone already
-                    pass
-            self._handles.clear()
-            self._remove_module_hooks()
-            if self.stack_table is not None:
-                self.stack_table.clear_scopes()
-            self._scope_frames.clear()
+            self.graph.remove_hooks()
+            self.steps.remove_hooks()
+            self.scopes.remove_hooks()
+            self.stack_table.clear_scopes()
+            self.scopes.let_go_of_frames()
+
+    def release(self) -> None:
+        """The trace is done (uninstalled and finalised): drop the parts' links back to the
+        recorder, its only reference cycle, so that it and its trace are freed by reference
+        counting, not by the cycle collector walking every record. Safe to call twice."""
+        for part in self._parts:
+            part.release()
 
     @property
     def function_depth(self) -> int:
         """How many custom Function forwards enclose the call being recorded."""
-        return len(self._parents)
+        return self.functions.depth
 
     @property
     def finished_runs(self) -> int:
         """How many backward runs, from the first, are finished: the records a streamed file may
         hold. A run still open (one whose nested runs are running included) and every run after it
         are still being filled."""
-        return min(self._open_runs, default=len(self.trace.backward_runs))
+        return self.graph.finished_runs
 
     @property
     def in_backward(self) -> bool:
         """Whether a backward run of this trace is in progress."""
-        return self._in_backward > 0
+        return self.graph.in_backward
 
     @property
     def current_module(self) -> str:
         """The path of the innermost module running now (``""``: the root module, or none)."""
-        return self._module_stack[-1] if self._module_stack else ""
+        return self.scopes.innermost() or ""
 
     @property
     def running_node(self) -> str | None:
         """The grad node running now (innermost), when a backward is in progress."""
-        return self._running[-1] if self._running else None
+        return self.graph.running_node
+
+    def phase_of(self, name: str, kind: str, in_names: Sequence[str], produced: Sequence[Any],
+                 writes: bool = False) -> Phase:
+        """The phase of a call named ``name`` about to be recorded (tracer.record.phases): for
+        features that build their own ``Call`` (collectives, custom Functions). ``writes``: it
+        wrote a tensor in place."""
+        if self.graph.in_backward:
+            return "backward"
+        if kind != "optimizer" and self.scopes.innermost() is not None:
+            return self.phases.module_call()
+        return self.phases.outside_modules(name, kind, in_names, produced, writes)
+
+    def recorder_failed(self, exc: Exception) -> None:
+        """gradtrace's own code raised ``exc`` while recording, inside the user's program
+        (tracer.record.failsafe): stop recording and keep the trace; or pass ``exc`` on, when
+        gradtrace raised it on purpose or runs strict."""
+        __tracebackhide__ = True
+        if isinstance(exc, RaisedOnPurpose):  # (its traceback below here is gradtrace's own)
+            raise exc.with_traceback(None) from exc.__cause__
+        if passes_on(exc):
+            raise exc
+        self.failed = True
+        self.stop(failure_note(exc))
 
     def stop(self, reason: str) -> None:
         """Stop recording cleanly (a bound was reached); the trace and the console say why."""
@@ -185,286 +240,75 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin, Swap
         self.trace.notes.append(reason)
         warnings.warn(f"gradtrace: {reason}", RuntimeWarning, stacklevel=user_stacklevel())
 
-    # ---- forward calls ------------------------------------------------------------------------
-    def record_call(self, func: Any, api: str, short: str, kind: str, args: tuple[Any, ...],
-                    kwargs: dict[str, Any], writes: Writes | None = None) -> Any:
-        # Three parts: before the op, the op, after it. A failure of gradtrace's own code
-        # before or after stops the recording and leaves the op to run (tracer.record.failsafe);
-        # the op's own exception is recorded and goes on to the program. The parts before and
-        # after are gradtrace's own work, which no mode of the program's sees (OWN_WORK, see
-        # tracer.record.own_work); the op runs under the modes the program called it under.
-        try:
-            with OWN_WORK():
-                before = self._before_call(api, short, kind, args, kwargs, writes)
-        except Exception as exc:
-            self.recorder_failed(exc)
-            return func(*args, **kwargs)
-        ins, vers, in_names, seq, tokens, seq0, written = before
-        self.op_depth += 1
-        try:
-            out = func(*args, **kwargs)
-        except BaseException as exc:
-            try:
-                self._record_failed(api, short, kind, args, kwargs, in_names, seq, exc)
-            except Exception as own:
-                self.recorder_failed(own)
-            raise
-        finally:
-            self.op_depth -= 1
-        marks = (len(self.trace.calls), len(self.trace.tensors), len(self.trace.grad_nodes))
-        try:
-            with OWN_WORK():
-                self._after_call(api, short, kind, args, kwargs, ins, vers, in_names, seq, seq0, tokens, written,
-                                 out)
-        except Exception as exc:
-            if not passes_on(exc):  # (a stop raised on purpose keeps the call that raised it)
-                self._roll_back(marks)
-            self.recorder_failed(exc)
-        return out
-
-    def _before_call(self, api: str, short: str, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-                     writes: Writes | None) -> tuple[list[torch.Tensor], list[int], list[str], int,
-                                                     list[Any] | None, int | None, list[torch.Tensor] | None]:
-        """Name a call's inputs and take its place, before the op runs."""
-        ins = call_tensors(args, kwargs)
-        vers = versions_of(ins)
-        # Lists of exactly the right length (not grown by appends): they are kept in the Call.
-        in_names = [""] * len(ins)
-        with self.lock:
-            known = self._tensor_names.get
-            for i, t in enumerate(ins):
-                hit = known(t)  # _name_at's usual outcome inlined: a tensor named before, unchanged
-                in_names[i] = hit[0] if hit is not None and hit[1] == vers[i] else self._name_at(
-                    t, vers[i], short if i == 0 and short in OVERWRITING else None)
-            seq = self._call_seq
-            self._call_seq += 1
-        tokens = [li.before_call() for li in self.listeners] if self.listeners else None
-        seq0 = get_seq() if get_seq is not None else None
-        # What the op's schema says this call writes (most schemas name an ``out=`` that the
-        # call does not pass: then it writes nothing).
-        written = writes.tensors(args, kwargs) if writes is not None else None
-        if self.hasher.active:
-            # Tensors waiting for a checksum are read before a write: only those the write can
-            # reach when the schema names every tensor written, else all of them.
-            if kind != "op" or "out" in kwargs or kwargs.get("inplace") is True:
-                self.hasher.before_write()
-            elif written:
-                self.hasher.before_write(written)
-        return ins, vers, in_names, seq, tokens, seq0, written
-
-    def _after_call(self, api: str, short: str, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-                    ins: list[torch.Tensor], vers: list[int], in_names: list[str], seq: int, seq0: int | None,
-                    tokens: list[Any] | None, written: list[torch.Tensor] | None, out: Any) -> None:
-        """Record a call whose op has returned ``out``."""
-        outs = unique(flat_tensors(out))
-        mutated: list[torch.Tensor] = []
-        if ins:
-            now = versions_of(ins)
-            if written:  # what the op's schema says it writes, whatever the version counters say
-                ids = {identity(t) for t in written}
-                mutated = [t for t, v, n in zip(ins, vers, now) if n != v or identity(t) in ids]
-            elif now != vers:  # one comparison in C for the usual call that changes nothing
-                mutated = [t for t, v, n in zip(ins, vers, now) if n != v]
-        if not outs and not mutated:
-            return  # metadata queries and conversions: noise, not a call
-        # The stack starts at the caller of the mode's handler: capture <- _finish_call <-
-        # _after_call <- record_call <- _Mode.__torch_function__ <- the caller.
-        self._finish_call(api, short, kind, args, kwargs, ins, in_names, outs, mutated, seq, seq0, tokens=tokens,
-                          skip=5)
-
-    def _roll_back(self, marks: tuple[int, int, int]) -> None:
-        """Take back what a call that failed half-way recorded (its records would link to
-        names no record has)."""
-        calls, tensors, nodes = marks
-        del self.trace.calls[calls:]
-        del self.trace.grad_nodes[nodes:]
-        for name in list(self.trace.tensors)[tensors:]:
-            del self.trace.tensors[name]
-
     def data_alias(self, source: Any, alias: Any) -> None:
         """``source.data`` returned ``alias`` (see ``name_data_alias``)."""
         if isinstance(source, torch.Tensor) and isinstance(alias, torch.Tensor):
             with self.lock, torch._C.DisableTorchFunction():
-                self.name_data_alias(source, alias)
+                self.names.name_data_alias(source, alias)
 
     def grad_alias(self, param: Any, grad: Any) -> None:
         """``param.grad`` returned ``grad`` (see ``name_grad_alias``)."""
-        hit = self._tensor_names.get(grad)
+        names = self.names
+        hit = names.lookup(grad)
         if hit is None:
             if isinstance(param, torch.Tensor):
                 with self.lock, torch._C.DisableTorchFunction():
-                    self.name_grad_alias(param, grad)
-        elif not self._in_backward and not hit[0].endswith("@grad"):  # (usually <param>@grad)
-            named = self._named.get(param)
+                    names.name_grad_alias(param, grad)
+        elif not self.in_backward and not hit[0].endswith("@grad"):  # (usually <param>@grad)
+            named = names.owned_name(param)
             if named is not None and named[1] == "param" and hit[1] == version_of(grad):
                 with self.lock, torch._C.DisableTorchFunction():
-                    self.name_assigned_grad(named[0], grad, hit)
+                    names.name_assigned_grad(named[0], grad, hit)
 
-    def record_set_data(self, func: Any, api: str, short: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-                        writes: Writes | None) -> Any:
-        """``t.data = v``: from now on ``t`` shows ``v``'s bytes, its version counter unchanged
-        (``Module.to``/``.half()``/``.float()`` on every parameter and its ``.grad``,
-        ``vector_to_parameters``). Recorded as a call that writes ``t``: a new version of it,
-        read again. Assigning ``t`` a view of its own bytes (``Module.to`` to the device and
-        dtype it has already) changes nothing and is not recorded."""
-        target = args[0] if args else None
-        value = args[1] if len(args) > 1 else None
-        try:
-            with OWN_WORK():
-                unchanged = not isinstance(target, torch.Tensor) or not isinstance(value, torch.Tensor) \
-                    or value is target or same_view(target, value)
-        except Exception as exc:  # gradtrace's own fault: see tracer.record.failsafe
-            self.recorder_failed(exc)
-            return func(*args, **kwargs)
-        if unchanged:
-            return func(*args, **kwargs)
-        return self.record_call(func, api, short, "op", args, kwargs, writes)
-
-    def _finish_call(self, api: str, short: str, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-                     ins: list[torch.Tensor], in_names: list[str], outs: list[torch.Tensor],
-                     mutated: list[torch.Tensor], seq: int, seq0: int | None,
-                     name: str | None = None, tokens: list[Any] | None = None,
-                     stack_id: int | None = CAPTURE_NOW, skip: int = 2) -> Call:
-        """Record a finished call. ``skip``: where the stack capture starts, counted outwards from
-        the capture's own frame (0); every frame it jumps must be the recorder's. Jumped frames
-        are not read, and under an audit hook each read frame costs one (see tracer.record.identity)."""
-        if mutated:
-            # By identity through a set: an in-place foreach op returns the ~150 tensors it also
-            # mutated, and a pairwise test was quadratic in them.
-            out_ids = {identity(o) for o in outs}
-            produced = outs + [t for t in mutated if identity(t) not in out_ids]
-        else:
-            produced = outs
-        # Read grad_fn inside the bracket: an in-place change through a view regenerates the
-        # base's grad_fn lazily (CopySlices), and it must land on this call.
-        try:
-            grad_fns = list(map(GRAD_FN, produced))
-        except RuntimeError:  # a view made under no_grad whose base changed in place refuses it
-            grad_fns = [grad_fn_of(t) for t in produced]
-        seq1 = get_seq() if get_seq is not None else None
-        with self.lock, torch._C.DisableTorchFunction():
-            if stack_id == CAPTURE_NOW:
-                stack_id = self.stack_table.capture(skip) if self.stack_table is not None else None
-            if name is None:
-                name = self.counters.next(short)
-            # Inputs by identity, for what the call wrote or returned unchanged: built only where a
-            # scan of the inputs could cost more (by C calls: a comprehension is a Python frame).
-            in_pos = dict(zip(map(identity, ins), range(len(ins)))) if mutated or len(ins) > 4 else None
-            names_of: dict[int, str] = {}
-            # A call with many new values (an optimizer step, a foreach op) hands them to the
-            # hasher together: it reduces the small ones of one size in one go.
-            deferred = len(mutated) + len(outs) >= BATCH_MIN and self._defer_submits()
-            try:
-                # Lists of exactly the right length, filled in place (they are kept in the Call).
-                mutated_names = [""] * len(mutated)
-                if mutated:
-                    assert in_pos is not None
-                    tensors = self.trace.tensors
-                    versions = self._versions
-                    # Foreach ops and optimizer steps never resize, restride or retype a tensor.
-                    same_meta = kind == "optimizer" or api.startswith("torch._foreach_")
-                    for j, t in enumerate(mutated):  # an optimizer's foreach op changes ~150 at once
-                        old = in_names[in_pos[identity(t)]]
-                        old_rec = tensors.get(old)
-                        role = old_rec.role if old_rec is not None and old_rec.role in ("param", "buffer", "state") \
-                            else "output"
-                        head, sep, tail = old.rpartition("@v")  # names.base_name(old), inlined
-                        base = head if sep and tail.isdigit() else old
-                        n = versions.get(base, 0) + 1
-                        versions[base] = n
-                        new = self._new_tensor(t, names.version_name(base, n), role, name, previous=old,
-                                               like=old_rec if same_meta else None)
-                        names_of[identity(t)] = new
-                        mutated_names[j] = new
-                    if api == SET_DATA_API:
-                        # Its new bytes are the value's; no other tensor's bytes changed.
-                        self._index_alias(mutated[0])
-                    else:
-                        self._write_through_aliases(mutated, names_of, name, ins)
-                uninit = short in UNINITIALISED
-                n_outs = len(outs)
-                out_names = [""] * n_outs
-                tensor_names = self._tensor_names
-                for i, t in enumerate(outs):
-                    key = identity(t)
-                    known = names_of.get(key)
-                    if known is None and ins:  # returned an input unchanged (x.to(x.dtype))
-                        if in_pos is not None:
-                            if key in in_pos:
-                                known = in_names[in_pos[key]]
-                        else:
-                            for x, xname in zip(ins, in_names):
-                                if x is t:
-                                    known = xname
-                                    break
-                    if known is None and kind != "function":
-                        # A custom Function's outputs are the very tensors its forward's inner ops
-                        # made, but as the Function's outputs they carry its grad node: they are
-                        # named by the Function (MyFn0:out), not by the op inside it.
-                        hit = tensor_names.get(t)
-                        if hit is not None and hit[1] == version_of(t):
-                            known = hit[0]
-                    if known is None:
-                        known = self._new_tensor(t, names.output_name(name, i, n_outs), "output", name,
-                                                 uninitialized=uninit,
-                                                 same_as=self._same_values_input(t, short if kind == "op" else "", ins,
-                                                                                 in_names, names_of)
-                                                 if ins and not uninit and self._reads_values else None)
-                    names_of[key] = known
-                    out_names[i] = known
-            finally:
-                if deferred:
-                    self._submit_deferred()
-            if len(produced) > n_outs:
-                # What it wrote without returning it (foreach in-place ops, GradScaler's unscale
-                # return nothing) is among its outputs too.
-                out_names += [names_of[identity(t)] for t in produced[n_outs:]]
-            node_names: list[str] = []
-            local_kinds: dict[str, int] | None = None
-            for t, gf in zip(produced, grad_fns):
-                if gf is None:
-                    continue
-                if local_kinds is None:
-                    local_kinds = {}
-                    self._saved_hooks = saved_tensor_hooks_active()
-                root = self._collect_nodes(gf, seq0, seq1, name, stack_id, node_names, local_kinds)
-                if root is not None:
-                    self._slot_tensor[(root, t.output_nr)] = names_of[identity(t)]
-            running = self._running
-            parent = self._parents[-1] if self._parents else (running[-1] if running else None)
-            if parent is None and self._in_backward:  # a hook's op: the node whose hook it is
-                parent = self._engine_node()
-            if self._module_stack:
-                module = self._module_stack[-1]
-            else:  # in backward: the module of the running node's forward call
-                module = self._node_modules.get(running[-1], "") if running else ""
-            # The phase (tracer.record.phases): the usual call, inside a module's forward, decides
-            # with two tests.
-            if self._in_backward:
-                phase: Phase = "backward"
-            elif self._module_stack and kind != "optimizer":
-                phase = "forward"
-                if self.phases.window_open:
-                    self.phases.module_call()
-            else:
-                phase = self.phases.outside_modules(name, kind, in_names, produced, bool(mutated))
-            # Positional, in Call's field order: this runs for every recorded call.
-            call = Call(name, api, module, in_names, out_names, naming.short_args(args, kwargs), node_names,
-                        stack_id, parent, kind, phase, seq, mutated_names)  # type: ignore[arg-type]
-            self.trace.calls.append(call)
-            if running and parent == running[-1]:  # made by a grad node's own code
-                step = self._open_steps.get(parent)
-                if step is not None:
-                    step.calls.append(name)
-            if self.listeners:
-                for li, tok in zip(self.listeners, tokens or [None] * len(self.listeners)):
-                    li.on_call(self.trace, call, tok, produced)
-            if self.max_calls is not None and len(self.trace.calls) >= self.max_calls:
-                self.stop(f"recording stopped at max_calls={self.max_calls}: later calls, grad nodes "
-                          "and backward runs were not recorded")
-        if self.on_records is not None:
-            self.on_records()
+    def record_captured(self, api: str, short: str, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                        ins: list[torch.Tensor], in_names: list[str], outs: list[torch.Tensor],
+                        mutated: list[torch.Tensor], produced: list[torch.Tensor], grad_fns: list[Any], seq: int,
+                        seq0: int | None, seq1: int | None, name: str | None, tokens: list[Any] | None,
+                        stack_id: int | None) -> Call:
+        """Record a call the capture has closed (``PythonCapture.close``: what it returned and
+        wrote, their grad_fn, its sequence-number bracket [``seq0``, ``seq1``) and its stack), in
+        phases: its values named, its grad nodes named and linked, where it was made, its record
+        appended. The caller holds the lock, with torch functions off."""
+        if name is None:
+            name = self.counters.next(short)
+        mutated_names, out_names, names_of = self.names.name_call_values(api, short, kind, name, ins, in_names, outs,
+                                                                          mutated, produced)
+        node_names = self.graph.link_call_nodes(produced, grad_fns, seq0, seq1, name, stack_id, names_of)
+        parent, module, phase = self._context(name, kind, in_names, produced, bool(mutated))
+        # Positional, in Call's field order: this runs for every recorded call.
+        call = Call(name, api, module, in_names, out_names, naming.short_args(args, kwargs), node_names,
+                    stack_id, parent, kind, phase, seq, mutated_names)  # type: ignore[arg-type]
+        if parent is not None:
+            self.graph.note_node_call(parent, name)
+        self.append_call(call, tokens, produced)
         return call
+
+    def _context(self, name: str, kind: str, in_names: list[str], produced: list[torch.Tensor],
+                 wrote: bool) -> tuple[str | None, str, Phase]:
+        """Where the call ``name`` was made: its parent (the custom Function whose forward runs,
+        else the grad node whose code or hook runs), its module (in backward: the module of
+        the running node's forward call) and its phase (tracer.record.phases)."""
+        graph = self.graph
+        running = graph.running_node
+        parent = self.functions.innermost() or running
+        in_backward = graph.in_backward
+        if parent is None and in_backward:  # a hook's op: the node whose hook it is
+            parent = graph.engine_node()
+        module_now = self.scopes.innermost()
+        if module_now is not None:
+            module = module_now
+        else:
+            module = graph.module_of_node(running) if running is not None else ""
+        # The usual call, inside a module's forward, decides with two tests.
+        if in_backward:
+            phase: Phase = "backward"
+        elif module_now is not None and kind != "optimizer":
+            phase = "forward"
+            if self.phases.window_open:
+                self.phases.module_call()
+        else:
+            phase = self.phases.outside_modules(name, kind, in_names, produced, wrote)
+        return parent, module, phase
 
     # ---- the public recording API (features record their own calls through it) ---------------
     def begin_call(self, ins: list[torch.Tensor], *, api: str, short: str, kind: str,
@@ -476,9 +320,9 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin, Swap
         waiting for its checksum is read first; the tensors it writes, when those are known: only
         the waiting values they reach; False or none: nothing is read first."""
         with self.lock, torch._C.DisableTorchFunction():
-            in_names = [self.name_of(t) for t in ins]
-            seq = self._call_seq
-            self._call_seq += 1
+            in_names = [self.names.name_of(t) for t in ins]
+            seq = self.call_seq
+            self.call_seq += 1
         # After the naming: an input first seen here is among what is read.
         if may_write is True:
             self.hasher.before_write()
@@ -493,32 +337,43 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin, Swap
         """Record a call begun with ``begin_call`` that returned ``outs`` and wrote ``mutated``."""
         p = pending
         with torch._C.DisableTorchFunction():
-            return self._finish_call(p.api, p.short, p.kind, args, kwargs or {}, p.ins, p.in_names, outs,
-                                     list(mutated), p.seq, p.seq0, name=p.name, tokens=p.tokens,
-                                     stack_id=p.stack_id, skip=3)
+            return self.capture.close(p.api, p.short, p.kind, args, kwargs or {}, p.ins, p.in_names, outs,
+                                      list(mutated), p.seq, p.seq0, name=p.name, tokens=p.tokens,
+                                      stack_id=p.stack_id, skip=3)
 
     def fail_call(self, pending: PendingCall, exc: BaseException, *, args: tuple[Any, ...] = (),
                   kwargs: dict[str, Any] | None = None) -> None:
         """Record a call begun with ``begin_call`` that raised ``exc`` (it has no outputs)."""
         p = pending
         if p.name is not None:
-            self._record_failed_named(p.name, p.api, args, kwargs or {}, p.in_names, p.seq, exc)
+            self.functions.record_failed(p.name, p.api, args, kwargs or {}, p.in_names, p.seq, exc)
         else:
-            self._record_failed(p.api, p.short, p.kind, args, kwargs or {}, p.in_names, p.seq, exc)
+            self.record_raised(p.api, p.short, p.kind, args, kwargs or {}, p.in_names, p.seq, exc)
 
     def add_call(self, call: Call, produced: Sequence[torch.Tensor] = ()) -> Call:
         """Add a call whose records the caller made itself (``next_call_seq``, ``call_name``,
         ``new_version``...): listeners hear it, bounds count it."""
         with self.lock:
-            self.trace.calls.append(call)
-            for li in self.listeners:
-                li.on_call(self.trace, call, None, list(produced))
-            if self.max_calls is not None and len(self.trace.calls) >= self.max_calls:
-                self.stop(f"recording stopped at max_calls={self.max_calls}: later calls, grad nodes "
-                          "and backward runs were not recorded")
+            self.append_call(call, None, list(produced))
         if self.on_records is not None:
             self.on_records()
         return call
+
+    def append_call(self, call: Call, tokens: list[Any] | None = None, produced: list[torch.Tensor] | None = None) -> None:
+        """The one place a call joins the trace (the caller holds the lock): appended, heard by
+        the listeners (``tokens``: what each one's ``before_call`` returned) and counted against
+        ``max_calls``. A call that raised (its error set already) made nothing: no listener
+        hears it and it stops nothing."""
+        self.trace.calls.append(call)
+        if call.error is not None:
+            return
+        listeners = self.listeners
+        if listeners:
+            for li, tok in zip(listeners, tokens or [None] * len(listeners)):
+                li.on_call(self.trace, call, tok, produced if produced is not None else [])
+        if self.max_calls is not None and len(self.trace.calls) >= self.max_calls:
+            self.stop(f"recording stopped at max_calls={self.max_calls}: later calls, grad nodes "
+                      "and backward runs were not recorded")
 
     @contextlib.contextmanager
     def unhashed(self, note: str) -> Iterator[None]:
@@ -533,8 +388,8 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin, Swap
     def next_call_seq(self) -> int:
         """The place in the trace of a call about to start."""
         with self.lock:
-            seq = self._call_seq
-            self._call_seq += 1
+            seq = self.call_seq
+            self.call_seq += 1
             return seq
 
     def call_name(self, short: str) -> str:
@@ -543,57 +398,69 @@ class Recorder(AutogradMixin, ModulesMixin, OptimizerMixin, FunctionsMixin, Swap
 
     def capture_stack(self) -> int | None:
         """The interned id of the caller's stack (None when stacks are off)."""
-        return self.stack_table.capture(2) if self.stack_table is not None else None
+        return self.stack_table.capture(2)
+
+    def name_of(self, t: torch.Tensor) -> str:
+        """The current name of a tensor, registering it (and hashing it) on first sight."""
+        with self.lock:
+            return self.names.name_of(t)
 
     def current_name(self, t: torch.Tensor) -> str | None:
         """The name ``t`` has in the trace if its value has not changed since, else None."""
-        hit = self._tensor_names.get(t)
+        hit = self.names.lookup(t)
         return hit[0] if hit is not None and hit[1] == version_of(t) else None
 
     def known_name(self, t: torch.Tensor) -> str | None:
         """The last name ``t`` had in the trace, whatever happened to it since (None: never seen)."""
-        hit = self._tensor_names.get(t)
+        hit = self.names.lookup(t)
         return None if hit is None else hit[0]
 
     def param_name(self, t: torch.Tensor) -> str | None:
         """The module path of a parameter or buffer the trace has seen."""
-        named = self._named.get(t)
+        named = self.names.owned_name(t)
         return None if named is None else named[0]
 
     def new_version(self, t: torch.Tensor, of: str, role: Role, producer: str | None) -> str:
         """Record ``t`` as the next version of ``of`` (changed in place by ``producer``)."""
         with self.lock:
-            return self._new_tensor(t, self._bump(self._base_name(of)), role, producer, previous=of)
+            return self.names.new_tensor(t, self.names.bump(names.base_name(of)), role, producer, previous=of)
 
     def leaf_grad(self, t: torch.Tensor, param: str, producer: str | None, previous: str | None) -> str:
         """Record ``t`` as a value of leaf ``param``'s gradient: ``param@grad``, or its next
         version when that name is taken."""
         base = f"{param}@grad"
         with self.lock:
-            return self._new_leaf_grad(t, self._bump(base) if base in self.trace.tensors else base, producer,
+            return self.names.new_leaf_grad(t, self.names.bump(base) if base in self.trace.tensors else base, producer,
                                        previous)
 
     def module_path(self, module: torch.nn.Module) -> str | None:
         """The path the trace named ``module`` by (None: not seen)."""
-        return self._module_paths.get(module)
+        return self.scopes.path_of(module)
+
+    def register_root_module(self, module: torch.nn.Module, held_as: str | None = None) -> None:
+        """Name modules, parameters and buffers from ``module`` down, as if it were called first
+        (a trainer's model, whose forward may never be called itself). ``held_as``: the name the
+        user's code holds it by, the prefix of a second root."""
+        self.scopes.register_root_module(module, held_as)
 
     @property
     def run_index(self) -> int:
         """The index of the backward run in progress or last run (0 before any)."""
-        return max(self._run_index, 0)
+        return self.graph.run_index
 
-    def _record_failed(self, api: str, short: str, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-                       in_names: list[str], seq: int, exc: BaseException) -> None:
+    def record_raised(self, api: str, short: str, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                      in_names: list[str], seq: int, exc: BaseException) -> None:
+        """A call whose op raised ``exc``: recorded with its inputs and the error, no outputs."""
         with self.lock, torch._C.DisableTorchFunction():
-            stack_id = self.stack_table.capture() if self.stack_table is not None else None
+            stack_id = self.stack_table.capture()
             name = self.counters.next(short)
             call = Call(name=name, api=api,
-                        module=self._module_stack[-1] if self._module_stack else "", inputs=in_names,
+                        module=self.current_module, inputs=in_names,
                         outputs=[], args=naming.short_args(args, kwargs), stack_id=stack_id,
-                        parent=self._parents[-1] if self._parents else None, kind=cast(CallKind, kind),
+                        parent=self.functions.innermost(), kind=cast(CallKind, kind),
                         phase=self.phase_of(name, kind, in_names, ()), seq=seq,
                         error=f"{type(exc).__name__}: {exc}")
-            self.trace.calls.append(call)
+            self.append_call(call)
 
 
 

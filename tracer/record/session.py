@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import gc
-import itertools
 import os
 import platform
 import socket
@@ -18,13 +17,14 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-from tracer.model import StreamWriter, Trace
+from tracer.model import Trace, TraceStream
 from tracer.options import TraceError, TraceOptions
 from tracer.record import recorder as _recorder
 from tracer.record import warning_sites
 from tracer.record.checksums.fingerprint import ALGORITHM as FINGERPRINT_ALGORITHM
 from tracer.record.end_progress import checksum_progress
 from tracer.record.mode import COMPILED
+from tracer.record.protocol import RecorderAPI
 from tracer.record.stacks import user_stacklevel
 from tracer.version import __version__
 
@@ -92,7 +92,7 @@ class SessionPlugin(Protocol):
 
     def prepare(self, session: TraceSession, trace: Trace) -> None: ...
 
-    def attach(self, recorder: _recorder.Recorder) -> Callable[[], None] | None: ...
+    def attach(self, recorder: RecorderAPI) -> Callable[[], None] | None: ...
 
 
 class TraceSession:
@@ -113,12 +113,8 @@ class TraceSession:
         self.offset = 0  # where this block's records start in its file (appending)
         self.trace: Trace | None = None
         self._recorder: _recorder.Recorder | None = None
-        self._writer: StreamWriter | None = None
-        self._written = {"frames": 0, "stacks": 0, "modules": 0, "tensors": 0, "calls": 0, "nodes": 0, "runs": 0}
-        self._held_tensors: list[Any] = []
-        self._last_flush_calls = 0
+        self._stream: TraceStream | None = None
         self._last_flush_time = 0.0
-        self._seqs_written: set[int] = set()
         self._detach: list[Callable[[], None]] = []
         self._gc_threshold: tuple[int, int, int] | None = None
 
@@ -163,11 +159,11 @@ class TraceSession:
             # and the program's own modes and hooks are left exactly as they were.
             if self.append and os.path.exists(self.out):
                 self.offset = os.path.getsize(self.out)
-            self._writer = StreamWriter(self.out, append=self.append)
+            self._stream = TraceStream(self.out, append=self.append)
         self._recorder = rec
         try:
-            if self._writer is not None:
-                self._writer.write([t.header_record(), {"t": "meta", **t.meta}])
+            if self._stream is not None:
+                self._stream.begin(t)
             self._last_flush_time = time.monotonic()
             COMPILED.ran = False
             # Every call adds a few small records; with CPython's default thresholds the young
@@ -220,12 +216,13 @@ class TraceSession:
         try:
             self._finalize(rec, t, exc)
         finally:
-            if self._writer is not None:
-                self._writer.close()
-            # The recorder's flush callback points back at this session: drop it, so that the
-            # finished recorder and trace are freed by reference counting, not by the cycle
-            # collector walking every record.
+            if self._stream is not None:
+                self._stream.close()
+            # The recorder's flush callback points back at this session, and its parts at the
+            # recorder: drop both, so that the finished recorder and trace are freed by reference
+            # counting, not by the cycle collector walking every record.
             rec.on_records = None
+            rec.release()
 
     def _finalize(self, rec: _recorder.Recorder, t: Trace, exc: BaseException | None) -> None:
         try:
@@ -238,9 +235,8 @@ class TraceSession:
             finish = getattr(li, "finish", None)  # listeners that write into the trace at the end
             if finish is not None:
                 finish(t)
-        if rec.stack_table is not None:
-            t.frames = rec.stack_table.symbolize()
-            t.stacks = list(rec.stack_table.stacks)
+        t.frames = rec.stack_table.symbolize()
+        t.stacks = list(rec.stack_table.stacks)
         t.calls.sort(key=lambda c: c.seq)
         t.meta["seconds"] = round(time.perf_counter() - self._t0, 6)
         if COMPILED.ran:
@@ -259,62 +255,31 @@ class TraceSession:
             # for an overflow of its loss scale is not a fault (the report still says so).
             if not report.clean and report.skipped_step is None:
                 warnings.warn(f"gradtrace: {report}", NumericsWarning, stacklevel=user_stacklevel())
-        if self._writer is not None:
+        if self._stream is not None:
             self._flush(final=True)
-            self._writer.write([{"t": "meta", "seconds": t.meta["seconds"]}, t.end_record()])
+            self._stream.end(t)
 
     # ---- streaming ----------------------------------------------------------------------------
     def _maybe_flush(self) -> None:
-        t = self.trace
-        assert t is not None
-        unwritten = len(t.calls) - self._last_flush_calls
+        t, stream = self.trace, self._stream
+        assert t is not None and stream is not None
+        unwritten = len(t.calls) - stream.calls_written
         if unwritten >= self.options.flush_every or (
                 unwritten and time.monotonic() - self._last_flush_time >= FLUSH_SECONDS) or (
-                self._written["runs"] < len(t.backward_runs) and self._recorder is not None
-                and self._written["runs"] < self._recorder.finished_runs):  # a run has just ended
+                stream.runs_written < len(t.backward_runs) and self._recorder is not None
+                and stream.runs_written < self._recorder.finished_runs):  # a run has just ended
             self._flush(final=False)
 
     def _flush(self, final: bool) -> None:
-        t, rec, w = self.trace, self._recorder, self._writer
-        assert t is not None and rec is not None and w is not None
+        """Write what the trace gained since the last flush (tracer.model.writer.TraceStream)."""
+        t, rec, stream = self.trace, self._recorder, self._stream
+        assert t is not None and rec is not None and stream is not None
         with rec.lock:
             rec.hasher.drain(wait=final)
             pending = set() if final else rec.hasher.pending()
-            out: list[dict[str, Any]] = []
-            n = self._written
-            if rec.stack_table is not None:
-                frames = t.frames[n["frames"]:] if final else rec.stack_table.symbolize(n["frames"])
-                out += [f.to_json(n["frames"] + i) for i, f in enumerate(frames)]
-                n["frames"] += len(frames)
-                stacks = rec.stack_table.stacks[n["stacks"]:]
-                out += [{"t": "stack", "id": n["stacks"] + i, "frames": list(s)} for i, s in enumerate(stacks)]
-                n["stacks"] += len(stacks)
-            mods = list(itertools.islice(t.modules.items(), n["modules"], None))
-            out += [{"t": "module", "path": p, "class": c} for p, c in mods]
-            n["modules"] += len(mods)
-            new_tensors = list(itertools.islice(t.tensors.values(), n["tensors"], None))
-            n["tensors"] += len(new_tensors)
-            waiting = self._held_tensors + new_tensors
-            self._held_tensors = [r for r in waiting if id(r) in pending]
-            out += [r.to_json() for r in waiting if id(r) not in pending]
-            # The live list is appended in completion order and sorted only at the end.
-            calls = t.calls[n["calls"]:] if not final else [c for c in t.calls if c.seq not in self._seqs_written]
-            out += [c.to_json() for c in calls]
-            n["calls"] = len(t.calls)
-            self._last_flush_calls = len(t.calls)
+            table = rec.stack_table
+            frames_from = (lambda k: t.frames[k:]) if final else table.symbolize
+            records = stream.new_records(t, frames_from, table.stacks, pending,
+                                         len(t.backward_runs) if final else rec.finished_runs, final)
             self._last_flush_time = time.monotonic()
-            nodes = t.grad_nodes[n["nodes"]:]
-            out += [g.to_json() for g in nodes]
-            n["nodes"] += len(nodes)
-            # A run is written once it has ended, never while open: a run that started nested
-            # runs (reentrant checkpointing) is still filled after they end, and runs are
-            # written in order, so nothing after the first open run is written yet.
-            done_runs = len(t.backward_runs) if final else rec.finished_runs
-            out += [b.to_json() for b in t.backward_runs[n["runs"]:done_runs]]
-            n["runs"] = max(n["runs"], done_runs)
-            if final:  # memory events are written by their listener's finish(), at the end
-                out += [{"t": "memory", **m} for m in t.memory]
-        w.write(out)
-        if not final:
-            self._seqs_written.update(c["seq"] for c in out if c.get("t") == "call")
-
+        stream.write(records)

@@ -18,6 +18,7 @@ import linecache
 import os
 import sys
 from types import CodeType, FrameType
+from typing import Protocol
 
 import torch
 
@@ -173,11 +174,12 @@ class StackTable:
         scope.ids = tuple(ids)
         return scope.ids
 
-    def open_scope(self, frame: FrameType) -> None:
+    def open_scope(self, frame: FrameType) -> FrameType | None:
         """Remember ``frame``'s callers until ``close_scope(frame)``; the caller guarantees that
-        ``frame`` keeps executing (stays on the stack) until then."""
+        ``frame`` keeps executing (stays on the stack) until then. Returns ``frame`` (None: not
+        a scope), for the caller to close."""
         if frame.f_code.co_flags & _RESUMABLE:  # a generator's callers change at each resume
-            return
+            return None
         callers: list[tuple[CodeType, int]] = []
         internal = self._internal
         scopes = self._scopes
@@ -196,6 +198,7 @@ class StackTable:
                 break
             f = f.f_back
         self._scopes[frame] = _Scope(frame, (*callers, *outer) if outer else tuple(callers))
+        return frame
 
     def close_scope(self, frame: FrameType | None) -> None:
         if frame is not None:
@@ -231,6 +234,46 @@ class StackTable:
     def symbolize(self, start: int = 0) -> list[Frame]:
         """Turn interned frames ``start..`` into ``Frame`` records (file, line, function, code)."""
         return [self._symbol(fid) for fid in range(start, len(self._frame_keys))]
+
+
+class Stacks(Protocol):
+    """What the recorder asks of its stack table (``StackTable``, or ``NoStacks`` when stacks are
+    off): one table object either way, so no caller tests whether stacks are on."""
+
+    stacks: list[tuple[int, ...]]
+
+    def capture(self, skip: int = 1, frame: FrameType | None = None) -> int | None: ...
+    def open_scope(self, frame: FrameType) -> FrameType | None: ...
+    def close_scope(self, frame: FrameType | None) -> None: ...
+    def clear_scopes(self) -> None: ...
+    def frames_of(self, stack_id: int | None) -> tuple[Frame, ...]: ...
+    def symbolize(self, start: int = 0) -> list[Frame]: ...
+
+
+class NoStacks:
+    """The stack table of a trace without stacks (``stacks=False``): every capture is None, no
+    frame is held, nothing is symbolised."""
+
+    def __init__(self) -> None:
+        self.stacks: list[tuple[int, ...]] = []
+
+    def capture(self, skip: int = 1, frame: FrameType | None = None) -> int | None:
+        return None
+
+    def open_scope(self, frame: FrameType) -> FrameType | None:
+        return None
+
+    def close_scope(self, frame: FrameType | None) -> None:
+        pass
+
+    def clear_scopes(self) -> None:
+        pass
+
+    def frames_of(self, stack_id: int | None) -> tuple[Frame, ...]:
+        return ()
+
+    def symbolize(self, start: int = 0) -> list[Frame]:
+        return []
 
 
 # Symbolised frames, shared by every trace of the process: a training loop traced at many steps

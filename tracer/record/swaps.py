@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.utils
 
+from tracer.model.names import base_name
 from tracer.record.functions import active_recorder
-from tracer.record.state import OWNED_ROLES, RecorderState
+from tracer.record.part import Part
+from tracer.record.tensor_names import OWNED_ROLES, Held
 
 _REAL_SWAP: Callable[[torch.Tensor, torch.Tensor], None] = torch.utils.swap_tensors
 # Objects whose name is their place (a path, a parameter's .grad), not the value they hold.
@@ -34,7 +34,7 @@ def _traced_swap(t1: torch.Tensor, t2: torch.Tensor) -> None:
     rec = active_recorder()
     if rec is None or rec.closed or not (weakref.getweakrefs(t1) or weakref.getweakrefs(t2)):
         return _REAL_SWAP(t1, t2)
-    rec.record_swap(_REAL_SWAP, t1, t2)
+    rec.swaps.record_swap(_REAL_SWAP, t1, t2)
 
 
 def install_swap_wrapper() -> None:
@@ -45,26 +45,18 @@ def uninstall_swap_wrapper() -> None:
     torch.utils.swap_tensors = _REAL_SWAP
 
 
-@dataclass
-class _Held:
-    """What the recorder knew of one tensor object, taken off it for a swap."""
-
-    name: tuple[str, int] | None  # (name, version) of the value it held
-    owned: tuple[str, Any] | None  # (path, role) of the object, for a parameter, buffer or state
-    alias_keys: list[int] = field(default_factory=list)  # storages it was indexed under
-
-
-class SwapsMixin(RecorderState):
-    """``torch.utils.swap_tensors`` of tensors the trace knows (part of ``Recorder``)."""
+class Swaps(Part):
+    """``torch.utils.swap_tensors`` of tensors the trace knows (a part of ``Recorder``)."""
 
     def record_swap(self, swap: Callable[[torch.Tensor, torch.Tensor], None], t1: torch.Tensor,
                     t2: torch.Tensor) -> None:
+        rec = self.rec
         try:
-            with self.lock, torch._C.DisableTorchFunction():
-                self.hasher.before_write()  # values waiting for their checksum are read first
+            with rec.lock, torch._C.DisableTorchFunction():
+                rec.hasher.before_write()  # values waiting for their checksum are read first
                 held = (self._release(t1), self._release(t2))
         except Exception as exc:  # gradtrace's own fault: see tracer.record.failsafe
-            self.recorder_failed(exc)
+            rec.recorder_failed(exc)
             swap(t1, t2)
             return
         swapped = False
@@ -73,51 +65,37 @@ class SwapsMixin(RecorderState):
             swapped = True
         finally:
             try:
-                with self.lock, torch._C.DisableTorchFunction():
+                with rec.lock, torch._C.DisableTorchFunction():
                     self._after_swap(t1, t2, held, swapped)
             except Exception as exc:
-                self.recorder_failed(exc)
+                rec.recorder_failed(exc)
 
-    def _release(self, t: torch.Tensor) -> _Held:
-        """Take every weak reference of the recorder to ``t`` off, keeping what they said."""
-        held = _Held(self._tensor_names.pop(t), self._named.pop(t))
-        self._read_before_named.pop(t)
-        self._acc_by_var.pop(t)  # (swap_tensors poisons the accumulator it had: a new one follows)
-        for key, refs in self._aliases.items():
-            if any(r() is t for r in refs):
-                refs[:] = [r for r in refs if r() is not t]
-                held.alias_keys.append(key)
-        for name in [n for n, r in self._acc_vars.items() if r() is t]:
-            del self._acc_vars[name]
-        for key in [k for k, (r, _) in self._retained.items() if r() is t]:
-            del self._retained[key]
-        for slot in [k for k, v in self._passed_on.items() if v[1]() is t]:
-            del self._passed_on[slot]
-        for acc in [a for a, (r, _) in self._grad_unnamed.items() if r() is t]:
-            del self._grad_unnamed[acc]
+    def _release(self, t: torch.Tensor) -> Held:
+        """Take every weak reference of the recorder to ``t`` off, keeping what its names said
+        (the graph's references, an accumulator's leaf among them, are dropped: a new
+        accumulator follows, swap_tensors poisons the one it had)."""
+        held = self.rec.names.take_off(t)
+        self.rec.graph.forget_tensor(t)
         return held
 
-    def _after_swap(self, t1: torch.Tensor, t2: torch.Tensor, held: tuple[_Held, _Held], swapped: bool) -> None:
+    def _after_swap(self, t1: torch.Tensor, t2: torch.Tensor, held: tuple[Held, Held], swapped: bool) -> None:
         """Put the references back: names with the values they name (exchanged when the swap
         ran), paths with their objects, each owned object a new version of its path."""
+        names = self.rec.names
+        tensors = self.rec.trace.tensors
         pairs = ((t1, held[0], held[1]), (t2, held[1], held[0])) if swapped else \
             ((t1, held[0], held[0]), (t2, held[1], held[1]))
         for t, own, value in pairs:
-            if own.owned is not None:
-                self._named[t] = own.owned
-            if value.name is not None:
-                self._tensor_names[t] = value.name
-            for key in value.alias_keys:
-                self._aliases.setdefault(key, []).append(weakref.ref(t))
+            names.put_back(t, own, value)
         if not swapped:
             return
         for t, own, value in pairs:
             if own.name is None:
                 continue
-            before = self.trace.tensors.get(own.name[0])
+            before = tensors.get(own.name[0])
             role = own.owned[1] if own.owned is not None else before.role if before is not None else None
             if role not in _PLACED_ROLES:
                 continue
-            shown = self.trace.tensors.get(value.name[0]) if value.name is not None else None
-            self._new_tensor(t, self._bump(self._base_name(own.name[0])), role,
+            shown = tensors.get(value.name[0]) if value.name is not None else None
+            names.new_tensor(t, names.bump(base_name(own.name[0])), role,
                              shown.producer if shown is not None else None, previous=own.name[0], same_as=shown)

@@ -5,6 +5,7 @@ its fallback), and the distinct tensors among a call's arguments."""
 from __future__ import annotations
 
 import operator
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -12,12 +13,26 @@ import torch
 
 from tracer.record.identity import identity
 
-# Private: autograd's per-thread sequence number (None where missing; see Recorder's docstring).
+# Private: autograd's per-thread sequence number (None where missing; see tracer.record.recorder's docstring).
 get_seq: Callable[[], int] | None = getattr(torch._C._autograd, "_get_sequence_nr", None)
 # Private: the innermost saved-tensor hooks (None when none are active). Where it is missing,
 # hooks are assumed active (every node then gets the pre-hook, as before this mattered).
 _top_saved_hooks: Callable[[bool], Any] | None = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 ACCUMULATE = "AccumulateGrad"
+# A grad node's kind (its class's name) by its class: ``type(node).__name__`` of a C++ node's
+# class makes a new string each time it is read (the name of a class defined in C is decoded from
+# its C string at every read), and then hashes it again in every key it is part of. Read as
+# ``NODE_KINDS.get(type(node)) or node_kind(node)``: one look-up by the class, the same string.
+NODE_KINDS: dict[type, str] = {}
+
+
+def node_kind(node: Any) -> str:
+    """The kind of ``node`` (its class's name), remembered for its class (see NODE_KINDS)."""
+    cls = type(node)
+    kind = NODE_KINDS.get(cls)
+    if kind is None:
+        kind = NODE_KINDS[cls] = sys.intern(cls.__name__)
+    return kind
 
 
 DTYPE_NAMES: dict[torch.dtype, str] = {}

@@ -3,7 +3,7 @@
 Python attributes a warning to a frame: ``warnings.warn(..., stacklevel=n)`` to the n-th frame
 up, and PyTorch's C++ ``TORCH_WARN`` (through ``PyErr_WarnEx`` with stacklevel 1) to the
 innermost Python frame. Inside a trace the op is called by the recording mode's handler, so both
-land on gradtrace's own frame (``recorder.py``, the line that runs the op), with gradtrace's
+land on gradtrace's own frame (``capture.py``, the line that runs the op), with gradtrace's
 module name and warning registry: the user sees the wrong line, and filters such as
 ``ignore::UserWarning:mymodule`` or the once-per-location registry act on the wrong place.
 
@@ -41,19 +41,20 @@ from typing import Any, cast
 
 import torch.overrides
 
-from tracer.record.autograd import AutogradMixin
+from tracer.record.autograd import Graph
+from tracer.record.capture import PythonCapture
 from tracer.record.mode import RecordingMode
 from tracer.record.recorder import Recorder
 
 # The frames that run a traced op: the mode's handler and the recorder methods it calls.
 _HANDLER: CodeType = RecordingMode.__torch_function__.__code__
-_RUNNERS: frozenset[CodeType] = frozenset({_HANDLER, Recorder.record_call.__code__,
-                                           AutogradMixin.record_backward.__code__})
+_RUNNERS: frozenset[CodeType] = frozenset({_HANDLER, PythonCapture.record_call.__code__,
+                                           Graph.record_backward.__code__})
 _RUNNER_FILES = frozenset(c.co_filename for c in _RUNNERS)
 # A Python-level torch function (F.softmax, Tensor.__format__...) reaches the handler through
 # handle_torch_function; the op's caller is the one that called that public function.
 _DISPATCH_FILE = torch.overrides.__file__
-_MODULE_PATTERN = r"tracer\.record\.(recorder|mode|autograd)\Z"
+_MODULE_PATTERN = r"tracer\.record\.(capture|mode|autograd)\Z"
 
 _lock = threading.Lock()
 _original_show: Callable[[warnings.WarningMessage], None] | None = None
@@ -117,7 +118,7 @@ def quiet_global_hooks_warning(rec: Recorder) -> Callable[[], None] | None:
     warning of the user's program (a deprecation in a module it calls) then printed again at
     every traced step. A new "ignore" filter needs no reset: an ignored warning is never
     entered in a registry, and what the registries hold stays true."""
-    if not rec.holds_every_global_module_hook():
+    if not rec.scopes.holds_every_global_module_hook():
         return None
     entry = ("ignore", re.compile(re.escape(_GLOBAL_HOOKS_WARNING), re.I), UserWarning, None, 0)
     filters = cast(list[Any], warnings.filters)  # a list at run time

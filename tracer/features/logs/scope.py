@@ -36,6 +36,7 @@ from tracer.model import Call, GradNode, NodeRun, Trace
 from tracer.model.display import module_depth
 from tracer.options import TraceError, TraceOptions
 from tracer.record.listeners import Listener
+from tracer.record.protocol import RecorderAPI
 from tracer.record.recorder import Recorder, active_recorder
 from tracer.record.tensors import ACCUMULATE
 
@@ -74,7 +75,7 @@ LIGHT = TraceOptions(hash="none", stacks=False, stats=False, optimizer_ops=True)
 class _LogListener(Listener):
     """Logs the calls and grad nodes of one recorder: scoped ones, and the rest by global levels."""
 
-    def __init__(self, rec: Recorder, light: bool = False) -> None:
+    def __init__(self, rec: RecorderAPI, light: bool = False) -> None:
         self._rec = weakref.ref(rec)
         # A scope's own recorder (no trace active): the listener hooks the grad node objects it
         # follows itself, so it keeps those the recorder names during a call (let go after it).
@@ -184,20 +185,20 @@ class _LogListener(Listener):
             internal_error(exc)
 
 
-def _function_depth(rec: Recorder | None) -> int:
+def _function_depth(rec: RecorderAPI | None) -> int:
     # How many custom Functions enclose the call being reported (the recorder's open stack).
     return rec.function_depth if rec is not None else 0
 
 
-def _running_node(rec: Recorder | None) -> str | None:
+def _running_node(rec: RecorderAPI | None) -> str | None:
     return rec.running_node if rec is not None else None
 
 
-def _listener_of(rec: Recorder) -> _LogListener | None:
+def _listener_of(rec: RecorderAPI) -> _LogListener | None:
     return next((li for li in rec.listeners if isinstance(li, _LogListener)), None)
 
 
-def attach_if_enabled(rec: Recorder | None) -> None:
+def attach_if_enabled(rec: RecorderAPI | None) -> None:
     """Attach the log listener to a recorder when a gradtrace level would log something.
 
     ``tracer.trace()`` calls this when it starts, and ``set_log_level`` when a trace is active,
@@ -206,7 +207,7 @@ def attach_if_enabled(rec: Recorder | None) -> None:
     _attach_if_enabled(rec)
 
 
-def _attach_if_enabled(rec: Recorder | None) -> None:
+def _attach_if_enabled(rec: RecorderAPI | None) -> None:
     if rec is None or rec.closed or _listener_of(rec) is not None:
         return
     if FORWARD.isEnabledFor(logging.INFO) or BACKWARD.isEnabledFor(logging.INFO):
@@ -302,6 +303,7 @@ class LogScope:
                 self._listener = None
             if self._light is not None:
                 self._light.uninstall()
+                self._light.release()
         finally:
             try:
                 if self._torch is not None:

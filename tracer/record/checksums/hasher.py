@@ -386,7 +386,7 @@ class Hasher:
         autograd engine sums gradients in place only into a tensor nobody else holds (its input
         buffers), and a leaf's accumulator keeps the gradient itself as ``.grad`` only when
         nobody else holds it. Held there, the program got other ``.grad`` tensors, other version
-        counters and more memory than without the trace (see ``Recorder.let_go_after``)."""
+        counters and more memory than without the trace (see ``Graph.let_go_after``)."""
         if self.holds_tensors:
             self.flush()
 

@@ -1,31 +1,33 @@
-"""What a recorder holds (``RecorderState``): every table of one active trace, and naming the
-tensor values it meets, versions, aliases and all. The rooms of the recorder (autograd, modules,
-optimizer, functions) build on it; ``tracer.record.recorder.Recorder`` joins them."""
+"""Tensor names (a part of the recorder): the name of every tensor value a trace meets, its
+versions, the aliases that share its bytes, the paths of parameters, buffers and optimizer state,
+and the record of each value (``TensorRecord``), handed to the hasher.
+
+``TensorNames`` owns the tables that map a live tensor (weakly, by identity) to its name and
+version, the parameters, buffers and state named by path, the storages of aliased tensors and
+the version counter of every name. The other parts ask it for names (``name_of``, ``name_at``,
+``lookup``) and have it record new values (``new_tensor``, ``bump``); how a parameter met early
+finds its model is ``module_roots``/``owners``.
+"""
 
 from __future__ import annotations
 
 import contextlib
-import itertools
-import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from types import FrameType
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from dataclasses import replace as dataclasses_replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tracer.model import BackwardRun, Call, GradNode, NodeRun, TensorRecord, Trace, names
-from tracer.model.records import Phase, Role
-from tracer.options import RaisedOnPurpose, TraceOptions
-from tracer.record import naming
-from tracer.record.checksums.hasher import Hasher
-from tracer.record.failsafe import failure_note, passes_on
+from tracer.model import TensorRecord, names
+from tracer.model.records import Role
+from tracer.record.checksums.hasher import BATCH_MIN
+from tracer.record.effects import OVERWRITING, SET_DATA_API, UNINITIALISED
 from tracer.record.identity import identity
-from tracer.record.listeners import Listener
 from tracer.record.module_roots import name_in_callers, parameter_path, swaps_parameters
 from tracer.record.owners import constructing_a_module, needs_search, owning_root_module
-from tracer.record.phases import PhaseTracker
-from tracer.record.stacks import StackTable
+from tracer.record.part import Part
 from tracer.record.tensors import (
     DEVICE_NAMES,
     DTYPE_NAMES,
@@ -35,7 +37,6 @@ from tracer.record.tensors import (
     VIEW_OPS,
     device_name,
     dtype_name,
-    get_seq,
     plain_sizes,
     same_elements,
     same_multiset,
@@ -47,159 +48,211 @@ from tracer.record.tensors import (
 from tracer.record.weakmap import IdWeakMap
 
 if TYPE_CHECKING:
-    from tracer.record.calls import PendingCall
-    from tracer.record.mode import RecordingMode
-    from tracer.record.opaque import OpaqueRegion
-    from tracer.record.optimizer import OpenStep
+    from tracer.record.recorder import Recorder
 
-_TRACE_IDS = itertools.count()
 # Searches of the live objects for a parameter's model per trace (each one gc pass; see owners.py).
 MAX_OWNER_SEARCHES = 4
 # Roles whose values have a name of their own, kept through writes by any alias.
 OWNED_ROLES = frozenset({"param", "buffer", "state"})
 
 
-class RecorderState:
-    """The tables of one trace's recorder, and how tensor values get their names."""
+@dataclass
+class Held:
+    """What the names knew of one tensor object, taken off it for ``torch.utils.swap_tensors``."""
 
-    def __init__(self, trace: Trace, options: TraceOptions, *,
-                 on_records: Callable[[], None] | None = None) -> None:
-        self.trace = trace
-        self.options = options
-        # False: each optimizer.step() is one call (see _open_step); True: every op inside it.
-        self.optimizer_ops = options.optimizer_ops
-        # Whether a step's state tensors are its inputs and outputs (see TraceOptions).
-        self.optimizer_state = options.records_optimizer_state
-        self.open_step: OpenStep | None = None  # the optimizer step running now, recorded as one call
-        self._step_depth = 0  # where step_running last found the open step's frame (0: not yet)
-        self._step_hooked: weakref.WeakSet[Any] = weakref.WeakSet()
-        self.owner = threading.get_ident()
-        self.lock = threading.RLock()
-        self.api = naming.ApiNames()
-        self.counters = naming.Counters()
-        self.stack_table: StackTable | None = StackTable() if options.stacks else None
-        self.hasher = Hasher(options.hash, stats=options.effective_stats)
-        self._own_hasher = self.hasher
+    name: tuple[str, int] | None  # (name, version) of the value it held
+    owned: tuple[str, Any] | None  # (path, role) of the object, for a parameter, buffer or state
+    alias_keys: list[int] = field(default_factory=list)  # storages it was indexed under
+
+
+class TensorNames(Part):
+    """The names of one trace's tensor values (a part of ``Recorder``)."""
+
+    def __init__(self, rec: Recorder) -> None:
+        super().__init__(rec)
+        self._trace = rec.trace
         # Whether values are read at all (checksums or stats): only then is a view worth telling
-        # apart from a new value (see _same_values_input; the names+links+stacks trace skips it).
-        self._reads_values = self.hasher.active
+        # apart from a new value (see same_values_input; the names+links+stacks trace skips it).
+        self.reads_values = rec.hasher.active
+        # Stats and no checksums: a transposed view of a contiguous value has that value's stats
+        # (same_multiset), so it copies them too.
+        self._stats_only = rec.options.hash == "none" and rec.options.effective_stats
         # Set while a call with many new values is being recorded: their (record, tensor) pairs,
         # handed to Hasher.submit_many when the call's records are all made.
         self._deferred: list[tuple[TensorRecord, torch.Tensor]] | None = None
-        # Built-in grad nodes get their hook (their runs recorded) at once when this is set,
-        # else only when a backward run starts that needs them (see _hook_waiting_nodes):
-        # names of the nodes waiting for it.
-        self._every_node_run = options.every_node_run
-        self._unhooked: set[str] = set()
-        # Stats and no checksums: a transposed view of a contiguous value has that value's stats
-        # (same_multiset), so it copies them too.
-        self._stats_only = options.hash == "none" and options.effective_stats
-        self.on_records = on_records
-        self.listeners: list[Listener] = []
-        self.paused = False
-        self.closed = False
-        # Set when a bound (max_calls) is reached: from then on nothing more is recorded.
-        self.stopped = False
-        self.failed = False  # gradtrace's own code failed while recording (recorder_failed)
-        self.max_calls: int | None = options.max_calls
-        # Set by tracer.features.distributed: (recorder, function) -> the recording wrapper of a
-        # collective the mode met, or None.
-        self.collective_hook: Callable[[Any, Any], Callable[..., Any] | None] | None = None
-        self._in_backward = 0
-        self.phases = PhaseTracker(trace.tensors)  # which phase each call is in
-        # >0 while a recorded op runs: a Function applied inside an op (a torch.library custom
-        # op's generated autograd Function) is that op's implementation, not a call of its own.
-        self.op_depth = 0
         self._tensor_names: IdWeakMap[tuple[str, int]] = IdWeakMap()  # tensor -> (name, version)
+        # ``lookup(t)``: (name, version) of the value ``t`` showed when it was last named, or None.
+        # The bound method itself: every recorded call asks it for each of its inputs.
+        self.lookup = self._tensor_names.get
         self._interned: dict[tuple[int, ...], tuple[int, ...]] = {}  # shapes and strides of records
         self._named: IdWeakMap[tuple[str, Role]] = IdWeakMap()  # param/buffer/state -> (name, role)
         # What p.grad or p.data returned before the parameter p was named -> (p, "grad"/"data"):
         # named when a call first uses it (see name_grad_alias, name_data_alias).
         self._read_before_named: IdWeakMap[tuple[torch.Tensor, str]] = IdWeakMap()
-        self._module_paths: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
-        self._module_stack: list[str] = []
-        self._scope_frames: list[FrameType | None] = []  # per _module_stack entry, see _module_pre
-        self._parents: list[str] = []  # enclosing custom Function calls
-        self._running: list[str] = []  # grad nodes running now (nesting in backward)
-        self._node_by_seq: dict[tuple[int, str], str] = {}
-        self.trace_id = next(_TRACE_IDS)
-        self._acc_by_var: IdWeakMap[str] = IdWeakMap()  # leaf tensor -> its accumulator's name
-        self._acc_vars: dict[str, weakref.ref[torch.Tensor]] = {}  # accumulator name -> its leaf
-        self._tensor_hooks = False  # Tensor.register_hook was called in the block
-        # Non-leaf tensors whose gradient is retained (Tensor.retain_grad in the block): the
-        # tensor (weakly) and the name its .grad gets, ``<name then>.grad`` (see autograd.py).
-        self._retained: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
-        # Accumulator running now -> the name of its leaf's .grad before it ran (None: no .grad).
-        self._grad_before: dict[str, str | None] = {}
-        # Accumulators hooked without a pre-hook (see _acc_hook_alone): what their leaf's .grad was
-        # is noted when a backward starts; a .grad the trace has no name for (from before the
-        # block) is named only if its accumulator runs: the value then (weakly) and its version.
-        self._acc_post_only: set[str] = set()
-        self._grad_unnamed: dict[str, tuple[weakref.ref[torch.Tensor], int]] = {}
-        # Nodes whose runs are not recorded and whose hooks read tensors without a name
-        # (_note_unrecorded_node_hook).
-        self._hook_inputs_noted: set[str] = set()
         self._aliases: dict[int, list[weakref.ref[torch.Tensor]]] = {}  # storage -> tensors
-        self._node_modules: dict[str, str] = {}  # nodes that run user code -> their call's module
-        # A backward run with create_graph=True makes grad nodes while it runs; those are
-        # adopted by the node that made them (see _adopt_nodes).
-        self._create_graph = False
-        # Per adopting node, how many nodes of each class it adopted: a node that runs in
-        # several backward runs (autograd.functional.hvp) continues its numbering (#1, #2...).
-        self._adopted_kinds: dict[str, dict[str, int]] = {}
-        self._bwd_seq0: tuple[int, int] | None = None  # (thread, sequence number) at its start
-        self._reads_queued: object = None  # the backward run whose final reading is queued
-        self._edges: dict[str, tuple[tuple[str | None, int], ...]] = {}  # node -> (dest node, slot) per output
-        self._node_recs: dict[str, GradNode] = {}
-        self._external_pending: list[tuple[Any, str]] = []  # external nodes to link (_dest_name)
-        self._slot_tensor: dict[tuple[str, int], str] = {}
-        # Edges into each (node, input slot) in the graph the running backward walks: a gradient
-        # that alone flows into a tensor's slot is that tensor's gradient (see _grad_names).
-        self._indegree: dict[tuple[str, int], int] | None = {}
-        # The node names the running backward started from (None: every recorded node), for
-        # counting _indegree when it is first needed.
-        self._indegree_roots: list[str] | None = []
-        # A gradient passed on unchanged, by the slot it was sent to: (its name on that edge, a weak
-        # reference to the tensor, its version). Where several edges meet in that slot the node
-        # takes their sum, a new tensor: the passed-on one may die first, and its id be reused.
-        self._passed_on: dict[tuple[str, int], tuple[str, weakref.ref[torch.Tensor], int]] = {}
-        self._versions: dict[str, int] = {}
-        self._handles: list[Any] = []
-        # Grad nodes that run user Python (custom Function backwards, accumulators with
-        # post-accumulate hooks such as an optimizer step in backward): flush checksums first.
-        self._flush_before: set[str] = set()
-        # Saved-tensor hooks were active while the call being finished ran (see _register_node).
-        self._saved_hooks = True
-        self._opaque: list[OpaqueRegion] = []  # compiled regions running now, innermost last
-        self._module_handles: list[Any] = []
-        self._run: BackwardRun | None = None
-        # The seq of every backward run still being filled: from its start to its end (its
-        # outputs named), an enclosing run under the nested runs it started (reentrant
-        # checkpointing), and a run the trace did not see start till the end of the block.
-        self._open_runs: list[int] = []
-        self._run_index = -1
-        self._open_steps: dict[str, NodeRun] = {}
-        self._call_seq = 0
+        self._versions: dict[str, int] = {}  # the last version of each base name
         self._tensor_seq = 0
-        self._node_seq = 0
         self._inputs = 0
-        self._owner_searches = 0  # passes over the live objects made for this trace (see _name_model_of)
-        self._self_ref = weakref.ref(self)
-        self.node_attribution = "sequence-number" if get_seq is not None else "first-seen"
+        self._owner_searches = 0  # passes over the live objects made for this trace (see name_model_of)
 
-    def phase_of(self, name: str, kind: str, in_names: Sequence[str], produced: Sequence[Any],
-                 writes: bool = False) -> Phase:
-        """The phase of a call named ``name`` about to be recorded (tracer.record.phases): for
-        features that build their own ``Call`` (collectives, custom Functions). ``writes``: it
-        wrote a tensor in place."""
-        if self._in_backward:
-            return "backward"
-        if self._module_stack and kind != "optimizer":
-            return self.phases.module_call()
-        return self.phases.outside_modules(name, kind, in_names, produced, writes)
+    # ---- a call's values ----------------------------------------------------------------------
+    def name_inputs(self, ins: list[torch.Tensor], versions: list[int], short: str) -> list[str]:
+        """The names of a call's inputs, whose versions the caller has just read, before its op
+        runs (the caller holds the lock). The first input of an initialiser that is met here
+        first is recorded as what that initialiser overwrites (``name_at``'s ``overwritten_by``)."""
+        # A list of exactly the right length (not grown by appends): it is kept in the Call.
+        in_names = [""] * len(ins)
+        known = self.lookup
+        for i, t in enumerate(ins):
+            hit = known(t)  # name_at's usual outcome inlined: a tensor named before, unchanged
+            in_names[i] = hit[0] if hit is not None and hit[1] == versions[i] else self.name_at(
+                t, versions[i], short if i == 0 and short in OVERWRITING else None)
+        return in_names
+
+    def name_call_values(self, api: str, short: str, kind: str, name: str, ins: list[torch.Tensor],
+                         in_names: list[str], outs: list[torch.Tensor], mutated: list[torch.Tensor],
+                         produced: list[torch.Tensor]) -> tuple[list[str], list[str], dict[int, str]]:
+        """The names of what the call ``name`` wrote (a new version of each, through every alias
+        that shares its bytes) and returned (an input returned unchanged keeps its name; a new
+        value is ``<call>:out<i>``), recorded. Returns the names of ``mutated``, of ``produced``
+        (what it returned, then what it wrote without returning it) and of every value it
+        touched, by identity (the caller holds the lock)."""
+        # Inputs by identity, for what the call wrote or returned unchanged: built only where a
+        # scan of the inputs could cost more (by C calls: a comprehension is a Python frame).
+        in_pos = dict(zip(map(identity, ins), range(len(ins)))) if mutated or len(ins) > 4 else None
+        names_of: dict[int, str] = {}
+        # A call with many new values (an optimizer step, a foreach op) hands them to the
+        # hasher together: it reduces the small ones of one size in one go.
+        deferred = len(mutated) + len(outs) >= BATCH_MIN and self.defer_submits()
+        try:
+            # Lists of exactly the right length, filled in place (they are kept in the Call).
+            mutated_names = [""] * len(mutated)
+            if mutated:
+                assert in_pos is not None
+                self._name_written(api, kind, name, ins, in_names, mutated, in_pos, names_of, mutated_names)
+            uninit = short in UNINITIALISED
+            n_outs = len(outs)
+            out_names = [""] * n_outs
+            lookup = self.lookup
+            for i, t in enumerate(outs):
+                key = identity(t)
+                known = names_of.get(key)
+                if known is None and ins:  # returned an input unchanged (x.to(x.dtype))
+                    if in_pos is not None:
+                        if key in in_pos:
+                            known = in_names[in_pos[key]]
+                    else:
+                        for x, xname in zip(ins, in_names):
+                            if x is t:
+                                known = xname
+                                break
+                if known is None and kind != "function":
+                    # A custom Function's outputs are the very tensors its forward's inner ops
+                    # made, but as the Function's outputs they carry its grad node: they are
+                    # named by the Function (MyFn0:out), not by the op inside it.
+                    hit = lookup(t)
+                    if hit is not None and hit[1] == version_of(t):
+                        known = hit[0]
+                if known is None:
+                    known = self.new_tensor(t, names.output_name(name, i, n_outs), "output", name,
+                                            uninitialized=uninit,
+                                            same_as=self.same_values_input(t, short if kind == "op" else "", ins,
+                                                                           in_names, names_of)
+                                            if ins and not uninit and self.reads_values else None)
+                names_of[key] = known
+                out_names[i] = known
+        finally:
+            if deferred:
+                self.submit_deferred()
+        if len(produced) > n_outs:
+            # What it wrote without returning it (foreach in-place ops, GradScaler's unscale
+            # return nothing) is among its outputs too.
+            out_names += [names_of[identity(t)] for t in produced[n_outs:]]
+        return mutated_names, out_names, names_of
+
+    def _name_written(self, api: str, kind: str, name: str, ins: list[torch.Tensor], in_names: list[str],
+                      mutated: list[torch.Tensor], in_pos: dict[int, int], names_of: dict[int, str],
+                      mutated_names: list[str]) -> None:
+        """A new version of each tensor the call ``name`` wrote, and of every named tensor that
+        shares its bytes."""
+        tensors = self._trace.tensors
+        versions = self._versions
+        # Foreach ops and optimizer steps never resize, restride or retype a tensor.
+        same_meta = kind == "optimizer" or api.startswith("torch._foreach_")
+        for j, t in enumerate(mutated):  # an optimizer's foreach op changes ~150 at once
+            old = in_names[in_pos[identity(t)]]
+            old_rec = tensors.get(old)
+            role = old_rec.role if old_rec is not None and old_rec.role in OWNED_ROLES else "output"
+            head, sep, tail = old.rpartition("@v")  # names.base_name(old), inlined
+            base = head if sep and tail.isdigit() else old
+            n = versions.get(base, 0) + 1
+            versions[base] = n
+            new = self.new_tensor(t, names.version_name(base, n), role, name, previous=old,
+                                  like=old_rec if same_meta else None)
+            names_of[identity(t)] = new
+            mutated_names[j] = new
+        if api == SET_DATA_API:
+            # Its new bytes are the value's; no other tensor's bytes changed.
+            self.index_alias(mutated[0])
+        else:
+            self.write_through_aliases(mutated, names_of, name, ins)
+
+    # ---- what the other parts ask ------------------------------------------------------------
+    def set_name(self, t: torch.Tensor, name: str, version: int) -> None:
+        """``t`` shows the value named ``name`` at ``version`` (no record made)."""
+        self._tensor_names[t] = (name, version)
+
+    def owned_name(self, t: torch.Tensor) -> tuple[str, Role] | None:
+        """The path and role of a parameter, buffer, state or ``.grad`` named by its place."""
+        return self._named.get(t)
+
+    def own(self, t: torch.Tensor, name: str, role: Role) -> None:
+        """``t`` is named by its place: ``name`` (a path, ``<param>@grad``) in ``role``."""
+        self._named[t] = (name, role)
+
+    def last_version(self, base: str) -> int:
+        """The last version number given to ``base`` (0: none yet)."""
+        return self._versions.get(base, 0)
+
+    def new_leaf_grad(self, g: torch.Tensor, name: str, producer: str | None, previous: str | None) -> str:
+        """Record ``g``, a leaf's ``.grad``, as ``name`` (indexed by storage: ``.grad`` is written
+        through aliases, an optimizer's foreach ops)."""
+        name = self.new_tensor(g, name, "grad", producer, previous=previous)
+        self.index_alias(g)
+        return name
+
+    def add_copy(self, original: TensorRecord, name: str, producer: str) -> TensorRecord:
+        """A record of ``original``'s value under another name (a gradient passed on unchanged
+        along another edge), its checksum and stats copied once known."""
+        rec = dataclasses_replace(original, name=name, role="grad", producer=producer, seq=self._tensor_seq,
+                                  md5=None, fingerprint=None, hash_note=None, stats=None, previous=None)
+        self._tensor_seq += 1
+        self._trace.tensors[name] = rec
+        self.rec.hasher.same_as(rec, original)
+        return rec
+
+    def take_off(self, t: torch.Tensor) -> Held:
+        """Take every weak reference of the names to ``t`` off (``swap_tensors`` refuses a tensor
+        that has one), keeping what they said."""
+        held = Held(self._tensor_names.pop(t), self._named.pop(t))
+        self._read_before_named.pop(t)
+        for key, refs in self._aliases.items():
+            if any(r() is t for r in refs):
+                refs[:] = [r for r in refs if r() is not t]
+                held.alias_keys.append(key)
+        return held
+
+    def put_back(self, t: torch.Tensor, own: Held, value: Held) -> None:
+        """After a swap: ``t`` keeps its own place (``own``) and shows ``value``'s name."""
+        if own.owned is not None:
+            self._named[t] = own.owned
+        if value.name is not None:
+            self._tensor_names[t] = value.name
+        for key in value.alias_keys:
+            self._aliases.setdefault(key, []).append(weakref.ref(t))
 
     # ---- tensors ------------------------------------------------------------------------------
-    def _new_tensor(self, t: torch.Tensor, name: str, role: Role, producer: str | None,
+    def new_tensor(self, t: torch.Tensor, name: str, role: Role, producer: str | None,
                     previous: str | None = None, like: TensorRecord | None = None,
                     uninitialized: bool = False, same_as: TensorRecord | None = None) -> str:
         """Record a new tensor value. ``like``: the record of the version this one replaced,
@@ -209,7 +262,8 @@ class RecorderState:
         (``torch.empty_like``): recorded, never hashed. ``same_as``: the record of a value
         this one reads as (``_reads_as``: a view of it): its checksum and stats are copied from
         that record, not computed again."""
-        name = self._untaken(name)
+        if name in self._trace.tensors:  # (untaken's usual outcome inlined: a name not taken yet)
+            name = self.untaken(name)
         if like is not None:
             try:
                 ver = t._version
@@ -261,7 +315,7 @@ class RecorderState:
         elif ragged:
             rec.hash_note = RAGGED_NOTE
             self._tensor_seq += 1
-            self.trace.tensors[rec.name] = rec
+            self._trace.tensors[rec.name] = rec
             self._tensor_names[t] = (rec.name, ver)
             return rec.name
         return self._add_record(rec, t, ver, same_as)
@@ -269,28 +323,28 @@ class RecorderState:
     @contextlib.contextmanager
     def submits_batched(self) -> Iterator[None]:
         """Within: the new values' tensors go to the hasher together at the end (see _deferred)."""
-        started = self._defer_submits()
+        started = self.defer_submits()
         try:
             yield
         finally:
             if started:
-                self._submit_deferred()
+                self.submit_deferred()
 
-    def _defer_submits(self) -> bool:
+    def defer_submits(self) -> bool:
         """Start collecting the new values' tensors (False: nothing to hash, or already collecting)."""
-        if not self._reads_values or self._deferred is not None:
+        if not self.reads_values or self._deferred is not None:
             return False
         self._deferred = []
         return True
 
-    def _submit_deferred(self) -> None:
+    def submit_deferred(self) -> None:
         batch, self._deferred = self._deferred, None
         if batch:
-            self.hasher.submit_many(batch)
+            self.rec.hasher.submit_many(batch)
 
-    def _untaken(self, name: str) -> str:
+    def untaken(self, name: str) -> str:
         """``name``, or ``name#k`` with the first k not taken: a record is never overwritten."""
-        tensors = self.trace.tensors
+        tensors = self._trace.tensors
         if name not in tensors:
             return name
         k = 1
@@ -302,12 +356,13 @@ class RecorderState:
                     same_as: TensorRecord | None = None) -> str:
         name = rec.name
         self._tensor_seq += 1
-        self.trace.tensors[name] = rec
+        self._trace.tensors[name] = rec
         self._tensor_names[t] = (name, ver)
         if rec.uninitialized:
             return name
-        hasher = self.hasher
-        if hasher is self._own_hasher:
+        rec_ = self.rec
+        hasher = rec_.hasher
+        if hasher is rec_.own_hasher:
             # With nothing to hash or summarise, skip the call.
             if hasher.active:
                 if same_as is not None:
@@ -322,7 +377,7 @@ class RecorderState:
             hasher.submit(rec, t)
         return name
 
-    def _same_values_input(self, t: torch.Tensor, short: str, ins: list[torch.Tensor], in_names: list[str],
+    def same_values_input(self, t: torch.Tensor, short: str, ins: list[torch.Tensor], in_names: list[str],
                            changed: dict[int, str]) -> TensorRecord | None:
         """The record of an input of the call that made ``t`` and that ``t`` reads as (see
         ``_reads_as``): ``t`` gets that record's checksum and stats. ``short``: the op's short
@@ -332,9 +387,9 @@ class RecorderState:
         if base is None and short != "detach":  # (one attribute read for every other output)
             return None
         unwritten = ((x, xname) for x, xname in zip(ins, in_names) if identity(x) not in changed)
-        return self._view_source(t, base, VIEW_OPS.get(short), unwritten)
+        return self.view_source(t, base, VIEW_OPS.get(short), unwritten)
 
-    def _view_source(self, t: torch.Tensor, base: torch.Tensor | None, order: str | None,
+    def view_source(self, t: torch.Tensor, base: torch.Tensor | None, order: str | None,
                      candidates: Iterable[tuple[Any, str | None]]) -> TensorRecord | None:
         """The record of the first named candidate tensor that the view ``t`` (of ``base``; None:
         an alias without one, ``detach``) reads as (``_reads_as``): a call's inputs for its
@@ -342,7 +397,7 @@ class RecorderState:
         for x, xname in candidates:
             if xname is not None and isinstance(x, torch.Tensor) and (base is None or x is base or x._base is base) \
                     and self._reads_as(x, t, order):
-                return self.trace.tensors.get(xname)
+                return self._trace.tensors.get(xname)
         return None
 
     def _reads_as(self, x: torch.Tensor, t: torch.Tensor, order: str | None) -> bool:
@@ -358,9 +413,9 @@ class RecorderState:
 
     def name_of(self, t: torch.Tensor) -> str:
         """The current name of a tensor, registering it (and hashing it) on first sight."""
-        return self._name_at(t, version_of(t))
+        return self.name_at(t, version_of(t))
 
-    def _name_at(self, t: torch.Tensor, version: int, overwritten_by: str | None = None) -> str:
+    def name_at(self, t: torch.Tensor, version: int, overwritten_by: str | None = None) -> str:
         """``name_of`` for a tensor whose current version the caller has just read.
         ``overwritten_by``: the call about to run writes every byte of ``t`` without reading them
         (an initialiser: ``uniform_``, ``kaiming_uniform_``, ``fill_``)."""
@@ -370,9 +425,9 @@ class RecorderState:
             if version == ver:
                 return name
             # Changed in place where the trace could not see it (untraced code, through .data).
-            base = self._base_name(name)
-            old = self.trace.tensors.get(name)
-            return self._new_tensor(t, self._bump(base), old.role if old is not None else "input", None,
+            base = names.base_name(name)
+            old = self._trace.tensors.get(name)
+            return self.new_tensor(t, self.bump(base), old.role if old is not None else "input", None,
                                     previous=name)
         named = self._named.get(t)
         if named is not None:
@@ -382,38 +437,38 @@ class RecorderState:
             key = storage_key(t)  # (read once: for the alias and for the index)
             prior = self._same_view_alias(t, key) if key and key in self._aliases else None
             prior_name = self.name_of(prior) if prior is not None else None
-            name = self._new_tensor(t, named[0], named[1], None, previous=prior_name,
-                                    same_as=self.trace.tensors.get(prior_name) if prior_name is not None else None)
-            self._index_alias(t, key)
+            name = self.new_tensor(t, named[0], named[1], None, previous=prior_name,
+                                    same_as=self._trace.tensors.get(prior_name) if prior_name is not None else None)
+            self.index_alias(t, key)
             return name
-        if self._running:
-            leaf = self._name_leaf_grad(t, version)
+        if self.rec.running_node is not None:
+            leaf = self.rec.graph.name_leaf_grad(t, version)
             if leaf is not None:
                 return leaf
         if self._aliases:
             alias = self._alias_name(t, version)
             if alias is not None:
                 return alias
-        if type(t) is torch.nn.Parameter and self._name_model_of(t):
-            return self._name_at(t, version)
+        if type(t) is torch.nn.Parameter and self.name_model_of(t):
+            return self.name_at(t, version)
         if len(self._read_before_named):
             read = self._read_before_named.get(t)
             if read is not None and self._name_read_before(t, *read):
-                return self._name_at(t, version)
+                return self.name_at(t, version)
         self._inputs += 1
         if overwritten_by is not None:
             # Met first as what an initialiser overwrites (``nn.Parameter(torch.empty(...))`` in a
             # constructor that runs in the block): bytes nobody wrote or will read, not hashed.
-            name = self._new_tensor(t, f"input{self._inputs - 1}", "input", None, uninitialized=True)
-            rec = self.trace.tensors[name]
+            name = self.new_tensor(t, f"input{self._inputs - 1}", "input", None, uninitialized=True)
+            rec = self._trace.tensors[name]
             rec.hash_note = (f"not hashed: first seen being overwritten by {overwritten_by}, which reads none "
                              "of its bytes; its new value is the next version")
-            self._index_alias(t)
+            self.index_alias(t)
             return name
-        name = self._new_tensor(t, f"input{self._inputs - 1}", "input", None)
-        if self._in_backward and self._unhooked:
-            self._note_unrecorded_node_hook(name)
-        self._index_alias(t)
+        name = self.new_tensor(t, f"input{self._inputs - 1}", "input", None)
+        if self.rec.in_backward:
+            self.rec.graph.note_unnamed_hook_input(name)
+        self.index_alias(t)
         return name
 
     def name_data_alias(self, source: torch.Tensor, alias: torch.Tensor) -> None:
@@ -432,7 +487,7 @@ class RecorderState:
 
     def _take_name_of(self, source: torch.Tensor, alias: torch.Tensor) -> None:
         """``alias`` (``source.data``) takes ``source``'s current name; both indexed by storage."""
-        name = self._name_at(source, version_of(source))
+        name = self.name_at(source, version_of(source))
         self._tensor_names[alias] = (name, version_of(alias))
         key = storage_key(source)
         if not key:
@@ -453,7 +508,7 @@ class RecorderState:
         looked for then; ``zero_grad()`` at the top of a block reads every ``.grad`` and uses
         none). Not during a backward run: there the accumulators' hooks name what ``.grad``
         becomes (a post-accumulate hook reads it before they run)."""
-        if grad in self._named or type(param) is not torch.nn.Parameter or self._in_backward:
+        if grad in self._named or type(param) is not torch.nn.Parameter or self.rec.in_backward:
             return
         named = self._named.get(param)
         if named is None:
@@ -470,8 +525,8 @@ class RecorderState:
         if hit[0].startswith(f"{pname}@grad"):
             return
         base = f"{pname}@grad"
-        shown = self.trace.tensors.get(hit[0])
-        name = self._new_tensor(g, self._bump(base) if base in self.trace.tensors else base, "grad",
+        shown = self._trace.tensors.get(hit[0])
+        name = self.new_tensor(g, self.bump(base) if base in self._trace.tensors else base, "grad",
                                 shown.producer if shown is not None else None, same_as=shown)
         self._named[g] = (name, "grad")
 
@@ -480,7 +535,7 @@ class RecorderState:
         had a name, now that a call uses it: ``owner``'s model named first if need be. Whether
         ``t`` has a name to take now."""
         if owner not in self._named and self._tensor_names.get(owner) is None:
-            self._name_model_of(owner)
+            self.name_model_of(owner)
         if how == "data":  # (a parameter no module holds: the alias shares its input<k> name)
             self._take_name_of(owner, t)
             return True
@@ -490,15 +545,15 @@ class RecorderState:
         self._named[t] = (f"{named[0]}@grad", "grad")
         return True
 
-    def _name_model_of(self, p: torch.Tensor) -> bool:
+    def name_model_of(self, p: torch.Tensor) -> bool:
         """A parameter met before any module of its model ran in the block (outside any module
         call): name that model's modules, parameters and buffers now, as if it had been called
         first (tracer.record.owners). Whether ``p`` has a name to take now."""
         if constructing_a_module():
             return False
-        if self._module_stack:  # used by a module running now: the one that holds it, if any
-            running = self._module_stack[-1]
-            module = next((m for m, path in self._module_paths.items() if path == running), None)
+        running = self.rec.scopes.innermost()
+        if running is not None:  # used by a module running now: the one that holds it, if any
+            module = self.rec.scopes.module_at(running)
             if module is not None and self._name_replaced(module, running, p):
                 return True
             # Not its own: another model's, reached by the walk over the graph (a GAN's generator,
@@ -509,12 +564,101 @@ class RecorderState:
         root = owning_root_module(p, search)
         if root is None:
             return False
-        if root in self._module_paths:
-            return self._name_replaced(root, self._module_paths[root], p)
+        root_path = self.rec.scopes.path_of(root)
+        if root_path is not None:
+            return self._name_replaced(root, root_path, p)
         # A second model (an EMA updated after the trained model's step) under the name the
         # user's code holds it by.
-        self.register_root_module(root, name_in_callers(root, 1) if "" in self.trace.modules else None)
+        self.rec.scopes.register_root_module(root, name_in_callers(root, 1) if "" in self._trace.modules else None)
         return p in self._named
+
+    def name_step_inputs(self, optimizer: Any) -> None:
+        """An optimizer step begins: its parameters, their gradients and their state get names
+        (a parameter met first here: its model is named; a ``.grad`` no backward of the block
+        made; state that is not named yet: ``<param>.<key>``)."""
+        with self.rec.lock, torch._C.DisableTorchFunction():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    named = self._named.get(p)
+                    if named is None:  # a step before any module of its model ran in the block
+                        if p in self._tensor_names or not self.name_model_of(p):
+                            continue
+                        named = self._named.get(p)
+                        assert named is not None  # (what _name_model_of says)
+                    pname = named[0]
+                    g = p.grad
+                    if g is not None:
+                        hit = self._tensor_names.get(g)
+                        if hit is None:
+                            # A .grad no backward of the block made (set by hand, or before the block).
+                            base = f"{pname}@grad"
+                            self.new_leaf_grad(g, self.bump(base) if base in self._trace.tensors else base,
+                                                None, None)
+                        elif hit[1] != version_of(g):
+                            self.name_of(g)  # changed in place since it was named: a new version
+                        else:
+                            self.name_assigned_grad(pname, g, hit)
+                    for key, v in optimizer.state.get(p, {}).items():
+                        if isinstance(v, torch.Tensor) and v not in self._named:
+                            self._named[v] = (f"{pname}.{key}", "state")
+
+    def names_at(self, ts: list[torch.Tensor], versions: list[int]) -> list[str]:
+        """The names of many tensors whose versions the caller has just read, their new values
+        handed to the hasher together (an optimizer step's parameters and state)."""
+        with self.submits_batched():
+            return [self.name_at(t, v) for t, v in zip(ts, versions)]
+
+    def name_new_state(self, optimizer: Any, producer: str | None, record: bool) -> list[torch.Tensor]:
+        """After an optimizer step: state it made (its first step) is named after its parameter,
+        ``<param>.<key>``; ``record``: also recorded, made by ``producer``. Returns what was
+        recorded."""
+        created: list[torch.Tensor] = []
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                named = self._named.get(p)
+                hit = self._tensor_names.get(p) if named is None else None
+                owner = named[0] if named is not None else names.base_name(hit[0]) if hit is not None else None
+                for key, v in optimizer.state.get(p, {}).items():
+                    # State made by this step (the first one): named after its parameter.
+                    if owner is not None and isinstance(v, torch.Tensor) and v not in self._named \
+                            and self._tensor_names.get(v) is None:
+                        self._named[v] = (f"{owner}.{key}", "state")
+                        if record:
+                            self.new_tensor(v, f"{owner}.{key}", "state", producer)
+                            created.append(v)
+        return created
+
+    def name_by_paths(self, params: list[tuple[str, torch.Tensor]], buffers: list[tuple[str, torch.Tensor]]) -> None:
+        """A root module's parameters and buffers, by path (``named_parameters()``'s order and
+        first-wins naming of shared ones): each takes its path for a name."""
+        named = self._named
+        renamed: list[tuple[torch.Tensor, str, Role]] = []
+        for pname, p in params:
+            if p not in named:
+                named[p] = (pname, "param")
+                renamed.append((p, pname, "param"))
+        for bname, b in buffers:
+            if b not in named:
+                named[b] = (bname, "buffer")
+                renamed.append((b, bname, "buffer"))
+        self._take_paths(renamed)
+
+    def _take_paths(self, tensors: list[tuple[torch.Tensor, str, Role]]) -> None:
+        """Parameters and buffers the trace met before their module ran (made and initialised in
+        the block, by the model's own constructor: ``input4``, ``zeros0:out``) take their paths
+        now: a record of that name holding the value they hold (its checksum copied),
+        ``previous`` the name they had."""
+        known = self._tensor_names
+        with self.rec.lock, torch._C.DisableTorchFunction():
+            for t, path, role in tensors:
+                hit = known.get(t)
+                if hit is None:
+                    continue
+                rec = self._trace.tensors.get(hit[0])
+                if rec is None or rec.role in ("param", "buffer"):
+                    continue
+                same = rec if hit[1] == version_of(t) and not rec.uninitialized else None
+                self.new_tensor(t, path, role, rec.producer, previous=hit[0], same_as=same)
 
     def _name_replaced(self, module: torch.nn.Module, prefix: str, p: torch.Tensor) -> bool:
         """A parameter of a model the trace has named already, not named itself: a new Parameter
@@ -522,7 +666,7 @@ class RecorderState:
         a move between devices, ``module.weight = nn.Parameter(...)``). It is a new version of
         the path's value (``0.weight@v1``, ``previous`` the path's last version) when the path
         has a record, else the path itself."""
-        if swaps_parameters(self._module_paths.keys()):
+        if swaps_parameters(self.rec.scopes.modules()):
             # FSDP2 puts the unsharded parameter in place of the sharded one for each forward
             # and backward: another form of the same value (named by the all-gather that makes
             # it), not a new one.
@@ -531,30 +675,14 @@ class RecorderState:
         if path is None:
             return False
         self._named[p] = (path, "param")  # (its gradients: <path>@grad)
-        if path in self.trace.tensors:
+        if path in self._trace.tensors:
             last = self._versions.get(path, 0)
             previous = names.version_name(path, last) if last else path
-            self._new_tensor(p, self._bump(path), "param", None, previous=previous)
+            self.new_tensor(p, self.bump(path), "param", None, previous=previous)
         else:
-            self._new_tensor(p, path, "param", None)
-        self._index_alias(p)
+            self.new_tensor(p, path, "param", None)
+        self.index_alias(p)
         return True
-
-    def _note_unrecorded_node_hook(self, input_name: str) -> None:
-        """A tensor without a name met in a hook of a grad node whose run is not recorded
-        (``node_runs`` off): possibly a gradient that node received or produced, handed to a
-        hook registered on the node itself (``grad_fn.register_hook``), which gradtrace cannot
-        see. It stays ``input<k>`` (it may as well come from before the block); a note per
-        node says so and how to have the node's gradients named."""
-        node = self._engine_node()
-        if node is None or node not in self._unhooked or node in self._hook_inputs_noted:
-            return
-        self._hook_inputs_noted.add(node)
-        self.trace.notes.append(
-            f"a hook of grad node {node} read {input_name}, a tensor without a name: if it is one of the "
-            f"node's gradients (a hook registered on the node itself, grad_fn.register_hook, which gradtrace "
-            f"cannot see), its name is not known because the node's run was not recorded; "
-            f"trace(node_runs=True) names every node's gradients")
 
     # ---- aliases: tensors that share a named tensor's storage -----------------------------------
     # ``p.data``, ``p.detach()`` and views share p's bytes; ``.data`` does not even share its
@@ -562,7 +690,7 @@ class RecorderState:
     # inputs, leaves' gradients) are indexed by storage, so that a write through an alias makes a
     # new version of the tensor it aliases. Outputs of calls are not indexed (thousands per step);
     # a write into one through a view still shows as a new version of its base.
-    def _index_alias(self, t: torch.Tensor, key: int | None = None) -> None:
+    def index_alias(self, t: torch.Tensor, key: int | None = None) -> None:
         """Index ``t`` by its storage (``key``: that storage's, when the caller has read it)."""
         if key is None:
             key = storage_key(t)
@@ -585,20 +713,20 @@ class RecorderState:
         o = self._same_view_alias(t, key)
         if o is None:
             return None
-        name = self._name_at(o, version_of(o))  # a new version first, if o changed unseen
+        name = self.name_at(o, version_of(o))  # a new version first, if o changed unseen
         self._tensor_names[t] = (name, version)
         self._aliases[key].append(weakref.ref(t))
         return name
 
-    def _write_through_aliases(self, mutated: list[torch.Tensor], names: dict[int, str], call: str,
-                               ins: list[torch.Tensor]) -> None:
+    def write_through_aliases(self, mutated: list[torch.Tensor], names_of: dict[int, str], call: str,
+                              ins: list[torch.Tensor]) -> None:
         """A call that changed ``mutated`` changed every named tensor sharing their bytes too. Its
         own inputs excepted: an op keeps what it reads (an in-place all-gather's input is a slice
         of its output, rewritten with the same bytes)."""
-        done = set(names)
+        done = set(names_of)
         done.update(identity(t) for t in ins)
         for t in mutated:
-            new = names[identity(t)]
+            new = names_of[identity(t)]
             others: list[torch.Tensor] = []
             key = storage_key(t) if self._aliases else 0
             if key:  # (an entry whose storage has changed since, by set_ or resize, is not an alias)
@@ -620,67 +748,23 @@ class RecorderState:
                     continue
                 done.add(k)
                 if same_view(o, t):  # the same bytes seen through another tensor object
-                    old = self.trace.tensors.get(hit[0])
-                    own = self._base_name(hit[0])
-                    if old is not None and old.role in OWNED_ROLES and self._base_name(new) != own:
+                    old = self._trace.tensors.get(hit[0])
+                    own = names.base_name(hit[0])
+                    if old is not None and old.role in OWNED_ROLES and names.base_name(new) != own:
                         # A parameter, buffer or optimizer state written through a detached
                         # alias (an EMA's foreach update of ``p.detach()`` lists, AveragedModel's
                         # first copy): its own next version, with the written value's checksum;
                         # else its name would stay on the value before the write.
-                        self._new_tensor(o, self._bump(own), old.role, call, previous=hit[0],
-                                         same_as=self.trace.tensors.get(new))
+                        self.new_tensor(o, self.bump(own), old.role, call, previous=hit[0],
+                                         same_as=self._trace.tensors.get(new))
                     else:
                         self._tensor_names[o] = (new, version_of(o))
                 else:
-                    old = self.trace.tensors.get(hit[0])
+                    old = self._trace.tensors.get(hit[0])
                     role = old.role if old is not None else "input"
-                    self._new_tensor(o, self._bump(self._base_name(hit[0])), role, call, previous=hit[0])
+                    self.new_tensor(o, self.bump(names.base_name(hit[0])), role, call, previous=hit[0])
 
-    @staticmethod
-    def _base_name(name: str) -> str:
-        return names.base_name(name)
-
-    def recorder_failed(self, exc: Exception) -> None:
-        """gradtrace's own code raised ``exc`` while recording, inside the user's program
-        (tracer.record.failsafe): stop recording and keep the trace; or pass ``exc`` on, when
-        gradtrace raised it on purpose or runs strict."""
-        __tracebackhide__ = True
-        if isinstance(exc, RaisedOnPurpose):  # (its traceback below here is gradtrace's own)
-            raise exc.with_traceback(None) from exc.__cause__
-        if passes_on(exc):
-            raise exc
-        self.failed = True
-        self.stop(failure_note(exc))
-
-    def _bump(self, base: str) -> str:
+    def bump(self, base: str) -> str:
         n = self._versions.get(base, 0) + 1
         self._versions[base] = n
         return names.version_name(base, n)
-
-    if TYPE_CHECKING:  # defined by the rooms that join in Recorder; declared for the others
-        _mode: RecordingMode
-
-        def _collect_nodes(self, root: Any, seq0: int | None, seq1: int | None, call: str, stack_id: int | None,
-                           out: list[str], local_kinds: dict[str, int]) -> str | None: ...
-        def _install_module_hooks(self) -> None: ...
-        def register_root_module(self, module: torch.nn.Module, held_as: str | None = None) -> None: ...
-        def _remove_module_hooks(self) -> None: ...
-        def _name_leaf_grad(self, t: torch.Tensor, version: int) -> str | None: ...
-        def _module_backward_hooks(self) -> bool: ...
-        def _engine_node(self) -> str | None: ...
-        def _new_leaf_grad(self, g: torch.Tensor, name: str, producer: str | None, previous: str | None) -> str: ...
-        def close_step(self, error: str | None = None) -> None: ...
-        def _record_failed_named(self, name: str, api: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-                                 in_names: list[str], seq: int, exc: BaseException) -> None: ...
-        def begin_call(self, ins: list[torch.Tensor], *, api: str, short: str, kind: str,
-                       name: str | None = None) -> PendingCall: ...
-        def finish_call(self, pending: PendingCall, outs: list[torch.Tensor], mutated: Sequence[torch.Tensor] = (),
-                        *, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Call: ...
-        def fail_call(self, pending: PendingCall, exc: BaseException, *, args: tuple[Any, ...] = (),
-                      kwargs: dict[str, Any] | None = None) -> None: ...
-        def _finish_call(self, api: str, short: str, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-                         ins: list[torch.Tensor], in_names: list[str], outs: list[torch.Tensor],
-                         mutated: list[torch.Tensor], seq: int, seq0: int | None,
-                         name: str | None = None, tokens: list[Any] | None = None,
-                         stack_id: int | None = -1, skip: int = 2) -> Call: ...
-        def stop(self, reason: str) -> None: ...
