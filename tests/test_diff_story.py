@@ -29,6 +29,7 @@ from export.cli import main
 from export.diff import DiffResult, diff, diff_html, diff_payload
 from export.diff.console import record_line
 from export.diff.rules import FIND_EARLIER_STEP, RANDOM_OPS, ROW_RULES, RULES, Facts, classify, random_op
+from tests.fresh_stack import on_a_fresh_stack
 from tests.test_dot import check_golden
 from tracer.model.display import phase_key
 from tracer.model.frames import folded, stack_lines
@@ -119,7 +120,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = {}
     for name, (steps, argv) in RUNS.items():
         out[name] = where / f"{name}.gtrace"
-        assert main(["run", "--steps", steps, "--no-progress", "-o", str(out[name]), str(script), *argv]) == 0
+        # (on a fresh stack: under pytest-xdist the worker's own frames, exec'd from strings, would
+        # count as the user's; tests/fresh_stack.py)
+        assert on_a_fresh_stack(main, ["run", "--steps", steps, "--no-progress", "-o", str(out[name]), str(script),
+                                       *argv]) == 0
     return out
 
 
