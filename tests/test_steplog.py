@@ -404,6 +404,13 @@ def test_the_device_path_logs_what_the_cpu_path_logs(tmp_path):
     host, *device = (read_steplog(tmp_path / f"{n}.gtsteps") for n in ("host", "kernels", "lanes"))
     assert len(host.steps) == 2 and host.steps[0].params != host.steps[1].params
     for other in device:
-        assert [(s.params, s.grads, s.batch, s.loss, s.param_norms, s.grad_norms) for s in host.steps] == \
-            [(s.params, s.grads, s.batch, s.loss, s.param_norms, s.grad_norms) for s in other.steps]
+        assert [(s.params, s.grads, s.batch, s.loss) for s in host.steps] == \
+            [(s.params, s.grads, s.batch, s.loss) for s in other.steps]
         assert host.finals[0].params == other.finals[0].params
+        # The norms (for comparisons within a tolerance) are summed in another order by the kernel:
+        # equal to float32's precision (the bfloat16 layer's too: accumulated in float32, not
+        # rounded to bfloat16), and none missing.
+        for a, b in zip(host.steps, other.steps):
+            for mine, theirs in ((a.param_norms, b.param_norms), (a.grad_norms, b.grad_norms)):
+                assert None not in mine and mine == pytest.approx(theirs, rel=1e-6)
+        assert host.finals[0].param_norms == pytest.approx(other.finals[0].param_norms, rel=1e-6)

@@ -3,21 +3,26 @@
 The step log fingerprints every parameter and every gradient at every optimizer step. On the
 CPU that is done at once, in batches (``HostFingerprints``: one pass of about fifteen ops over
 all the small tensors) and the norms by ``torch._foreach_norm``. On CUDA nothing is waited for:
-the fingerprints are the Triton kernel the traces use (``Fused``: one launch for up to 512
-tensors, reading each byte once), the norms one ``_foreach_norm`` per dtype, and the results, lane
-sums and norms together, are copied in one piece to pinned host memory behind an event. The step
-log reads them once that event has completed, a step or more later, so a step costs no
-synchronisation (the watch's sentinel works the same way).
+the fingerprints and the norms are the Triton kernel the traces use (``Fused``: one launch for
+up to 512 tensors, reading each byte once; here it sums each tensor's squares in the same pass),
+and the results, lane sums and sums of squares together, are copied in one piece to pinned host
+memory behind an event. The step log reads them once that event has completed, a step or more
+later, so a step costs no synchronisation (the watch's sentinel works the same way).
 
 The fingerprint is ``hash="fast"``'s (``gtfp2-fmix32x2-64``, ``tracer.record.checksums.fingerprint``):
 the same bytes give the same 16 hexadecimal digits on any device. Where Triton is missing, a
 CUDA tensor's lane sums take the plain torch path (``fingerprint.lane_sums``: about twenty small
-kernels per tensor, still no synchronisation).
+kernels per tensor, still no synchronisation) and its norm ``_foreach_norm``.
+
+A norm is accumulated in float32 for 16-bit and 32-bit floating tensors (float64 for float64 and
+the wide integers) on every path, and returned as float64: it serves comparisons within a
+tolerance (``gradtrace bisect --rtol/--atol``), never an exact one (the fingerprint is that).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -53,12 +58,14 @@ class _DevicePart:
     """What one CUDA device computes for a reading: which tensor each row belongs to."""
 
     # (row, index in the reading, bytes to finish the row's lane sums with; None: the kernel
-    # finished them); a row may serve several tensors (the same bytes twice)
+    # finished them, and the row's third value is the sum of the squares); a row may serve
+    # several tensors (the same bytes twice)
     entries: list[tuple[int, int, int | None]]
     rows: int
-    norm_positions: list[int]
-    host: torch.Tensor | None = None  # pinned: [lane_a, lane_b] per row, then the norms
+    norm_positions: list[int]  # the tensors whose norm follows the rows (not the kernel's)
+    host: torch.Tensor | None = None  # pinned: [lane_a, lane_b, sum of squares] per row, then norms
     event: Any = None
+    norms: bool = True
 
 
 @dataclass
@@ -80,10 +87,15 @@ class Reading:
             assert part.host is not None
             values = part.host.tolist()
             for row, at, n in part.entries:
-                a, b = int(values[2 * row]), int(values[2 * row + 1])
-                self.fingerprints[at] = fp.hex_of(a, b) if n is None else fp.finish(a, b, n)
+                a, b = int(values[3 * row]), int(values[3 * row + 1])
+                if n is None:
+                    self.fingerprints[at] = fp.hex_of(a, b)
+                    if part.norms:
+                        self.norms[at] = math.sqrt(values[3 * row + 2])  # (NaN and Inf stay so)
+                else:
+                    self.fingerprints[at] = fp.finish(a, b, n)
             for j, at in enumerate(part.norm_positions):
-                self.norms[at] = values[2 * part.rows + j]
+                self.norms[at] = values[3 * part.rows + j]
         self.parts = []
         return self.fingerprints, self.norms
 
@@ -142,12 +154,13 @@ class Digester:
         if self._triton is None:
             self._triton = triton_usable()
         if self._triton and self._fused is None:
-            self._fused = Fused(stats=False, fingerprint=True, interpret=self._interpret)
-        rows: list[torch.Tensor] = []  # [k, 2] lanes
+            self._fused = Fused(stats=False, fingerprint=True, squares=True, interpret=self._interpret)
+        rows: list[torch.Tensor] = []  # [k, 3]: the lanes, the sum of the squares
         entries: list[tuple[int, int, int | None]] = []
         count = 0  # rows so far
         slots: dict[int, int] = {}  # id(slot) -> index in the reading
         fallback: list[tuple[int, int, torch.Tensor]] = []
+        fallback_tensors: list[torch.Tensor] = []
         fused = self._fused
         for at, t in zip(idx, ts):
             size = t.numel() * t.element_size()
@@ -156,32 +169,35 @@ class Digester:
                 slots[id(rec)] = at
             else:  # no Triton, a dtype its kernel does not read, its kernels still compiling
                 fallback.append((at, size, fp.lane_sums(t)))
+                fallback_tensors.append(t)
         if fused is not None and slots:
             fused.flush()
             done, fused.done = fused.done, []
-            for batch_slots, _, res_i, _ in done:
-                rows.append(res_i[:, 2:4])  # (NaN count, Inf count, lane A, lane B): finished lanes
+            for batch_slots, res_f, res_i, _ in done:
+                # ints (NaN count, Inf count, lane A, lane B): the finished lanes; floats
+                # (min, max, sum of the squares, absmax): the third
+                rows.append(torch.cat([res_i[:, 2:4].to(torch.float64), res_f[:, 2:3]], dim=1))
                 for recs in batch_slots:
                     entries += [(count, slots[id(rec)], None) for rec in recs]
                     count += 1
         for at, size, sums in fallback:
-            rows.append(sums.view(1, 2))
+            rows.append(torch.cat([sums.view(1, 2).to(torch.float64), sums.new_zeros((1, 1), dtype=torch.float64)], dim=1))
             entries.append((count, at, size))
             count += 1
-        pieces = [torch.cat(rows).reshape(-1).to(torch.float64)] if rows else []
+        pieces = [torch.cat(rows).reshape(-1)] if rows else []
         norm_positions: list[int] = []
-        if norms:
-            values, order = _norms(ts)
+        if norms and fallback_tensors:
+            values, order = _norms(fallback_tensors)
             pieces.append(values)
-            norm_positions = [idx[k] for k in order]
+            norm_positions = [fallback[k][0] for k in order]
         vector = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
         if vector.device.type != "cuda":  # the interpreter's CPU tensors (tests): nothing to wait for
-            return _DevicePart(entries, count, norm_positions, vector)
+            return _DevicePart(entries, count, norm_positions, vector, norms=norms)
         host = torch.empty(vector.shape, dtype=torch.float64, pin_memory=True)
         host.copy_(vector, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return _DevicePart(entries, count, norm_positions, host, event)
+        return _DevicePart(entries, count, norm_positions, host, event, norms)
 
 
 def _readable(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -197,19 +213,38 @@ def _readable(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if unhashable_reason(t) is not None else t
 
 
+# Where a norm is accumulated wider than its tensor's dtype (as the batched kernel does): a 16-bit
+# float's norm in float32, not rounded to 16 bits; integers and bool as floats.
+_NORM_DTYPE = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.int64: torch.float64,
+               torch.int32: torch.float64}
+
+
 def _norms(ts: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
-    """The L2 norm of each tensor as float64, one ``_foreach_norm`` per dtype (an integer tensor
-    is measured as float32), and for each norm the index of its tensor in ``ts``."""
+    """The L2 norm of each tensor as float64, one ``_foreach_norm`` per dtype, and for each norm
+    the index of its tensor in ``ts``."""
     out: list[torch.Tensor] = []
     order: list[int] = []
     groups: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(ts):
         groups.setdefault(t.dtype, []).append(i)
     for dtype, members in groups.items():
-        group = [ts[i] if dtype.is_floating_point or dtype.is_complex else ts[i].to(torch.float32) for i in members]
-        found = _foreach_norm(group, 2) if _foreach_norm is not None else [torch.linalg.vector_norm(g) for g in group]
-        out.extend(found)
+        group = [ts[i] for i in members]
+        if dtype.is_floating_point or dtype.is_complex:
+            out.extend(_group_norms(group, _NORM_DTYPE.get(dtype)))
+        else:  # (integers and bool: no norm kernel reads them; small tensors, in practice)
+            out.extend(_group_norms([t.to(_NORM_DTYPE.get(dtype, torch.float32)) for t in group], None))
         order.extend(members)
     if not out:
         return torch.zeros(0, dtype=torch.float64), []
-    return torch.stack([v if v.dtype == torch.float32 else v.float() for v in out]).to(torch.float64), order
+    return torch.stack([v.to(torch.float64) for v in out]), order
+
+
+def _group_norms(group: list[torch.Tensor], wide: torch.dtype | None) -> list[torch.Tensor]:
+    """The norms of tensors of one floating dtype, accumulated in ``wide`` where given (without a
+    copy of the tensors: ``_foreach_norm``'s ``dtype``, which older torch lacks)."""
+    if _foreach_norm is not None:
+        try:
+            return list(_foreach_norm(group, 2, dtype=wide) if wide is not None else _foreach_norm(group, 2))
+        except (TypeError, RuntimeError):  # no dtype argument in this torch
+            pass
+    return [torch.linalg.vector_norm(t, dtype=wide) for t in group]

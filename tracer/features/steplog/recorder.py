@@ -96,19 +96,19 @@ class _Pending:
     """One step whose device numbers may still be on their way."""
 
     entry: StepEntry
-    params: Reading
-    grads: Reading
+    tensors: Reading  # the parameters, then their gradients: one reading, one launch per dtype
+    n_params: int
     losses: Reading
     batch: list[tuple[str, tuple[int, ...], Reading]]
 
     def ready(self) -> bool:
-        return self.params.ready() and self.grads.ready() and self.losses.ready() \
-            and all(r.ready() for _, _, r in self.batch)
+        return self.tensors.ready() and self.losses.ready() and all(r.ready() for _, _, r in self.batch)
 
     def complete(self) -> StepEntry:
         e = self.entry
-        e.params, e.param_norms = self.params.result()
-        e.grads, e.grad_norms = self.grads.result()
+        fps, norms = self.tensors.result()
+        n = self.n_params
+        e.params, e.param_norms, e.grads, e.grad_norms = fps[:n], norms[:n], fps[n:], norms[n:]
         e.loss = [x if x is not None else float("nan") for x in self.losses.result()[1]]
         parts: list[bytes] = []
         for dtype, shape, reading in self.batch:
@@ -303,7 +303,7 @@ class StepLog:
                           self._inputs.forwards if self._inputs is not None else 0, None, 0,
                           self._rng if self._rng is not None else rng_digests(), *_hyperparameters(optimizer),
                           [], [], [], [])
-        pending = _Pending(entry, self._digester.read(params), self._digester.read([p.grad for p in params]),
+        pending = _Pending(entry, self._digester.read([*params, *(p.grad for p in params)]), len(params),
                            self._scalars(losses), self._batch)
         self._pending.append(pending)
         self.steps += 1
@@ -328,8 +328,7 @@ class StepLog:
             return self._digester.read([], norms=True)
         with quiet():
             stacked = torch.stack([v.to(torch.float64) for v in values])
-        reading = self._digester.read([stacked], norms=False)
-        return _ValuesOf(reading, stacked)
+        return _ValuesOf(stacked)
 
     def _layout_of(self, optimizer: torch.optim.Optimizer) -> _OptimizerLayout:
         key = tuple(id(p) for g in optimizer.param_groups for p in g["params"])
@@ -363,10 +362,10 @@ class StepLog:
 
 
 class _ValuesOf(Reading):
-    """A reading of one float64 vector's values (the losses), through the norms' path: on CUDA
-    they come back with the same copy and event."""
+    """A reading of one float64 vector's values (the losses): on CUDA copied to pinned memory
+    behind an event, as the fingerprints are, and read once it has completed."""
 
-    def __init__(self, reading: Reading, vector: torch.Tensor) -> None:
+    def __init__(self, vector: torch.Tensor) -> None:
         super().__init__([], [], [])
         self._vector = vector
         self._values: list[float] | None = None

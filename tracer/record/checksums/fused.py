@@ -131,7 +131,7 @@ def _compile(index: int, dtype: torch.dtype, stats: bool, fingerprint: bool) -> 
     name, esize, wide = _SPECS[dtype]
     ptrs = (torch.int64, torch.float64, torch.int64)
     compiled_p = partials.warmup(*ptrs, 3, EDT=getattr(tl, name), ESIZE=esize, ACC=tl.float64 if wide else tl.float32,
-                                 STATS=stats, FP=fingerprint, CHUNK=CHUNK_BYTES, LOG2B=_LOG2_MAX_TENSORS, ALIGNED=True,
+                                 STATS=stats, FP=fingerprint, SQ=False, CHUNK=CHUNK_BYTES, LOG2B=_LOG2_MAX_TENSORS, ALIGNED=True,
                                  num_warps=NUM_WARPS, grid=(1,))
     compiled_f = finalize.warmup(*ptrs, torch.float64, torch.int64, esize, PBLOCK=_PBLOCK, grid=(1,))
     for compiled in (compiled_p, compiled_f):
@@ -140,7 +140,7 @@ def _compile(index: int, dtype: torch.dtype, stats: bool, fingerprint: bool) -> 
         load = getattr(compiled, "_init_handles", None)
         if callable(load):
             load()
-    return {("partials", index, name, esize, wide, stats, fingerprint, True): compiled_p,
+    return {("partials", index, name, esize, wide, stats, fingerprint, False, True): compiled_p,
             ("finalize", index): compiled_f}
 
 
@@ -233,9 +233,14 @@ class Fused:
     """Batches CUDA tensors and computes their stats and/or fingerprints with Triton."""
 
     def __init__(self, stats: bool, fingerprint: bool, max_bytes: int | None = None,
-                 interpret: bool = False) -> None:
+                 interpret: bool = False, squares: bool = False) -> None:
+        if squares and stats:
+            raise ValueError("Fused: squares take the place of the stats' sum; ask for one of them")
         self.stats = stats
         self.fingerprint = fingerprint
+        # The sum of each tensor's squared elements in the float results' third column (the step
+        # log's L2 norms, read in the fingerprint's pass). Never warmed up: compiled at first use.
+        self.squares = squares
         self.max_bytes = DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
         self.interpret = interpret
         self._batches: dict[tuple[int, int, torch.dtype], _Batch] = {}
@@ -429,13 +434,13 @@ class Fused:
             res_i = buf_i[at:].view(k, 4)
             # Every parameter in order, constexprs included (the fast launcher's argument list).
             p_args = (meta, buf_f, buf_i, k, getattr(tl, name), esize, tl.float64 if wide else tl.float32,
-                      self.stats, self.fingerprint, CHUNK_BYTES, _LOG2_MAX_TENSORS, batch.aligned)
+                      self.stats, self.fingerprint, self.squares, CHUNK_BYTES, _LOG2_MAX_TENSORS, batch.aligned)
             f_args = (meta, buf_f, buf_i, res_f, res_i, esize, _PBLOCK)
-            p_key = ("partials", index, name, esize, wide, self.stats, self.fingerprint, batch.aligned)
+            p_key = ("partials", index, name, esize, wide, self.stats, self.fingerprint, self.squares, batch.aligned)
             f_key = ("finalize", index)
             stream = _stream_handle(index)
             self._run(p_key, partials, batch.programs, stream, p_args,
-                      ("EDT", "ESIZE", "ACC", "STATS", "FP", "CHUNK", "LOG2B", "ALIGNED"), warm_key)
+                      ("EDT", "ESIZE", "ACC", "STATS", "FP", "SQ", "CHUNK", "LOG2B", "ALIGNED"), warm_key)
             self._run(f_key, finalize, k, stream, f_args, ("PBLOCK",), warm_key)
             event = None
             if dev.type == "cuda":

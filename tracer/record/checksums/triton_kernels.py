@@ -2,7 +2,8 @@
 
 ``partials``: one program per 256 KiB of a tensor (a batch of tensors per launch, found by a
 binary search over the batch's first-program table) reads its bytes once and writes partial
-stats and fingerprint lane sums. ``finalize``: one program per tensor folds its partials in a
+stats and fingerprint lane sums (or, for the step log, lane sums and the sum of the squares:
+an L2 norm from the same read). ``finalize``: one program per tensor folds its partials in a
 fixed order and applies the fingerprint's final mix. The constants are those of
 ``tracer.record.checksums.fingerprint``, which defines the algorithm.
 """
@@ -55,7 +56,8 @@ def _fp_step(w, m, key_a, key_b, lane_a, lane_b):
 @triton.jit(do_not_specialize=["n_tensors"])
 def partials(meta_ptr, out_f_ptr, out_i_ptr, n_tensors,
              EDT: tl.constexpr, ESIZE: tl.constexpr, ACC: tl.constexpr, STATS: tl.constexpr,
-             FP: tl.constexpr, CHUNK: tl.constexpr, LOG2B: tl.constexpr, ALIGNED: tl.constexpr):
+             FP: tl.constexpr, SQ: tl.constexpr, CHUNK: tl.constexpr, LOG2B: tl.constexpr,
+             ALIGNED: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     # Which tensor this program reads: the last whose first program is <= pid.
     lo = pid * 0
@@ -94,6 +96,9 @@ def partials(meta_ptr, out_f_ptr, out_i_ptr, n_tensors,
     vmin = tl.full((CE,), float("inf"), ACC)
     vmax = tl.full((CE,), float("-inf"), ACC)
     vsum = tl.zeros((CE,), ACC)
+    # SQ (without STATS): the sum of the squares, for an L2 norm read in the same pass as the
+    # fingerprint (the step log's), written where STATS writes the sum.
+    vsq = tl.zeros((CE,), ACC)
     count = pid * 0
     lane_a = tl.zeros((CW,), tl.uint32)
     lane_b = tl.zeros((CW,), tl.uint32)
@@ -114,6 +119,9 @@ def partials(meta_ptr, out_f_ptr, out_i_ptr, n_tensors,
             if FP:
                 w = tl.load(wptr + base + woffs).to(tl.uint32, bitcast=True)
                 lane_a, lane_b = _fp_step(w, all_w, key_a, key_b, lane_a, lane_b)
+            if SQ:
+                x = tl.load(eptr + c * CE + eoffs).to(ACC)
+                vsq += x * x
         else:  # the last, partial chunk
             if STATS:
                 left = numel - c * CE
@@ -127,10 +135,15 @@ def partials(meta_ptr, out_f_ptr, out_i_ptr, n_tensors,
                 wm = woffs.to(tl.int64) < nwords - base
                 w = tl.load(wptr + base + woffs, mask=wm, other=0).to(tl.uint32, bitcast=True)
                 lane_a, lane_b = _fp_step(w, wm, key_a, key_b, lane_a, lane_b)
+            if SQ:
+                x = tl.load(eptr + c * CE + eoffs, mask=eoffs < numel - c * CE, other=0).to(ACC)
+                vsq += x * x
         c += nprog
     lo_v = tl.min(vmin, axis=0).to(tl.float64)
     hi_v = tl.max(vmax, axis=0).to(tl.float64)
     sum_v = tl.sum(vsum.to(tl.float64), axis=0)
+    if SQ:
+        sum_v = tl.sum(vsq.to(tl.float64), axis=0)
     abs_v = tl.maximum(tl.abs(lo_v), tl.abs(hi_v))
     nan_v = pid * 0
     fin_v = count
