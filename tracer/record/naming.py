@@ -128,21 +128,38 @@ def _short(attr: str) -> str:
 Described = tuple[str, str, str, "Writes | None"]
 
 
+# What every function met so far describes as, for the whole process: a description depends on
+# the function alone (its names and its ATen schemas), and each traced step is a new trace, which
+# described the same few dozen functions again (their schemas parsed for what they write: ~3% of
+# a traced tiny GPT-2 step). Bounded: a program that makes new callables without end (custom ops
+# defined in a loop) starts it over.
+_DESCRIBED: dict[Any, Described] = {}
+_DESCRIBED_MAX = 8192
+
+
 class ApiNames:
     """Caches, per function object (a dict hit on the hot path): its qualified API name, short
-    name and kind (``_describe``), and the arguments it writes (``tracer.record.effects``)."""
+    name and kind (``_describe``), and the arguments it writes (``tracer.record.effects``). The
+    cache is the process's (``_DESCRIBED``), shared by every trace."""
 
     def __init__(self) -> None:
         # Public: the recorder's mode reads it directly on its hot path (a dict hit per call).
-        self.cache: dict[Any, Described] = {}
+        self.cache: dict[Any, Described] = _DESCRIBED
 
     def describe(self, func: Any) -> Described:
+        cache = self.cache
         try:
-            hit = self.cache.get(func)
+            hit = cache.get(func)
         except TypeError:  # an unhashable callable
             return _described(func)
         if hit is None:
-            hit = self.cache[func] = _described(func)
+            hit = _described(func)
+            # Not kept: what is ``Tensor.backward`` now (a program may put its wrapper there and
+            # take it back), and a method bound to a tensor (the cache never holds a tensor).
+            if hit is not _TENSOR_BACKWARD and not isinstance(getattr(func, "__self__", None), torch.Tensor):
+                if len(cache) >= _DESCRIBED_MAX:
+                    cache.clear()
+                cache[func] = hit
         return hit
 
 
