@@ -213,13 +213,15 @@ def short_args(args: tuple[Any, ...], kwargs: dict[str, Any], limit: int = 120) 
     """A short text of the non-tensor arguments (tensors are listed as inputs by name)."""
     parts: list[str] = []
     for a in args:
-        if type(a) is torch.Tensor:  # the common case, listed as an input
+        if isinstance(a, torch.Tensor):  # the common case (parameters too), listed as an input
             continue
         s = _short_value(a)
         if s is not None:
             parts.append(s)
     if kwargs:
         for k, v in kwargs.items():
+            if isinstance(v, torch.Tensor):
+                continue
             s = _short_value(v)
             if s is not None:
                 parts.append(f"{k}={s}")

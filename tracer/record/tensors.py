@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import operator
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -217,6 +217,21 @@ def storage_key(t: torch.Tensor) -> int:
         except (RuntimeError, NotImplementedError):
             return 0
     return int(key) if s.nbytes() else 0
+
+
+def indexed_storage_key(t: torch.Tensor, index: Mapping[int, Any]) -> int:
+    """``storage_key(t)`` when it is a key of ``index``, else 0. The storage's identity alone
+    first (one C call): most tensors asked (an optimizer step writes hundreds, each usually
+    alone on its storage) share no indexed storage, and need none of the checks that make an
+    identity a key (a non-empty tensor on memory that is there)."""
+    if _storage_id is not None:
+        try:
+            if int(_storage_id(t)) not in index:
+                return 0
+        except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+            return 0  # (what storage_key says then too)
+    key = storage_key(t)
+    return key if key in index else 0
 
 
 def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
