@@ -19,6 +19,8 @@ import torch.nn.functional as F
 import tracer
 from tracer.record import autograd as autograd_mod
 from tracer.record import naming
+from tracer.record import optimizer as optimizer_mod
+from tracer.record.mode import top_recording_mode
 from tracer.record.tensors import indexed_storage_key, storage_key
 
 
@@ -140,3 +142,90 @@ def test_the_indexed_storage_key_is_the_storage_key_when_indexed_else_zero() -> 
         assert indexed_storage_key(t, index) == key
         assert indexed_storage_key(t, {}) == 0
         assert indexed_storage_key(t, {key + 1: None}) == 0
+
+
+# ---- an optimizer step recorded as one call runs without the mode -------------------------------
+class _Spy(torch.optim.AdamW):
+    """AdamW that notes which recording mode is on top of the stack while its step runs."""
+
+    seen: list[object] = []
+
+    def step(self, closure=None):  # type: ignore[no-untyped-def,override]
+        _Spy.seen.append(top_recording_mode())
+        return super().step(closure)
+
+
+def _spy_steps() -> tracer.Trace:
+    torch.manual_seed(0)
+    net = _Net()
+    opt = _Spy(net.parameters(), lr=0.1)
+    _step(net, opt)
+    with tracer.trace(hash="md5") as t:
+        for _ in range(2):
+            _step(net, opt)
+        after = torch.ones(2) * 3  # recorded: the mode is back
+    assert after is not None and t.calls[-1].api == "Tensor.mul"
+    return t
+
+
+def _step_cell(cls: type) -> object:
+    step = cls.step  # type: ignore[attr-defined]
+    return step.__closure__[step.__code__.co_freevars.index("func")].cell_contents
+
+
+def test_an_optimizer_step_runs_without_the_mode_and_records_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    _Spy.seen = []
+    off = _spy_steps()
+    assert _Spy.seen == [None, None, None]  # (the step before the block had no mode either)
+    assert sum(c.kind == "optimizer" for c in off.calls) == 2
+    # The same step with its calls handed to the mode one by one.
+    monkeypatch.setattr(optimizer_mod, "step_function_cell", lambda frame, step: None)
+    _Spy.seen = []
+    on = _spy_steps()
+    assert [type(m).__name__ for m in _Spy.seen] == ["NoneType", "RecordingMode", "RecordingMode"]
+    assert _facts(off) == _facts(on)
+
+
+def test_the_step_function_is_put_back_after_a_step_and_after_one_that_raises() -> None:
+    class Exploding(torch.optim.SGD):
+        def step(self, closure=None):  # type: ignore[no-untyped-def,override]
+            with torch.no_grad():
+                self.param_groups[0]["params"][0].add_(1.0)
+            raise RuntimeError("boom in the optimizer")
+
+    net = _Net()
+    adam, bad = torch.optim.AdamW(net.parameters()), Exploding(net.parameters(), lr=0.1)
+    real = (_step_cell(torch.optim.AdamW), _step_cell(Exploding))
+    with tracer.trace() as t:
+        _step(net, adam)
+        with pytest.raises(RuntimeError, match="boom"):
+            bad.step()
+        top = top_recording_mode()
+        after = torch.ones(2) * 3
+    assert (_step_cell(torch.optim.AdamW), _step_cell(Exploding)) == real
+    assert top is not None and after is not None
+    assert "raised" in (t["Exploding0"].error or "") and t.calls[-1].inputs == ["ones1:out"]
+
+
+def test_under_a_programs_mode_the_step_runs_as_before() -> None:
+    class Counting(torch.overrides.TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    net = _Net()
+    opt = _Spy(net.parameters(), lr=0.1)
+    _Spy.seen = []
+    with tracer.trace(hash="none") as t, Counting() as counting:
+        opt.zero_grad()
+        net(torch.ones(3, 4)).sum().backward()
+        before = counting.calls
+        opt.step()
+    assert [type(m).__name__ for m in _Spy.seen] == ["NoneType"]  # (the program's mode is on top)
+    assert counting.calls - before > 20  # AdamW's calls, seen by the program's mode all the same
+    assert [c.kind for c in t.calls].count("optimizer") == 1

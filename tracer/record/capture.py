@@ -119,8 +119,8 @@ class PythonCapture(Part):
         tokens = [li.before_call() for li in listeners] if listeners else None
         seq0 = get_seq() if get_seq is not None else None
         # What the op's schema says this call writes (most schemas name an ``out=`` that the
-        # call does not pass: then it writes nothing).
-        written = writes.tensors(args, kwargs) if writes is not None else None
+        # call does not pass: then it writes nothing, and a call without keywords is not asked).
+        written = writes.tensors(args, kwargs) if writes is not None and (writes.positions or kwargs) else None
         hasher = rec.hasher
         if hasher.active:
             # Tensors waiting for a checksum are read before a write: only those the write can
@@ -135,7 +135,7 @@ class PythonCapture(Part):
                     ins: list[torch.Tensor], vers: list[int], in_names: list[str], seq: int, seq0: int | None,
                     tokens: list[Any] | None, written: list[torch.Tensor] | None, out: Any) -> None:
         """Record a call whose op has returned ``out``."""
-        outs = unique(flat_tensors(out))
+        outs = [out] if type(out) is torch.Tensor else unique(flat_tensors(out))  # (the usual: one tensor)
         mutated: list[torch.Tensor] = []
         if ins:
             now = versions_of(ins)
