@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import gc
 import weakref
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -148,7 +148,7 @@ def test_the_indexed_storage_key_is_the_storage_key_when_indexed_else_zero() -> 
 class _Spy(torch.optim.AdamW):
     """AdamW that notes which recording mode is on top of the stack while its step runs."""
 
-    seen: list[object] = []
+    seen: ClassVar[list[object]] = []
 
     def step(self, closure=None):  # type: ignore[no-untyped-def,override]
         _Spy.seen.append(top_recording_mode())
