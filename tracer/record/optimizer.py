@@ -184,6 +184,7 @@ class OptimizerSteps(Part):
         func = cell.cell_contents
 
         def step_without_mode(*args: Any, **kwargs: Any) -> Any:
+            __tracebackhide__ = True  # (an error of the step: its traceback is the step's own)
             cell.cell_contents = func  # (only this call is the stand-in's)
             if self._swapped is cell:
                 self._swapped = self._swapped_func = None
