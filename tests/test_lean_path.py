@@ -229,3 +229,25 @@ def test_under_a_programs_mode_the_step_runs_as_before() -> None:
     assert [type(m).__name__ for m in _Spy.seen] == ["NoneType"]  # (the program's mode is on top)
     assert counting.calls - before > 20  # AdamW's calls, seen by the program's mode all the same
     assert [c.kind for c in t.calls].count("optimizer") == 1
+
+
+# ---- argument texts made once per distinct values ------------------------------------------------
+def test_argument_texts_kept_for_the_process_are_the_texts_of_those_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(naming, "_ARGS_TEXT", {})
+    x = torch.ones(2)
+    cases: list[tuple[tuple[object, ...], dict[str, object]]] = [
+        ((x, 1), {}), ((x, 1.0), {}), ((x, True), {}),  # equal as keys of a dict, not as texts
+        ((x, 0.0), {}), ((x, -0.0), {}), ((x, float("nan")), {}), ((x, float("inf")), {}), ((x, -float("inf")), {}),
+        ((x, (1, 2)), {}), ((x, (True, 2)), {}), ((x, [1, 2]), {}), ((x, (64,)), {}), ((x, ()), {}),
+        ((x, "mean"), {}), ((x, "sum"), {}), ((x,), {"dim": -1}), ((x, -1), {}), ((x,), {"dim": -1, "keepdim": True}),
+        ((x, torch.float32), {}), ((x, torch.float16), {}), ((x, torch.device("cpu")), {}),
+        ((x, torch.device("cuda")), {}), ((x, torch.device("cuda", 0)), {}), ((x, None), {}), ((x, [x, x]), {}),
+        ((x, 0.1, True, False), {}), ((x, x, x), {}), ((x,), {"weight": x}), ((x, 2 ** 70), {}), ((x, "a" * 200), {}),
+    ]
+    for _ in range(2):  # the second time from the kept texts
+        for args, kwargs in cases:
+            assert naming.short_args(args, kwargs) == naming._format_args(args, kwargs, 120), (args, kwargs)
+    assert naming.short_args((x, 1), {}) == "1" and naming.short_args((x, True), {}) == "True"
+    assert naming.short_args((x, 1.0), {}) == "1.0" and naming.short_args((x, -0.0), {}) == "-0.0"
+    assert naming.short_args((x, (True, 2)), {}) == "(True, 2)" and naming.short_args((x, [1, 2]), {}) == "[1, 2]"
+    assert naming.short_args((x, x), {}) == "" and len(naming._ARGS_TEXT) > 15

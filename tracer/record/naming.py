@@ -210,7 +210,75 @@ class Counters:
 
 
 def short_args(args: tuple[Any, ...], kwargs: dict[str, Any], limit: int = 120) -> str:
-    """A short text of the non-tensor arguments (tensors are listed as inputs by name)."""
+    """A short text of the non-tensor arguments (tensors are listed as inputs by name). The
+    same arguments recur call after call (``dim=-1``, a dropout's ``0.1, True, False``, a view's
+    sizes): a text is made once per distinct values (``_args_key``) and looked up after that,
+    since formatting a float or a one-element tuple costs more than the look-up."""
+    key = _args_key(args, kwargs, limit)
+    if key is None:
+        return _format_args(args, kwargs, limit)
+    if key is _NO_VALUES:  # (tensors only: the usual call)
+        return ""
+    text = _ARGS_TEXT.get(key)
+    if text is None:
+        text = _format_args(args, kwargs, limit)
+        if len(_ARGS_TEXT) >= _ARGS_TEXT_MAX:
+            _ARGS_TEXT.clear()
+        _ARGS_TEXT[key] = text
+    return text
+
+
+# The texts of the argument values met so far, for the whole process (bounded: a program whose
+# arguments never repeat starts it over).
+_ARGS_TEXT: dict[tuple[Any, ...], str] = {}
+_ARGS_TEXT_MAX = 16384
+_KWARGS = object()  # (in a key: a keyword argument's name follows)
+_NO_VALUES: tuple[Any, ...] = ()  # the key of arguments that are all tensors
+
+
+def _args_key(args: tuple[Any, ...], kwargs: dict[str, Any], limit: int) -> tuple[Any, ...] | None:
+    """What ``_format_args`` makes its text of, as a key: each non-tensor value with its type
+    (``1``, ``1.0`` and ``True`` are equal keys, not equal texts), a tuple or list of ints as a
+    tuple with its type; None when a value is of any other kind, or a float whose text its
+    value does not fix (``0.0 == -0.0``; NaN); ``_NO_VALUES`` when all are tensors."""
+    key: list[Any] | None = None  # (made at the first value that is not a tensor)
+    for a in args:
+        if isinstance(a, torch.Tensor):  # (not in the text)
+            continue
+        if key is None:
+            key = [limit]
+        if not _keyed(a, key):
+            return None
+    if kwargs:
+        for k, v in kwargs.items():
+            if isinstance(v, torch.Tensor):
+                continue
+            if key is None:
+                key = [limit]
+            key.append(_KWARGS)
+            key.append(k)
+            if not _keyed(v, key):
+                return None
+    return _NO_VALUES if key is None else tuple(key)
+
+
+def _keyed(v: Any, key: list[Any]) -> bool:
+    """Add ``v`` (its type, its value) to ``key``; False when its text is not fixed by them."""
+    t = type(v)
+    if t in _SCALAR_TYPES:
+        if t is float and (v == 0.0 or v != v):
+            return False
+        key.append(t)
+        key.append(v)
+        return True
+    if (t is tuple or t is list) and all(type(x) is int for x in v):
+        key.append(t)
+        key.append(tuple(v) if t is list else v)
+        return True
+    return False
+
+
+def _format_args(args: tuple[Any, ...], kwargs: dict[str, Any], limit: int) -> str:
     parts: list[str] = []
     for a in args:
         if isinstance(a, torch.Tensor):  # the common case (parameters too), listed as an input
