@@ -28,6 +28,7 @@ from tracer.record.tensors import (
     ACCUMULATE,
     NODE_KINDS,
     VIEW_NODES,
+    BackwardCFunction,
     creates_graph,
     first,
     flat_tensors,
@@ -257,17 +258,39 @@ class Graph(Part):
                     todo.append(nxt)
         if len(new) > 1:
             new.sort(key=first)
-        names: list[str] = []
-        for sn, kind, node, _ in new:
-            k = local_kinds.get(kind, 0)
-            local_kinds[kind] = k + 1
-            nname = f"{call}/{kind}" if k == 0 else f"{call}/{kind}#{k}"
-            self._register_node(node, nname, kind, call, None, stack_id, False, (sn, kind))
-            names.append(nname)
+        names = self._register_call_nodes(new, call, stack_id, local_kinds)
         out.extend(names)
         for (_, _, node, nexts), nname in zip(new, names):
             self._link_edges(node, nname, nexts)
         return node_by_seq.get(root_key)  # (root's key, read once above)
+
+    def _register_call_nodes(self, new: list[tuple[int, str, Any, Any]], call: str, stack_id: int | None,
+                             local_kinds: dict[str, int]) -> list[str]:
+        """Name and register the nodes ``new`` (sequence number, kind, node, edges; in order)
+        that the call ``call`` made: ``_register_node`` for each, its usual outcome inlined. A
+        built-in node that nothing needs to see run (no checksums or stats, no listener, no
+        saved-tensor hooks) gets no hook: its record, and its name among the nodes waiting
+        for one (``_unhooked``), is all."""
+        names: list[str] = []
+        plain = not (self._saved_hooks or self._every_node_run or self.rec.listeners)
+        node_by_seq, node_recs, unhooked = self._node_by_seq, self._node_recs, self._unhooked
+        grad_nodes = self._trace.grad_nodes
+        for sn, kind, node, _ in new:
+            k = local_kinds.get(kind, 0)
+            local_kinds[kind] = k + 1
+            nname = f"{call}/{kind}" if k == 0 else f"{call}/{kind}#{k}"
+            if plain and not isinstance(node, BackwardCFunction):  # (runs_user_code, for a node made by a call)
+                node_by_seq[(sn, kind)] = nname
+                # Positional, in GradNode's field order (a record per node).
+                rec = GradNode(nname, kind, call, None, [], stack_id, self._node_seq, False)
+                self._node_seq += 1
+                grad_nodes.append(rec)
+                node_recs[nname] = rec
+                unhooked.add(nname)
+            else:
+                self._register_node(node, nname, kind, call, None, stack_id, False, (sn, kind))
+            names.append(nname)
+        return names
 
     def _node_name(self, node: Any) -> str | None:
         kind = NODE_KINDS.get(type(node)) or node_kind(node)

@@ -119,8 +119,8 @@ class PythonCapture(Part):
         tokens = [li.before_call() for li in listeners] if listeners else None
         seq0 = get_seq() if get_seq is not None else None
         # What the op's schema says this call writes (most schemas name an ``out=`` that the
-        # call does not pass: then it writes nothing).
-        written = writes.tensors(args, kwargs) if writes is not None else None
+        # call does not pass: then it writes nothing, and a call without keywords is not asked).
+        written = writes.tensors(args, kwargs) if writes is not None and (writes.positions or kwargs) else None
         hasher = rec.hasher
         if hasher.active:
             # Tensors waiting for a checksum are read before a write: only those the write can
@@ -135,7 +135,7 @@ class PythonCapture(Part):
                     ins: list[torch.Tensor], vers: list[int], in_names: list[str], seq: int, seq0: int | None,
                     tokens: list[Any] | None, written: list[torch.Tensor] | None, out: Any) -> None:
         """Record a call whose op has returned ``out``."""
-        outs = unique(flat_tensors(out))
+        outs = [out] if type(out) is torch.Tensor else unique(flat_tensors(out))  # (the usual: one tensor)
         mutated: list[torch.Tensor] = []
         if ins:
             now = versions_of(ins)
@@ -169,7 +169,8 @@ class PythonCapture(Part):
         recorder records it (``Recorder.record_captured``). ``skip``: where the stack capture
         starts, counted outwards from the capture's own frame (0); every frame it jumps must be
         the recorder's. Jumped frames are not read, and under an audit hook each read frame
-        costs one (see tracer.record.identity)."""
+        costs one (see tracer.record.identity). The caller has torch functions off (``OWN_WORK``:
+        ``record_call``'s bracket, ``Recorder.finish_call``)."""
         rec = self.rec
         if mutated:
             # By identity through a set: an in-place foreach op returns the ~150 tensors it also
@@ -185,7 +186,7 @@ class PythonCapture(Part):
         except RuntimeError:  # a view made under no_grad whose base changed in place refuses it
             grad_fns = [grad_fn_of(t) for t in produced]
         seq1 = get_seq() if get_seq is not None else None
-        with rec.lock, torch._C.DisableTorchFunction():
+        with rec.lock:  # (torch functions are off already: see the docstring)
             if stack_id == CAPTURE_NOW:
                 stack_id = rec.stack_table.capture(skip)
             call = rec.record_captured(api, short, kind, args, kwargs, ins, in_names, outs, mutated, produced,

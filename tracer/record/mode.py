@@ -197,6 +197,25 @@ def top_mode() -> Any:
     return _stack_at(n - 1) if n else None
 
 
+_stack_pop: Callable[[], Any] | None = getattr(torch._C, "_pop_torch_function_stack", None)
+_stack_push: Callable[[Any], None] | None = getattr(torch._C, "_push_on_torch_function_stack", None)
+
+
+def take_off_top(mode: TorchFunctionMode) -> bool:
+    """Take ``mode`` off this thread's torch-function stack if it is on top (False: it is not, or
+    torch lacks the stack functions; nothing was changed). ``put_back`` undoes it."""
+    if _stack_pop is None or _stack_push is None or top_mode() is not mode:
+        return False
+    _stack_pop()
+    return True
+
+
+def put_back(mode: TorchFunctionMode) -> None:
+    """Put ``mode`` back on top of this thread's torch-function stack (after ``take_off_top``)."""
+    assert _stack_push is not None  # (take_off_top took it off: torch has the functions)
+    _stack_push(mode)
+
+
 def top_recording_mode() -> RecordingMode | None:
     """The recording mode on top of this thread's torch-function stack, if that is one."""
     top = top_mode()

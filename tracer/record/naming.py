@@ -128,21 +128,38 @@ def _short(attr: str) -> str:
 Described = tuple[str, str, str, "Writes | None"]
 
 
+# What every function met so far describes as, for the whole process: a description depends on
+# the function alone (its names and its ATen schemas), and each traced step is a new trace, which
+# described the same few dozen functions again (their schemas parsed for what they write: ~3% of
+# a traced tiny GPT-2 step). Bounded: a program that makes new callables without end (custom ops
+# defined in a loop) starts it over.
+_DESCRIBED: dict[Any, Described] = {}
+_DESCRIBED_MAX = 8192
+
+
 class ApiNames:
     """Caches, per function object (a dict hit on the hot path): its qualified API name, short
-    name and kind (``_describe``), and the arguments it writes (``tracer.record.effects``)."""
+    name and kind (``_describe``), and the arguments it writes (``tracer.record.effects``). The
+    cache is the process's (``_DESCRIBED``), shared by every trace."""
 
     def __init__(self) -> None:
         # Public: the recorder's mode reads it directly on its hot path (a dict hit per call).
-        self.cache: dict[Any, Described] = {}
+        self.cache: dict[Any, Described] = _DESCRIBED
 
     def describe(self, func: Any) -> Described:
+        cache = self.cache
         try:
-            hit = self.cache.get(func)
+            hit = cache.get(func)
         except TypeError:  # an unhashable callable
             return _described(func)
         if hit is None:
-            hit = self.cache[func] = _described(func)
+            hit = _described(func)
+            # Not kept: what is ``Tensor.backward`` now (a program may put its wrapper there and
+            # take it back), and a method bound to a tensor (the cache never holds a tensor).
+            if hit is not _TENSOR_BACKWARD and not isinstance(getattr(func, "__self__", None), torch.Tensor):
+                if len(cache) >= _DESCRIBED_MAX:
+                    cache.clear()
+                cache[func] = hit
         return hit
 
 
@@ -193,16 +210,86 @@ class Counters:
 
 
 def short_args(args: tuple[Any, ...], kwargs: dict[str, Any], limit: int = 120) -> str:
-    """A short text of the non-tensor arguments (tensors are listed as inputs by name)."""
+    """A short text of the non-tensor arguments (tensors are listed as inputs by name). The
+    same arguments recur call after call (``dim=-1``, a dropout's ``0.1, True, False``, a view's
+    sizes): a text is made once per distinct values (``_args_key``) and looked up after that,
+    since formatting a float or a one-element tuple costs more than the look-up."""
+    key = _args_key(args, kwargs, limit)
+    if key is None:
+        return _format_args(args, kwargs, limit)
+    if key is _NO_VALUES:  # (tensors only: the usual call)
+        return ""
+    text = _ARGS_TEXT.get(key)
+    if text is None:
+        text = _format_args(args, kwargs, limit)
+        if len(_ARGS_TEXT) >= _ARGS_TEXT_MAX:
+            _ARGS_TEXT.clear()
+        _ARGS_TEXT[key] = text
+    return text
+
+
+# The texts of the argument values met so far, for the whole process (bounded: a program whose
+# arguments never repeat starts it over).
+_ARGS_TEXT: dict[tuple[Any, ...], str] = {}
+_ARGS_TEXT_MAX = 16384
+_KWARGS = object()  # (in a key: a keyword argument's name follows)
+_NO_VALUES: tuple[Any, ...] = ()  # the key of arguments that are all tensors
+
+
+def _args_key(args: tuple[Any, ...], kwargs: dict[str, Any], limit: int) -> tuple[Any, ...] | None:
+    """What ``_format_args`` makes its text of, as a key: each non-tensor value with its type
+    (``1``, ``1.0`` and ``True`` are equal keys, not equal texts), a tuple or list of ints as a
+    tuple with its type; None when a value is of any other kind, or a float whose text its
+    value does not fix (``0.0 == -0.0``; NaN); ``_NO_VALUES`` when all are tensors."""
+    key: list[Any] | None = None  # (made at the first value that is not a tensor)
+    for a in args:
+        if isinstance(a, torch.Tensor):  # (not in the text)
+            continue
+        if key is None:
+            key = [limit]
+        if not _keyed(a, key):
+            return None
+    if kwargs:
+        for k, v in kwargs.items():
+            if isinstance(v, torch.Tensor):
+                continue
+            if key is None:
+                key = [limit]
+            key.append(_KWARGS)
+            key.append(k)
+            if not _keyed(v, key):
+                return None
+    return _NO_VALUES if key is None else tuple(key)
+
+
+def _keyed(v: Any, key: list[Any]) -> bool:
+    """Add ``v`` (its type, its value) to ``key``; False when its text is not fixed by them."""
+    t = type(v)
+    if t in _SCALAR_TYPES:
+        if t is float and (v == 0.0 or v != v):
+            return False
+        key.append(t)
+        key.append(v)
+        return True
+    if (t is tuple or t is list) and all(type(x) is int for x in v):
+        key.append(t)
+        key.append(tuple(v) if t is list else v)
+        return True
+    return False
+
+
+def _format_args(args: tuple[Any, ...], kwargs: dict[str, Any], limit: int) -> str:
     parts: list[str] = []
     for a in args:
-        if type(a) is torch.Tensor:  # the common case, listed as an input
+        if isinstance(a, torch.Tensor):  # the common case (parameters too), listed as an input
             continue
         s = _short_value(a)
         if s is not None:
             parts.append(s)
     if kwargs:
         for k, v in kwargs.items():
+            if isinstance(v, torch.Tensor):
+                continue
             s = _short_value(v)
             if s is not None:
                 parts.append(f"{k}={s}")

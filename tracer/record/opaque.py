@@ -10,12 +10,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from tracer.record.calls import PendingCall
-from tracer.record.mode import top_mode
-
-# Taking the mode off the torch-function stack and putting it back, where torch has these (every
-# torch >= 2.0 does today).
-_stack_pop = getattr(torch._C, "_pop_torch_function_stack", None)
-_stack_push = getattr(torch._C, "_push_on_torch_function_stack", None)
+from tracer.record.mode import put_back, take_off_top
 
 
 class ModeOff:
@@ -33,9 +28,8 @@ class ModeOff:
     def __init__(self, mode: TorchFunctionMode) -> None:
         self._mode: TorchFunctionMode | None = None
         self._disabled: Any = None
-        on_top = _stack_pop is not None and _stack_push is not None and top_mode() is mode
-        if on_top:
-            self._mode = _stack_pop()  # type: ignore[misc]
+        if take_off_top(mode):
+            self._mode = mode
         else:
             self._disabled = torch._C.DisableTorchFunction()
             self._disabled.__enter__()
@@ -43,7 +37,7 @@ class ModeOff:
     def restore(self) -> None:
         """Put the mode back where it was (once; later calls do nothing)."""
         if self._mode is not None:
-            _stack_push(self._mode)  # type: ignore[misc]
+            put_back(self._mode)
             self._mode = None
         elif self._disabled is not None:
             self._disabled.__exit__(None, None, None)

@@ -16,8 +16,10 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from tracer.options import RaisedOnPurpose
 from tracer.record.calls import PendingCall
 from tracer.record.identity import identity
+from tracer.record.mode import put_back, take_off_top, top_mode
 from tracer.record.part import Part
 from tracer.record.tensors import (
+    step_function_cell,
     unique,
     versions_of,
 )
@@ -51,6 +53,10 @@ class OptimizerSteps(Part):
         self._depth = 0  # where running() last found the open step's frame (0: not yet)
         self._hooked: weakref.WeakSet[Any] = weakref.WeakSet()
         self._handles: list[Any] = []
+        # The step wrapper's cell that holds a stand-in (see _run_without_mode) until the stand-in
+        # runs, and the step function it held.
+        self._swapped: Any = None
+        self._swapped_func: Any = None
 
     def install(self) -> None:
         self._handles.append(register_optimizer_step_pre_hook(self._optimizer_pre))
@@ -63,7 +69,15 @@ class OptimizerSteps(Part):
             except Exception:  # recording must not stop the uninstall
                 self.open = None
 
+    def _restore_step_function(self) -> None:
+        """Put back the step function whose stand-in was never called (a pre-hook after ours
+        raised, or a frame that reads another cell: see _run_without_mode)."""
+        if self._swapped is not None:
+            self._swapped.cell_contents = self._swapped_func
+            self._swapped = self._swapped_func = None
+
     def remove_hooks(self) -> None:
+        self._restore_step_function()
         for h in self._handles:
             try:
                 h.remove()
@@ -147,6 +161,43 @@ class OptimizerSteps(Part):
             # Per optimizer, so it runs before the global post-hooks (a step trace's boundary).
             self._hooked.add(optimizer)
             self._handles.append(optimizer.register_step_post_hook(self._optimizer_post))
+        self._run_without_mode(frame, type(optimizer).step)
+
+    def _run_without_mode(self, frame: FrameType, step: Any) -> None:
+        """Have the step function that ``frame`` (torch's step wrapper, its pre-hooks running)
+        calls next run with the recording mode off the torch-function stack, and put the mode
+        back the moment it returns or raises. Inside a step recorded as one call the mode has
+        nothing to do, and an AdamW step over a ResNet-50 makes ~2,000 torch calls: each one
+        handed to the mode cost ~2 µs (torch's dispatch to a Python mode, then its handler).
+
+        The wrapper calls the step function through a closure cell shared by every optimizer of
+        the class: it holds the stand-in below until the stand-in's first call, which puts the
+        function back at once, so that a later or concurrent call (another thread, a nested
+        step) is the plain one. Where the wrapper is not torch's known one, or the mode is not
+        on top of the stack (a program's mode entered inside the block), the step runs as
+        before: under the mode, its calls passed on one by one."""
+        self._restore_step_function()  # (a stand-in an earlier step never called)
+        cell = step_function_cell(frame, step)
+        rec = self.rec
+        if cell is None or top_mode() is not rec.mode:
+            return
+        func = cell.cell_contents
+
+        def step_without_mode(*args: Any, **kwargs: Any) -> Any:
+            __tracebackhide__ = True  # (an error of the step: its traceback is the step's own)
+            cell.cell_contents = func  # (only this call is the stand-in's)
+            if self._swapped is cell:
+                self._swapped = self._swapped_func = None
+            if sys._getframe(1) is not frame or rec.closed or not take_off_top(rec.mode):
+                return func(*args, **kwargs)  # (not the step that was opened: as it was)
+            try:
+                return func(*args, **kwargs)
+            finally:
+                put_back(rec.mode)
+
+        cell.cell_contents = step_without_mode
+        self._swapped = cell
+        self._swapped_func = func
 
     def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         __tracebackhide__ = True  # (raise_on_nonfinite stops here at a NaN the step made)

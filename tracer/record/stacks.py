@@ -39,16 +39,18 @@ _STDLIB_NOISE = ("<frozen ", os.sep + "contextlib.py", os.sep + "runpy.py",
 
 
 class _Scope:
-    """A frame known to be executing, and its user callers ``(code, f_lasti)``, innermost first;
-    ``ids`` are their interned frame ids (outermost first) once a capture has needed them."""
+    """A frame known to be executing, its own user callers ``(code, f_lasti)`` up to the
+    enclosing scope (innermost first) and that scope (``parent``; None: none). ``prefix``: the
+    number, among the table's distinct prefixes, of the whole chain of its callers' frame ids,
+    once a capture has needed it (``StackTable._intern_prefix``)."""
 
-    __slots__ = ("callers", "frame", "ids", "prefix")
+    __slots__ = ("callers", "frame", "parent", "prefix")
 
-    def __init__(self, frame: FrameType, callers: tuple[tuple[CodeType, int], ...]) -> None:
+    def __init__(self, frame: FrameType, callers: tuple[tuple[CodeType, int], ...], parent: _Scope | None) -> None:
         self.frame = frame
         self.callers = callers
-        self.ids: tuple[int, ...] | None = None
-        self.prefix: int | None = None  # the number of ``ids`` among the table's distinct prefixes
+        self.parent = parent
+        self.prefix: int | None = None
 
 
 class StackTable:
@@ -74,9 +76,11 @@ class StackTable:
         self._scopes: dict[FrameType, _Scope] = {}  # frames hash and compare by identity
         # Stacks that end inside a scope, by (prefix number, frames below the scope): a short key
         # instead of the whole stack (the same layer code runs under twelve module calls, whose
-        # scopes are distinct objects with equal frames above them).
-        self._prefix_ids: dict[tuple[int, ...], int] = {}
-        self._prefixes: list[tuple[int, ...]] = []
+        # scopes are distinct objects with equal frames above them). A prefix is numbered by its
+        # enclosing scope's prefix number and the frames between the two, so that a scope
+        # (a module call) costs the frames of its own call, not a copy of every frame above it.
+        self._prefix_ids: dict[tuple[int, tuple[int, ...]], int] = {}
+        self._prefixes: list[tuple[int, ...]] = []  # each prefix's frame ids, outermost first
         self._by_prefix: dict[tuple[int, tuple[int, ...]], int] = {}
 
     def _is_internal(self, code: CodeType) -> bool:
@@ -118,12 +122,25 @@ class StackTable:
         return sid
 
     def _intern_prefix(self, scope: _Scope) -> int:
-        ids = scope.ids if scope.ids is not None else self._intern_scope(scope)
-        pid = self._prefix_ids.get(ids)
-        if pid is None:
-            pid = self._prefix_ids[ids] = len(self._prefixes)
-            self._prefixes.append(ids)
-        scope.prefix = pid
+        """The prefix number of ``scope``'s callers (and of each enclosing scope not numbered
+        yet). Frame ids are handed out innermost first, at the first capture that reaches a
+        frame, exactly as a full walk would: the saved frame table does not depend on scopes."""
+        chain: list[tuple[_Scope, tuple[int, ...]]] = []  # scopes to number, innermost first
+        s: _Scope | None = scope
+        while s is not None and s.prefix is None:
+            ids = [self._frame_id(code, lasti) for code, lasti in s.callers]
+            ids.reverse()
+            chain.append((s, tuple(ids)))
+            s = s.parent
+        pid = -1 if s is None or s.prefix is None else s.prefix
+        prefixes = self._prefixes
+        for s, own in reversed(chain):
+            key = (pid, own)
+            hit = self._prefix_ids.get(key)
+            if hit is None:
+                hit = self._prefix_ids[key] = len(prefixes)
+                prefixes.append(prefixes[pid] + own if pid >= 0 else own)
+            s.prefix = pid = hit
         return pid
 
     def _frame_id(self, code: CodeType, lasti: int) -> int:
@@ -166,14 +183,6 @@ class StackTable:
         ids.reverse()
         return tuple(ids), scope
 
-    def _intern_scope(self, scope: _Scope) -> tuple[int, ...]:
-        # Frame ids are handed out innermost first, at the first capture that reaches a frame,
-        # exactly as a full walk would: the saved frame table does not depend on scopes.
-        ids = [self._frame_id(code, lasti) for code, lasti in scope.callers]
-        ids.reverse()
-        scope.ids = tuple(ids)
-        return scope.ids
-
     def open_scope(self, frame: FrameType) -> FrameType | None:
         """Remember ``frame``'s callers until ``close_scope(frame)``; the caller guarantees that
         ``frame`` keeps executing (stays on the stack) until then. Returns ``frame`` (None: not
@@ -184,7 +193,7 @@ class StackTable:
         internal = self._internal
         scopes = self._scopes
         f = frame.f_back
-        outer: tuple[tuple[CodeType, int], ...] = ()
+        parent: _Scope | None = None
         while f is not None:
             code = f.f_code
             is_int = internal.get(identity(code))
@@ -194,10 +203,10 @@ class StackTable:
                 callers.append((code, f.f_lasti))
             hit = scopes.get(f)
             if hit is not None:
-                outer = hit.callers
+                parent = hit
                 break
             f = f.f_back
-        self._scopes[frame] = _Scope(frame, (*callers, *outer) if outer else tuple(callers))
+        self._scopes[frame] = _Scope(frame, tuple(callers), parent)
         return frame
 
     def close_scope(self, frame: FrameType | None) -> None:

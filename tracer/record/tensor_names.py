@@ -37,6 +37,7 @@ from tracer.record.tensors import (
     VIEW_OPS,
     device_name,
     dtype_name,
+    indexed_storage_key,
     plain_sizes,
     same_elements,
     same_multiset,
@@ -709,7 +710,7 @@ class TensorNames(Part):
 
     def _alias_name(self, t: torch.Tensor, version: int) -> str | None:
         """The name of an indexed tensor that ``t`` is the same view of (``p.data``), if any."""
-        key = storage_key(t)
+        key = indexed_storage_key(t, self._aliases)
         o = self._same_view_alias(t, key)
         if o is None:
             return None
@@ -725,12 +726,13 @@ class TensorNames(Part):
         of its output, rewritten with the same bytes)."""
         done = set(names_of)
         done.update(identity(t) for t in ins)
+        aliases = self._aliases
         for t in mutated:
             new = names_of[identity(t)]
             others: list[torch.Tensor] = []
-            key = storage_key(t) if self._aliases else 0
+            key = indexed_storage_key(t, aliases) if aliases else 0
             if key:  # (an entry whose storage has changed since, by set_ or resize, is not an alias)
-                for ref in self._aliases.get(key, ()):
+                for ref in aliases[key]:
                     o = ref()
                     # The tensor itself first, without reading its storage again: an optimizer
                     # step writes hundreds of indexed tensors, each usually its storage's only one.

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import operator
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import CodeType, FrameType
 from typing import Any
 
 import torch
@@ -219,6 +220,21 @@ def storage_key(t: torch.Tensor) -> int:
     return int(key) if s.nbytes() else 0
 
 
+def indexed_storage_key(t: torch.Tensor, index: Mapping[int, Any]) -> int:
+    """``storage_key(t)`` when it is a key of ``index``, else 0. The storage's identity alone
+    first (one C call): most tensors asked (an optimizer step writes hundreds, each usually
+    alone on its storage) share no indexed storage, and need none of the checks that make an
+    identity a key (a non-empty tensor on memory that is there)."""
+    if _storage_id is not None:
+        try:
+            if int(_storage_id(t)) not in index:
+                return 0
+        except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+            return 0  # (what storage_key says then too)
+    key = storage_key(t)
+    return key if key in index else 0
+
+
 def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors show the same bytes the same way (``p`` and ``p.data``)."""
     try:
@@ -332,3 +348,38 @@ def versions_of(ts: list[torch.Tensor]) -> list[int]:
         return list(map(_VERSION, ts))  # (no comprehension frame: twice per recorded call)
     except RuntimeError:  # an inference tensor among them: ask one by one
         return [version_of(t) for t in ts]
+
+
+# Private: ``Optimizer.step`` runs as torch's wrapper (``Optimizer.profile_hook_step``), which
+# runs the step hooks around the step function held in its closure (the free variable ``func``).
+# Where that wrapper is not the one known here (another torch), nothing is found and the step runs
+# as it would anyway (see tracer.record.optimizer).
+def _step_wrapper_code() -> CodeType | None:
+    try:
+        wrapper = torch.optim.Optimizer.profile_hook_step(lambda: None)
+        code: CodeType = wrapper.__code__
+    except Exception:  # another torch: no such wrapper
+        return None
+    return code if "func" in code.co_freevars else None
+
+
+_STEP_WRAPPER: CodeType | None = _step_wrapper_code()
+
+
+def step_function_cell(frame: FrameType, step: Any) -> Any:
+    """The closure cell through which ``frame``, a run of torch's optimizer step wrapper, is about
+    to call the step function (its hooks before it have run), when ``step`` (the optimizer's
+    class's ``step``) is that wrapper and the frame reads that very cell; else None."""
+    code = _STEP_WRAPPER
+    if code is None or frame.f_code is not code:
+        return None
+    slot = code.co_freevars.index("func")
+    if getattr(step, "__code__", None) is not code:
+        return None
+    cell = step.__closure__[slot]
+    try:
+        func = cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
+    return cell if callable(func) and frame.f_locals.get("func") is func else None
+
