@@ -12,7 +12,7 @@ from export.diff.elements import STATS_WORDS
 from export.text import format_stack, frame_text, short_path
 from tracer.model import Frame, Trace
 from tracer.model.display import format_number, plural, plural_verb
-from tracer.model.frames import fold_label, folded, user_frame
+from tracer.model.frames import fold_label, fold_runs, folded, user_frame
 
 if TYPE_CHECKING:  # the results call these from their render(): no import back at run time
     from export.diff.ranks import RankDiffResult
@@ -205,17 +205,8 @@ def folded_cell(frames: tuple[Frame, ...]) -> str:
     """A stack in a table cell, folded as ``gradtrace show`` folds it: the user's frames and the
     innermost one, each on two lines (``file.py:12 in f`` and its source), every run of other
     frames one line (``… 3 frames folded (2 library, 1 framework)``)."""
-    lines: list[str] = []
-    run: list[Frame] = []
-    for f, hidden in zip(frames, folded(frames)):
-        if hidden:
-            run.append(f)
-            continue
-        if run:
-            lines.append(f"... {fold_label(run)}")
-            run = []
-        lines.append(frame_text(f))
-    return "\n".join(lines)
+    return "\n".join(f"... {fold_label(f)}" if isinstance(f, list) else frame_text(f)
+                     for f in fold_runs(frames, folded(frames)))
 
 
 def render_ranks(result: RankDiffResult, console: Console) -> None:

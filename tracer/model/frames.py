@@ -29,7 +29,7 @@ import os
 import re
 import sysconfig
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from functools import lru_cache
 
 from tracer.model.records import Frame
@@ -133,24 +133,36 @@ def fold_label(frames: Sequence[Frame]) -> str:
     return f"{len(frames)} {noun} folded ({parts})"
 
 
-def stack_lines(frames: Sequence[Frame], all_frames: bool = False, indent: str = "  ") -> list[str]:
-    """A stack as Python prints a traceback (``File "x", line N, in f`` and the source line, most
-    recent call last); unless ``all_frames``, each run of folded frames is one line instead."""
-    hide = [False] * len(frames) if all_frames else folded(frames)
-    lines: list[str] = []
+def fold_runs(frames: Sequence[Frame], hide: Sequence[bool]) -> Iterator[Frame | list[Frame]]:
+    """The frames a short view shows, in order, and between them each run of frames it hides as
+    one list (``hide`` from ``folded``, which never hides the innermost frame)."""
     run: list[Frame] = []
     for f, hidden in zip(frames, hide):
         if hidden:
             run.append(f)
             continue
         if run:
-            lines.append(f"{indent}... {fold_label(run)}")
+            yield run
             run = []
+        yield f
+    if run:
+        yield run
+
+
+def stack_lines(frames: Sequence[Frame], all_frames: bool = False, indent: str = "  ") -> list[str]:
+    """A stack as Python prints a traceback (``File "x", line N, in f`` and the source line, most
+    recent call last); unless ``all_frames``, each run of folded frames is one line instead."""
+    hide = [False] * len(frames) if all_frames else folded(frames)
+    lines: list[str] = []
+    for f in fold_runs(frames, hide):
+        if isinstance(f, list):
+            lines.append(f"{indent}... {fold_label(f)}")
+            continue
         lines.append(f'{indent}File "{f.file}", line {f.line}, in {f.function}')
         if f.code:
             lines.append(f"{indent}  {f.code}")
     return lines
 
 
-__all__ = ["CLASSES", "CLASS_LABELS", "FRAMEWORK", "KERNEL", "LIBRARY", "USER", "fold_label", "folded",
+__all__ = ["CLASSES", "CLASS_LABELS", "FRAMEWORK", "KERNEL", "LIBRARY", "USER", "fold_label", "fold_runs", "folded",
            "frame_class", "short_line", "stack_lines", "user_frame"]
