@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tracer.analysis.rules import Rule as NamedRule
 from tracer.model.display import format_number
 
 # ---- facts of one record ------------------------------------------------------------------------
@@ -76,13 +77,10 @@ class Facts:
 
 
 @dataclass(frozen=True)
-class Rule:
-    """One way a record is classified: see the module docstring."""
+class Rule(NamedRule):
+    """One way a record is classified (see the module docstring): a named rule, as the numerics
+    analysis keeps them, with the status it gives and how it decides and explains."""
 
-    name: str
-    matches: str
-    admitted_by: str
-    test: str
     status: str
     applies: Callable[[Facts], bool]
     note: Callable[[Facts], str]
