@@ -22,7 +22,7 @@ from tracer.record.identity import identity
 from tracer.record.leaf_grads import LeafGrads
 from tracer.record.listeners import Listener, needs_node_runs
 from tracer.record.mode import current_autograd_node, on_traced_thread
-from tracer.record.part import Part
+from tracer.record.part import Part, remove_all
 from tracer.record.stacks import raised_in_backward_python
 from tracer.record.tensors import (
     ACCUMULATE,
@@ -154,12 +154,7 @@ class Graph(Part):
 
     def remove_hooks(self) -> None:
         """Remove the hooks of the nodes that outlive the trace (the trace is ending)."""
-        for h in self._handles:
-            try:
-                h.remove()
-            except Exception:  # a handle whose owner is gone already
-                pass
-        self._handles.clear()
+        remove_all(self._handles)
 
     def leaf_of(self, acc: str) -> torch.Tensor | None:
         """The leaf tensor of the accumulator node ``acc``, if it is alive."""

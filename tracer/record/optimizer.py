@@ -17,7 +17,7 @@ from tracer.options import RaisedOnPurpose
 from tracer.record.calls import PendingCall
 from tracer.record.identity import identity
 from tracer.record.mode import put_back, take_off_top, top_mode
-from tracer.record.part import Part
+from tracer.record.part import Part, remove_all
 from tracer.record.tensors import (
     step_function_cell,
     unique,
@@ -78,12 +78,7 @@ class OptimizerSteps(Part):
 
     def remove_hooks(self) -> None:
         self._restore_step_function()
-        for h in self._handles:
-            try:
-                h.remove()
-            except Exception:  # a handle whose owner is gone already
-                pass
-        self._handles.clear()
+        remove_all(self._handles)
 
     def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         rec = self.rec

@@ -11,7 +11,7 @@ reference counting, not by the cycle collector walking every record.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tracer.record.recorder import Recorder
@@ -27,3 +27,14 @@ class Part:
         """Drop the link back to the recorder (the trace is done: nothing calls this part again).
         Safe to call twice."""
         self.__dict__.pop("rec", None)
+
+
+def remove_all(handles: list[Any]) -> None:
+    """Remove every hook handle of ``handles`` and empty the list; a handle whose owner is gone
+    already is passed over (a trace's end must not fail on one)."""
+    for h in handles:
+        try:
+            h.remove()
+        except Exception:  # a handle whose owner is gone already
+            pass
+    handles.clear()
