@@ -521,3 +521,25 @@ def test_megabyte_long_source_lines_module_paths_and_args_are_clipped_in_the_pag
     assert "k=" + "9" * 1998 + "…[1,000,002 characters]" in page and "m" * 2000 + "…[1,000,000 characters]" in page
     rc, _, err = _cli(capsys, "report", *paths, "-o", os.fspath(tmp_path / "ranks.html"), "--max-bytes", "4000000")
     assert rc == 0, err
+
+
+def test_megabyte_long_args_and_source_lines_are_clipped_in_show_and_summary(good, tmp_path, capsys):
+    recs = _records(good)
+    code = "x = " + "a + " * 250_000
+    for r in recs:
+        if r["t"] == "frame":
+            r["code"] = code
+        if r.get("name") == "linear0":
+            r["args"] = "k=" + "9" * 1_000_000
+    path = _write(os.fspath(tmp_path / "long.gtrace"), recs)
+    rc, out, err = _cli(capsys, "show", path, "linear0", "--all-frames")
+    assert rc == 0, err
+    # (the table wraps the args over lines: their first 2,000 characters, then the full length)
+    assert "…[1,000,002 characters]" in " ".join(out.split()) and out.count("9") < 3_000
+    assert code[:2000] + f"…[{len(code):,} characters]" in out and code[:2001] not in out
+    assert len(out) < 200_000
+    rc, out, err = _cli(capsys, "summary", path, "--all-frames")
+    assert rc == 0, err
+    assert code[:2001] not in out and len(out) < 100_000
+    # the file itself is untouched: the loader still reads the whole strings
+    assert tracer.load(path)["linear0"].args == "k=" + "9" * 1_000_000

@@ -9,6 +9,7 @@ from export.cli.command import Command
 from export.cli.console import make_console
 from export.cli.progress import Stages, describe_load
 from export.cli.traces import add_trace_options, load_for, step_facts
+from export.clipping import clipped
 from export.errors import UserError
 from export.summary import lookup, md5_lines, render_record, render_summary
 
@@ -38,7 +39,8 @@ def _cmd_summary(args: argparse.Namespace) -> int:
         if args.step is None:
             console.print("Showing the first; choose another with --step N.")
         console.print()
-    render_summary(loaded.trace, console, all_anomalies=args.all_anomalies, all_frames=args.all_frames)
+    # A string of megabytes (a hostile or odd file) prints its first characters and its length.
+    render_summary(clipped(loaded.trace), console, all_anomalies=args.all_anomalies, all_frames=args.all_frames)
     return 0
 
 
@@ -53,7 +55,7 @@ def _show_arguments(p: argparse.ArgumentParser) -> None:
 def _cmd_show(args: argparse.Namespace) -> int:
     trace = load_for(args, args.trace).trace
     lookup(trace, args.name)  # fail with the suggestion before printing anything
-    render_record(trace, args.name, make_console(), all_frames=args.all_frames)
+    render_record(clipped(trace), args.name, make_console(), all_frames=args.all_frames)
     return 0
 
 
