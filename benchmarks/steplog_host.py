@@ -8,21 +8,25 @@ instead: the numbers are wrong, the host work the same), so nothing but the log'
 small torch ops is timed. Left out: what a CUDA launch adds on the host (Triton's launcher, a
 pinned copy and an event: a few µs each, counted in launches per step).
 
-Per model, medians over ``--steps`` logged steps after two warm ones:
+Per model, medians over ``--steps`` logged steps after two warm ones, in this thread's CPU time
+(one torch thread: the step's work is all on it; another process's on a shared host is not):
 
 - ``tensors``: parameters + gradients fingerprinted per step; ``calls``: module calls per step;
 - ``optimizer``: µs in the log's optimizer step hooks (the reading's launches, the previous
   step's record completed and written);
 - ``others``: µs in its other hooks (the loss at each backward's end, the random states at the
   first forward, the batch's fingerprints);
-- ``modules``: µs the log's global module hooks add to one forward (no_grad forwards with and
-  without a log open after its first step, alternating; ``Module.__call__``'s slow path included);
+- ``modules``: µs the log's module hooks add to one forward once the log has named the
+  parameters (no_grad forwards with and without them, alternating; ``Module.__call__``'s slow
+  path included). A full-size model's forward is too long for a difference of microseconds to
+  show on a shared host: its tiny-width twin (``TWINS``: the same module calls) is timed instead;
 - ``total``: the three together: the log's host time per step.
 
     python benchmarks/steplog_host.py                          # tiny12, llama-tiny, llama
     python benchmarks/steplog_host.py --models llama-tiny --steps 50 --profile
 
-``--profile`` prints the top functions (cProfile, cumulative) of the log's optimizer step hooks.
+``--profile`` prints the top functions (cProfile, cumulative) of the log's hooks (not the module
+hooks: profiling every module call would drown the rest).
 Models are those of ``workloads.py``, built on the CPU (``llama``: ~125M parameters, ~2 GB).
 """
 
@@ -53,7 +57,10 @@ from tracer.features.steplog.inputs import ForwardInputs
 from tracer.record.checksums.fused import Fused
 
 OPTIMIZER_HOOKS = ("_on_optimizer_step", "_after_optimizer_step")
+TWINS = {"gpt2-small": "tiny12", "llama": "llama-tiny", "resnet50": "resnet50-tiny", "vit": "vit-tiny",
+         "bert": "bert-tiny"}
 OTHER_HOOKS = ("_on_backward", "_on_first_forward", "_on_batch")
+MODULE_HOOKS = ("_outer", "_inner_pre", "_inner_post")
 
 
 def no_kernels() -> None:
@@ -70,26 +77,57 @@ def no_kernels() -> None:
 
 
 class Clocked:
-    """Seconds spent in some of a log's methods, per step."""
+    """Time spent in some methods of a step log (or of its module hooks), counted once where one
+    calls another (the first-forward hook runs inside a module hook); under ``profile``, those
+    calls alone are profiled. ``clock``: this thread's CPU time here; ``steplog_overhead.py``
+    takes wall time on CUDA (a sync spins on the CPU)."""
 
-    def __init__(self, log: StepLog, names: tuple[str, ...]) -> None:
+    def __init__(self, profile: cProfile.Profile | None = None, clock: Callable[[], float] = time.thread_time) -> None:
         self.spent = 0.0
+        self.profile = profile
+        self.clock = clock
+        self._inside = 0
+
+    def wrap(self, owner: Any, names: tuple[str, ...]) -> None:
+        """Time ``owner``'s methods ``names`` from now on (where they are looked up from now on:
+        a hook registered before keeps the plain method)."""
         for name in names:
-            setattr(log, name, self._wrap(getattr(log, name)))
+            setattr(owner, name, self._wrap(getattr(owner, name)))
 
     def _wrap(self, method: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(method)
         def clocked(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
+            if self._inside:
+                return method(*args, **kwargs)
+            self._inside += 1
+            if self.profile is not None:
+                self.profile.enable()
+            t0 = self.clock()
             try:
                 return method(*args, **kwargs)
             finally:
-                self.spent += time.perf_counter() - t0
+                self.spent += self.clock() - t0
+                if self.profile is not None:
+                    self.profile.disable()
+                self._inside -= 1
         return clocked
 
     def take(self) -> float:
         spent, self.spent = self.spent, 0.0
         return spent
+
+
+def clocked_log(path: str, w: Workload, clock: Callable[[], float]) -> tuple[StepLog, Clocked]:
+    """A step log of ``w``'s steps, started, whose host time ``Clocked`` counts: its hooks and,
+    once it has named the parameters (its first step), its module hooks' own code (not the
+    slow path of ``Module.__call__`` they put the hooked module on: see ``module_hook_seconds``)."""
+    log = StepLog(path, model=w.model, optimizer=w.opt)
+    clocked = Clocked(clock=clock)
+    clocked.wrap(log, OPTIMIZER_HOOKS + OTHER_HOOKS)
+    log.start()
+    if log._inputs is not None:  # looked up again at each outermost call once learned
+        clocked.wrap(log._inputs, MODULE_HOOKS)
+    return log, clocked
 
 
 def step_of(w: Workload) -> Callable[[], None]:
@@ -118,10 +156,10 @@ def module_calls(w: Workload) -> int:
 
 
 def forward_seconds(w: Workload) -> float:
-    t0 = time.perf_counter()
+    t0 = time.thread_time()
     with torch.no_grad():
         w.loss()
-    return time.perf_counter() - t0
+    return time.thread_time() - t0
 
 
 def module_hook_seconds(w: Workload, pairs: int) -> list[float]:
@@ -154,40 +192,32 @@ def measure(name: str, args: argparse.Namespace, folder: str) -> dict[str, float
     step()
     path = os.path.join(folder, f"{name}.gtsteps")
     log = StepLog(path, model=w.model, optimizer=w.opt)
-    optimizer = Clocked(log, OPTIMIZER_HOOKS)
-    others = Clocked(log, OTHER_HOOKS)
+    profile = cProfile.Profile() if args.profile else None
+    optimizer, others = Clocked(profile), Clocked(profile)
+    optimizer.wrap(log, OPTIMIZER_HOOKS)
+    others.wrap(log, OTHER_HOOKS)
     log.start()
     try:
         for _ in range(2):
             step()
         optimizer.take(), others.take()
         opt_s, other_s = [], []
-        profile = cProfile.Profile() if args.profile else None
         for _ in range(args.steps):
             step()
             opt_s.append(optimizer.take())
             other_s.append(others.take())
-        if profile is not None:  # the optimizer hook alone, under the profiler
-            hook = log._on_optimizer_step
-            for _ in range(args.steps):
-                loss = w.loss()
-                loss.backward()
-                profile.enable()
-                hook(w.opt, (w.opt,), {})
-                profile.disable()
-                log._after_optimizer_step(w.opt, (w.opt,), {})
-                w.opt.zero_grad(set_to_none=True)
         tensors = len(w.opt.param_groups[0]["params"]) * 2
         launches = log._digester._fused.launches if log._digester._fused is not None else 0
         steps_logged = log.steps
     finally:
         log.close()
     if profile is not None:
-        print(f"--- {name}: the optimizer step hook, {args.steps} calls (cumulative) ---")
+        print(f"--- {name}: the log's hooks over {args.steps} steps (cumulative; times inflated by the profiler) ---")
         pstats.Stats(profile).sort_stats("cumulative").print_stats(args.profile_lines)
     opt_us = statistics.median(opt_s) * 1e6
     other_us = statistics.median(other_s) * 1e6
-    mod_us = max(0.0, statistics.median(module_hook_seconds(w, args.forwards)) * 1e6)
+    twin = build(TWINS[name], torch.device("cpu"), args.batch, args.seq, None) if name in TWINS else w
+    mod_us = max(0.0, statistics.median(module_hook_seconds(twin, args.forwards)) * 1e6)
     return {"tensors": tensors, "calls": module_calls(w), "optimizer": opt_us, "others": other_us,
             "modules": mod_us, "total": opt_us + other_us + mod_us,
             "launches": launches / max(1, steps_logged)}
@@ -200,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=8)
     p.add_argument("--steps", type=int, default=30, help="logged steps timed (default 30)")
     p.add_argument("--forwards", type=int, default=60, help="forward pairs for the module hooks (default 60)")
-    p.add_argument("--profile", action="store_true", help="cProfile the optimizer step hook")
+    p.add_argument("--profile", action="store_true", help="cProfile the log's hooks")
     p.add_argument("--profile-lines", type=int, default=25)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
