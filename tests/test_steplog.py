@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ import torch.nn as nn
 import tracer
 from export.cli import main
 from tests.watch_models import gpt2_batches, gpt2_train_step, tiny_gpt2
-from tracer.features.steplog.inputs import digest
+from tracer.features.steplog.inputs import digest, rng_digests
 from tracer.model.steplog import NO_GRAD, StepLogFormatError, StepLogReader, read_steplog
 from tracer.record.checksums.fingerprint import fingerprint_reference
 
@@ -95,6 +96,53 @@ def test_each_optimizer_step_writes_its_loss_lr_and_the_fingerprints_the_optimiz
                                               model.frozen.weight, model.frozen.bias)]
     line = (tmp_path / "run.gtsteps").read_text().splitlines()[2]
     assert NO_GRAD in json.loads(line)["grads"]
+
+
+def test_a_module_first_called_outermost_after_the_first_step_is_seen(tmp_path):
+    """After its first step the log hooks only the outermost module running (the others take
+    PyTorch's fast call path); a model the loop first calls at step 2, before the model, is
+    still seen: its call is a forward, its input is in the batch, and the random states are
+    those as it began (its dropout draws before the model runs). A forward that raises ends its
+    call (the calls after it are seen), and a call on another thread is not counted."""
+    torch.manual_seed(0)
+    model = TwoLayers()
+    teacher = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    log = tracer.step_log(tmp_path / "run.gtsteps", model=model, optimizer=opt)
+    batches: list[list[torch.Tensor]] = []
+    rngs = []
+    for step in range(4):
+        x = torch.randn(3, 4)
+        rngs.append(rng_digests())
+        given = [x]
+        if step >= 2:
+            hint = torch.randn(3, 4)
+            rngs[-1] = rng_digests()
+            teacher(hint)  # outermost, first: a module the log has never seen
+            given = [hint, x]
+        loss = model(x).square().mean()
+        if step == 3:
+            wrong = torch.randn(3, 5)
+            with pytest.raises(RuntimeError):
+                model.a(wrong)  # raises inside its forward
+            later = torch.randn(2, 4)
+            with torch.no_grad():
+                model(later)
+            elsewhere = threading.Thread(target=lambda: model(torch.randn(1, 4)))
+            elsewhere.start()
+            elsewhere.join()
+            given += [wrong, later]
+        batches.append(given)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    log.close()
+    got = read_steplog(tmp_path / "run.gtsteps")
+    assert [s.forward for s in got.steps] == [1, 1, 2, 4]
+    assert [s.batch_tensors for s in got.steps] == [1, 1, 2, 4]
+    for s, given, rng in zip(got.steps, batches, rngs):
+        assert s.batch == digest(*(f"float32{list(t.shape)}:{_fp(t)};".encode() for t in given))
+        assert s.rng == rng
 
 
 def test_the_log_alone_takes_no_snapshot(tmp_path, monkeypatch):

@@ -13,6 +13,7 @@ import torch
 import tracer
 from tests.determinism_models import custom_backward_step, forward_step, line_of, rows_model
 from tests.watch_models import gpt2_batches, gpt2_train_step, tiny_gpt2
+from tracer.features.steplog.digests import Digester
 from tracer.model.steplog import read_steplog
 from tracer.record.checksums.fingerprint import fingerprint
 
@@ -58,6 +59,42 @@ def test_cuda_step_log_does_not_synchronise_and_logs_the_device_values(tmp_path)
     # the step-5 record's gradients are those the optimizer read (hook order: the log's first)
     order = {n: i for i, (n, _) in enumerate(model.named_parameters())}
     assert got.steps[5].grads == [seen["grads"][order[n]] for n in names]
+
+
+def test_cuda_a_planned_reading_follows_moved_gradients_without_a_sync():
+    """The parameters and gradients read through one plan (as the log reads them at every step):
+    the reference fingerprints and norms, the general path's too; gradients moved elsewhere are
+    followed (their addresses copied to the device) with no synchronisation, a bfloat16 copy of
+    the model takes a new plan."""
+    torch.manual_seed(0)
+    model = tiny_gpt2().cuda()
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.randn_like(p)
+    planned, general = Digester(), Digester()
+
+    def expect(tensors):
+        fps, norms = planned.read(tensors, plan="step").result()
+        assert fps == [fingerprint(t) for t in tensors] == general.read(tensors).result()[0]
+        want = [float(torch.linalg.vector_norm(t.detach().double())) for t in tensors]
+        assert norms == pytest.approx(want, rel=1e-5)
+
+    expect([*params, *(p.grad for p in params)])
+    expect([*params, *(p.grad for p in params)])
+    old = [p.grad for p in params]  # kept alive: the new gradients lie elsewhere
+    for p in params:
+        p.grad = p.grad * 2
+    tensors = [*params, *(p.grad for p in params)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        reading = planned.read(tensors, plan="step")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert reading.result()[0] == [fingerprint(t) for t in tensors]
+    assert len(old) == len(params)
+    half = [p.detach().bfloat16() for p in params]
+    expect([*half, *params])
 
 
 @pytest.mark.parametrize("make_step, marker, op", [

@@ -6,7 +6,10 @@ all the small tensors) and the norms by ``torch._foreach_norm``. On CUDA nothing
 the fingerprints and the norms are the Triton kernel the traces use (``Fused``: one launch for
 up to 512 tensors, reading each byte once; here it sums each tensor's squares in the same pass),
 and the results, lane sums and sums of squares together, are copied in one piece to pinned host
-memory behind an event. The step log reads them once that event has completed, a step or more
+memory behind an event. A list read at every step (the parameters and their gradients:
+``read(..., plan=...)``) goes through a ``Fused.plan`` instead: its launches are laid out once and
+followed while its tensors stay where they were or only move (gradients the allocator placed
+elsewhere), so a step costs a few C calls per tensor on the host, not a batcher's bookkeeping. The step log reads them once that event has completed, a step or more
 later, so a step costs no synchronisation (the watch's sentinel works the same way).
 
 The fingerprint is ``hash="fast"``'s (``gtfp2-fmix32x2-64``, ``tracer.record.checksums.fingerprint``):
@@ -22,8 +25,10 @@ tolerance (``gradtrace bisect --rtol/--atol``), never an exact one (the fingerpr
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import math
 import os
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,11 +38,13 @@ import torch
 from tracer.model import TensorRecord
 from tracer.record.checksums import fingerprint as fp
 from tracer.record.checksums.bytes import unhashable_reason
-from tracer.record.checksums.fused import Fused, triton_usable
+from tracer.record.checksums.fused import Fused, Plan, triton_usable
 from tracer.record.checksums.host_batch import HostFingerprints
 
 ALGORITHM = fp.ALGORITHM
 _foreach_norm = getattr(torch, "_foreach_norm", None)  # private; per-tensor norms where missing
+# Tensors a plan reads as they are (a subclass, a DTensor, takes the general path: ``_readable``).
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 @contextlib.contextmanager
@@ -67,6 +74,55 @@ class _DevicePart:
     event: Any = None
     norms: bool = True
 
+    def fill(self, fingerprints: list[str | None], norms: list[float | None]) -> None:
+        assert self.host is not None
+        values = self.host.tolist()
+        for row, at, n in self.entries:
+            a, b = int(values[3 * row]), int(values[3 * row + 1])
+            if n is None:
+                fingerprints[at] = fp.hex_of(a, b)
+                if self.norms:
+                    norms[at] = math.sqrt(values[3 * row + 2])  # (NaN and Inf stay so)
+            else:
+                fingerprints[at] = fp.finish(a, b, n)
+        for j, at in enumerate(self.norm_positions):
+            norms[at] = values[3 * self.rows + j]
+
+
+@dataclass
+class _PlannedPart:
+    """A reading launched through a ``Plan``: the plan's results as they came (``Plan``'s
+    layout: four integers per row, then four float64 per row), pinned on CUDA."""
+
+    positions: list[list[int]]  # per row: the indices in the reading of the tensors it serves
+    host: torch.Tensor
+    event: Any
+    norms: bool
+
+    def fill(self, fingerprints: list[str | None], norms: list[float | None]) -> None:
+        rows = len(self.positions)
+        for at, h in zip(self.positions, _hex_rows(self.host[:4 * rows].view(rows, 4))):
+            for i in at:
+                fingerprints[i] = h
+        if self.norms:
+            sqrt = math.sqrt
+            for at, square in zip(self.positions, self.host[4 * rows:].view(torch.float64)[2::4].tolist()):
+                norm = sqrt(square)  # (NaN and Inf stay so)
+                for i in at:
+                    norms[i] = norm
+
+
+def _hex_rows(ints: torch.Tensor) -> list[str]:
+    """Each row's fingerprint (``fp.hex_of`` of its lanes, columns 2 and 3 of the kernel's int64
+    rows on the host): the low four bytes of each lane, most significant first, as hexadecimal
+    in one pass over all rows (``hex_of`` per row took a third of a reading's host time)."""
+    if sys.byteorder != "little":
+        return [fp.hex_of(a, b) for a, b in ints[:, 2:4].tolist()]
+    k = ints.shape[0]
+    words = ints.view(torch.uint8).view(k, 4, 8)[:, 2:4, :4].flip(-1).contiguous()  # a copy, in row order
+    text = ctypes.string_at(words.data_ptr(), 8 * k).hex()
+    return [text[i:i + 16] for i in range(0, 16 * k, 16)]
+
 
 @dataclass
 class Reading:
@@ -75,7 +131,7 @@ class Reading:
 
     fingerprints: list[str | None]
     norms: list[float | None]
-    parts: list[_DevicePart] = field(default_factory=list)
+    parts: list[_DevicePart | _PlannedPart] = field(default_factory=list)
 
     def ready(self) -> bool:
         return all(p.event is None or p.event.query() for p in self.parts)
@@ -84,20 +140,18 @@ class Reading:
         for part in self.parts:
             if part.event is not None:
                 part.event.synchronize()  # this reading's copy only: later work stays queued
-            assert part.host is not None
-            values = part.host.tolist()
-            for row, at, n in part.entries:
-                a, b = int(values[3 * row]), int(values[3 * row + 1])
-                if n is None:
-                    self.fingerprints[at] = fp.hex_of(a, b)
-                    if part.norms:
-                        self.norms[at] = math.sqrt(values[3 * row + 2])  # (NaN and Inf stay so)
-                else:
-                    self.fingerprints[at] = fp.finish(a, b, n)
-            for j, at in enumerate(part.norm_positions):
-                self.norms[at] = values[3 * part.rows + j]
+            part.fill(self.fingerprints, self.norms)
         self.parts = []
         return self.fingerprints, self.norms
+
+
+@dataclass
+class _Planned:
+    """A list of tensors read through a ``Plan``: which entries of the list it reads."""
+
+    types: list[type]  # of every entry (NoneType where None): the plan reads those not None
+    plan: Plan
+    positions: list[list[int]]  # per row of the plan: the entries it serves
 
 
 class Digester:
@@ -113,9 +167,18 @@ class Digester:
         self._fused: Fused | None = None
         self._interpret = os.environ.get("GRADTRACE_FUSED_INTERPRET") == "1" if interpret is None else interpret
         self._triton = triton
+        self._plans: dict[str, _Planned] = {}
 
-    def read(self, tensors: Sequence[torch.Tensor | None], norms: bool = True) -> Reading:
-        """Start computing the fingerprints (and L2 norms) of ``tensors``."""
+    def read(self, tensors: Sequence[torch.Tensor | None], norms: bool = True, plan: str | None = None) -> Reading:
+        """Start computing the fingerprints (and L2 norms) of ``tensors``. ``plan``: the name of
+        a list read again and again (the parameters and gradients at every step): on the device
+        its launches are planned once and reused while its tensors stay where they were
+        (``Fused.plan``); the results are the same."""
+        if plan is not None:
+            with quiet():
+                reading = self._planned(plan, tensors, norms)
+            if reading is not None:
+                return reading
         n = len(tensors)
         reading = Reading([None] * n, [None] * n)
         by_device: dict[torch.device, list[int]] = {}
@@ -134,6 +197,66 @@ class Digester:
                     self._on_host(ts, idx, reading, norms)
         return reading
 
+    # ---- a planned list: the device, launched at once -------------------------------------------------
+    def _planned(self, name: str, tensors: Sequence[torch.Tensor | None], norms: bool) -> Reading | None:
+        """The reading of ``tensors`` through the plan ``name`` (made or remade here), or None
+        where no plan can read them (the general path then does)."""
+        types = list(map(type, tensors))
+        known = self._plans.get(name)
+        if known is None or known.types != types or not self._follow(known, tensors):
+            known = self._plan(types, tensors)
+            if known is None:
+                self._plans.pop(name, None)
+                return None
+            self._plans[name] = known
+        fused = self._fused
+        assert fused is not None
+        out = fused.launch(known.plan)
+        if out is None:  # its kernels are still compiling in the background
+            return None
+        if out.device.type != "cuda":  # the interpreter's CPU tensors (tests): the next launch reuses out
+            part = _PlannedPart(known.positions, out.clone(), None, norms)
+        else:
+            host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            host.copy_(out, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            part = _PlannedPart(known.positions, host, event, norms)
+        n = len(tensors)
+        return Reading([None] * n, [None] * n, [part])
+
+    def _follow(self, known: _Planned, tensors: Sequence[torch.Tensor | None]) -> bool:
+        """Whether ``known``'s plan reads ``tensors`` as they are now (``Fused.follow``)."""
+        fused = self._fused
+        assert fused is not None
+        return fused.follow(known.plan, [t for t in tensors if t is not None])
+
+    def _plan(self, types: list[type], tensors: Sequence[torch.Tensor | None]) -> _Planned | None:
+        """A plan for ``tensors``, where one can read them: plain tensors (no subclass: a DTensor
+        takes the general path, which reads its local shard) with bytes on the device path."""
+        if any(k not in _PLAIN_TYPES and k is not type(None) for k in types):
+            return None
+        present = [i for i, t in enumerate(tensors) if t is not None]
+        ts = [t for t in tensors if t is not None]
+        if any(unhashable_reason(t) is not None or (t.device.type != "cuda" and not self._interpret) for t in ts):
+            return None
+        fused = self._batcher()
+        plan = fused.plan(ts) if fused is not None else None
+        if plan is None:
+            return None
+        positions: list[list[int]] = [[] for _ in range(plan.rows)]
+        for i, row in zip(present, plan.row_of):
+            positions[row].append(i)
+        return _Planned(types, plan, positions)
+
+    def _batcher(self) -> Fused | None:
+        """The Triton batcher (None without Triton: the torch lane sums take its place)."""
+        if self._triton is None:
+            self._triton = triton_usable()
+        if self._triton and self._fused is None:
+            self._fused = Fused(stats=False, fingerprint=True, squares=True, interpret=self._interpret)
+        return self._fused
+
     # ---- the CPU: now ----------------------------------------------------------------------------
     def _on_host(self, ts: list[torch.Tensor], idx: list[int], reading: Reading, norms: bool) -> None:
         if self._host is None:
@@ -151,17 +274,13 @@ class Digester:
 
     # ---- CUDA: queued, read later -------------------------------------------------------------------
     def _on_device(self, ts: list[torch.Tensor], idx: list[int], norms: bool) -> _DevicePart:
-        if self._triton is None:
-            self._triton = triton_usable()
-        if self._triton and self._fused is None:
-            self._fused = Fused(stats=False, fingerprint=True, squares=True, interpret=self._interpret)
+        fused = self._batcher()
         rows: list[torch.Tensor] = []  # [k, 3]: the lanes, the sum of the squares
         entries: list[tuple[int, int, int | None]] = []
         count = 0  # rows so far
         slots: dict[int, int] = {}  # id(slot) -> index in the reading
         fallback: list[tuple[int, int, torch.Tensor]] = []
         fallback_tensors: list[torch.Tensor] = []
-        fused = self._fused
         for at, t in zip(idx, ts):
             size = t.numel() * t.element_size()
             rec = _slot()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import os
 import platform
 import socket
@@ -99,10 +100,10 @@ class _Pending:
     tensors: Reading  # the parameters, then their gradients: one reading, one launch per dtype
     n_params: int
     losses: Reading
-    batch: list[tuple[str, tuple[int, ...], Reading]]
+    batch: list[tuple[list[tuple[str, tuple[int, ...]]], Reading]]  # per outermost call: its tensors' kinds
 
     def ready(self) -> bool:
-        return self.tensors.ready() and self.losses.ready() and all(r.ready() for _, _, r in self.batch)
+        return self.tensors.ready() and self.losses.ready() and all(r.ready() for _, r in self.batch)
 
     def complete(self) -> StepEntry:
         e = self.entry
@@ -111,11 +112,11 @@ class _Pending:
         e.params, e.param_norms, e.grads, e.grad_norms = fps[:n], norms[:n], fps[n:], norms[n:]
         e.loss = [x if x is not None else float("nan") for x in self.losses.result()[1]]
         parts: list[bytes] = []
-        for dtype, shape, reading in self.batch:
-            fps = reading.result()[0]
-            parts.append(f"{dtype}{list(shape)}:{fps[0]};".encode())
+        for kinds, reading in self.batch:
+            for (dtype, shape), fingerprint in zip(kinds, reading.result()[0]):
+                parts.append(f"{dtype}{list(shape)}:{fingerprint};".encode())
         e.batch = digest(*parts) if parts else None
-        e.batch_tensors = len(self.batch)
+        e.batch_tensors = len(parts)
         return e
 
 
@@ -154,7 +155,7 @@ class StepLog:
         self._inputs: ForwardInputs | None = None
         self._losses: list[torch.Tensor] = []
         self._backwards = 0
-        self._batch: list[tuple[str, tuple[int, ...], Reading]] = []
+        self._batch: list[tuple[list[tuple[str, tuple[int, ...]]], Reading]] = []
         self._rng: dict[str, str] | None = None
 
     # ---- opening and closing ----------------------------------------------------------------------
@@ -255,9 +256,9 @@ class StepLog:
     def _on_batch(self, tensors: list[torch.Tensor]) -> None:
         if self.closed or getattr(_PAUSED, "on", False):
             return
-        try:
-            for t in tensors:
-                self._batch.append((dtype_name(t.dtype), tuple(t.shape), self._digester.read([t], norms=False)))
+        try:  # one reading for the call's tensors (on CUDA: one launch pair per dtype)
+            kinds = [(dtype_name(t.dtype), tuple(t.shape)) for t in tensors]
+            self._batch.append((kinds, self._digester.read(tensors, norms=False, plan="batch")))
         except Exception as exc:
             self._fail(exc)
 
@@ -303,8 +304,8 @@ class StepLog:
                           self._inputs.forwards if self._inputs is not None else 0, None, 0,
                           self._rng if self._rng is not None else rng_digests(), *_hyperparameters(optimizer),
                           [], [], [], [])
-        pending = _Pending(entry, self._digester.read([*params, *(p.grad for p in params)]), len(params),
-                           self._scalars(losses), self._batch)
+        tensors = self._digester.read([*params, *[p.grad for p in params]], plan=f"step{ol.index}")
+        pending = _Pending(entry, tensors, len(params), self._scalars(losses), self._batch)
         self._pending.append(pending)
         self.steps += 1
         self._reset()
@@ -331,7 +332,7 @@ class StepLog:
         return _ValuesOf(stacked)
 
     def _layout_of(self, optimizer: torch.optim.Optimizer) -> _OptimizerLayout:
-        key = tuple(id(p) for g in optimizer.param_groups for p in g["params"])
+        key = tuple(map(id, itertools.chain.from_iterable(g["params"] for g in optimizer.param_groups)))
         ol = self._layouts.get(id(optimizer))
         if ol is not None and ol.key == key:
             return ol

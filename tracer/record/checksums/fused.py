@@ -22,6 +22,11 @@ While a tensor waits, its bytes must not change and its memory must not be reuse
 - a batch is flushed when it holds ``MAX_TENSORS`` tensors or ``DEFAULT_MAX_BYTES`` bytes
   (``max_bytes`` in ``Fused``), which bounds the memory kept alive.
 
+A list of tensors read again and again (the step log's parameters and gradients, every
+optimizer step) takes a ``Plan`` instead (``Fused.plan``, ``Fused.launch``): its metadata is
+built and copied to the device once, and each later reading checks that every tensor still lies
+where it lay, then launches at once (nothing waits in a batch, nothing is held).
+
 The kernel implements exactly ``tracer.record.checksums.fingerprint`` (tests compare it with the Python
 reference) and the stats of ``tracer.record.checksums.hasher.stats_tensor``: min, max, absmax and the sum over
 finite values (float32 for 16-bit floats, float64 for 64-bit and 32-bit integer types), NaN and
@@ -36,7 +41,9 @@ import contextlib
 import ctypes
 import functools
 import importlib.util
+import operator
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -151,6 +158,66 @@ _FETCH_LOADED: set[int] = set()
 def _int_class(n: int) -> int:
     """What Triton's specialisation reads off an integer argument: 1, a multiple of 16, or neither."""
     return 1 if n == 1 else 16 if n % 16 == 0 else 0
+
+
+_P_CONSTEXPRS = ("EDT", "ESIZE", "ACC", "STATS", "FP", "SQ", "CHUNK", "LOG2B", "ALIGNED")
+_F_CONSTEXPRS = ("PBLOCK",)
+_data_ptr = torch.Tensor.data_ptr
+_numel = torch.Tensor.numel
+_get_device = torch.Tensor.get_device
+_is_contiguous = torch.Tensor.is_contiguous
+_is_neg = torch.Tensor.is_neg
+_dtype_of = operator.attrgetter("dtype")
+
+
+class _PlanLaunch:
+    """One launch pair of a plan: rows ``first`` to ``first + k`` (one dtype, at most
+    ``MAX_TENSORS``), every argument ready."""
+
+    __slots__ = ("aligned", "f_args", "f_key", "first", "k", "p_args", "p_key", "programs", "warm_key")
+
+    def __init__(self, first: int, k: int, programs: int, aligned: bool, p_key: tuple[Any, ...],
+                 p_args: tuple[Any, ...], f_key: tuple[Any, ...], f_args: tuple[Any, ...],
+                 warm_key: tuple[int, torch.dtype, bool, bool]) -> None:
+        self.first, self.k, self.programs, self.aligned = first, k, programs, aligned
+        self.p_key, self.p_args, self.f_key, self.f_args = p_key, p_args, f_key, f_args
+        self.warm_key = warm_key
+
+
+class Plan:
+    """The launches that read one list of tensors: made once (``Fused.plan``), then launched
+    again (``Fused.launch``) after each ``Fused.follow`` of the list's tensors of the moment.
+
+    The step log reads the same tensors at every optimizer step: the parameters, which never
+    move, and their gradients, which the caching allocator mostly hands the same blocks step
+    after step. ``add`` per tensor (about 2 µs of host time: a dict, a sorted list, a metadata
+    row), the metadata's copy to the device and the buffers are then paid once; a reading
+    checks a few facts per tensor (one ``map`` of a C method each, about 0.1 µs a tensor) and
+    launches. Tensors that moved (gradients the allocator placed elsewhere) only change the
+    addresses in the metadata: one small copy to the device.
+
+    ``rows``: the result rows (tensors with the same bytes share one); ``row_of[i]``: tensor
+    ``i``'s row. The results of a launch are one int64 tensor of ``8 * rows`` values: each
+    row's four integers (NaN count, finite count, lane A, lane B), then each row's four floats
+    (min, max, sum or sum of squares, absmax) as float64 bits. It is the same tensor at every
+    launch: the next launch overwrites it, on the same stream, so a copy queued before that
+    (a non-blocking copy right after the launch) reads this launch's results."""
+
+    __slots__ = ("devices", "dtypes", "index", "launches", "meta", "meta_dev", "numels", "out", "ptrs", "reps",
+                 "row_of", "rows", "stream")
+
+    def __init__(self, ptrs: list[int], dtypes: list[torch.dtype], numels: list[int], devices: list[int],
+                 index: int, stream: int) -> None:
+        self.ptrs, self.dtypes, self.numels, self.devices = ptrs, dtypes, numels, devices
+        self.index = index
+        self.stream = stream
+        self.row_of: list[int] = []
+        self.reps: list[int] = []  # per row: the first tensor it reads
+        self.rows = 0
+        self.meta = array.array("q")  # as in a batch: addr, numel, programs, first program; per row
+        self.meta_dev: torch.Tensor | None = None
+        self.launches: list[_PlanLaunch] = []
+        self.out: torch.Tensor | None = None
 
 
 class _Batch:
@@ -316,6 +383,161 @@ class Fused:
                 self._launch(key)
         return True
 
+    def plan(self, tensors: Sequence[torch.Tensor]) -> Plan | None:
+        """A ``Plan`` that reads ``tensors``: plain contiguous non-empty tensors of the kernel's
+        dtypes on one device (CUDA; the CPU only under the interpreter), none lazily negated;
+        None for any other list (``add`` takes them). Copies the metadata to the device (pinned,
+        non-blocking: no synchronisation) and allocates the plan's buffers."""
+        if not tensors:
+            return None
+        try:
+            ptrs = list(map(_data_ptr, tensors))
+            dtypes = list(map(_dtype_of, tensors))
+            numels = list(map(_numel, tensors))
+            devices = list(map(_get_device, tensors))
+            plain = all(map(_is_contiguous, tensors)) and not any(map(_is_neg, tensors))
+        except RuntimeError:  # no data pointer (sparse, a freed storage)
+            return None
+        index = devices[0]
+        if not plain or any(d != index for d in devices) or (index < 0 and not self.interpret):
+            return None
+        if any(dtype not in _SPECS for dtype in dtypes) or not all(numels) or not self._readable_at(ptrs):
+            return None
+        if self._compiling_any(index, dtypes):
+            return None
+        plan = Plan(ptrs, dtypes, numels, devices, index, _stream_handle(index))
+        with torch._C.DisableTorchFunction():
+            self._lay_out(plan, tensors[0].device)
+        return plan
+
+    def follow(self, plan: Plan, tensors: Sequence[torch.Tensor]) -> bool:
+        """Make ``plan`` read ``tensors`` (the list it was made for, as it is now): True when
+        each tensor is of the dtype, size and device it was, contiguous and not lazily negated,
+        on the plan's stream, and the tensors that shared bytes still do; then the plan reads
+        exactly the bytes ``add`` would read. Tensors that moved have their new addresses
+        copied to the device (pinned, non-blocking). False: a new plan is needed."""
+        if len(tensors) != len(plan.ptrs):
+            return False
+        try:
+            ptrs = list(map(_data_ptr, tensors))
+            if not (list(map(_dtype_of, tensors)) == plan.dtypes and list(map(_numel, tensors)) == plan.numels
+                    and all(map(_is_contiguous, tensors)) and not any(map(_is_neg, tensors))
+                    and list(map(_get_device, tensors)) == plan.devices and _stream_handle(plan.index) == plan.stream):
+                return False
+        except RuntimeError:  # no data pointer (sparse, a freed storage): not the plan's tensors
+            return False
+        return ptrs == plan.ptrs or self._move(plan, ptrs)
+
+    def _move(self, plan: Plan, ptrs: list[int]) -> bool:
+        """Point ``plan``'s rows at the tensors' new addresses ``ptrs`` (False where a row's
+        tensors no longer share their bytes, or an address needs another kernel variant)."""
+        addrs = [ptrs[i] for i in plan.reps]
+        if [addrs[r] for r in plan.row_of] != ptrs or not self._readable_at(addrs):
+            return False
+        for launch in plan.launches:
+            if launch.aligned != all(not a & 15 for a in addrs[launch.first:launch.first + launch.k]):
+                return False
+        plan.meta[0::4] = array.array("q", addrs)
+        assert plan.meta_dev is not None
+        with torch._C.DisableTorchFunction():
+            if plan.meta_dev.device.type != "cuda":
+                plan.meta_dev.copy_(torch.frombuffer(plan.meta, dtype=torch.int64))
+            else:  # queued behind the last launch that read the old addresses (same stream)
+                staged = self._pinned.stage(plan.meta)
+                if staged is None:
+                    plan.meta_dev.copy_(torch.frombuffer(plan.meta, dtype=torch.int64).pin_memory(), non_blocking=True)
+                else:
+                    plan.meta_dev.copy_(staged[0], non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record()
+                    self._pinned.used_until(staged[1], event)
+        plan.ptrs = ptrs
+        return True
+
+    def _readable_at(self, addrs: list[int]) -> bool:
+        """Addresses the kernel reads (fingerprints: words, so 4-byte aligned; ``add`` copies the
+        others first)."""
+        return all(addrs) and not (self.fingerprint and any(a & 3 for a in addrs))
+
+    def _compiling_any(self, index: int, dtypes: list[torch.dtype]) -> bool:
+        """Whether the background warm-up is still compiling some of these dtypes' kernels
+        (``add`` leaves their tensors to the torch path meanwhile)."""
+        if not WARMUP.compiling:
+            return False
+        for dtype in set(dtypes):
+            key = (index, dtype, self.stats, self.fingerprint)
+            if WARMUP.wanted(key) and not WARMUP.ready(key):
+                return True
+        return False
+
+    def _lay_out(self, plan: Plan, dev: torch.device) -> None:
+        """The plan's rows (one per distinct bytes, grouped by dtype, ``MAX_TENSORS`` per launch),
+        its metadata on the device and its buffers."""
+        import triton.language as tl  # an optional dependency, loaded with the kernels
+
+        by_dtype: dict[torch.dtype, dict[tuple[int, int], int]] = {}  # dtype -> (addr, nbytes) -> tensor
+        for i, (ptr, dtype, numel) in enumerate(zip(plan.ptrs, plan.dtypes, plan.numels)):
+            by_dtype.setdefault(dtype, {}).setdefault((ptr, numel * _SPECS[dtype][1]), i)
+        row_of_tensor: dict[int, int] = {}  # the first tensor of each row -> its row
+        pieces: list[tuple[torch.dtype, int, int, int, bool]] = []  # dtype, first row, k, programs, aligned
+        meta = plan.meta
+        for dtype, rows in by_dtype.items():
+            keys = list(rows.items())
+            esize = _SPECS[dtype][1]
+            for start in range(0, len(keys), MAX_TENSORS):
+                chunk = keys[start:start + MAX_TENSORS]
+                first_row, programs = plan.rows, 0
+                for (addr, nbytes), first in chunk:
+                    n = min(max(nbytes // BYTES_PER_PROGRAM, 1), MAX_PROGRAMS)
+                    meta.extend((addr, nbytes // esize, n, programs))
+                    programs += n
+                    row_of_tensor[first] = plan.rows
+                    plan.reps.append(first)
+                    plan.rows += 1
+                pieces.append((dtype, first_row, len(chunk), programs, all(not addr & 15 for (addr, _), _ in chunk)))
+        plan.row_of = [row_of_tensor[by_dtype[dtype][(ptr, numel * _SPECS[dtype][1])]]
+                       for ptr, dtype, numel in zip(plan.ptrs, plan.dtypes, plan.numels)]
+        total = sum(p[3] for p in pieces)
+        # Normal tensors even under torch.inference_mode: every later launch writes into them.
+        with torch.inference_mode(False):
+            meta_host = torch.frombuffer(meta, dtype=torch.int64).clone()
+            meta_dev = plan.meta_dev = meta_host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" \
+                else meta_host
+            partials_buf = torch.empty(total * 8, dtype=torch.int64, device=dev)  # ints, then floats
+            out = plan.out = torch.empty(plan.rows * 8, dtype=torch.int64, device=dev)
+        part_i_all, part_f_all = partials_buf[:total * 4], partials_buf[total * 4:].view(torch.float64)
+        res_i_all, res_f_all = out[:plan.rows * 4], out[plan.rows * 4:].view(torch.float64)
+        at = 0  # first partial row of the launch
+        for dtype, row, k, programs, aligned in pieces:
+            name, esize, wide = _SPECS[dtype]
+            m = meta_dev[row * 4:(row + k) * 4]
+            part_f, part_i = part_f_all[at * 4:(at + programs) * 4], part_i_all[at * 4:(at + programs) * 4]
+            at += programs
+            res_f, res_i = res_f_all[row * 4:(row + k) * 4].view(k, 4), res_i_all[row * 4:(row + k) * 4].view(k, 4)
+            p_args = (m, part_f, part_i, k, getattr(tl, name), esize, tl.float64 if wide else tl.float32,
+                      self.stats, self.fingerprint, self.squares, CHUNK_BYTES, _LOG2_MAX_TENSORS, aligned)
+            f_args = (m, part_f, part_i, res_f, res_i, esize, _PBLOCK)
+            p_key = ("partials", plan.index, name, esize, wide, self.stats, self.fingerprint, self.squares, aligned)
+            plan.launches.append(_PlanLaunch(row, k, programs, aligned, p_key, p_args, ("finalize", plan.index),
+                                             f_args, (plan.index, dtype, self.stats, self.fingerprint)))
+
+    def launch(self, plan: Plan) -> torch.Tensor | None:
+        """Launch ``plan`` on the current stream (after a ``follow`` of the tensors it reads):
+        its results tensor (see ``Plan``), or None while the warm-up is compiling one of its
+        kernels (``add`` then takes the tensors). Nothing waits and nothing is held: the kernels
+        are queued behind the tensors' producers on their stream."""
+        if self._compiling_any(plan.index, plan.dtypes):
+            return None
+        partials, finalize = kernels(self.interpret)
+        with torch._C.DisableTorchFunction():
+            for launch in plan.launches:
+                self._run(launch.p_key, partials, launch.programs, plan.stream, launch.p_args, _P_CONSTEXPRS,
+                          launch.warm_key)
+                self._run(launch.f_key, finalize, launch.k, plan.stream, launch.f_args, _F_CONSTEXPRS,
+                          launch.warm_key)
+        self.launches += 2 * len(plan.launches)
+        return plan.out
+
     def prepare(self, index: int) -> None:
         """First-time work of CUDA device ``index``, done before a step needs it: the metadata's
         pinned buffers, and the CUDA kernels of ``take``'s concatenations, which the first launch
@@ -439,9 +661,8 @@ class Fused:
             p_key = ("partials", index, name, esize, wide, self.stats, self.fingerprint, self.squares, batch.aligned)
             f_key = ("finalize", index)
             stream = _stream_handle(index)
-            self._run(p_key, partials, batch.programs, stream, p_args,
-                      ("EDT", "ESIZE", "ACC", "STATS", "FP", "SQ", "CHUNK", "LOG2B", "ALIGNED"), warm_key)
-            self._run(f_key, finalize, k, stream, f_args, ("PBLOCK",), warm_key)
+            self._run(p_key, partials, batch.programs, stream, p_args, _P_CONSTEXPRS, warm_key)
+            self._run(f_key, finalize, k, stream, f_args, _F_CONSTEXPRS, warm_key)
             event = None
             if dev.type == "cuda":
                 event = torch.cuda.Event()
