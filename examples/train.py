@@ -154,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
                      f"{len(t.tensors)} tensors -> {t.meta.get('out', args.out)}]")
         say(line, flush=True)
     if args.ddp:
+        # Every rank done before any tears its group down: gloo aborts a rank whose peer closes
+        # the connections under its still-running threads (1 exit in 5 without the barrier).
+        dist.barrier()
         dist.destroy_process_group()
     return 0
 
