@@ -7,6 +7,7 @@ identity read alone before the checks that make it an alias key.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import hashlib
 import weakref
@@ -298,3 +299,23 @@ def test_the_hashers_work_is_its_own_inside_the_recorder_and_outside_it() -> Non
     assert counting.calls == 0
     assert outside.md5 == inside.md5 == hashlib.md5(x.numpy().tobytes()).hexdigest()
     assert outside.stats == inside.stats and outside.stats is not None and outside.stats.mean == 5.5
+
+
+# ---- the backward's gradients -------------------------------------------------------------------
+def test_a_gradient_passed_on_unchanged_is_recorded_as_dataclasses_replace_made_it() -> None:
+    torch.manual_seed(0)
+    net = _Net()
+    with tracer.trace(hash="fast") as t:
+        rec = tracer.record.recorder.active_recorder()
+        assert rec is not None
+        net(torch.ones(3, 4)).sum().backward()
+        original = t.tensors["a.weight@grad"]
+        original.values = b"kept"  # (every field is copied but those a copy has of its own)
+        with rec.lock:
+            copy = rec.names.add_copy(original, "a.weight@grad:copy", "b/AddBackward0")
+    expected = dataclasses.replace(original, name="a.weight@grad:copy", role="grad", producer="b/AddBackward0",
+                                   seq=copy.seq, md5=None, fingerprint=None, hash_note=None, stats=None,
+                                   previous=None)
+    expected.fingerprint, expected.stats = original.fingerprint, original.stats  # (filled in from it at the end)
+    assert copy == expected and copy.values == b"kept" and copy.fingerprint is not None
+    assert copy.seq > max(r.seq for r in t.tensors.values() if r is not copy)
