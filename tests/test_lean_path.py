@@ -7,7 +7,9 @@ identity read alone before the checks that make it an alias key.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
+import hashlib
 import weakref
 from typing import Any, ClassVar
 
@@ -17,11 +19,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tracer
+from tracer.model import TensorRecord
 from tracer.record import autograd as autograd_mod
 from tracer.record import naming
 from tracer.record import optimizer as optimizer_mod
+from tracer.record.checksums.hasher import Hasher
+from tracer.record.checksums.stats import cpu_stats
 from tracer.record.mode import top_recording_mode
-from tracer.record.tensors import indexed_storage_key, storage_key
+from tracer.record.tensors import get_seq, indexed_storage_key, storage_key
 
 
 class _Net(nn.Module):
@@ -251,3 +256,66 @@ def test_argument_texts_kept_for_the_process_are_the_texts_of_those_values(monke
     assert naming.short_args((x, 1.0), {}) == "1.0" and naming.short_args((x, -0.0), {}) == "-0.0"
     assert naming.short_args((x, (True, 2)), {}) == "(True, 2)" and naming.short_args((x, [1, 2]), {}) == "[1, 2]"
     assert naming.short_args((x, x), {}) == "" and len(naming._ARGS_TEXT) > 15
+
+
+# ---- check_numerics' per-value host work ------------------------------------------------------------
+def test_stats_of_a_value_that_requires_grad_make_no_grad_node_and_match_its_detached_alias() -> None:
+    assert get_seq is not None
+    w = torch.linspace(-2.0, 3.0, 48).reshape(6, 8).requires_grad_()
+    y = (w * 3).t()  # requires grad, not contiguous: read through a detached reshape
+    seq = get_seq()
+    stats = [cpu_stats(w), cpu_stats(y)]
+    assert get_seq() == seq  # no grad node was made by the reductions
+    assert stats == [cpu_stats(w.detach()), cpu_stats(y.detach())]
+    expected_mean = float(w.detach().double().sum()) / 48
+    assert stats[0] is not None and (stats[0].min, stats[0].max, stats[0].absmax) == (-2.0, 3.0, 3.0)
+    assert stats[0].mean == pytest.approx(expected_mean, rel=1e-12)
+    i = torch.arange(-3, 5, dtype=torch.int64)  # an integer value: min and max as floats
+    s = cpu_stats(i)
+    assert s is not None and (type(s.min), s.min, s.max, s.mean) == (float, -3.0, 4.0, 0.5)
+
+
+def test_the_hashers_work_is_its_own_inside_the_recorder_and_outside_it() -> None:
+    """The hasher's entry points skip entering ``OWN_WORK`` where torch functions are off already
+    (inside the recorder's bracket); called with them on, under a program's mode, the mode still
+    sees none of their torch calls."""
+    class Counting(torch.overrides.TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    hasher = Hasher("md5", stats=True)
+    x = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    outside, inside = (TensorRecord("x", (3, 4), "float32", "cpu", "input") for _ in range(2))
+    with Counting() as counting:
+        hasher.submit(outside, x)
+        with torch._C.DisableTorchFunction():
+            hasher.submit(inside, x)
+    hasher.drain(wait=True)
+    assert counting.calls == 0
+    assert outside.md5 == inside.md5 == hashlib.md5(x.numpy().tobytes()).hexdigest()
+    assert outside.stats == inside.stats and outside.stats is not None and outside.stats.mean == 5.5
+
+
+# ---- the backward's gradients -------------------------------------------------------------------
+def test_a_gradient_passed_on_unchanged_is_recorded_as_dataclasses_replace_made_it() -> None:
+    torch.manual_seed(0)
+    net = _Net()
+    with tracer.trace(hash="fast") as t:
+        rec = tracer.record.recorder.active_recorder()
+        assert rec is not None
+        net(torch.ones(3, 4)).sum().backward()
+        original = t.tensors["a.weight@grad"]
+        original.values = b"kept"  # (every field is copied but those a copy has of its own)
+        with rec.lock:
+            copy = rec.names.add_copy(original, "a.weight@grad:copy", "b/AddBackward0")
+    expected = dataclasses.replace(original, name="a.weight@grad:copy", role="grad", producer="b/AddBackward0",
+                                   seq=copy.seq, md5=None, fingerprint=None, hash_note=None, stats=None,
+                                   previous=None)
+    expected.fingerprint, expected.stats = original.fingerprint, original.stats  # (filled in from it at the end)
+    assert copy == expected and copy.values == b"kept" and copy.fingerprint is not None
+    assert copy.seq > max(r.seq for r in t.tensors.values() if r is not copy)

@@ -229,9 +229,10 @@ def test_an_input_returned_unchanged_keeps_its_name_and_outputs_are_new_records(
 
 def test_records_are_built_in_the_field_order_the_recorder_assumes() -> None:
     # The hot path constructs these positionally; a reordered data model must fail here.
-    assert [f.name for f in dataclasses.fields(TensorRecord)][:17] == [
+    assert [f.name for f in dataclasses.fields(TensorRecord)] == [
         "name", "shape", "dtype", "device", "role", "producer", "stride", "contiguous", "requires_grad",
-        "version", "seq", "md5", "fingerprint", "hash_note", "stats", "previous", "uninitialized"]
+        "version", "seq", "md5", "fingerprint", "hash_note", "stats", "previous", "uninitialized", "sharding",
+        "values"]  # (every field: TensorNames.add_copy copies the last three positionally)
     assert [f.name for f in dataclasses.fields(Call)][:13] == [
         "name", "api", "module", "inputs", "outputs", "args", "grad_nodes", "stack_id", "parent", "kind",
         "phase", "seq", "mutated"]

@@ -122,6 +122,8 @@ class Graph(Part):
         # checkpointing), and a run the trace did not see start till the end of the block.
         self._open_runs: list[int] = []
         self._run_index = -1
+        # slot_grad's suffix (names.grad_suffix), made again only when the run index changes.
+        self._suffix_of: tuple[int, str] = (0, names.grad_suffix(0))
         self._open_steps: dict[str, NodeRun] = {}
         self._node_seq = 0
 
@@ -169,7 +171,12 @@ class Graph(Part):
         """``<tensor>@grad`` for the gradient into ``node``'s input ``slot`` when that slot is a
         named tensor's (the suffix says which backward run), else None."""
         base = self._slot_tensor.get((node, slot))
-        return None if base is None else f"{base}{names.grad_suffix(max(self._run_index, 0))}"
+        if base is None:
+            return None
+        index = max(self._run_index, 0)
+        if index != self._suffix_of[0]:
+            self._suffix_of = (index, names.grad_suffix(index))
+        return base + self._suffix_of[1]
 
     def name_leaf_grad(self, t: torch.Tensor, version: int) -> str | None:
         """A tensor seen for the first time while an accumulator runs (a post-accumulate-grad hook
@@ -720,7 +727,10 @@ class Graph(Part):
         gradient, ``<node>:grad<i>``), the slot is no named tensor's, or it is a leaf's whose
         own hooks (``p.register_hook``) come between: what they return is the leaf's gradient,
         the one its ``.grad`` gets (named when the accumulator receives it)."""
-        if dest is None or self._run_indegree().get((dest, k), 0) != 1:
+        if dest is None:
+            return None
+        indegree = self._indegree if self._indegree is not None else self._run_indegree()
+        if indegree.get((dest, k), 0) != 1:
             return None
         if dest in self._acc_vars:
             var = self._acc_vars[dest]()
@@ -856,12 +866,15 @@ class Graph(Part):
         rec = self._trace.tensors.get(tensor)
         return rec is not None and rec.producer in calls
 
+    # The node events run inside the nodes' hooks, with torch functions off already (node_hook,
+    # node_done_hook): entering DisableTorchFunction again cost every node's run.
     def node_begin(self, node: str, grad_outputs: tuple[Any, ...]) -> None:
+        """A node's pre-hook (the caller has torch functions off)."""
         if self.rec.stopped:
             return
         if node in self._flush_before:  # user code next, which may write into recorded tensors
             self.rec.hasher.before_write()
-        with self.rec.lock, torch._C.DisableTorchFunction():
+        with self.rec.lock:
             self._open_steps[node] = self._start_step(node, grad_outputs, ran=False)
         self.let_go_after(node)
 
@@ -884,9 +897,10 @@ class Graph(Part):
         return step
 
     def node_end(self, node: str, grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...] = ()) -> None:
+        """A node's hook after its pre-hook (the caller has torch functions off)."""
         if self.rec.stopped:
             return
-        with self.rec.lock, torch._C.DisableTorchFunction():
+        with self.rec.lock:
             step = self._open_steps.pop(node, None)
             if step is None and node in self._acc_post_only:
                 step = self._start_step(node, grad_outputs, ran=True)
@@ -978,10 +992,11 @@ class Graph(Part):
         return None if node is None else self._node_name(node)
 
     def node_done(self, node: str, grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
-        """A node with no pre-hook ran: what it received and what it produced, in one event."""
+        """A node with no pre-hook ran: what it received and what it produced, in one event (the
+        caller has torch functions off)."""
         if self.rec.stopped:
             return
-        with self.rec.lock, torch._C.DisableTorchFunction():
+        with self.rec.lock:
             run = self._current_run()
             step = NodeRun(node, self._grad_names(node, grad_outputs, False), [])
             run.steps.append(step)

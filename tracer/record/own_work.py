@@ -41,11 +41,21 @@ HOST = torch.device("cpu")
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+# Whether torch-function handling is off altogether (inside ``OWN_WORK``); private, so where a
+# torch lacks it the context is always entered (it nests).
+_all_disabled: Callable[[], bool] = getattr(torch._C, "_is_torch_function_all_disabled", None) or (lambda: False)
+
+
 def own_work(fn: F) -> F:
     """``fn`` run as gradtrace's own work: no torch-function mode or subclass handler sees its
     torch calls, nor any Python dispatch mode (popped while it runs, when there is one)."""
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
+        if _all_disabled() and not dispatch_modes_active():
+            # Called from gradtrace's own work already (the recorder's bracket around a call,
+            # its grad-node hooks): the hasher's entry points run there for every value a step
+            # makes, and entering the context again cost more than the check.
+            return fn(*args, **kwargs)
         with OWN_WORK():
             if dispatch_modes_active():
                 with dispatch_modes_off():

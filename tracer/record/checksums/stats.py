@@ -27,7 +27,9 @@ PRECISE_SUM_ELEMS = 1 << 13  # up to this many values, the sum is in float64 (co
 def cpu_stats(t: torch.Tensor) -> Stats | None:
     """Stats of a CPU tensor now: one fused min/max pass and one sum when all values are finite
     (min and max reveal any NaN or Inf), the masked reduction only when they are not."""
-    x = t.detach()
+    # Read through a detached alias only where autograd would see the reductions (no grad node
+    # is made, no sequence number taken); most values a step makes do not require grad.
+    x = t.detach() if t.requires_grad else t
     if x.numel() == 0:
         return None
     if not x.is_contiguous():
@@ -42,15 +44,16 @@ def cpu_stats(t: torch.Tensor) -> Stats | None:
         if (x.is_floating_point() and x.element_size() < 4) or not (x.is_floating_point() or x.dtype in _AMINMAX_INT):
             x = x.float()
     lo, hi = torch.aminmax(x)
-    lo_f, hi_f = float(lo), float(hi)
+    lo_f, hi_f = float(lo), float(hi)  # (float(): an integer tensor's too)
     if math.isfinite(lo_f) and math.isfinite(hi_f):
         # Large float32 tensors are summed in float32 (torch's cascade sum: ~40x faster on the
         # CPU than converting to float64 as it sums, and as precise as the CUDA kernel, which
         # accumulates float32 too); small ones, and any overflow, in float64, where a one-ulp
-        # change of one value still moves the mean (what a diff by stats finds).
-        total = float(x.sum()) if x.dtype == torch.float32 and x.numel() > PRECISE_SUM_ELEMS else math.inf
+        # change of one value still moves the mean (what a diff by stats finds). (``.item()`` of
+        # a floating sum: the float ``float()`` gives, one Python call fewer.)
+        total = x.sum().item() if x.dtype == torch.float32 and x.numel() > PRECISE_SUM_ELEMS else math.inf
         if not math.isfinite(total):
-            total = float(x.sum(dtype=torch.float64))
+            total = x.sum(dtype=torch.float64).item()
         mean = total / x.numel()
         # absmax reuses max's float object when max dominates (no new object per record).
         return Stats(lo_f, hi_f, mean, hi_f if hi_f >= -lo_f else -lo_f, 0, 0)
