@@ -32,17 +32,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from steplog_host import clocked_log
+from steplog_host import clocked_log, step_of
 from workloads import MODELS, Workload, build
-
-
-def step_of(w: Workload) -> Callable[[], None]:
-    def step() -> None:
-        loss = w.loss()
-        loss.backward()
-        w.opt.step()
-        w.opt.zero_grad(set_to_none=True)
-    return step
 
 
 def timed(run: Callable[[], None], n: int, device: torch.device, after: Callable[[], None] | None = None) -> float:

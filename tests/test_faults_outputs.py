@@ -12,24 +12,12 @@ import time
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 import tracer
 from export.cli import main
+from tests.modes import CountingMode
 from tracer.model import load_steps
 from tracer.model.claims import OutputInUse
-
-
-class CountingMode(TorchFunctionMode):
-    """The program's own TorchFunctionMode: counts the torch calls it sees."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.calls += 1
-        return func(*args, **(kwargs or {}))
 
 
 def test_a_trace_file_that_cannot_be_opened_raises_its_oserror_and_leaves_the_callers_modes(tmp_path, monkeypatch):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import json
 import os
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import pytest
 import torch
 
 import tracer
+from tests.interpreted import run_interpreted
 from tracer.record.checksums.fingerprint import fingerprint, hex_of
 from tracer.record.checksums.stats import stats_tensor
 
@@ -27,12 +27,7 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, re
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    env.pop("GRADTRACE_FUSED_INTERPRET", None)
-    proc = subprocess.run([sys.executable, "-m", "tests.fused_interpreted"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout)
+    return run_interpreted("tests.fused_interpreted")
 
 
 @needs_triton

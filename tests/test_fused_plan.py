@@ -10,15 +10,11 @@ Without a GPU the kernels run under Triton's CPU interpreter in a subprocess
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.interpreted import run_interpreted
+
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 
 # case -> (plans made so far, plans that followed moved tensors so far)
@@ -39,12 +35,7 @@ COUNTS = {
 
 @pytest.fixture(scope="module")
 def planned() -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    env.pop("GRADTRACE_FUSED_INTERPRET", None)
-    proc = subprocess.run([sys.executable, "-m", "tests.fused_plan_interpreted"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout)
+    return run_interpreted("tests.fused_plan_interpreted")
 
 
 def test_a_planned_reading_equals_the_general_path_and_the_reference(planned):

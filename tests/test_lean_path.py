@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tracer
+from tests.modes import CountingMode
 from tracer.model import TensorRecord
 from tracer.record import autograd as autograd_mod
 from tracer.record import naming
@@ -213,20 +214,11 @@ def test_the_step_function_is_put_back_after_a_step_and_after_one_that_raises() 
 
 
 def test_under_a_programs_mode_the_step_runs_as_before() -> None:
-    class Counting(torch.overrides.TorchFunctionMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.calls = 0
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            self.calls += 1
-            return func(*args, **(kwargs or {}))
-
     torch.manual_seed(0)
     net = _Net()
     opt = _Spy(net.parameters(), lr=0.1)
     _Spy.seen = []
-    with tracer.trace(hash="none") as t, Counting() as counting:
+    with tracer.trace(hash="none") as t, CountingMode() as counting:
         opt.zero_grad()
         net(torch.ones(3, 4)).sum().backward()
         before = counting.calls
@@ -279,19 +271,10 @@ def test_the_hashers_work_is_its_own_inside_the_recorder_and_outside_it() -> Non
     """The hasher's entry points skip entering ``OWN_WORK`` where torch functions are off already
     (inside the recorder's bracket); called with them on, under a program's mode, the mode still
     sees none of their torch calls."""
-    class Counting(torch.overrides.TorchFunctionMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.calls = 0
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            self.calls += 1
-            return func(*args, **(kwargs or {}))
-
     hasher = Hasher("md5", stats=True)
     x = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     outside, inside = (TensorRecord("x", (3, 4), "float32", "cpu", "input") for _ in range(2))
-    with Counting() as counting:
+    with CountingMode() as counting:
         hasher.submit(outside, x)
         with torch._C.DisableTorchFunction():
             hasher.submit(inside, x)
