@@ -250,6 +250,22 @@ def test_argument_texts_kept_for_the_process_are_the_texts_of_those_values(monke
     assert naming.short_args((x, x), {}) == "" and len(naming._ARGS_TEXT) > 15
 
 
+def test_long_argument_values_are_not_kept_for_the_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The texts are kept for the whole process: a megabyte string or a long list of ints given to
+    a call would stay with them (as part of the key) after its trace is gone. Their texts are
+    still the same, made each time."""
+    monkeypatch.setattr(naming, "_ARGS_TEXT", {})
+    x = torch.ones(2)
+    long_text, many = "q" * 1_000_000, list(range(100_000))
+    for args, kwargs in (((x, long_text), {}), ((x,), {"mode": long_text}), ((x, many), {}), ((x, tuple(many)), {})):
+        assert naming.short_args(args, kwargs) == naming._format_args(args, kwargs, 120)
+    assert naming.short_args((x, long_text), {}) == repr(long_text)[:39] + "…"
+    assert naming._ARGS_TEXT == {}
+    # short ones are kept as before
+    assert naming.short_args((x, "q" * 256), {}) and naming.short_args((x, list(range(64))), {})
+    assert len(naming._ARGS_TEXT) == 2
+
+
 # ---- check_numerics' per-value host work ------------------------------------------------------------
 def test_stats_of_a_value_that_requires_grad_make_no_grad_node_and_match_its_detached_alias() -> None:
     assert get_seq is not None

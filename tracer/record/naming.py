@@ -262,16 +262,25 @@ def _args_key(args: tuple[Any, ...], kwargs: dict[str, Any], limit: int) -> tupl
     return _NO_VALUES if key is None else tuple(key)
 
 
+# The longest string and int sequence kept in a key: the cache lives as long as the process, and
+# a text shows 40 characters or 8 elements of them anyway; a longer one is formatted each time.
+_KEY_STR_MAX = 256
+_KEY_INTS_MAX = 64
+
+
 def _keyed(v: Any, key: list[Any]) -> bool:
-    """Add ``v`` (its type, its value) to ``key``; False when its text is not fixed by them."""
+    """Add ``v`` (its type, its value) to ``key``; False when its text is not fixed by them, or
+    when it is too long to keep for the process."""
     t = type(v)
     if t in _SCALAR_TYPES:
         if t is float and (v == 0.0 or v != v):
             return False
+        if t is str and len(v) > _KEY_STR_MAX:
+            return False
         key.append(t)
         key.append(v)
         return True
-    if (t is tuple or t is list) and all(type(x) is int for x in v):
+    if (t is tuple or t is list) and len(v) <= _KEY_INTS_MAX and all(type(x) is int for x in v):
         key.append(t)
         key.append(tuple(v) if t is list else v)
         return True
