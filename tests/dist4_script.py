@@ -121,6 +121,7 @@ def main() -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     for out, mode, *perturb in runs:
         step(out, mode, perturb[0] if perturb else None, args)
+    dist.barrier()  # every rank done before any tears the group down (gloo aborts at exit otherwise)
     dist.destroy_process_group()
 
 

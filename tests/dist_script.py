@@ -140,6 +140,7 @@ def main() -> None:
         "head_grad_md5": None if head_grad is None or args.mode != "ddp" else _md5(head_grad),
     }
     print("RESULT " + json.dumps(result), flush=True)
+    dist.barrier()  # every rank done before any tears the group down (gloo aborts at exit otherwise)
     dist.destroy_process_group()
 
 

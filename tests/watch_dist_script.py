@@ -47,6 +47,7 @@ def main() -> None:
     finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
     print("RESULT " + json.dumps({"rank": rank, "incidents": incidents, "finite": finite,
                                   "steps": train_step.watch.step}), flush=True)
+    dist.barrier()  # every rank done before any tears the group down (gloo aborts at exit otherwise)
     dist.destroy_process_group()
 
 
