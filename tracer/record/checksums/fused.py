@@ -473,8 +473,6 @@ class Fused:
     def _lay_out(self, plan: Plan, dev: torch.device) -> None:
         """The plan's rows (one per distinct bytes, grouped by dtype, ``MAX_TENSORS`` per launch),
         its metadata on the device and its buffers."""
-        import triton.language as tl  # an optional dependency, loaded with the kernels
-
         by_dtype: dict[torch.dtype, dict[tuple[int, int], int]] = {}  # dtype -> (addr, nbytes) -> tensor
         for i, (ptr, dtype, numel) in enumerate(zip(plan.ptrs, plan.dtypes, plan.numels)):
             by_dtype.setdefault(dtype, {}).setdefault((ptr, numel * _SPECS[dtype][1]), i)
@@ -509,17 +507,14 @@ class Fused:
         res_i_all, res_f_all = out[:plan.rows * 4], out[plan.rows * 4:].view(torch.float64)
         at = 0  # first partial row of the launch
         for dtype, row, k, programs, aligned in pieces:
-            name, esize, wide = _SPECS[dtype]
             m = meta_dev[row * 4:(row + k) * 4]
             part_f, part_i = part_f_all[at * 4:(at + programs) * 4], part_i_all[at * 4:(at + programs) * 4]
             at += programs
             res_f, res_i = res_f_all[row * 4:(row + k) * 4].view(k, 4), res_i_all[row * 4:(row + k) * 4].view(k, 4)
-            p_args = (m, part_f, part_i, k, getattr(tl, name), esize, tl.float64 if wide else tl.float32,
-                      self.stats, self.fingerprint, self.squares, CHUNK_BYTES, _LOG2_MAX_TENSORS, aligned)
-            f_args = (m, part_f, part_i, res_f, res_i, esize, _PBLOCK)
-            p_key = ("partials", plan.index, name, esize, wide, self.stats, self.fingerprint, self.squares, aligned)
-            plan.launches.append(_PlanLaunch(row, k, programs, aligned, p_key, p_args, ("finalize", plan.index),
-                                             f_args, (plan.index, dtype, self.stats, self.fingerprint)))
+            p_key, p_args, f_key, f_args = self._kernel_args(plan.index, _SPECS[dtype], aligned, m, part_f, part_i,
+                                                             res_f, res_i)
+            plan.launches.append(_PlanLaunch(row, k, programs, aligned, p_key, p_args, f_key, f_args,
+                                             (plan.index, dtype, self.stats, self.fingerprint)))
 
     def launch(self, plan: Plan) -> torch.Tensor | None:
         """Launch ``plan`` on the current stream (after a ``follow`` of the tensors it reads):
@@ -626,10 +621,7 @@ class Fused:
         batch = self._batches.pop(key)
         if not batch.slots:
             return
-        import triton.language as tl  # an optional dependency, loaded with the kernels
-
         partials, finalize = kernels(self.interpret)
-        name, esize, wide = batch.spec
         dev = batch.held[0].device
         k = len(batch.slots)
         # The kernels must run after the tensors' producers: on the stream they were made on
@@ -654,12 +646,8 @@ class Fused:
             at = batch.programs * 4
             res_f = buf_f[at:].view(k, 4)
             res_i = buf_i[at:].view(k, 4)
-            # Every parameter in order, constexprs included (the fast launcher's argument list).
-            p_args = (meta, buf_f, buf_i, k, getattr(tl, name), esize, tl.float64 if wide else tl.float32,
-                      self.stats, self.fingerprint, self.squares, CHUNK_BYTES, _LOG2_MAX_TENSORS, batch.aligned)
-            f_args = (meta, buf_f, buf_i, res_f, res_i, esize, _PBLOCK)
-            p_key = ("partials", index, name, esize, wide, self.stats, self.fingerprint, self.squares, batch.aligned)
-            f_key = ("finalize", index)
+            p_key, p_args, f_key, f_args = self._kernel_args(index, batch.spec, batch.aligned, meta, buf_f, buf_i,
+                                                             res_f, res_i)
             stream = _stream_handle(index)
             self._run(p_key, partials, batch.programs, stream, p_args, _P_CONSTEXPRS, warm_key)
             self._run(f_key, finalize, k, stream, f_args, _F_CONSTEXPRS, warm_key)
@@ -672,6 +660,21 @@ class Fused:
                     self._pinned.used_until(staged[1], event)
         self.launches += 2
         self.done.append((batch.slots, res_f, res_i, event))
+
+    def _kernel_args(self, index: int, spec: tuple[str, int, bool], aligned: bool, meta: torch.Tensor,
+                     part_f: torch.Tensor, part_i: torch.Tensor, res_f: torch.Tensor, res_i: torch.Tensor,
+                     ) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]]:
+        """The two kernels' cache keys and argument lists, every parameter in order, constexprs
+        included (the fast launcher's argument list): one place for the kernels' signatures, used
+        by a batch's launch and a plan's layout. ``res_f``/``res_i``: the final rows, [k, 4]."""
+        import triton.language as tl  # an optional dependency, loaded with the kernels
+
+        name, esize, wide = spec
+        p_args = (meta, part_f, part_i, res_f.shape[0], getattr(tl, name), esize, tl.float64 if wide else tl.float32,
+                  self.stats, self.fingerprint, self.squares, CHUNK_BYTES, _LOG2_MAX_TENSORS, aligned)
+        f_args = (meta, part_f, part_i, res_f, res_i, esize, _PBLOCK)
+        p_key = ("partials", index, name, esize, wide, self.stats, self.fingerprint, self.squares, aligned)
+        return p_key, p_args, ("finalize", index), f_args
 
     def _run(self, key: tuple[Any, ...], kernel: Any, grid: int, stream: int, args: tuple[Any, ...],
              constexprs: tuple[str, ...], warm_key: tuple[int, torch.dtype, bool, bool]) -> None:
