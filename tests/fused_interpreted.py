@@ -22,10 +22,13 @@ triton is first imported. Prints one JSON object on stdout:
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
 import json
 import os
 import sys
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +36,7 @@ import torch.nn.functional as F
 from tracer.model import TensorRecord
 from tracer.record.checksums import fused
 from tracer.record.checksums.bytes import as_bytes, host_bytes
-from tracer.record.checksums.fingerprint import fingerprint_reference, hex_of
+from tracer.record.checksums.fingerprint import fingerprint, fingerprint_reference, hex_of
 from tracer.record.checksums.stats import stats_tensor
 
 
@@ -329,7 +332,31 @@ def protect_results() -> dict[str, object]:
     return {"launches": [after_unrelated, after_view, batcher.launches],
             "a": [recs["a"].fingerprint, fingerprint_reference(recorded["a"]),
                   fingerprint_reference(bytes(host_bytes(as_bytes(a))))],
-            "c": [recs["c"].fingerprint, fingerprint_reference(bytes(host_bytes(as_bytes(c))))]}
+            "c": [recs["c"].fingerprint, fingerprint_reference(bytes(host_bytes(as_bytes(c))))],
+            "release": release_results()}
+
+
+def release_results() -> dict[str, object]:
+    """``Fused.release`` of tensors autograd takes next: each is snapshotted (the batch holds a
+    copy, not the tensor: its reference count is the program's again) until the snapshots
+    would pass ``SNAPSHOT_MAX_BYTES``; then the batch is launched instead."""
+    batcher = fused.Fused(stats=True, fingerprint=True, interpret=True)
+    g = torch.Generator().manual_seed(2)
+    a, b, c = (torch.randn(1000, generator=g) for _ in range(3))  # 4,000 bytes each
+    counts = [sys.getrefcount(a)]
+    for name, t in (("a", a), ("b", b), ("c", c)):
+        batcher.add(_record(name, t), t)
+    counts.append(sys.getrefcount(a))  # held by the batch
+    saved, fused.SNAPSHOT_MAX_BYTES = fused.SNAPSHOT_MAX_BYTES, 6000
+    try:
+        batcher.release([a])
+        counts.append(sys.getrefcount(a))  # a copy held instead
+        after_a = batcher.launches
+        batcher.release([b])  # 8,000 bytes of copies would pass the bound: launched
+        after_b = batcher.launches
+    finally:
+        fused.SNAPSHOT_MAX_BYTES = saved
+    return {"refcounts": counts, "launches": [after_a, after_b]}
 
 
 def versions_results() -> dict[str, object]:
@@ -338,14 +365,33 @@ def versions_results() -> dict[str, object]:
     import tracer
     from tests.version_recipes import versions_after
 
-    out: dict[str, object] = {"untraced": versions_after(None, 8)}
+    out: dict[str, object] = {"untraced": versions_after(None, 8), "slot_sum": {"untraced": slot_sum_versions(None)}}
     os.environ["GRADTRACE_FUSED_INTERPRET"] = "1"
     try:
         for hash in ("fast", "md5"):
             out[hash] = versions_after(functools.partial(tracer.trace, hash=hash), 8)
+            out["slot_sum"][hash] = slot_sum_versions(functools.partial(tracer.trace, hash=hash))  # type: ignore[index]
     finally:
         del os.environ["GRADTRACE_FUSED_INTERPRET"]
     return out
+
+
+def slot_sum_versions(traced: Any) -> dict[str, object]:
+    """A slot two edges feed, inside the graph: the engine sums the second gradient into the
+    first in place (nobody else holds it), and ``clone``'s backward hands the sum on unchanged
+    to the leaf's accumulator, which keeps it as ``.grad``: version 1 untraced. A gradient held
+    by a waiting batch was summed out of place (version 0). Also the gradient's fingerprint."""
+    p = torch.linspace(-1.0, 1.0, 64).requires_grad_()
+    w = torch.linspace(0.5, 2.0, 64).requires_grad_()
+    with traced() if traced is not None else contextlib.nullcontext() as t:
+        q = p.clone()
+        ((q * 2.0).sum() + (q * w).sum()).backward()
+    assert p.grad is not None and w.grad is not None
+    recorded = t.tensors["input0@grad"] if traced is not None else None  # p's gradient
+    return {"p.grad": p.grad._version, "w.grad": w.grad._version,
+            "fingerprint": None if recorded is None else recorded.fingerprint,
+            "md5": None if recorded is None else recorded.md5,
+            "expected": [fingerprint(p.grad), hashlib.md5(bytes(host_bytes(as_bytes(p.grad)))).hexdigest()]}
 
 
 def main() -> None:

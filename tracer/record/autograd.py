@@ -876,7 +876,8 @@ class Graph(Part):
             self.rec.hasher.before_write()
         with self.rec.lock:
             self._open_steps[node] = self._start_step(node, grad_outputs, ran=False)
-        self.let_go_after(node)
+        if node in self._acc_vars:  # the accumulator runs next: what it takes and writes
+            self.let_go_of(grad_outputs)
 
     def _start_step(self, node: str, grad_outputs: tuple[Any, ...], ran: bool) -> NodeRun:
         """A node's run starts (its pre-hook), or an accumulator hooked alone has run (``ran``:
@@ -919,25 +920,41 @@ class Graph(Part):
                 self._running.pop()
             elif node in self._running:
                 self._running.remove(node)
-        self.let_go_after(node)
+        self.let_go_after(node, grad_inputs)
 
-    def let_go_after(self, node: str) -> None:
-        """``node``'s hook is done: the hasher launches what it holds (``Hasher.let_go``) where
-        the engine reads reference counts next, which a held tensor would change: a leaf's
-        accumulator (it keeps the gradient itself as ``.grad`` only when nobody else holds it),
-        and a slot several edges feed (their gradients are summed in place only into one nobody
-        else holds). Elsewhere the batches keep filling: a launch per node would cost the
-        launches batching saves."""
+    def let_go_after(self, node: str, grads: tuple[Any, ...]) -> None:
+        """``node``'s hook is done and ``grads`` (what it made) go on along its edges: the hasher
+        holds none of those the engine reads reference counts of next (``Hasher.let_go``: it
+        keeps copies instead), which a held tensor would change: one for a leaf's accumulator
+        (it keeps the gradient itself as ``.grad`` only when nobody else holds it), and one for
+        a slot several edges feed (their gradients are summed in place only into one nobody
+        else holds, tensor and storage). The others stay in the batches, which keep filling: a
+        launch per node would cost the launches batching saves."""
         if not self.rec.hasher.holds_tensors:
             return
-        if node in self._acc_vars:
-            self.rec.hasher.let_go()
-            return
-        indegree = self._run_indegree()
-        for dest, k in self._edges.get(node, ()):
-            if dest is not None and (dest in self._acc_vars or indegree.get((dest, k), 0) > 1):
-                self.rec.hasher.let_go()
-                return
+        taken: list[torch.Tensor] = []
+        indegree = None
+        acc_vars = self._acc_vars
+        for (dest, k), g in zip(self._edges.get(node, ()), grads):
+            if dest is None or g is None:
+                continue
+            if dest not in acc_vars:
+                if indegree is None:
+                    indegree = self._run_indegree()
+                if indegree.get((dest, k), 0) < 2:
+                    continue
+            taken.append(g)
+        if taken:
+            self.rec.hasher.let_go(taken)
+
+    def let_go_of(self, grads: tuple[Any, ...]) -> None:
+        """An accumulator's pre-hook is done: the gradient it received (recorded there when no
+        hook of its producer recorded it) is not held while it runs. (Its leaf's ``.grad``,
+        which it may add into in place, was read first when it was recorded: note_grad_before.)"""
+        if self.rec.hasher.holds_tensors:
+            taken = [g for g in grads if isinstance(g, torch.Tensor)]
+            if taken:
+                self.rec.hasher.let_go(taken)
 
     def _hook_accumulator_starts(self, accs: list[str]) -> None:
         """Give accumulators hooked alone their pre-hook after all: their leaf got a
@@ -1010,7 +1027,7 @@ class Graph(Part):
                 for li in self.rec.listeners:
                     li.on_node_end(self._trace, node, step, grad_inputs)
                 self._running.pop()
-        self.let_go_after(node)
+        self.let_go_after(node, grad_inputs)
 
     def _adopt_nodes(self, parent: str, grads: tuple[Any, ...]) -> None:
         """Grad nodes that ``parent``'s backward has just made (``create_graph=True``: a gradient

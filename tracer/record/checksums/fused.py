@@ -9,10 +9,13 @@ device until the trace fetches them all at its end.
 
 While a tensor waits, its bytes must not change and its memory must not be reused:
 - the batch holds a reference to every waiting tensor (freeing one would let the caching
-  allocator hand its block to a later op that runs before our kernel). Never past a grad node's
-  hook (``Hasher.let_go``): autograd reads reference counts there, and sums a gradient in place,
-  or keeps it as ``.grad``, only when nobody else holds it; a held reference changed what the
-  program got (other ``.grad`` tensors and version counters, more memory);
+  allocator hand its block to a later op that runs before our kernel). Never a gradient that
+  autograd takes next (``Hasher.let_go``): a leaf's accumulator keeps a gradient as ``.grad``,
+  and an input buffer sums another into it in place, only when nobody else holds it (its
+  tensor, its storage); a held reference changed what the program got (other ``.grad``
+  tensors and version counters, more memory). Such a gradient is snapshotted (``release``):
+  the batch keeps a copy instead and keeps filling (a launch there, hundreds a step, cost
+  more host time than the rest of a step's batching);
 - the recorder calls ``flush`` before any call that may write anything (custom Functions,
   ``out=``, ops whose writes no schema names) and around backward passes and custom backward
   code; before an op whose schema names what it writes (in-place ops, batch norm's running
@@ -63,6 +66,9 @@ BYTES_PER_PROGRAM = 256 * 1024
 MAX_PROGRAMS = 8192  # per tensor: a large tensor is spread over every SM, in short loops
 MAX_TENSORS = 512  # per batch
 DEFAULT_MAX_BYTES = 2 << 30  # bytes a batch keeps alive before it is flushed
+# Bytes of snapshots (copies made by ``protect``/``release``) a batch may hold: beyond this it is
+# launched instead, so the GPU memory a trace adds stays small beside the step's own.
+SNAPSHOT_MAX_BYTES = 256 << 20
 _LOG2_MAX_TENSORS = 10  # binary-search steps over a batch's tensors (2^10 > MAX_TENSORS)
 _PBLOCK = 1024  # partial rows the finalize kernel folds per step
 
@@ -221,8 +227,8 @@ class Plan:
 
 
 class _Batch:
-    __slots__ = ("aligned", "by_addr", "dtype", "held", "meta", "nbytes", "programs", "slots", "spec", "starts",
-                 "stream")
+    __slots__ = ("aligned", "by_addr", "copied", "dtype", "held", "meta", "nbytes", "programs", "slots", "spec",
+                 "starts", "stream")
 
     def __init__(self, dtype: torch.dtype, spec: tuple[str, int, bool], stream: Any) -> None:
         self.dtype = dtype
@@ -239,6 +245,7 @@ class _Batch:
         self.starts: list[tuple[int, int]] = []
         self.programs = 0
         self.nbytes = 0
+        self.copied = 0  # bytes of the snapshots held (Fused._snapshot)
         self.aligned = True  # every tensor starts on a 16-byte boundary (allows wide loads)
 
 
@@ -558,7 +565,8 @@ class Fused:
         """``written`` are about to change in place: every waiting tensor whose bytes lie in their
         storages is read first. On the current stream it is snapshotted (a copy the batch holds
         instead: one copy kernel, and the batch keeps filling); a batch that runs on another
-        stream is launched now (the copy would not be ordered before its kernel).
+        stream is launched now (the copy would not be ordered before its kernel), as is a batch
+        whose snapshots would hold more than ``SNAPSHOT_MAX_BYTES``.
 
         A waiting tensor is reached when its first byte lies between the start of a written
         tensor's storage and the end of the written tensor's last element: storages are separate
@@ -584,11 +592,24 @@ class Fused:
                 hits = _reached(batch, spans)
                 if not hits:
                     continue
-                if _stream_handle(key[0]) != key[1]:
+                # A batch of another stream is launched (a copy here would not be ordered before
+                # its kernel), and one whose snapshots would pass their bound.
+                esize = batch.spec[1]
+                copies = sum(batch.meta[4 * slot + 1] for slot in hits) * esize
+                if _stream_handle(key[0]) != key[1] or batch.copied + copies > SNAPSHOT_MAX_BYTES:
                     self._launch(key)
                     continue
                 for slot in hits:
                     self._snapshot(batch, slot)
+                batch.copied += copies
+
+    def release(self, taken: list[torch.Tensor]) -> None:
+        """Autograd is about to take ``taken`` (a leaf's accumulator keeps a gradient as
+        ``.grad``, an input buffer sums into one in place, each only when nobody else holds its
+        tensor or its storage): no waiting tensor in their storages stays held. Each is
+        snapshotted as before a write (``protect``), so the batch keeps filling instead of
+        launching; the copy holds the bytes as they are now, whatever autograd does next."""
+        self.protect(taken)
 
     @staticmethod
     def _snapshot(batch: _Batch, slot: int) -> None:

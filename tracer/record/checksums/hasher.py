@@ -399,14 +399,21 @@ class Hasher:
         """Whether tensors wait in batches that hold them (``fused``: CUDA), until launched."""
         return self._fused is not None and self._fused.has_waiting
 
-    def let_go(self) -> None:
-        """Launch every waiting batch, so that no tensor of the program's stays held: the
-        autograd engine sums gradients in place only into a tensor nobody else holds (its input
-        buffers), and a leaf's accumulator keeps the gradient itself as ``.grad`` only when
-        nobody else holds it. Held there, the program got other ``.grad`` tensors, other version
-        counters and more memory than without the trace (see ``Graph.let_go_after``)."""
-        if self.holds_tensors:
-            self.flush()
+    @own_work
+    def let_go(self, taken: list[torch.Tensor]) -> None:
+        """Autograd takes ``taken`` next, so no waiting batch may hold them: the engine sums a
+        gradient into another in place only where nobody else holds it or its storage (its
+        input buffers), and a leaf's accumulator keeps the gradient itself as ``.grad`` only
+        when nobody else holds it. Held there, the program got other ``.grad`` tensors, other
+        version counters and more memory than without the trace (see ``Graph.let_go_after``).
+        The batches keep copies of them instead (``Fused.release``) and go on filling."""
+        fused = self._fused
+        if fused is None or not fused.has_waiting:
+            return
+        if torch.cuda.is_initialized() and _capturing():  # nothing may run in a graph being captured
+            return
+        with transforms_off():
+            fused.release(taken)
 
     @own_work
     def flush(self) -> None:
