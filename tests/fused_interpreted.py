@@ -376,13 +376,14 @@ def versions_results() -> dict[str, object]:
     return out
 
 
-def slot_sum_versions(traced: Any) -> dict[str, object]:
+def slot_sum_versions(traced: Any, device: str = "cpu") -> dict[str, object]:
     """A slot two edges feed, inside the graph: the engine sums the second gradient into the
     first in place (nobody else holds it), and ``clone``'s backward hands the sum on unchanged
     to the leaf's accumulator, which keeps it as ``.grad``: version 1 untraced. A gradient held
-    by a waiting batch was summed out of place (version 0). Also the gradient's fingerprint."""
-    p = torch.linspace(-1.0, 1.0, 64).requires_grad_()
-    w = torch.linspace(0.5, 2.0, 64).requires_grad_()
+    by a waiting batch was summed out of place (version 0). Also the gradient's fingerprint and
+    stats, as recorded and of its bytes."""
+    p = torch.linspace(-1.0, 1.0, 64, device=device).requires_grad_()
+    w = torch.linspace(0.5, 2.0, 64, device=device).requires_grad_()
     with traced() if traced is not None else contextlib.nullcontext() as t:
         q = p.clone()
         ((q * 2.0).sum() + (q * w).sum()).backward()
@@ -391,7 +392,9 @@ def slot_sum_versions(traced: Any) -> dict[str, object]:
     return {"p.grad": p.grad._version, "w.grad": w.grad._version,
             "fingerprint": None if recorded is None else recorded.fingerprint,
             "md5": None if recorded is None else recorded.md5,
-            "expected": [fingerprint(p.grad), hashlib.md5(bytes(host_bytes(as_bytes(p.grad)))).hexdigest()]}
+            "max": None if recorded is None or recorded.stats is None else recorded.stats.max,
+            "expected": [fingerprint(p.grad), hashlib.md5(bytes(host_bytes(as_bytes(p.grad)))).hexdigest(),
+                         p.grad.max().item()]}
 
 
 def main() -> None:

@@ -162,8 +162,73 @@ def test_batched_step_leaves_every_version_counter_as_untraced(interpreted, hash
     slot = interpreted["versions"]["slot_sum"]
     assert slot["untraced"]["p.grad"] == slot[hash]["p.grad"] == 1
     assert slot["untraced"]["w.grad"] == slot[hash]["w.grad"] == 0
-    fingerprint, md5 = slot[hash]["expected"]
+    fingerprint, md5, _ = slot[hash]["expected"]
     assert (slot[hash]["fingerprint"] if hash == "fast" else slot[hash]["md5"]) == (fingerprint if hash == "fast" else md5)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("config", ["fast", "check_numerics"])
+def test_cuda_gradients_autograd_takes_next_are_copied_out_not_launched(config):
+    """A gradient that goes on to a leaf's accumulator, or into a slot several edges feed, is
+    copied out of the waiting batch (Graph.let_go_after, Fused.release): autograd keeps or sums
+    it in place as untraced (every version counter the same), the record holds its bytes, no
+    synchronisation, and the batches launch a few times a step, not at every such node."""
+    from tests.fused_interpreted import slot_sum_versions
+    from tests.version_recipes import versions_after
+    from tracer.record.checksums import fused
+
+    def traced() -> contextlib.AbstractContextManager:
+        return tracer.trace(hash="fast") if config == "fast" else tracer.check_numerics()
+
+    # The detection-style step (a head shared by three levels, GradScaler, clipping, AdamW).
+    untraced = versions_after(None, 8, "cuda")
+    assert untraced["head.weight.grad"] == 3
+    assert versions_after(traced, 8, "cuda") == untraced
+    # A slot two edges feed inside the graph, summed in place and handed on into .grad.
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        slot = slot_sum_versions(traced, "cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert slot_sum_versions(None, "cuda")["p.grad"] == slot["p.grad"] == 1
+    expected_fingerprint, _, expected_max = slot["expected"]
+    if config == "fast":
+        assert slot["fingerprint"] == expected_fingerprint
+    else:
+        assert slot["max"] == expected_max
+
+    # A step of eight Linear layers: every one's bias gradient goes to an accumulator straight
+    # from its AddmmBackward node (before: one launch each).
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(8))).cuda()
+    opt = torch.optim.AdamW(model.parameters(), foreach=True)
+    x = torch.randn(32, 64, device="cuda")
+    launch, launches = fused.Fused._launch, [0]
+
+    def counted(self: fused.Fused, key: tuple[int, int, torch.dtype]) -> None:
+        launches[0] += bool(self._batches[key].slots)
+        launch(self, key)
+
+    fused.Fused._launch = counted  # type: ignore[method-assign]
+    try:
+        with traced() as t:
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                model(x).pow(2).mean().backward()
+                opt.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        fused.Fused._launch = launch  # type: ignore[method-assign]
+    assert 0 < launches[0] <= 6, launches[0]
+    for name, param in model.named_parameters():
+        assert param.grad is not None and param.grad._version == 0
+        record = t.tensors[f"{name}@grad"]
+        if config == "fast":
+            assert record.fingerprint == fingerprint(param.grad), name
+        else:
+            assert record.stats is not None and record.stats.max == param.grad.max().item(), name
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64,

@@ -74,16 +74,16 @@ def train_step(model: DetectorLike, opt: torch.optim.Optimizer, scaler: Any, ima
     scaler.update()
 
 
-def versions_after(traced: Callable[[], Any] | None, channels: int) -> dict[str, int | None]:
+def versions_after(traced: Callable[[], Any] | None, channels: int, device: str = "cpu") -> dict[str, int | None]:
     """Every parameter's, gradient's, buffer's and optimizer state tensor's version counter after
     a second step (the first makes the optimizer state), the second run under ``traced()`` (a
-    context manager) or plainly."""
+    context manager) or plainly. ``device``: where the model, images and scaler live."""
     torch.manual_seed(0)
-    model = DetectorLike(channels)
+    model = DetectorLike(channels).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    scaler = torch.amp.GradScaler(device, init_scale=2.0 ** 10)
     g = torch.Generator().manual_seed(1)
-    images = [torch.randn(3, 16, 12, generator=g), torch.randn(3, 12, 16, generator=g)]
+    images = [torch.randn(3, 16, 12, generator=g).to(device), torch.randn(3, 12, 16, generator=g).to(device)]
     train_step(model, opt, scaler, images)
     if traced is None:
         train_step(model, opt, scaler, images)
