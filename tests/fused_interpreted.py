@@ -183,6 +183,53 @@ def _recipe() -> dict[str, list[object]]:
     return out
 
 
+def _tied_checkpointed() -> dict[str, object]:
+    """GPT-2 with its input and output embeddings tied (autograd sums the shared weight's
+    gradient from two edges before its accumulator), gradient checkpointing (each block's
+    forward runs again inside the backward), two micro-batches accumulated (the first one's
+    gradients kept as .grad, which autograd does only with gradients nobody else holds),
+    clipping and a foreach AdamW whose state exists before the block. Every value's fingerprint
+    and stats, and every parameter's and gradient's version counter after the traced step and
+    after the same step untraced."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import tracer
+
+    def run(traced: bool) -> tuple[dict[str, list[object]], dict[str, list[int | None]]]:
+        torch.manual_seed(0)
+        config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0,
+                            eos_token_id=0, tie_word_embeddings=True, use_cache=False)
+        model = GPT2LMHeadModel(config)
+        model.gradient_checkpointing_enable()
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), foreach=True)
+        ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+
+        def step() -> None:
+            opt.zero_grad(set_to_none=True)  # the first micro-batch's gradients become .grad
+            for _ in range(2):
+                (model(input_ids=ids, labels=ids).loss / 2).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+
+        step()  # the optimizer state exists before the block
+        values: dict[str, list[object]] = {}
+        if traced:
+            with tracer.trace(hash="fast") as t:
+                step()
+            values = {name: [r.fingerprint, None if r.stats is None else [r.stats.min, r.stats.max, r.stats.nan,
+                                                                          r.stats.inf]]
+                      for name, r in t.tensors.items()}
+        else:
+            step()
+        versions = {name: [p._version, None if p.grad is None else p.grad._version]
+                    for name, p in model.named_parameters()}
+        return values, versions
+
+    values, versions = run(traced=True)
+    return {"values": values, "versions": versions, "untraced_versions": run(traced=False)[1]}
+
+
 def _inference_first() -> dict[str, list[object]]:
     """An evaluation under torch.inference_mode first in the block (the batches' first tensors
     are inference tensors, and a batch may launch inside that mode), then a training step."""
@@ -291,7 +338,8 @@ def trace_results() -> dict[str, object]:
             del os.environ["GRADTRACE_FUSED_INTERPRET"]
             fused.Fused._launch = launch  # type: ignore[method-assign]
         out[mode] = {"immediate": immediate, "batched": batched, "launches": launches[0]}
-    for label, run in (("recipe", _recipe), ("unseen_write", _unseen_write), ("inference_first", _inference_first)):
+    for label, run in (("recipe", _recipe), ("unseen_write", _unseen_write), ("inference_first", _inference_first),
+                       ("tied_checkpointed", _tied_checkpointed)):
         immediate = run()
         os.environ["GRADTRACE_FUSED_INTERPRET"] = "1"
         try:

@@ -118,6 +118,26 @@ def test_batched_inference_mode_evaluation_first_in_the_block(interpreted):
 
 
 @needs_triton
+def test_batched_tied_embeddings_with_checkpointing_and_accumulation_equal_the_immediate_path(interpreted):
+    """GPT-2 with tied embeddings (the shared weight's gradient summed from two edges before its
+    accumulator), gradient checkpointing (forwards run again inside the backward), two
+    micro-batches accumulated, clipping and a foreach AdamW: through the batches every value is
+    the immediate path's, and every parameter's and gradient's version counter is the untraced
+    one. A gradient held past its node's hook is copied into .grad by autograd, not kept, and
+    the tied weight's two gradients are summed out of place: other version counters."""
+    run = interpreted["trace"]["tied_checkpointed"]
+    immediate, batched = run["immediate"], run["batched"]
+    assert set(immediate["values"]) == set(batched["values"]) and len(immediate["values"]) > 1000
+    assert "transformer.wte.weight@grad@v1" in immediate["values"]  # the second micro-batch added into .grad
+    assert "lm_head.weight" not in immediate["values"]  # one parameter, named once
+    assert {name: (v, batched["values"][name]) for name, v in immediate["values"].items()
+            if batched["values"][name] != v} == {}
+    untraced = batched["untraced_versions"]
+    assert untraced["transformer.wte.weight"][1] > 0  # kept as .grad, then added into in place
+    assert batched["versions"] == untraced and immediate["versions"] == untraced
+
+
+@needs_triton
 def test_batched_ddp_step_reads_each_grad_before_ddp_writes_the_average_into_it(interpreted):
     """DDP copies the averaged gradients back into each .grad in a final callback of the
     backward, with no op the recorder sees: the batches are read in a final callback queued
