@@ -14,6 +14,8 @@ triton is first imported. Prints one JSON object on stdout:
   accumulation into an existing .grad, GradScaler, clipping, fused AdamW with existing state);
   ``trace.unseen_write``: a custom Function's forward writing a recorded value with no op seen;
   ``trace.inference_first``: an evaluation under ``torch.inference_mode`` first in the block;
+  ``trace.tied_checkpointed``: GPT-2 with tied embeddings and gradient checkpointing, two
+  micro-batches, with every parameter's and gradient's version counter, traced and untraced;
 - ``protect``: ``Fused.protect`` before writes that do and do not reach a waiting tensor;
 - ``ddp``: a two-rank DDP step (gloo) through the immediate path and through the batches;
 - ``versions``: every version counter of a detection-style step's tensors (tests/version_recipes.py)
