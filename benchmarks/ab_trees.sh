@@ -1,7 +1,7 @@
 #!/bin/bash
 # Same-machine A/B of benchmarks/overhead.py between this tree and an older revision: the old
-# tree's tracer/, export/ and benchmarks/ are unpacked from git into ab_old/ (a plain directory,
-# so a copy of the working tree to another machine carries it), then the two trees run in turn,
+# tree's tracer/, export/ and benchmarks/ are unpacked from git into ab_old/ (untracked and not
+# ignored, so a copy of the working tree to another machine carries it), then the two trees run in turn,
 # ROUNDS times each (new, old, new, old, ...), each run a fresh process. Only the table rows are
 # printed, each labelled with its tree and round; the full reports land in OUT_DIR.
 #
