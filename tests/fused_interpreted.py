@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -40,6 +41,30 @@ from tracer.record.checksums import fused
 from tracer.record.checksums.bytes import as_bytes, host_bytes
 from tracer.record.checksums.fingerprint import fingerprint, fingerprint_reference, hex_of
 from tracer.record.checksums.stats import stats_tensor
+
+
+def record_values(t: Any) -> dict[str, list[object]]:
+    """Every tensor record's fingerprint and exact stats (min, max, NaN and Inf counts), by name:
+    what the immediate and the batched paths must agree on."""
+    return {name: [r.fingerprint, None if r.stats is None else [r.stats.min, r.stats.max, r.stats.nan, r.stats.inf]]
+            for name, r in t.tensors.items()}
+
+
+@contextlib.contextmanager
+def counting_launches() -> Iterator[list[int]]:
+    """Within: ``Fused._launch`` counts the batches it launches with anything in them, into the
+    one-element list yielded."""
+    launch, launches = fused.Fused._launch, [0]
+
+    def counted(self: fused.Fused, key: tuple[int, int, torch.dtype]) -> None:
+        launches[0] += bool(self._batches[key].slots)
+        launch(self, key)
+
+    fused.Fused._launch = counted  # type: ignore[method-assign]
+    try:
+        yield launches
+    finally:
+        fused.Fused._launch = launch  # type: ignore[method-assign]
 
 
 def _cases() -> dict[str, torch.Tensor]:
@@ -121,8 +146,7 @@ def _step(optimizer_ops: bool) -> dict[str, list[object]]:
             loss.backward()
             opt.step()
             opt.zero_grad()
-    return {name: [r.fingerprint, None if r.stats is None else [r.stats.min, r.stats.max, r.stats.nan, r.stats.inf]]
-            for name, r in t.tensors.items()}
+    return record_values(t)
 
 
 class ScaleInPlace(torch.autograd.Function):
@@ -179,9 +203,7 @@ def _recipe() -> dict[str, list[object]]:
             scaler.step(opt)
             scaler.update()
             opt.zero_grad(set_to_none=False)
-        out.update({f"{block}/{name}": [r.fingerprint, None if r.stats is None else
-                                        [r.stats.min, r.stats.max, r.stats.nan, r.stats.inf]]
-                    for name, r in t.tensors.items()})
+        out.update({f"{block}/{name}": v for name, v in record_values(t).items()})
     return out
 
 
@@ -219,9 +241,7 @@ def _tied_checkpointed() -> dict[str, object]:
         if traced:
             with tracer.trace(hash="fast") as t:
                 step()
-            values = {name: [r.fingerprint, None if r.stats is None else [r.stats.min, r.stats.max, r.stats.nan,
-                                                                          r.stats.inf]]
-                      for name, r in t.tensors.items()}
+            values = record_values(t)
         else:
             step()
         versions = {name: [p._version, None if p.grad is None else p.grad._version]
@@ -247,8 +267,7 @@ def _inference_first() -> dict[str, list[object]]:
             model(x).mul_(2.0)  # in place inside the mode: the batch is protected there
         model(x.clone()).pow(2).mean().backward()
         opt.step()
-    return {name: [r.fingerprint, None if r.stats is None else [r.stats.min, r.stats.max, r.stats.nan, r.stats.inf]]
-            for name, r in t.tensors.items()}
+    return record_values(t)
 
 
 def _ddp_rank(rank: int, world: int, port: int, out: str) -> None:
@@ -322,23 +341,14 @@ def trace_results() -> dict[str, object]:
     """Both optimizer recordings: the step as one call, and every foreach op inside it; with the
     batches' launches counted."""
     out: dict[str, object] = {}
-    launch = fused.Fused._launch
-    launches = [0]
-
-    def counted(self: fused.Fused, key: tuple[int, int, torch.dtype]) -> None:
-        launches[0] += bool(self._batches[key].slots)
-        launch(self, key)
-
     for mode, ops in (("step", False), ("ops", True)):
         immediate = _step(ops)
         os.environ["GRADTRACE_FUSED_INTERPRET"] = "1"
-        fused.Fused._launch = counted  # type: ignore[method-assign]
-        launches[0] = 0
         try:
-            batched = _step(ops)
+            with counting_launches() as launches:
+                batched = _step(ops)
         finally:
             del os.environ["GRADTRACE_FUSED_INTERPRET"]
-            fused.Fused._launch = launch  # type: ignore[method-assign]
         out[mode] = {"immediate": immediate, "batched": batched, "launches": launches[0]}
     for label, run in (("recipe", _recipe), ("unseen_write", _unseen_write), ("inference_first", _inference_first),
                        ("tied_checkpointed", _tied_checkpointed)):

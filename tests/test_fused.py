@@ -194,9 +194,8 @@ def test_cuda_gradients_autograd_takes_next_are_copied_out_not_launched(config):
     copied out of the waiting batch (Graph.let_go_after, Fused.release): autograd keeps or sums
     it in place as untraced (every version counter the same), the record holds its bytes, no
     synchronisation, and the batches launch a few times a step, not at every such node."""
-    from tests.fused_interpreted import slot_sum_versions
+    from tests.fused_interpreted import counting_launches, slot_sum_versions
     from tests.version_recipes import versions_after
-    from tracer.record.checksums import fused
     from tracer.record.checksums.launcher import WARMUP
 
     def traced() -> contextlib.AbstractContextManager:
@@ -221,24 +220,14 @@ def test_cuda_gradients_autograd_takes_next_are_copied_out_not_launched(config):
     model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(8))).cuda()
     opt = torch.optim.AdamW(model.parameters(), foreach=True)
     x = torch.randn(32, 64, device="cuda")
-    launch, launches = fused.Fused._launch, [0]
-
-    def counted(self: fused.Fused, key: tuple[int, int, torch.dtype]) -> None:
-        launches[0] += bool(self._batches[key].slots)
-        launch(self, key)
-
     WARMUP.wait_all()  # the kernels compiled (while they compile, values take the torch path)
-    fused.Fused._launch = counted  # type: ignore[method-assign]
-    try:
-        with traced() as t:
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                model(x).pow(2).mean().backward()
-                opt.step()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-    finally:
-        fused.Fused._launch = launch  # type: ignore[method-assign]
+    with counting_launches() as launches, traced() as t:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            model(x).pow(2).mean().backward()
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     assert 0 < launches[0] <= 6, launches[0]
     for name, param in model.named_parameters():
         assert param.grad is not None and param.grad._version == 0
