@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import json
 import os
 import sys
@@ -38,7 +37,7 @@ import torch.nn.functional as F
 
 from tracer.model import TensorRecord
 from tracer.record.checksums import fused
-from tracer.record.checksums.bytes import as_bytes, host_bytes
+from tracer.record.checksums.bytes import as_bytes, host_bytes, md5_of
 from tracer.record.checksums.fingerprint import fingerprint, fingerprint_reference, hex_of
 from tracer.record.checksums.stats import stats_tensor
 
@@ -453,8 +452,9 @@ def slot_sum_versions(traced: Any, device: str = "cpu") -> dict[str, object]:
             "fingerprint": None if recorded is None else recorded.fingerprint,
             "md5": None if recorded is None else recorded.md5,
             "max": None if recorded is None or recorded.stats is None else recorded.stats.max,
-            "expected": [fingerprint(p.grad), hashlib.md5(bytes(host_bytes(as_bytes(p.grad)))).hexdigest(),
-                         p.grad.max().item()]}
+            # md5_of copies to the host first: host_bytes reads host memory only (a CUDA pointer
+            # read from the host is a segmentation fault, which the first CUDA run of this found)
+            "expected": [fingerprint(p.grad), md5_of(p.grad), p.grad.max().item()]}
 
 
 def main() -> None:
