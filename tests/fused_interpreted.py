@@ -418,6 +418,83 @@ def release_results() -> dict[str, object]:
     return {"refcounts": counts, "launches": [after_a, after_b]}
 
 
+def list_tensors(seed: int, device: str = "cpu") -> list[torch.Tensor]:
+    """A long list as an optimizer step hands over: float32 of many sizes (one with a NaN),
+    bfloat16, int64, and two views reading the same bytes as tensors before them."""
+    g = torch.Generator().manual_seed(seed)
+    ts = [torch.randn(17 + i, generator=g) for i in range(24)]
+    ts += [torch.randn(5, 9, generator=g).to(torch.bfloat16) for _ in range(8)]
+    ts += [torch.randint(-9, 9, (33,), generator=g) for _ in range(4)]
+    ts[3][2] = float("nan")
+    ts = [t.to(device) for t in ts]
+    return [*ts, ts[0].view(17), ts[25][:]]
+
+
+def _list_values(tensors: list[torch.Tensor], again_after_write: bool = False) -> list[list[object]]:
+    """``Hasher.submit_many`` of ``tensors`` (fingerprints and stats), then each record's values.
+    ``again_after_write``: the same list a second time in the same hasher after writing into
+    every tensor (two optimizer steps in one trace: the same plan launched twice before the
+    results are fetched), the records of both."""
+    from tracer.record.checksums.hasher import Hasher
+
+    hasher = Hasher(algorithm="fast", stats=True)
+    recs = [_record(f"t{i}", t) for i, t in enumerate(tensors)]
+    hasher.submit_many(list(zip(recs, tensors)))
+    if again_after_write:
+        with torch.no_grad():
+            for t in tensors[:36]:
+                t.add_(3)
+        again = [_record(f"again{i}", t) for i, t in enumerate(tensors)]
+        hasher.submit_many(list(zip(again, tensors)))
+        recs += again
+    hasher.drain(wait=True)
+    return [[r.fingerprint, None if r.stats is None else [r.stats.min, r.stats.max, r.stats.nan, r.stats.inf]]
+            for r in recs]
+
+
+def list_results() -> dict[str, object]:
+    """Long lists through ``Fused.read_now`` (one plan a list, nothing held), against the
+    immediate path: a first list (a new plan); new tensors of the same dtypes and sizes (the
+    plan followed, its addresses moved); the first list again after in-place writes (the plan
+    followed where it was, reading the new bytes); a list with a transposed tensor, which no
+    plan reads (every tensor added one by one). With the plans kept and the calls counted."""
+    first, moved = list_tensors(4), list_tensors(5)
+    transposed = [*list_tensors(6), torch.randn(6, 7).t()]
+    out: dict[str, object] = {"immediate": {}, "batched": {}, "plans": [], "read": []}
+    calls: list[bool] = []
+    real = fused.Fused.read_now
+
+    def counted(self: fused.Fused, recs: Any, tensors: Any) -> bool:
+        calls.append(real(self, recs, tensors))
+        return calls[-1]
+
+    fused._LIST_PLANS.clear()
+    fused.Fused.read_now = counted  # type: ignore[method-assign]
+    try:
+        for label, tensors, write in (("first", first, False), ("moved", moved, False), ("written", first, True),
+                                      ("transposed", transposed, False), ("twice", moved, False)):
+            if write:
+                for t in first[:36]:
+                    t.mul_(2) if t.dtype != torch.int64 else t.add_(1)
+            tensors = [t.clone() for t in tensors] if label == "twice" else tensors  # written twice below
+            before = [t.clone() for t in tensors]
+            out["immediate"][label] = _list_values(tensors, label == "twice")  # type: ignore[index]
+            if label == "twice":  # the same starting bytes for the batched run
+                with torch.no_grad():
+                    for t, b in zip(tensors, before):
+                        t.copy_(b)
+            os.environ["GRADTRACE_FUSED_INTERPRET"] = "1"
+            try:
+                out["batched"][label] = _list_values(tensors, label == "twice")  # type: ignore[index]
+            finally:
+                del os.environ["GRADTRACE_FUSED_INTERPRET"]
+            out["plans"].append([id(plan) for _, plan in fused._LIST_PLANS])  # type: ignore[attr-defined]
+    finally:
+        fused.Fused.read_now = real  # type: ignore[method-assign]
+    out["read"] = calls
+    return out
+
+
 def versions_results() -> dict[str, object]:
     """The version counters of a detection-style step: untraced, and traced through the batches
     (which hold their tensors until launched: never past a grad node's hook)."""
@@ -460,7 +537,7 @@ def slot_sum_versions(traced: Any, device: str = "cpu") -> dict[str, object]:
 def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     json.dump({"kernel": kernel_results(), "trace": trace_results(), "protect": protect_results(),
-               "ddp": ddp_results(), "versions": versions_results()}, sys.stdout)
+               "ddp": ddp_results(), "versions": versions_results(), "lists": list_results()}, sys.stdout)
 
 
 if __name__ == "__main__":

@@ -137,6 +137,32 @@ def test_batched_tied_embeddings_with_checkpointing_and_accumulation_equal_the_i
     assert batched["versions"] == untraced and immediate["versions"] == untraced
 
 
+def test_long_lists_are_read_through_one_plan_equal_to_the_immediate_path(interpreted):
+    """Hasher.submit_many of a long list (an optimizer step's: three dtypes, a NaN, two views of
+    bytes already listed) is read through one plan (Fused.read_now), with every record's
+    fingerprint and stats the immediate path's. The plan is kept across hashers (a trace per
+    step): a list of new tensors of the same dtypes and sizes follows it (addresses moved), the
+    first list after in-place writes follows it too and reads the new bytes; a list no plan
+    can read (a transposed tensor) is added one by one, equal as well. The same list read
+    twice in one hasher, written between, keeps each reading's values (a plan's results are
+    copied out behind its launch: its next launch overwrites them)."""
+    lists = interpreted["lists"]
+    assert lists["read"] == [True, True, True, False, True, True]
+    first_plan = lists["plans"][0]
+    assert len(first_plan) == 1 and lists["plans"][:4] == [first_plan] * 4  # one plan, followed twice
+    # copies of the views no longer share bytes with what they viewed: a plan of their own
+    assert len(lists["plans"][4]) == 2 and lists["plans"][4][1] == first_plan[0]
+    for label in ("first", "moved", "written", "transposed", "twice"):
+        immediate, batched = lists["immediate"][label], lists["batched"][label]
+        assert len(batched) >= 38 and all(fp is not None and stats is not None for fp, stats in batched), label
+        assert batched == immediate, label
+    first, written, twice = lists["batched"]["first"], lists["batched"]["written"], lists["batched"]["twice"]
+    assert first[3][1][2] == 1  # the NaN counted
+    assert first[36] == first[0] and first[37] == first[25]  # a view reads as the tensor it views
+    assert all(w != f for w, f in zip(written[:36], first[:36]))  # the written bytes, not the old ones
+    assert len(twice) == 76 and all(a != b for a, b in zip(twice[:36], twice[38:74]))  # each reading its own
+
+
 @needs_triton
 def test_batched_ddp_step_reads_each_grad_before_ddp_writes_the_average_into_it(interpreted):
     """DDP copies the averaged gradients back into each .grad in a final callback of the
@@ -236,6 +262,41 @@ def test_cuda_gradients_autograd_takes_next_are_copied_out_not_launched(config):
             assert record.fingerprint == fingerprint(param.grad), name
         else:
             assert record.stats is not None and record.stats.max == param.grad.max().item(), name
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_long_lists_are_read_through_one_plan_without_a_sync():
+    """On CUDA, Hasher.submit_many of a long list goes through one plan (Fused.read_now) with no
+    synchronisation; each record's fingerprint and stats are the tensor's. A second hasher (the
+    next trace) follows the kept plan for new tensors of the same dtypes and sizes."""
+    from tests.fused_interpreted import list_tensors
+    from tracer.model import TensorRecord
+    from tracer.record.checksums import fused
+    from tracer.record.checksums.hasher import Hasher
+
+    fused._LIST_PLANS.clear()
+    plans = []
+    for seed in (8, 9):
+        tensors = list_tensors(seed, "cuda")
+        hasher = Hasher(algorithm="fast", stats=True)
+        recs = [TensorRecord(name=f"t{i}", shape=tuple(t.shape), dtype=str(t.dtype), device="cuda:0", role="state",
+                             producer=None) for i, t in enumerate(tensors)]
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            hasher.submit_many(list(zip(recs, tensors)))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        plans.append([id(plan) for _, plan in fused._LIST_PLANS])
+        hasher.drain(wait=True)
+        for rec, t in zip(recs, tensors):
+            assert rec.fingerprint == fingerprint(t), rec.name
+            assert rec.stats is not None
+            finite = t[torch.isfinite(t)].double() if t.is_floating_point() else t.double()
+            assert (rec.stats.min, rec.stats.max) == (finite.min().item(), finite.max().item()), rec.name
+            assert rec.stats.nan == (int(torch.isnan(t).sum()) if t.is_floating_point() else 0), rec.name
+    assert len(plans[0]) == 1 and plans[1] == plans[0]  # the second list followed the first's plan
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64,
