@@ -137,6 +137,30 @@ def test_batched_tied_embeddings_with_checkpointing_and_accumulation_equal_the_i
     assert batched["versions"] == untraced and immediate["versions"] == untraced
 
 
+def test_kept_list_plans_are_bounded_by_count_and_device_bytes(monkeypatch):
+    """The plans read_now keeps across traces hold device buffers: the oldest are dropped past
+    LIST_PLANS_KEPT plans or LIST_PLANS_MAX_BYTES bytes, the newest is kept whatever its size."""
+    from tracer.record.checksums import fused
+
+    monkeypatch.setattr(fused, "_LIST_PLANS", [])
+    key = (40, True, True, False, False)
+
+    def kept_after(sizes: list[int]) -> list[int]:
+        fused._LIST_PLANS.clear()
+        for size in sizes:
+            plan = fused.Plan([], [], [], [], -1, 0)
+            plan.device_bytes = size
+            fused._LIST_PLANS.insert(0, (key, plan))
+            fused._drop_old_plans()
+        return [plan.device_bytes for _, plan in fused._LIST_PLANS]
+
+    mib = 1 << 20
+    assert fused.LIST_PLANS_MAX_BYTES == 64 * mib and fused.LIST_PLANS_KEPT == 16
+    assert kept_after([k * mib for k in range(1, 21)]) == [20 * mib, 19 * mib, 18 * mib]  # 57 MiB; 74 > 64
+    assert kept_after([1024 + k for k in range(20)]) == [1024 + k for k in range(19, 3, -1)]  # the newest 16
+    assert kept_after([mib, 100 * mib]) == [100 * mib]  # alone past the bound: kept, the older dropped
+
+
 def test_long_lists_are_read_through_one_plan_equal_to_the_immediate_path(interpreted):
     """Hasher.submit_many of a long list (an optimizer step's: three dtypes, a NaN, two views of
     bytes already listed) is read through one plan (Fused.read_now), with every record's

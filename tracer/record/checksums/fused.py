@@ -71,8 +71,11 @@ DEFAULT_MAX_BYTES = 2 << 30  # bytes a batch keeps alive before it is flushed
 # launched instead, so the GPU memory a trace adds stays small beside the step's own.
 SNAPSHOT_MAX_BYTES = 256 << 20
 # Plans read_now keeps, most recently used first (an optimizer's lists before and after its
-# step, of a few optimizers): a list that matches none gets a new plan, the oldest is dropped.
+# step, of a few optimizers): a list that matches none gets a new plan, the oldest are dropped
+# past this many or past this many bytes of device buffers (a plan holds 64 bytes per 256 KiB it
+# reads: ~20 MiB for the state of a 7B-parameter model under AdamW).
 LIST_PLANS_KEPT = 16
+LIST_PLANS_MAX_BYTES = 64 << 20
 _LOG2_MAX_TENSORS = 10  # binary-search steps over a batch's tensors (2^10 > MAX_TENSORS)
 _PBLOCK = 1024  # partial rows the finalize kernel folds per step
 
@@ -186,6 +189,17 @@ _LIST_PLANS: list[tuple[tuple[int, bool, bool, bool, bool], Plan]] = []
 _LIST_PLANS_LOCK = threading.Lock()
 
 
+def _drop_old_plans() -> None:
+    """Keep the newest plans within ``LIST_PLANS_KEPT`` and ``LIST_PLANS_MAX_BYTES`` (the newest
+    one always: it is about to be launched)."""
+    total = 0
+    for i, (_, plan) in enumerate(_LIST_PLANS):
+        total += plan.device_bytes
+        if i and (i >= LIST_PLANS_KEPT or total > LIST_PLANS_MAX_BYTES):
+            del _LIST_PLANS[i:]
+            return
+
+
 class _PlanLaunch:
     """One launch pair of a plan: rows ``first`` to ``first + k`` (one dtype, at most
     ``MAX_TENSORS``), every argument ready."""
@@ -219,8 +233,8 @@ class Plan:
     launch: the next launch overwrites it, on the same stream, so a copy queued before that
     (a non-blocking copy right after the launch) reads this launch's results."""
 
-    __slots__ = ("devices", "dtypes", "index", "launches", "meta", "meta_dev", "numels", "out", "ptrs", "reps",
-                 "row_of", "rows", "stream")
+    __slots__ = ("device_bytes", "devices", "dtypes", "index", "launches", "meta", "meta_dev", "numels", "out",
+                 "ptrs", "reps", "row_of", "rows", "stream")
 
     def __init__(self, ptrs: list[int], dtypes: list[torch.dtype], numels: list[int], devices: list[int],
                  index: int, stream: int) -> None:
@@ -234,6 +248,7 @@ class Plan:
         self.meta_dev: torch.Tensor | None = None
         self.launches: list[_PlanLaunch] = []
         self.out: torch.Tensor | None = None
+        self.device_bytes = 0  # of its buffers on the device (metadata, partial rows, results)
 
 
 class _Batch:
@@ -520,6 +535,7 @@ class Fused:
                 else meta_host
             partials_buf = torch.empty(total * 8, dtype=torch.int64, device=dev)  # ints, then floats
             out = plan.out = torch.empty(plan.rows * 8, dtype=torch.int64, device=dev)
+        plan.device_bytes = 8 * (len(meta) + total * 8 + plan.rows * 8)
         part_i_all, part_f_all = partials_buf[:total * 4], partials_buf[total * 4:].view(torch.float64)
         res_i_all, res_f_all = out[:plan.rows * 4], out[plan.rows * 4:].view(torch.float64)
         at = 0  # first partial row of the launch
@@ -560,7 +576,7 @@ class Fused:
                 if plan is None:
                     return False
                 _LIST_PLANS.insert(0, (key, plan))
-                del _LIST_PLANS[LIST_PLANS_KEPT:]
+                _drop_old_plans()
             out = self.launch(plan)
             if out is None:  # its kernels are still compiling
                 return False
