@@ -495,6 +495,44 @@ def list_results() -> dict[str, object]:
     return out
 
 
+def dense_results() -> dict[str, object]:
+    """Stats alone (``check_numerics``' batches): tensors whose elements fill a span of memory in
+    another order (transposed, permuted, channels-last, a Linear weight's gradient) are held as
+    they are, not copied; a strided slice is packed. Then a write into their base, after
+    ``protect`` (their snapshots keep their layout), and the rows: each against the tensor's
+    stats as added. With the held tensors' identities (the original or a copy)."""
+    batcher = fused.Fused(stats=True, fingerprint=False, interpret=True)
+    g = torch.Generator().manual_seed(11)
+    base = torch.randn(6, 7, 5, generator=g)
+    base[2, 3, 1] = float("nan")
+    base[0, 0, 0] = float("inf")
+    cases = {"transposed": base.transpose(0, 2), "permuted": base.permute(1, 2, 0), "slice": base[:, ::2],
+             "channels_last": torch.randn(2, 3, 4, 5, generator=g).to(memory_format=torch.channels_last),
+             "weight_grad": torch.randn(16, 8, generator=g).t()}
+    expected = {}
+    for name, t in cases.items():
+        ref = stats_tensor(t)
+        assert ref is not None
+        expected[name] = ref.tolist()[:6]  # min, max, mean, absmax, NaN count, Inf count
+    recs = {name: _record(name, t) for name, t in cases.items()}
+    for name, t in cases.items():
+        assert batcher.add(recs[name], t), name
+    held = [h for b in batcher._batches.values() for h in b.held]
+    held_as_is = {name: any(h is t for h in held) for name, t in cases.items()}
+    batcher.protect([base])  # a write into base is next: what waits in its bytes is copied
+    snapshots_dense = all(h.is_contiguous() or fused._fills_its_span(h)
+                          for b in batcher._batches.values() for h in b.held)
+    base.mul_(0)
+    batcher.flush()
+    got = {}
+    for slots, floats, ints in batcher.take(wait=True):
+        for recs_of_row, frow, irow in zip(slots, floats, ints):
+            for rec in recs_of_row:
+                got[rec.name] = [*frow, *irow[:2]]
+    return {"expected": expected, "got": got, "held_as_is": held_as_is, "rows": len(held),
+            "snapshots_dense": snapshots_dense}
+
+
 def versions_results() -> dict[str, object]:
     """The version counters of a detection-style step: untraced, and traced through the batches
     (which hold their tensors until launched: never past a grad node's hook)."""
@@ -537,7 +575,8 @@ def slot_sum_versions(traced: Any, device: str = "cpu") -> dict[str, object]:
 def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     json.dump({"kernel": kernel_results(), "trace": trace_results(), "protect": protect_results(),
-               "ddp": ddp_results(), "versions": versions_results(), "lists": list_results()}, sys.stdout)
+               "ddp": ddp_results(), "versions": versions_results(), "lists": list_results(),
+               "dense": dense_results()}, sys.stdout)
 
 
 if __name__ == "__main__":

@@ -137,6 +137,24 @@ def test_batched_tied_embeddings_with_checkpointing_and_accumulation_equal_the_i
     assert batched["versions"] == untraced and immediate["versions"] == untraced
 
 
+def test_stats_alone_read_dense_layouts_in_place(interpreted):
+    """check_numerics' batches (stats, no fingerprint) hold a transposed, permuted, channels-last
+    tensor or a Linear weight's gradient as it is (no packing copy: the stats do not depend on
+    the order), a view with the same bytes shares its row, a strided slice is still packed; after
+    a write into their base (protect first), every row holds the stats of the bytes as added:
+    min, max, largest magnitude and the NaN and Inf counts exact, the mean to float rounding."""
+    dense = interpreted["dense"]
+    assert dense["held_as_is"] == {"transposed": True, "permuted": False, "slice": False, "channels_last": True,
+                                   "weight_grad": True}
+    assert dense["rows"] == 4  # permuted shares transposed's row; slice's row holds its packed copy
+    assert dense["snapshots_dense"]
+    for name, (lo, hi, mean, absmax, nan, inf) in dense["expected"].items():
+        got = dense["got"][name]
+        assert [got[0], got[1], got[3], got[4], got[5]] == [lo, hi, absmax, nan, inf], name
+        assert got[2] == pytest.approx(mean, rel=1e-6, abs=1e-9), name
+    assert dense["got"]["transposed"][4] == 1 and dense["got"]["transposed"][5] == 1  # the NaN and Inf of base
+
+
 def test_kept_list_plans_are_bounded_by_count_and_device_bytes(monkeypatch):
     """The plans read_now keeps across traces hold device buffers: the oldest are dropped past
     LIST_PLANS_KEPT plans or LIST_PLANS_MAX_BYTES bytes, the newest is kept whatever its size."""
@@ -155,7 +173,7 @@ def test_kept_list_plans_are_bounded_by_count_and_device_bytes(monkeypatch):
         return [plan.device_bytes for _, plan in fused._LIST_PLANS]
 
     mib = 1 << 20
-    assert fused.LIST_PLANS_MAX_BYTES == 64 * mib and fused.LIST_PLANS_KEPT == 16
+    assert (fused.LIST_PLANS_MAX_BYTES, fused.LIST_PLANS_KEPT) == (64 << 20, 16)
     assert kept_after([k * mib for k in range(1, 21)]) == [20 * mib, 19 * mib, 18 * mib]  # 57 MiB; 74 > 64
     assert kept_after([1024 + k for k in range(20)]) == [1024 + k for k in range(19, 3, -1)]  # the newest 16
     assert kept_after([mib, 100 * mib]) == [100 * mib]  # alone past the bound: kept, the older dropped
@@ -327,19 +345,26 @@ def test_cuda_long_lists_are_read_through_one_plan_without_a_sync():
                                    torch.int32, torch.uint8, torch.bool, torch.complex64])
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_batches_equal_the_torch_path(dtype):
+@pytest.mark.parametrize("with_fingerprint", [True, False])
+def test_cuda_batches_equal_the_torch_path(dtype, with_fingerprint):
+    """Every layout through the batches gives the torch path's stats (and fingerprint). Stats
+    alone (check_numerics) read the transposed and channels-last cases where they lie."""
     from tracer.model import TensorRecord
     from tracer.record.checksums.fused import Fused
 
     src = torch.randn(257, 129, device="cuda")
     src[3, 5] = float("nan")
     base = (src > 0) if dtype == torch.bool else src.to(dtype)
-    cases = [base, base.t(), base[1:, ::2], base.reshape(-1)[3:1000], base[0], base.reshape(-1)[:3]]
-    batcher = Fused(stats=True, fingerprint=True)
+    images = torch.randn(4, 6, 9, 7, device="cuda").to(dtype).to(memory_format=torch.channels_last)
+    cases = [base, base.t(), base[1:, ::2], base.reshape(-1)[3:1000], base[0], base.reshape(-1)[:3], images]
+    batcher = Fused(stats=True, fingerprint=with_fingerprint)
     recs = [TensorRecord(name=str(i), shape=(), dtype="", device="cuda:0", role="output", producer=None)
             for i in range(len(cases))]
     for rec, t in zip(recs, cases):
         assert batcher.add(rec, t)
+    held = [h for batch in batcher._batches.values() for h in batch.held]
+    # read in place (a complex tensor: as its real view), or a packed copy
+    assert any(h.data_ptr() == images.data_ptr() for h in held) is (not with_fingerprint)
     batcher.flush()
     rows = {}
     for slots, floats, ints in batcher.take(wait=True):
@@ -348,7 +373,8 @@ def test_cuda_batches_equal_the_torch_path(dtype):
                 rows[rec.name] = (frow, irow)
     for i, t in enumerate(cases):
         frow, irow = rows[str(i)]
-        assert hex_of(irow[2], irow[3]) == fingerprint(t), (dtype, i)
+        if with_fingerprint:
+            assert hex_of(irow[2], irow[3]) == fingerprint(t), (dtype, i)
         ref = stats_tensor(t).tolist()
         assert irow[:2] == [int(ref[4]), int(ref[5])]
         if ref[6]:

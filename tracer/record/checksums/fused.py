@@ -381,8 +381,12 @@ class Fused:
             # start-up is done, the trace's start waits for them instead: Hasher.prepare.)
             return False
         addr = t.data_ptr()
-        if not t.is_contiguous() or (self.fingerprint and addr & 3):
-            # A packed copy of the logical contents; the batch holds it, not the original.
+        # Stats alone do not depend on the elements' order: a tensor whose elements fill a span
+        # of memory exactly (a transposed or permuted layout: a weight's gradient from
+        # MmBackward, attention's transposes) is read where it lies. Otherwise (and always for a
+        # fingerprint, which reads the logical order) the batch holds a packed copy.
+        if (not t.is_contiguous() or (self.fingerprint and addr & 3)) \
+                and (self.fingerprint or not _fills_its_span(t)):
             with torch._C.DisableTorchFunction():
                 t = t.clone(memory_format=torch.contiguous_format)
             addr = t.data_ptr()
@@ -689,7 +693,9 @@ class Fused:
     def _snapshot(batch: _Batch, slot: int) -> None:
         """Replace waiting tensor ``slot`` by a copy of its bytes (on the current stream)."""
         old = batch.held[slot]
-        copy = old.clone()  # contiguous like the original (add() packed any other layout)
+        # The same layout as the original (clone keeps a dense tensor's strides): contiguous, or
+        # dense in another order (add() packed any other layout), so its bytes are one span too.
+        copy = old.clone()
         meta = batch.meta
         old_addr = meta[4 * slot]
         nbytes = meta[4 * slot + 1] * batch.spec[1]
@@ -830,6 +836,20 @@ class Fused:
         waiting = {id(r) for b in self._batches.values() for recs in b.slots for r in recs}
         waiting.update(id(r) for d in self.done for recs in d[0] for r in recs)
         return waiting
+
+
+def _fills_its_span(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill the ``numel`` elements from its first one without gaps or
+    overlaps (non-overlapping and dense: some order of its dimensions is contiguous), so its
+    first element is its lowest address (strides are never negative)."""
+    expected = 1
+    for stride, size in sorted(zip(t.stride(), t.shape)):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _write_span(w: torch.Tensor) -> tuple[int, int] | None:
