@@ -360,10 +360,11 @@ class Hasher:
         """The plain device tensors of ``items`` read now through one plan of the list
         (``Fused.read_now``: a fraction of ``add``'s host time per tensor, nothing held);
         returns the items left for ``submit`` (all of them where no plan can read the list).
-        Under the interpreter (tests) CPU tensors take this path, as they take ``add``."""
-        fused = self._fused if self._fused_tried else self._make_fused()
-        if fused is None:
-            return items
+        Under the interpreter (tests) CPU tensors take this path, as they take ``add``.
+
+        As with ``add``, the tensors are taken to be made on the current stream (the kernels are
+        queued there, behind their producers); unlike ``add`` nothing holds them: the caching
+        allocator hands their memory, if they are freed, only to later work of that stream."""
         listed: list[tuple[TensorRecord, torch.Tensor]] = []
         rest: list[tuple[TensorRecord, torch.Tensor]] = []
         interpret = self._interpret
@@ -376,7 +377,9 @@ class Hasher:
                 rest.append(item)
         if len(listed) < LIST_MIN or (not interpret and _capturing()):
             return items
-        if not fused.read_now([rec for rec, _ in listed], [t for _, t in listed]):
+        # (made only now: a CPU program's lists must not load Triton)
+        fused = self._fused if self._fused_tried else self._make_fused()
+        if fused is None or not fused.read_now([rec for rec, _ in listed], [t for _, t in listed]):
             return items
         return rest
 
