@@ -152,3 +152,30 @@ def test_every_tiny_workload_takes_a_training_step_with_its_own_loss(model: str)
         expected = w.model.loss_type
         assert expected == ("ForMaskedLM" if model == "bert-tiny" else "ForCausalLM")
     assert torch.isfinite(torch.tensor(loss))
+
+
+def test_lever_ab_rotates_its_variants_and_puts_each_lever_back() -> None:
+    """benchmarks/lever_ab.py: the variants take turns in an order rotated every round; a lever
+    is off only inside its variant and is put back even when the step raises; a lever's cost is
+    the median of the per-round differences off minus on, with their quartiles."""
+    from tracer.record.checksums import fused, hasher
+
+    lever_ab = _load_script("lever_ab")
+    order: list[str] = []
+    variants = {name: (lambda name=name: order.append(name) or 1.0) for name in ("plain", "on", "off")}
+    times = lever_ab.run_rounds(variants, 3)
+    assert order == ["plain", "on", "off", "on", "off", "plain", "off", "plain", "on"]
+    assert times == {"plain": [1.0] * 3, "on": [1.0] * 3, "off": [1.0] * 3}
+
+    dense, list_min = fused.READ_DENSE_IN_PLACE, hasher.LIST_MIN
+    with lever_ab.lever_off(lever_ab.LEVERS["dense_stats"]), lever_ab.lever_off(lever_ab.LEVERS["read_now"]):
+        off = (fused.READ_DENSE_IN_PLACE, hasher.LIST_MIN)
+        assert off == (False, sys.maxsize)
+    with pytest.raises(RuntimeError), lever_ab.lever_off(lever_ab.LEVERS["dense_stats"]):
+        raise RuntimeError("a step that failed")
+    assert (fused.READ_DENSE_IN_PLACE, hasher.LIST_MIN) == (dense, list_min) == (True, 32)
+
+    # rounds drift (100, 120, 90, 110, 105) but each pair differs by 3 or 4: the drift cancels
+    on = [100.0, 120.0, 90.0, 110.0, 105.0]
+    off = [103.0, 124.0, 93.0, 114.0, 108.0]
+    assert lever_ab.paired_summary(on, off) == (3.0, 3.0, 4.0)

@@ -76,6 +76,9 @@ SNAPSHOT_MAX_BYTES = 256 << 20
 # reads: ~20 MiB for the state of a 7B-parameter model under AdamW).
 LIST_PLANS_KEPT = 16
 LIST_PLANS_MAX_BYTES = 64 << 20
+# Stats alone read a non-contiguous tensor that fills a span of memory where it lies (False:
+# packed like any other; benchmarks/lever_ab.py turns it off to measure what it saves).
+READ_DENSE_IN_PLACE = True
 _LOG2_MAX_TENSORS = 10  # binary-search steps over a batch's tensors (2^10 > MAX_TENSORS)
 _PBLOCK = 1024  # partial rows the finalize kernel folds per step
 
@@ -386,7 +389,7 @@ class Fused:
         # MmBackward, attention's transposes) is read where it lies. Otherwise (and always for a
         # fingerprint, which reads the logical order) the batch holds a packed copy.
         if (not t.is_contiguous() or (self.fingerprint and addr & 3)) \
-                and (self.fingerprint or not _fills_its_span(t)):
+                and (self.fingerprint or not READ_DENSE_IN_PLACE or not _fills_its_span(t)):
             with torch._C.DisableTorchFunction():
                 t = t.clone(memory_format=torch.contiguous_format)
             addr = t.data_ptr()

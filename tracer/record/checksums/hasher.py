@@ -84,7 +84,8 @@ _F32 = torch.float32
 # Fewer new values than this in one call: submit_many submits them one by one.
 BATCH_MIN = 8
 # Device tensors from one call read through one plan (Fused.read_now) from this many on; fewer
-# are added one by one (a plan's first layout costs more than a few adds).
+# are added one by one (a plan's first layout costs more than a few adds). benchmarks/lever_ab.py
+# sets it out of reach to measure what the plans save.
 LIST_MIN = 32
 # Stats reduced together: groups of at least this many float32 tensors of one size, up to this
 # many values each (2-core host, 1 thread: 10 us a tensor alone, 3-5 us in groups of 20 of up
