@@ -18,6 +18,8 @@ path, so on the CPU only under ``--interpret``, Triton's interpreter, for a smok
   launch plan kept across traces (``tracer.record.checksums.hasher.LIST_MIN``; off: out of reach).
 - ``dense_stats``: stats alone read a non-contiguous tensor that fills a span of memory where it
   lies (``tracer.record.checksums.fused.READ_DENSE_IN_PLACE``; off: packed like any other).
+- ``grad_aliases``: a gradient a leaf's accumulator takes next stays in its batch through an
+  alias of its storage (``tracer.record.checksums.fused.ALIAS_INTO_GRAD``; off: copied out).
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ LEVERS: dict[str, Lever] = {
                       "an optimizer step's lists read through one kept plan"),
     "dense_stats": Lever("tracer.record.checksums.fused", "READ_DENSE_IN_PLACE", False,
                          "stats alone read transposed and permuted values in place"),
+    "grad_aliases": Lever("tracer.record.checksums.fused", "ALIAS_INTO_GRAD", False,
+                          "a gradient an accumulator takes is held by a storage alias, not copied"),
 }
 
 

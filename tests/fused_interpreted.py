@@ -392,7 +392,7 @@ def protect_results() -> dict[str, object]:
             "a": [recs["a"].fingerprint, fingerprint_reference(recorded["a"]),
                   fingerprint_reference(bytes(host_bytes(as_bytes(a))))],
             "c": [recs["c"].fingerprint, fingerprint_reference(bytes(host_bytes(as_bytes(c))))],
-            "release": release_results()}
+            "release": release_results(), "alias": alias_results()}
 
 
 def release_results() -> dict[str, object]:
@@ -416,6 +416,52 @@ def release_results() -> dict[str, object]:
     finally:
         fused.SNAPSHOT_MAX_BYTES = saved
     return {"refcounts": counts, "launches": [after_a, after_b]}
+
+
+def alias_results() -> dict[str, object]:
+    """``Fused.hold_storage_only`` of a gradient a leaf's accumulator takes next: the batch
+    holds an alias of its storage (not the tensor, nor a view's base: their reference counts
+    are the program's again), makes no copy and launches nothing; a later write into those
+    bytes, protected like any other, leaves the record with the bytes as added."""
+    batcher = fused.Fused(stats=True, fingerprint=True, interpret=True)
+    g = torch.Generator().manual_seed(3)
+    grad, other = torch.randn(1000, generator=g), torch.randn(1000, generator=g)
+    view = grad.view(10, 100).t()  # (packed when added: a fingerprint reads the logical order)
+    base_view = grad[:500]  # contiguous: held as it is, with grad as its base
+    recs = {name: _record(name, t) for name, t in (("grad", grad), ("view", view), ("base_view", base_view),
+                                                   ("other", other))}
+    before = sys.getrefcount(grad)
+    for name, t in (("grad", grad), ("view", view), ("base_view", base_view), ("other", other)):
+        batcher.add(recs[name], t)
+    held_count = sys.getrefcount(grad)  # the batch holds grad itself, and base_view's base
+    added = {"grad": bytes(host_bytes(as_bytes(grad))), "base_view": bytes(host_bytes(as_bytes(base_view)))}
+    snapshots = [0]
+    saved = fused.Fused.__dict__["_snapshot"]  # the staticmethod itself, put back as it was
+    real = fused.Fused._snapshot
+
+    def counted(batch: Any, slot: int) -> None:
+        snapshots[0] += 1
+        real(batch, slot)
+
+    fused.Fused._snapshot = staticmethod(counted)  # type: ignore[method-assign]
+    try:
+        batcher.hold_storage_only([grad])
+        after = sys.getrefcount(grad)
+        aliases = snapshots[0]
+        batcher.protect([grad])  # a write into grad's bytes is next (the next accumulation)
+        after_protect = snapshots[0]
+    finally:
+        fused.Fused._snapshot = saved  # type: ignore[method-assign]
+    grad.mul_(3.0)
+    batcher.flush()
+    for slots, _floats, ints in batcher.take(wait=True):
+        for recs_of_row, irow in zip(slots, ints):
+            for rec in recs_of_row:
+                rec.fingerprint = hex_of(irow[2], irow[3])
+    return {"refcounts": [before, held_count, after], "snapshots": [aliases, after_protect],
+            "launches": batcher.launches,
+            "recorded": {name: recs[name].fingerprint for name in added},
+            "expected": {name: fingerprint_reference(b) for name, b in added.items()}}
 
 
 def list_tensors(seed: int, device: str = "cpu") -> list[torch.Tensor]:

@@ -232,6 +232,15 @@ def test_a_write_snapshots_only_the_waiting_tensors_it_reaches(interpreted):
     before, held, released = release["refcounts"]
     assert held == before + 1 and released == before
     assert release["launches"] == [0, 2]
+    # a gradient a leaf's accumulator takes: an alias of its storage held, no copy, no launch;
+    # a write protected later copies what is still waiting, and the records hold the bytes added
+    alias = result["alias"]
+    before, held, aliased = alias["refcounts"]
+    assert held == before + 1 and aliased == before  # the batch held grad itself; now an alias
+    # no copy for the alias; the later write copies grad's and base_view's entries (the
+    # transposed view was packed when added: a copy already, elsewhere); one flush
+    assert alias["snapshots"] == [0, 2] and alias["launches"] == 2
+    assert alias["recorded"] == alias["expected"]
 
 
 @needs_triton

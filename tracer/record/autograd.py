@@ -924,28 +924,32 @@ class Graph(Part):
 
     def let_go_after(self, node: str, grads: tuple[Any, ...]) -> None:
         """``node``'s hook is done and ``grads`` (what it made) go on along its edges: the hasher
-        holds none of those the engine reads reference counts of next (``Hasher.let_go``: it
-        keeps copies instead), which a held tensor would change: one for a leaf's accumulator
-        (it keeps the gradient itself as ``.grad`` only when nobody else holds it), and one for
-        a slot several edges feed (their gradients are summed in place only into one nobody
-        else holds, tensor and storage). The others stay in the batches, which keep filling: a
-        launch per node would cost the launches batching saves."""
+        holds none of those the engine reads reference counts of next (``Hasher.let_go``),
+        which a held tensor would change: one for a leaf's accumulator (it keeps the gradient
+        itself as ``.grad`` only when nobody else holds the tensor: the batch keeps an alias of
+        its storage instead, no copy), and one for a slot several edges feed (their gradients
+        are summed in place only into one nobody else holds, tensor and storage: the batch keeps
+        a copy). The others stay in the batches, which keep filling: a launch per node would
+        cost the launches batching saves."""
         if not self.rec.hasher.holds_tensors:
             return
-        taken: list[torch.Tensor] = []
+        summed: list[torch.Tensor] = []  # into a slot: its storage must not be held either
+        into_grad: list[torch.Tensor] = []  # to an accumulator: only the tensor must not be held
         indegree = None
         acc_vars = self._acc_vars
         for (dest, k), g in zip(self._edges.get(node, ()), grads):
             if dest is None or g is None:
                 continue
-            if dest not in acc_vars:
-                if indegree is None:
-                    indegree = self._run_indegree()
-                if indegree.get((dest, k), 0) < 2:
-                    continue
-            taken.append(g)
-        if taken:
-            self.rec.hasher.let_go(taken)
+            if indegree is None:
+                indegree = self._run_indegree()
+            if indegree.get((dest, k), 0) >= 2:  # (an accumulator's slot too: summed before it runs)
+                summed.append(g)
+            elif dest in acc_vars:
+                into_grad.append(g)
+        if summed:
+            self.rec.hasher.let_go(summed)
+        if into_grad:
+            self.rec.hasher.let_go(into_grad, into_grad=True)
 
     def let_go_of(self, grads: tuple[Any, ...]) -> None:
         """An accumulator's pre-hook is done: the gradient it received (recorded there when no
@@ -954,7 +958,7 @@ class Graph(Part):
         if self.rec.hasher.holds_tensors:
             taken = [g for g in grads if isinstance(g, torch.Tensor)]
             if taken:
-                self.rec.hasher.let_go(taken)
+                self.rec.hasher.let_go(taken, into_grad=True)
 
     def _hook_accumulator_starts(self, accs: list[str]) -> None:
         """Give accumulators hooked alone their pre-hook after all: their leaf got a

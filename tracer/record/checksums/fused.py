@@ -79,6 +79,9 @@ LIST_PLANS_MAX_BYTES = 64 << 20
 # Stats alone read a non-contiguous tensor that fills a span of memory where it lies (False:
 # packed like any other; benchmarks/lever_ab.py turns it off to measure what it saves).
 READ_DENSE_IN_PLACE = True
+# A gradient a leaf's accumulator takes is held through an alias of its storage, not copied
+# (False: copied like a summed one; benchmarks/lever_ab.py turns it off to measure it).
+ALIAS_INTO_GRAD = True
 _LOG2_MAX_TENSORS = 10  # binary-search steps over a batch's tensors (2^10 > MAX_TENSORS)
 _PBLOCK = 1024  # partial rows the finalize kernel folds per step
 
@@ -691,6 +694,35 @@ class Fused:
         snapshotted as before a write (``protect``), so the batch keeps filling instead of
         launching; the copy holds the bytes as they are now, whatever autograd does next."""
         self.protect(taken)
+
+    def hold_storage_only(self, taken: list[torch.Tensor]) -> None:
+        """A leaf's accumulator takes ``taken`` next: it keeps a gradient itself as ``.grad``
+        only when nobody else holds that tensor (its storage may be shared), or adds it into an
+        existing ``.grad`` (only reading it). So each waiting tensor in their storages is held
+        through a detached alias instead: the same bytes and storage, not the tensor (nor, for a
+        view, its base). No copy: the accumulator writes none of these bytes, and any later
+        write into them (an in-place op, the next accumulation into that ``.grad``) is protected
+        like any other (``protect``). Where a tensor's address cannot be read, copies, as
+        ``release``."""
+        if not ALIAS_INTO_GRAD:
+            self.release(taken)
+            return
+        spans = []
+        for t in taken:
+            try:
+                span = _write_span(t)
+            except Exception:  # no storage to compare (a wrapper subclass, sparse)
+                self.release(taken)
+                return
+            if span is not None:
+                spans.append(span)
+        if not spans:
+            return
+        with torch._C.DisableTorchFunction():
+            for batch in self._batches.values():
+                held = batch.held
+                for slot in _reached(batch, spans):
+                    held[slot] = held[slot].detach()
 
     @staticmethod
     def _snapshot(batch: _Batch, slot: int) -> None:

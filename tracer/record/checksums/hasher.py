@@ -433,20 +433,25 @@ class Hasher:
         return self._fused is not None and self._fused.has_waiting
 
     @own_work
-    def let_go(self, taken: list[torch.Tensor]) -> None:
+    def let_go(self, taken: list[torch.Tensor], into_grad: bool = False) -> None:
         """Autograd takes ``taken`` next, so no waiting batch may hold them: the engine sums a
         gradient into another in place only where nobody else holds it or its storage (its
         input buffers), and a leaf's accumulator keeps the gradient itself as ``.grad`` only
         when nobody else holds it. Held there, the program got other ``.grad`` tensors, other
         version counters and more memory than without the trace (see ``Graph.let_go_after``).
-        The batches keep copies of them instead (``Fused.release``) and go on filling."""
+        The batches keep copies of them instead (``Fused.release``) and go on filling; for an
+        accumulator (``into_grad``), whose test is on the tensor alone, they keep aliases of
+        their storage, with no copy (``Fused.hold_storage_only``)."""
         fused = self._fused
         if fused is None or not fused.has_waiting:
             return
         if torch.cuda.is_initialized() and _capturing():  # nothing may run in a graph being captured
             return
         with transforms_off():
-            fused.release(taken)
+            if into_grad:
+                fused.hold_storage_only(taken)
+            else:
+                fused.release(taken)
 
     @own_work
     def flush(self) -> None:
