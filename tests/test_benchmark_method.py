@@ -174,6 +174,15 @@ def test_lever_ab_rotates_its_variants_and_puts_each_lever_back() -> None:
     with pytest.raises(RuntimeError), lever_ab.lever_off(lever_ab.LEVERS["dense_stats"]):
         raise RuntimeError("a step that failed")
     assert (fused.READ_DENSE_IN_PLACE, hasher.LIST_MIN) == (dense, list_min) == (True, 32)
+    import importlib
+
+    for name, lever in lever_ab.LEVERS.items():  # every lever: a public switch, on by default
+        module = importlib.import_module(lever.module)
+        on = getattr(module, lever.attribute)
+        assert not lever.attribute.startswith("_") and on != lever.off, name
+        with lever_ab.lever_off(lever):
+            assert getattr(module, lever.attribute) == lever.off, name
+        assert getattr(module, lever.attribute) == on, name
 
     # rounds drift (100, 120, 90, 110, 105) but each pair differs by 3 or 4: the drift cancels
     on = [100.0, 120.0, 90.0, 110.0, 105.0]
