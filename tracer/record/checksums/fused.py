@@ -659,15 +659,10 @@ class Fused:
         outside torch's allocator, e.g. through DLPack.) Read off the tensors, never through
         ``untyped_storage()``, which would change how autograd treats the program's gradients
         (see ``tracer.record.tensors.storage_key``)."""
-        spans = []
-        for w in written:
-            try:
-                span = _write_span(w)
-            except Exception:  # no storage to compare (a wrapper subclass, sparse): be safe
-                self.flush()
-                return
-            if span is not None:
-                spans.append(span)
+        spans = _spans_of(written)
+        if spans is None:  # no storage to compare (a wrapper subclass, sparse): be safe
+            self.flush()
+            return
         if not spans:
             return
         with torch._C.DisableTorchFunction():
@@ -688,11 +683,11 @@ class Fused:
                 batch.copied += copies
 
     def release(self, taken: list[torch.Tensor]) -> None:
-        """Autograd is about to take ``taken`` (a leaf's accumulator keeps a gradient as
-        ``.grad``, an input buffer sums into one in place, each only when nobody else holds its
-        tensor or its storage): no waiting tensor in their storages stays held. Each is
-        snapshotted as before a write (``protect``), so the batch keeps filling instead of
-        launching; the copy holds the bytes as they are now, whatever autograd does next."""
+        """Autograd is about to take ``taken`` (an input buffer sums into one in place only when
+        nobody else holds its tensor or its storage): no waiting tensor in their storages stays
+        held. Each is snapshotted as before a write (``protect``), so the batch keeps filling
+        instead of launching; the copy holds the bytes as they are now, whatever autograd does
+        next. (For a leaf's accumulator, which tests the tensor alone: ``hold_storage_only``.)"""
         self.protect(taken)
 
     def hold_storage_only(self, taken: list[torch.Tensor]) -> None:
@@ -707,16 +702,9 @@ class Fused:
         if not ALIAS_INTO_GRAD:
             self.release(taken)
             return
-        spans = []
-        for t in taken:
-            try:
-                span = _write_span(t)
-            except Exception:  # no storage to compare (a wrapper subclass, sparse)
-                self.release(taken)
-                return
-            if span is not None:
-                spans.append(span)
-        if not spans:
+        spans = _spans_of(taken)
+        if spans is None:  # no storage to compare (a wrapper subclass, sparse)
+            self.release(taken)
             return
         with torch._C.DisableTorchFunction():
             for batch in self._batches.values():
@@ -885,6 +873,20 @@ def _fills_its_span(t: torch.Tensor) -> bool:
             return False
         expected *= size
     return True
+
+
+def _spans_of(tensors: list[torch.Tensor]) -> list[tuple[int, int]] | None:
+    """The byte spans writes into ``tensors`` can reach (``_write_span``; the empty ones left
+    out), or None where one has no readable address (a wrapper subclass, sparse)."""
+    spans = []
+    for t in tensors:
+        try:
+            span = _write_span(t)
+        except Exception:
+            return None
+        if span is not None:
+            spans.append(span)
+    return spans
 
 
 def _write_span(w: torch.Tensor) -> tuple[int, int] | None:
