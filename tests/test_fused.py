@@ -340,6 +340,8 @@ def test_cuda_long_lists_are_read_through_one_plan_without_a_sync():
         finally:
             torch.cuda.set_sync_debug_mode("default")
         plans.append([id(plan) for _, plan in fused._LIST_PLANS])
+        # its end is one of the reads a writer on another stream waits for (_order_after_reads)
+        assert (tensors[0].device, torch.cuda.current_stream().cuda_stream) in hasher._fused.events
         hasher.drain(wait=True)
         for rec, t in zip(recs, tensors):
             assert rec.fingerprint == fingerprint(t), rec.name

@@ -598,6 +598,9 @@ class Fused:
                 if results.device.type == "cuda":
                     event = torch.cuda.Event()
                     event.record()
+                    # As a batch's launch: a write on another stream waits for these reads
+                    # (Hasher._order_after_reads), since nothing holds the tensors.
+                    self.events[(results.device, plan.stream)] = event
         rows = plan.rows
         slots: list[list[TensorRecord]] = [[] for _ in range(rows)]
         for rec, row in zip(recs, plan.row_of):
