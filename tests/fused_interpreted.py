@@ -49,6 +49,18 @@ def record_values(t: Any) -> dict[str, list[object]]:
             for name, r in t.tensors.items()}
 
 
+def flushed_rows(batcher: fused.Fused) -> dict[str, tuple[list[float], list[int]]]:
+    """Launch what waits and fetch every row: each record's float row (min, max, mean or sum,
+    absmax) and int row (NaN count, finite count, the fingerprint's two lanes), by name."""
+    batcher.flush()
+    rows = {}
+    for slots, floats, ints in batcher.take(wait=True):
+        for recs_of_row, frow, irow in zip(slots, floats, ints):
+            for rec in recs_of_row:
+                rows[rec.name] = (frow, irow)
+    return rows
+
+
 @contextlib.contextmanager
 def counting_launches() -> Iterator[list[int]]:
     """Within: ``Fused._launch`` counts the batches it launches with anything in them, into the
@@ -92,12 +104,9 @@ def kernel_results() -> dict[str, dict[str, object]]:
                            producer=None)
         assert batcher.add(rec, t), name
         recs[name] = rec
-    batcher.flush()
-    for slots, floats, ints in batcher.take(wait=True):
-        for recs_of_row, frow, irow in zip(slots, floats, ints):
-            for rec in recs_of_row:
-                rec.fingerprint = hex_of(irow[2], irow[3])
-                rec.stats = (frow, irow[:2])  # type: ignore[assignment]
+    for name, (frow, irow) in flushed_rows(batcher).items():
+        recs[name].fingerprint = hex_of(irow[2], irow[3])
+        recs[name].stats = (frow, irow[:2])  # type: ignore[assignment]
     out: dict[str, dict[str, object]] = {}
     for name, t in cases.items():
         frow, counts = recs[name].stats  # type: ignore[misc]
@@ -383,11 +392,8 @@ def protect_results() -> dict[str, object]:
     after_view = batcher.launches
     a.view(-1)[10:20].mul_(2.0)
     c.add_(1.0)  # c is never protected: the batch reads what it holds now
-    batcher.flush()
-    for slots, _floats, ints in batcher.take(wait=True):
-        for recs_of_row, irow in zip(slots, ints):
-            for rec in recs_of_row:
-                rec.fingerprint = hex_of(irow[2], irow[3])
+    for name, (_frow, irow) in flushed_rows(batcher).items():
+        recs[name].fingerprint = hex_of(irow[2], irow[3])
     return {"launches": [after_unrelated, after_view, batcher.launches],
             "a": [recs["a"].fingerprint, fingerprint_reference(recorded["a"]),
                   fingerprint_reference(bytes(host_bytes(as_bytes(a))))],
@@ -453,11 +459,8 @@ def alias_results() -> dict[str, object]:
     finally:
         fused.Fused._snapshot = saved  # type: ignore[method-assign]
     grad.mul_(3.0)
-    batcher.flush()
-    for slots, _floats, ints in batcher.take(wait=True):
-        for recs_of_row, irow in zip(slots, ints):
-            for rec in recs_of_row:
-                rec.fingerprint = hex_of(irow[2], irow[3])
+    for name, (_frow, irow) in flushed_rows(batcher).items():
+        recs[name].fingerprint = hex_of(irow[2], irow[3])
     return {"refcounts": [before, held_count, after], "snapshots": [aliases, after_protect],
             "launches": batcher.launches,
             "recorded": {name: recs[name].fingerprint for name in added},
@@ -569,12 +572,7 @@ def dense_results() -> dict[str, object]:
     snapshots_dense = all(h.is_contiguous() or fused._fills_its_span(h)
                           for b in batcher._batches.values() for h in b.held)
     base.mul_(0)
-    batcher.flush()
-    got = {}
-    for slots, floats, ints in batcher.take(wait=True):
-        for recs_of_row, frow, irow in zip(slots, floats, ints):
-            for rec in recs_of_row:
-                got[rec.name] = [*frow, *irow[:2]]
+    got = {name: [*frow, *irow[:2]] for name, (frow, irow) in flushed_rows(batcher).items()}
     return {"expected": expected, "got": got, "held_as_is": held_as_is, "rows": len(held),
             "snapshots_dense": snapshots_dense}
 
