@@ -73,13 +73,22 @@ def lever_off(lever: Lever) -> Iterator[None]:
         setattr(module, lever.attribute, saved)
 
 
-def run_rounds(variants: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
-    """Each variant's timings: one call per round each, the order rotated every round, garbage
-    collected before each call (outside what the call times)."""
+def run_rounds(variants: dict[str, Callable[[], float]], rounds: int,
+               settle: int = 0) -> dict[str, list[float]]:
+    """Each variant's timings: one timed call per round each, the order rotated every round,
+    garbage collected before each call (outside what the call times). ``settle``: untimed calls
+    of the same variant just before its timed one, so that no timing carries over what the
+    previous variant left (a step right after another variant's finds the allocator's cache
+    and the recorder's kept plans as that variant left them: on one H100 host, Llama-style
+    ``fast`` took 235 ms unsettled and 184 ms settled, and two unsettled runs gave the levers
+    opposite signs)."""
     names = list(variants)
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
+            for _ in range(settle):
+                gc.collect()
+                variants[name]()
             gc.collect()
             times[name].append(variants[name]())
     return times
@@ -103,6 +112,8 @@ def main() -> None:
     p.add_argument("--levers", default=",".join(LEVERS), help=f"comma-separated, from {', '.join(LEVERS)}")
     p.add_argument("--rounds", type=int, default=12, help="timed rounds (after --warmup untimed ones)")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--settle", type=int, default=1,
+                   help="untimed steps of a variant just before each of its timed ones")
     p.add_argument("--interpret", action="store_true",
                    help="CPU smoke run: the batched path under Triton's interpreter (slow; tiny models)")
     a = p.parse_args()
@@ -138,9 +149,10 @@ def main() -> None:
     variants = {"plain": timed(contextlib.nullcontext), "all on": timed(make)}
     variants.update({f"{name} off": timed(make, LEVERS[name]) for name in levers})
     run_rounds(variants, a.warmup)
-    times = run_rounds(variants, a.rounds)
+    times = run_rounds(variants, a.rounds, a.settle)
     plain = statistics.median(times["plain"])
-    print(f"{a.model} on {device.type}, {a.config}: {a.rounds} rounds, the order rotated every round")
+    print(f"{a.model} on {device.type}, {a.config}: {a.rounds} rounds, the order rotated every round, "
+          f"{a.settle} untimed step(s) of a variant before each timed one")
     print("| variant | median ms | ratio to plain |")
     print("|---|---:|---:|")
     for name, ts in times.items():

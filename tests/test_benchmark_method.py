@@ -166,6 +166,11 @@ def test_lever_ab_rotates_its_variants_and_puts_each_lever_back() -> None:
     times = lever_ab.run_rounds(variants, 3)
     assert order == ["plain", "on", "off", "on", "off", "plain", "off", "plain", "on"]
     assert times == {"plain": [1.0] * 3, "on": [1.0] * 3, "off": [1.0] * 3}
+    order.clear()  # with settle: each timed call right after an untimed one of the same variant
+    counted = {name: (lambda name=name: float(len(order.append(name) or order))) for name in variants}
+    times = lever_ab.run_rounds(counted, 2, settle=1)
+    assert order == ["plain", "plain", "on", "on", "off", "off", "on", "on", "off", "off", "plain", "plain"]
+    assert times == {"plain": [2.0, 12.0], "on": [4.0, 8.0], "off": [6.0, 10.0]}  # the second of each pair
 
     dense, list_min = fused.READ_DENSE_IN_PLACE, hasher.LIST_MIN
     with lever_ab.lever_off(lever_ab.LEVERS["dense_stats"]), lever_ab.lever_off(lever_ab.LEVERS["read_now"]):
@@ -188,3 +193,4 @@ def test_lever_ab_rotates_its_variants_and_puts_each_lever_back() -> None:
     on = [100.0, 120.0, 90.0, 110.0, 105.0]
     off = [103.0, 124.0, 93.0, 114.0, 108.0]
     assert lever_ab.paired_summary(on, off) == (3.0, 3.0, 4.0)
+
