@@ -194,3 +194,33 @@ def test_lever_ab_rotates_its_variants_and_puts_each_lever_back() -> None:
     off = [103.0, 124.0, 93.0, 114.0, 108.0]
     assert lever_ab.paired_summary(on, off) == (3.0, 3.0, 4.0)
 
+
+def test_host_split_times_the_recorder_functions_and_puts_them_back() -> None:
+    """benchmarks/host_split.py: the per-function table counts each call of the wrapped entry
+    points (inclusive time), and every original is back after the block, also when it raises;
+    ``capture_only_nodes`` hands each grad node's run to a list instead of the recorder."""
+    import tracer
+    from tracer.record.autograd import Graph
+    from tracer.record.checksums.hasher import Hasher
+
+    host_split = _load_script("host_split")
+    originals = {name: Graph.__dict__[name] for name in ("node_done", "_grad_names")}
+    submit = Hasher.__dict__["submit"]
+    lin = torch.nn.Linear(4, 3)
+    x = torch.randn(2, 4)
+    with host_split.timed_functions() as (ns, calls), tracer.trace(hash="fast", node_runs=True) as t:
+        lin(x).relu().sum().backward()
+    assert calls["Graph.node_done"] == len(t.grad_nodes) - 2 == 4  # all but the two accumulators'
+    assert calls["Graph.node_begin"] == calls["Graph.node_end"] == 2  # the accumulators: pre-hook and hook
+    assert calls["Hasher.submit"] == calls["TensorNames.new_tensor"] == len(t.tensors)
+    assert all(ns[label] > 0 for label in calls)
+    assert {name: Graph.__dict__[name] for name in originals} == originals and Hasher.__dict__["submit"] is submit
+    with pytest.raises(RuntimeError), host_split.timed_functions():
+        raise RuntimeError("a step that failed")
+    assert Graph.__dict__["node_done"] is originals["node_done"]
+
+    with host_split.capture_only_nodes() as captured, tracer.trace(hash="none", node_runs=True):
+        lin(x).relu().sum().backward()
+    assert [node for node, _, _ in captured] == ["sum0/SumBackward0", "relu0/ReluBackward0",
+                                                 "linear0/AddmmBackward0", "linear0/TBackward0"]
+    assert Graph.__dict__["node_done"] is originals["node_done"]
