@@ -401,3 +401,97 @@ def test_ddp_nccl_replicas_agree_and_departure_found(tmp_path) -> None:
     assert (bad.first.rank, bad.first.param) == (1, f"module.{PERTURBED}")
     t = tracer.load(_paths(clean)[0])
     assert t.header["distributed"]["backend"] == "nccl" and t["ddp_allreduce0"].kind == "collective"
+
+
+# ---- DDP's bucket views: gradients the all-reduce averages in place ---------------------------------------------
+BUCKET_SCRIPT = os.path.join(ROOT, "tests", "ddp_bucket_views_script.py")
+
+
+def _check_bucket_views(printed: list[dict]) -> None:
+    """Per rank and setting: the batched path's records equal the per-tensor path's, name for
+    name (fingerprints and stats), and neither traced step changed a gradient or a parameter."""
+    results = []
+    for line in printed:
+        with open(line["file"]) as f:
+            results.append(json.load(f))
+    assert sorted((r["rank"], r["bucket_view"]) for r in results) == [(0, False), (0, True), (1, False), (1, True)]
+    for r in results:
+        per_tensor, batched, untraced = r["per_tensor"], r["batched"], r["untraced"]
+        assert batched["records"] == per_tensor["records"], (r["rank"], r["bucket_view"])
+        assert batched["grads"] == per_tensor["grads"] == untraced["grads"]
+        assert batched["after"] == per_tensor["after"] == untraced["after"]
+        # ddp_allreduce's outputs, one per parameter, are the averaged gradients as the step
+        # left them (read again afterwards), its inputs the local ones; every value was read.
+        params = len(untraced["grads"]) // 2
+        assert params == 3 * 12 + 5
+        for path in (per_tensor, batched):
+            assert len(path["averaged"]) == len(path["local"]) == len(path["truth"]) == params
+            assert [path["records"][name][0] for name in path["averaged"]] == path["truth"], r["bucket_view"]
+            assert all(fp is not None and stats is not None for fp, stats in path["records"].values())
+    # The ranks' gradients were averaged: the same on both, though each rank had its own data.
+    by_setting = {}
+    for r in results:
+        by_setting.setdefault(r["bucket_view"], []).append(r["untraced"]["grads"])
+    assert all(a == b for a, b in by_setting.values())
+
+
+def test_ddp_bucket_views_are_read_as_accumulated_through_the_batches(tmp_path) -> None:
+    """gloo on the CPU, the batches under Triton's interpreter: with gradient_as_bucket_view the
+    all-reduce rewrites each .grad in place; every record still equals the per-tensor path's."""
+    _check_bucket_views(_torchrun(tmp_path, BUCKET_SCRIPT, runs=2, timeout=600))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_ddp_gloo_cuda_bucket_views_are_read_as_accumulated_through_the_batches(tmp_path) -> None:
+    """gloo with CUDA tensors, both ranks on one GPU: the all-reduce copies each bucket through
+    the host on streams of its own and writes it back in place; the Triton batches read every
+    value as the per-tensor torch reads did."""
+    _check_bucket_views(_torchrun(tmp_path, BUCKET_SCRIPT, "--device", "cuda", "--backend", "gloo", runs=2,
+                                  timeout=600))
+
+
+@pytest.mark.cuda
+@two_gpus
+def test_ddp_nccl_bucket_views_are_read_as_accumulated_through_the_batches(tmp_path) -> None:
+    """NCCL on two GPUs: the all-reduces run on their own stream while the batches still hold
+    bucket views; the Triton batches read every value as the per-tensor torch reads did."""
+    _check_bucket_views(_torchrun(tmp_path, BUCKET_SCRIPT, "--device", "cuda", runs=2, timeout=600))
+
+
+def test_ddp_bucket_views_with_gradient_accumulation_in_one_trace(one_rank) -> None:
+    """Gradient accumulation under DDP with bucket views, both micro-batches and the step in one
+    block: the first under no_sync (no all-reduce), the second synchronised. The accumulated
+    values are read in gradtrace's post-accumulate-grad hooks (one per parameter, hooked once
+    however many forwards), DDP's record follows the synchronised backward only, the optimizer
+    reads the averaged gradients, and the hooks are gone after the block."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    x = torch.randn(3, 8)
+    ddp(x).sum().backward()  # DDP makes .grad views into its buckets
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    with tracer.trace() as t:
+        with ddp.no_sync():
+            ddp(x).sum().backward()
+        ddp(x * 2).sum().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        opt.step()
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+    ddp_calls = [c for c in t.calls if c.kind == "collective"]
+    assert [c.name for c in ddp_calls] == ["ddp_allreduce0"]
+    call = ddp_calls[0]
+    params = [f"module.{n}" for n, _ in model.named_parameters()]
+    # Per parameter: v0 the zeroed bucket view, v1 the first accumulation, v2 the same bytes after
+    # DDP re-laid its buckets at the synchronised forward (a write the trace cannot see: the
+    # version counter moved), v3 the second accumulation, read in gradtrace's hook before DDP
+    # divided it, v4 the averaged gradient the all-reduce left in place (one rank: the same values).
+    assert call.inputs == [f"{p}@grad@v3" for p in params]
+    assert call.outputs == [f"{p}@grad@v4" for p in params]
+    for p, g in zip(params, grads):
+        assert t[f"{p}@grad@v1"].producer == t[f"{p}@grad@v3"].producer == f"{p}/AccumulateGrad"
+        assert t[f"{p}@grad@v4"].producer == "ddp_allreduce0"
+        assert t[f"{p}@grad@v4"].md5 == t[f"{p}@grad@v3"].md5 == hashlib.md5(g.numpy().tobytes()).hexdigest()
+    assert {f"{p}@grad@v4" for p in params} <= set(t["SGD0"].inputs)  # the step read the averaged ones

@@ -30,9 +30,15 @@ What ``attach`` installs and why:
   ``ddp_allreduce<k>`` is recorded per DDP module: its inputs are the local gradients
   (``<param>@grad``), its outputs the averaged gradients now on the parameters
   (``<param>@grad@v1`` when DDP wrote into the same tensor, ``<param>.grad`` when the
-  parameter holds another tensor, e.g. with ``gradient_as_bucket_view``), and ``args`` gives
+  parameter holds another tensor), and ``args`` gives
   the bucket count and sizes and the backward run it happened in (the call itself is recorded
   when that run returns, on the user's thread, so its phase is ``forward``).
+  With ``gradient_as_bucket_view`` each ``.grad`` is a view into a bucket that the reducer
+  divides and all-reduces in place as soon as the accumulator has added into it, before
+  gradtrace's hook on the accumulator runs, and the all-reduce moves no version counter. So the
+  accumulated value (``<param>@grad@v<n>``) is named and read in a post-accumulate-grad hook on
+  each parameter, which runs inside the accumulator, and every gradient is a new version in
+  ``ddp_allreduce<k>``'s outputs.
 
 Async collectives (``async_op=True``, ``isend``/``irecv``, ``batch_isend_irecv``) are recorded
 when issued: inputs are hashed, the tensors they will write get their new name at once but are
@@ -75,6 +81,7 @@ from tracer.record.listeners import Listener
 from tracer.record.mode import on_traced_thread
 from tracer.record.protocol import RecorderAPI
 from tracer.record.tensors import flat_tensors
+from tracer.record.weakmap import IdWeakMap
 
 # ---- which collectives, and which of their arguments they write ----------------------------------
 
@@ -330,6 +337,11 @@ class _Attachment:
         self.pending: weakref.WeakSet[Any] = weakref.WeakSet()  # DDP modules whose backward will sync
         self.listener = _DDPListener(self)
         self.hook: Any = None
+        # Post-accumulate-grad hooks on the parameters of DDP modules with bucket views (see
+        # _read_before_reducer), one per parameter, removed with the rest.
+        self.grad_hooks: list[Any] = []
+        # (by identity: a WeakSet compares tensors with ==, elementwise)
+        self.hooked: IdWeakMap[bool] = IdWeakMap()
 
     # -- installation
     def install(self) -> None:
@@ -370,6 +382,8 @@ class _Attachment:
         if self.hook is not None:
             self.hook.remove()
             self.hook = None
+        while self.grad_hooks:
+            self.grad_hooks.pop().remove()
         if rec is not None and self.listener in rec.listeners:
             rec.listeners.remove(self.listener)
 
@@ -489,6 +503,21 @@ class _Attachment:
         if isinstance(module, DistributedDataParallel) and torch.is_grad_enabled() \
                 and module.require_backward_grad_sync:
             self.pending.add(module)
+            if getattr(module, "gradient_as_bucket_view", False):
+                self._hook_bucket_view_grads(module)
+
+    def _hook_bucket_view_grads(self, ddp: Any) -> None:
+        """With ``gradient_as_bucket_view`` each .grad is a view into a bucket that DDP's reducer
+        divides and all-reduces in place right after the accumulator adds into it, in its own
+        hook on the accumulator, which runs before gradtrace's; the all-reduce moves no version
+        counter and may still be writing (NCCL: on its own stream) when gradtrace's hook reads.
+        A post-accumulate-grad hook runs inside the accumulator, before any hook on it: there the
+        accumulated value is named and read (``_read_before_reducer``)."""
+        for p in ddp.parameters():
+            if p.requires_grad and self.hooked.get(p) is None:
+                self.hooked[p] = True
+                self.grad_hooks.append(p.register_post_accumulate_grad_hook(
+                    functools.partial(_read_before_reducer, self.ref)))
 
     def record_ddp(self, run: BackwardRun) -> None:
         rec = self.ref()
@@ -510,6 +539,19 @@ class _DDPListener(Listener):
     def on_backward_end(self, trace: Trace, run: BackwardRun, error: BaseException | None) -> None:
         if error is None:
             self.attachment.record_ddp(run)
+
+
+def _read_before_reducer(ref: weakref.ref[RecorderAPI], param: torch.Tensor) -> None:
+    """A post-accumulate-grad hook of a parameter of a DDP module with bucket views (see
+    ``_Attachment._hook_bucket_view_grads``). Never fails the user's backward."""
+    rec = ref()
+    if rec is None or rec.closed or rec.stopped or not on_traced_thread(rec):
+        return
+    try:
+        with torch._C.DisableTorchFunction():
+            rec.leaf_grad_written_unseen(param)
+    except Exception as exc:
+        _add_note(rec.trace, f"gradtrace could not read a gradient before DDP's all-reduce: {type(exc).__name__}: {exc}")
 
 
 def _wait(result: Any) -> Any:
@@ -544,12 +586,15 @@ def _record_ddp(rec: RecorderAPI, ddp: Any, run: BackwardRun) -> None:
     outs: list[str] = []
     produced: list[torch.Tensor] = []
     run_index = rec.run_index
+    # With bucket views the all-reduce writes each .grad in place through the bucket, moving no
+    # version counter: every gradient the reducer holds is a new value, whatever its version.
+    bucket_views = bool(getattr(ddp, "gradient_as_bucket_view", False))
     for p in params:
         pname = rec.param_name(p)
         g = p.grad
         if pname is None or g is None:
             continue
-        if rec.current_name(g) is not None:
+        if not bucket_views and rec.current_name(g) is not None:
             # Unchanged since the trace named it: DDP wrote nothing here (an unused parameter).
             continue
         prev = rec.known_name(g)

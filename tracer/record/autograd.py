@@ -975,6 +975,18 @@ class Graph(Part):
                 self._handles.append(node.register_prehook(functools.partial(node_hook, self._rec_ref, acc)))
                 self._acc_post_only.discard(acc)
 
+    def leaf_grad_written_unseen(self, leaf: torch.Tensor) -> None:
+        """``leaf``'s accumulator has just added into its .grad, and code the trace cannot see
+        writes that .grad in place next (see ``LeafGrads.read_before_unseen_write``): the value
+        is named and read now, before those writes (a waiting copy of it is snapshotted)."""
+        acc = self._acc_by_var.get(leaf)
+        if acc is None or self.rec.stopped:
+            return
+        with self.rec.lock:
+            g = self._leaves.read_before_unseen_write(acc, self._open_steps.get(acc))
+        if g is not None:
+            self.rec.hasher.before_write([g])
+
     def forget_tensor(self, t: torch.Tensor) -> None:
         """Drop every weak reference of the graph to ``t`` (``swap_tensors`` refuses a tensor
         that has one; an accumulator's leaf among them: a new accumulator follows, swap_tensors

@@ -29,6 +29,10 @@ class LeafGrads(Part):
         # A .grad the trace has no name for (from before the block), of an accumulator hooked
         # alone, is named only if its accumulator runs: the value then (weakly) and its version.
         self._grad_unnamed: dict[str, tuple[weakref.ref[torch.Tensor], int]] = {}
+        # Accumulators whose leaf's .grad was named in a post-accumulate-grad hook because code
+        # the trace cannot see writes it next (read_before_unseen_write): their own hook, which
+        # runs after those writes, leaves the name as it is.
+        self._written_unseen: set[str] = set()
 
     def forget(self, t: torch.Tensor) -> None:
         """Drop the references to ``t`` (see ``Graph.forget_tensor``)."""
@@ -145,6 +149,9 @@ class LeafGrads(Part):
     def name_accumulated(self, acc: str, step: NodeRun | None) -> None:
         """Hook of an accumulator (it has run): give its leaf's .grad its name."""
         before = self._grad_before.pop(acc, None)
+        if acc in self._written_unseen:  # named before the unseen writes: see read_before_unseen_write
+            self._written_unseen.discard(acc)
+            return
         g = self._grad_of_leaf(acc)
         if g is None:
             return
@@ -176,3 +183,18 @@ class LeafGrads(Part):
         # What the accumulator's own hook will find: .grad named, unchanged since.
         self._grad_before[acc] = None if hit is None else hit[0]
         return None if hit is None else hit[0]
+
+    def read_before_unseen_write(self, acc: str, step: NodeRun | None) -> torch.Tensor | None:
+        """A post-accumulate-grad hook of ``acc``'s leaf: the accumulator has run, its own hook
+        has not, and code the trace cannot see writes the leaf's .grad in place in between (DDP's
+        reducer with ``gradient_as_bucket_view``: its autograd hook on the accumulator, which runs
+        before gradtrace's, divides the gradient and starts its bucket's all-reduce, whose writes
+        move no version counter). The accumulated value is named now (the caller reads it before
+        those writes), and the accumulator's hook leaves that name alone: the next version is
+        whoever records those writes (DDP's record, when the backward ends). Returns the .grad."""
+        g = self._grad_of_leaf(acc)
+        if g is None:
+            return None
+        self.name_accumulated(acc, step)
+        self._written_unseen.add(acc)
+        return g

@@ -433,6 +433,11 @@ class Recorder:
             return self.names.new_leaf_grad(t, self.names.bump(base) if base in self.trace.tensors else base, producer,
                                        previous)
 
+    def leaf_grad_written_unseen(self, leaf: torch.Tensor) -> None:
+        """From a post-accumulate-grad hook of ``leaf``: its .grad, just accumulated, is named and
+        read now, because code the trace cannot see writes it in place next (DDP's bucket views)."""
+        self.graph.leaf_grad_written_unseen(leaf)
+
     def module_path(self, module: torch.nn.Module) -> str | None:
         """The path the trace named ``module`` by (None: not seen)."""
         return self.scopes.path_of(module)
