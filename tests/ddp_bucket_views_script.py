@@ -81,7 +81,8 @@ def _step(device: torch.device, rank: int, bucket_view: bool, traced: bool) -> d
         try:
             with tracer.trace(hash="fast") as now:
                 for p in model.parameters():
-                    p.grad.clone()
+                    if p.grad is not None:  # (an unused parameter's, under find_unused_parameters)
+                        p.grad.clone()
         finally:
             os.environ.update(saved)
         truth = [r.fingerprint for name, r in now.tensors.items() if name.startswith("clone")]
