@@ -1,4 +1,6 @@
-"""DDP with several buckets, with and without ``gradient_as_bucket_view``: one traced step through
+"""DDP with several buckets, with and without ``gradient_as_bucket_view``, and with a comm hook
+(``fp16_compress_hook``, whose future decompresses into the bucket where the trace cannot see it):
+one traced step through
 the per-tensor reads and the same step through the batches, run by tests/test_distributed.py.
 
     python -m torch.distributed.run --nproc_per_node=2 tests/ddp_bucket_views_script.py [--device cuda] [--backend gloo]
@@ -43,13 +45,17 @@ def _state_md5(model: torch.nn.Module) -> dict[str, str]:
     return out
 
 
-def _step(device: torch.device, rank: int, bucket_view: bool, traced: bool) -> dict[str, object]:
+def _step(device: torch.device, rank: int, bucket_view: bool, comm_hook: bool, traced: bool) -> dict[str, object]:
     import tracer
 
     torch.manual_seed(0)
     model = TinyLM(d=32, layers=3).to(device)
     # Small buckets: several all-reduces, each started while the backward still runs.
     ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=bucket_view, bucket_cap_mb=0.01)
+    if comm_hook:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(100 + rank)
     batches = [torch.randint(0, 32, (4, 12), generator=g).to(device) for _ in range(2)]
@@ -72,8 +78,8 @@ def _step(device: torch.device, rank: int, bucket_view: bool, traced: bool) -> d
             loss.backward()
             grads = _state_md5(model)  # the averaged gradients, before the optimizer
             opt.step()
-        records = {name: [r.fingerprint, None if r.stats is None else [r.stats.min, r.stats.max, r.stats.nan]]
-                   for name, r in t.tensors.items()}
+        records = {name: [r.fingerprint, None if r.stats is None else [r.stats.min, r.stats.max, r.stats.nan],
+                          r.hash_note] for name, r in t.tensors.items()}
         ddp_calls = [c for c in t.calls if c.api.endswith("reducer.allreduce")]
         assert len(ddp_calls) == 1, [c.name for c in ddp_calls]
         # The averaged gradients as they are now, read by the host/torch path in a trace of their own.
@@ -115,18 +121,19 @@ def main() -> None:
     dist.init_process_group(backend)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     switch, values = ("GRADTRACE_TRITON", ("0", "1")) if cuda else ("GRADTRACE_FUSED_INTERPRET", ("0", "1"))
-    for bucket_view in (False, True):
-        result: dict[str, object] = {"rank": rank, "bucket_view": bucket_view,
-                                     "untraced": _step(device, rank, bucket_view, traced=False)}
+    for bucket_view, comm_hook in ((False, False), (True, False), (True, True)):
+        result: dict[str, object] = {"rank": rank, "bucket_view": bucket_view, "comm_hook": comm_hook,
+                                     "untraced": _step(device, rank, bucket_view, comm_hook, traced=False)}
         for label, value in zip(("per_tensor", "batched"), values):
             os.environ[switch] = value  # read by each trace's hasher
             try:
-                result[label] = _step(device, rank, bucket_view, traced=True)
+                result[label] = _step(device, rank, bucket_view, comm_hook, traced=True)
             finally:
                 os.environ.pop(switch, None)
         # (Each result is ~200 kB: written to a file of its own, since two ranks' large writes
         # into one pipe interleave; the line printed is short.)
-        path = os.path.abspath(f"bucket_views.rank{rank}.{'views' if bucket_view else 'copies'}.json")
+        setting = ("views" if bucket_view else "copies") + ("+hook" if comm_hook else "")
+        path = os.path.abspath(f"bucket_views.rank{rank}.{setting}.json")
         with open(path, "w") as f:
             json.dump(result, f)
         print("RESULT " + json.dumps({"rank": rank, "file": path}), flush=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -409,15 +410,28 @@ BUCKET_SCRIPT = os.path.join(ROOT, "tests", "ddp_bucket_views_script.py")
 
 def _check_bucket_views(printed: list[dict]) -> None:
     """Per rank and setting: the batched path's records equal the per-tensor path's, name for
-    name (fingerprints and stats), and neither traced step changed a gradient or a parameter."""
+    name (fingerprints and stats), and neither traced step changed a gradient or a parameter.
+    With the comm hook, its future's decompression into the bucket is recorded only when torch
+    runs it on the traced thread (when the all-reduce has finished by the time the hook attaches
+    it), else it runs unseen on gloo's thread: the versions it makes (the bucket's, ``input<k>@v<n>``,
+    and its gradients') may be on one side only; every record both sides have is equal."""
     results = []
     for line in printed:
         with open(line["file"]) as f:
             results.append(json.load(f))
-    assert sorted((r["rank"], r["bucket_view"]) for r in results) == [(0, False), (0, True), (1, False), (1, True)]
+    settings = [(False, False), (True, False), (True, True)]
+    assert sorted((r["rank"], r["bucket_view"], r["comm_hook"]) for r in results) == \
+        sorted((rank, *s) for rank in (0, 1) for s in settings)
     for r in results:
         per_tensor, batched, untraced = r["per_tensor"], r["batched"], r["untraced"]
-        assert batched["records"] == per_tensor["records"], (r["rank"], r["bucket_view"])
+        setting = (r["rank"], r["bucket_view"], r["comm_hook"])
+        if r["comm_hook"]:
+            one_side = set(per_tensor["records"]) ^ set(batched["records"])
+            assert all(re.search(r"@v\d+$", name) for name in one_side), (setting, one_side)
+            common = set(per_tensor["records"]) & set(batched["records"])
+            assert {n: batched["records"][n] for n in common} == {n: per_tensor["records"][n] for n in common}, setting
+        else:
+            assert batched["records"] == per_tensor["records"], setting
         assert batched["grads"] == per_tensor["grads"] == untraced["grads"]
         assert batched["after"] == per_tensor["after"] == untraced["after"]
         # ddp_allreduce's outputs, one per parameter, are the averaged gradients as the step
@@ -426,19 +440,21 @@ def _check_bucket_views(printed: list[dict]) -> None:
         assert params == 3 * 12 + 5
         for path in (per_tensor, batched):
             assert len(path["averaged"]) == len(path["local"]) == len(path["truth"]) == params
-            assert [path["records"][name][0] for name in path["averaged"]] == path["truth"], r["bucket_view"]
-            assert all(fp is not None and stats is not None for fp, stats in path["records"].values())
+            assert [path["records"][name][0] for name in path["averaged"]] == path["truth"], setting
+            # (the comm hook's async all-reduce outputs are not ready when issued: by design unread)
+            assert all((fp is not None and stats is not None) or "async collective" in (note or "")
+                       for fp, stats, note in path["records"].values())
     # The ranks' gradients were averaged: the same on both, though each rank had its own data.
-    by_setting = {}
+    by_setting: dict[tuple[bool, bool], list[dict]] = {}
     for r in results:
-        by_setting.setdefault(r["bucket_view"], []).append(r["untraced"]["grads"])
+        by_setting.setdefault((r["bucket_view"], r["comm_hook"]), []).append(r["untraced"]["grads"])
     assert all(a == b for a, b in by_setting.values())
 
 
 def test_ddp_bucket_views_are_read_as_accumulated_through_the_batches(tmp_path) -> None:
     """gloo on the CPU, the batches under Triton's interpreter: with gradient_as_bucket_view the
     all-reduce rewrites each .grad in place; every record still equals the per-tensor path's."""
-    _check_bucket_views(_torchrun(tmp_path, BUCKET_SCRIPT, runs=2, timeout=600))
+    _check_bucket_views(_torchrun(tmp_path, BUCKET_SCRIPT, runs=3, timeout=600))
 
 
 @pytest.mark.cuda
@@ -447,7 +463,7 @@ def test_ddp_gloo_cuda_bucket_views_are_read_as_accumulated_through_the_batches(
     """gloo with CUDA tensors, both ranks on one GPU: the all-reduce copies each bucket through
     the host on streams of its own and writes it back in place; the Triton batches read every
     value as the per-tensor torch reads did."""
-    _check_bucket_views(_torchrun(tmp_path, BUCKET_SCRIPT, "--device", "cuda", "--backend", "gloo", runs=2,
+    _check_bucket_views(_torchrun(tmp_path, BUCKET_SCRIPT, "--device", "cuda", "--backend", "gloo", runs=3,
                                   timeout=600))
 
 
@@ -456,7 +472,7 @@ def test_ddp_gloo_cuda_bucket_views_are_read_as_accumulated_through_the_batches(
 def test_ddp_nccl_bucket_views_are_read_as_accumulated_through_the_batches(tmp_path) -> None:
     """NCCL on two GPUs: the all-reduces run on their own stream while the batches still hold
     bucket views; the Triton batches read every value as the per-tensor torch reads did."""
-    _check_bucket_views(_torchrun(tmp_path, BUCKET_SCRIPT, "--device", "cuda", runs=2, timeout=600))
+    _check_bucket_views(_torchrun(tmp_path, BUCKET_SCRIPT, "--device", "cuda", runs=3, timeout=600))
 
 
 def test_ddp_bucket_views_with_gradient_accumulation_in_one_trace(one_rank) -> None:

@@ -42,7 +42,9 @@ What ``attach`` installs and why:
 
 Async collectives (``async_op=True``, ``isend``/``irecv``, ``batch_isend_irecv``) are recorded
 when issued: inputs are hashed, the tensors they will write get their new name at once but are
-not hashed (their data arrive after ``wait()``, which the tracer never calls for the user).
+not hashed (their data arrive after ``wait()``, which the tracer never calls for the user). One
+issued by a DDP comm hook in the backward first has every waiting value read: the hook's future
+writes the bucket where the trace cannot see it.
 
 Collectives are recorded on the thread that owns the trace, and on autograd engine threads while
 a traced backward runs (DDP/FSDP hooks on CUDA); on other threads they pass through untouched.
@@ -412,6 +414,14 @@ class _Attachment:
             described = _describe_args(bound)
             if spec.always_async:
                 described["async_op"] = True
+            if is_async and rec.in_backward and self._comm_hook_syncs():
+                # Issued by a DDP comm hook: its future's callbacks, which run on another thread
+                # (gloo) or behind the collective's stream (NCCL) where the trace cannot see them,
+                # write the bucket in place (fp16_compress_hook decompresses into it). Every value
+                # still waiting for its checksum is read now, before the collective is issued: a
+                # read on the current stream is ordered before the collective and so before them.
+                return self._run(rec, original, args, kwargs, api, short, described, ins, writes, is_async, None,
+                                 read_all_first=True)
             return self._run(rec, original, args, kwargs, api, short, described, ins, writes, is_async, None)
 
         return wrapper
@@ -438,13 +448,15 @@ class _Attachment:
 
     def _run(self, rec: RecorderAPI, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any], api: str,
              short: str, described: dict[str, Any], ins: list[torch.Tensor], writes: list[torch.Tensor],
-             is_async: bool, waiter: Callable[[Any], Any] | None) -> Any:
+             is_async: bool, waiter: Callable[[Any], Any] | None, read_all_first: bool = False) -> Any:
         """Name the inputs, run the collective (waited for by ``waiter`` for functional ones, whose
-        results are their outputs), and record the call."""
+        results are their outputs), and record the call. ``read_all_first``: every value waiting
+        for its checksum is read before the collective runs, not only those it writes."""
         functional = waiter is not None
         try:
             # What it writes (its outputs, for c10d's in-place collectives) is read first.
-            pending = rec.begin_call(ins, api=api, short=short, kind="collective", may_write=writes)
+            pending = rec.begin_call(ins, api=api, short=short, kind="collective",
+                                     may_write=True if read_all_first else writes)
         except Exception:  # never let the trace break the collective
             return original(*args, **kwargs)
         # The mode is off while the collective runs: it would see the same function (c10d
@@ -505,6 +517,10 @@ class _Attachment:
             self.pending.add(module)
             if getattr(module, "gradient_as_bucket_view", False):
                 self._hook_bucket_view_grads(module)
+
+    def _comm_hook_syncs(self) -> bool:
+        """Whether a DDP module with a comm hook synchronises in the backward running now."""
+        return any(getattr(ddp, "_comm_hooks", None) for ddp in list(self.pending))
 
     def _hook_bucket_view_grads(self, ddp: Any) -> None:
         """With ``gradient_as_bucket_view`` each .grad is a view into a bucket that DDP's reducer
