@@ -49,7 +49,7 @@ def _step(device: torch.device, rank: int, bucket_view: bool, comm_hook: bool, t
     import tracer
 
     torch.manual_seed(0)
-    model = TinyLM(d=32, layers=3).to(device)
+    model = TinyLM(d=32, layers=2).to(device)
     # Small buckets: several all-reduces, each started while the backward still runs.
     ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=bucket_view, bucket_cap_mb=0.01)
     if comm_hook:

@@ -437,7 +437,7 @@ def _check_bucket_views(printed: list[dict]) -> None:
         # ddp_allreduce's outputs, one per parameter, are the averaged gradients as the step
         # left them (read again afterwards), its inputs the local ones; every value was read.
         params = len(untraced["grads"]) // 2
-        assert params == 3 * 12 + 5
+        assert params == 2 * 12 + 5
         for path in (per_tensor, batched):
             assert len(path["averaged"]) == len(path["local"]) == len(path["truth"]) == params
             assert [path["records"][name][0] for name in path["averaged"]] == path["truth"], setting
