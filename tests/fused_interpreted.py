@@ -616,11 +616,36 @@ def slot_sum_versions(traced: Any, device: str = "cpu") -> dict[str, object]:
             "expected": [fingerprint(p.grad), md5_of(p.grad), p.grad.max().item()]}
 
 
+def free_results() -> dict[str, object]:
+    """A storage freed inside the block while a value in it waits in a batch: FSDP frees an
+    unsharded parameter's memory with ``untyped_storage().resize_(0)`` after its layer, which no
+    recorded op does. The value is read before the memory goes (a snapshot), so its record holds
+    the bytes it had, not what the next allocation wrote there. (4 MiB: the allocation after the
+    free takes the same memory, or the freed pages are unmapped; either way a read after the
+    free would not see the value.) Also a resize of a storage the trace holds nothing in."""
+    import tracer
+
+    x = torch.linspace(-1.0, 1.0, 1 << 20)
+    expected = fingerprint(x * 2.0)
+    os.environ["GRADTRACE_FUSED_INTERPRET"] = "1"
+    try:
+        with tracer.trace(hash="fast") as t:
+            y = x * 2.0
+            z = torch.ones(8)  # not waiting in any batch with y's bytes: a resize reads nothing of it
+            z.untyped_storage().resize_(0)
+            y.untyped_storage().resize_(0)  # freed while waiting
+            torch.full((1 << 20,), 7.0)  # the next allocation of that size
+    finally:
+        os.environ.pop("GRADTRACE_FUSED_INTERPRET", None)
+    return {"recorded": t.tensors["mul0:out"].fingerprint, "expected": expected,
+            "wrapped_after": "resize_" in torch.UntypedStorage.__dict__}
+
+
 def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     json.dump({"kernel": kernel_results(), "trace": trace_results(), "protect": protect_results(),
                "ddp": ddp_results(), "versions": versions_results(), "lists": list_results(),
-               "dense": dense_results()}, sys.stdout)
+               "dense": dense_results(), "free": free_results()}, sys.stdout)
 
 
 if __name__ == "__main__":

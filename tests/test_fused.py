@@ -244,6 +244,15 @@ def test_a_write_snapshots_only_the_waiting_tensors_it_reaches(interpreted):
 
 
 @needs_triton
+def test_a_freed_storage_is_read_before_its_memory_goes(interpreted):
+    """FSDP's resize_(0) of a storage that holds a value waiting in a batch: the record holds
+    the value's bytes, not what the next allocation wrote there; the wrapper is gone after."""
+    result = interpreted["free"]
+    assert result["recorded"] == result["expected"]
+    assert result["wrapped_after"] is False
+
+
+@needs_triton
 @pytest.mark.parametrize("hash", ["fast", "md5"])
 def test_batched_step_leaves_every_version_counter_as_untraced(interpreted, hash):
     """The batches hold their tensors until launched; held past a grad node's hook, they made

@@ -58,6 +58,7 @@ from tracer.record.optimizer import OptimizerSteps
 from tracer.record.part import Part
 from tracer.record.phases import PhaseTracker
 from tracer.record.stacks import NoStacks, Stacks, StackTable, user_stacklevel
+from tracer.record.storage_frees import install_resize_wrapper, uninstall_resize_wrapper
 from tracer.record.swaps import Swaps, install_swap_wrapper, uninstall_swap_wrapper
 from tracer.record.tensor_names import TensorNames
 from tracer.record.tensors import (
@@ -139,6 +140,7 @@ class Recorder:
         install_apply_wrapper(self)
         install_engine_wrapper()
         install_swap_wrapper()
+        install_resize_wrapper()
         install_rebuild_wrappers()
         self.mode.__enter__()
         self._mode_entered = True
@@ -168,6 +170,7 @@ class Recorder:
             uninstall_apply_wrapper(self)
             uninstall_engine_wrapper()
             uninstall_swap_wrapper()
+            uninstall_resize_wrapper()
             uninstall_rebuild_wrappers()
             self.graph.remove_hooks()
             self.steps.remove_hooks()

@@ -666,6 +666,11 @@ class Fused:
         if spans is None:  # no storage to compare (a wrapper subclass, sparse): be safe
             self.flush()
             return
+        self.protect_spans(spans)
+
+    def protect_spans(self, spans: list[tuple[int, int]]) -> None:
+        """``protect`` for the byte ``spans`` [start, end) about to change, or to be freed (a
+        storage resized: ``Hasher.before_free``)."""
         if not spans:
             return
         with torch._C.DisableTorchFunction():

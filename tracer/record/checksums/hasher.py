@@ -454,6 +454,28 @@ class Hasher:
                 fused.release(taken)
 
     @own_work
+    def before_free(self, storage: Any) -> None:
+        """``storage`` is about to be resized, which frees its memory (FSDP frees an unsharded
+        parameter's storage with ``resize_(0)`` once its layer is done; a growing resize moves
+        the bytes): values still waiting for their checksum in those bytes are read first (a
+        snapshot on the current stream, before the memory can serve anything else; see
+        ``Fused.protect``). Nothing a per-tensor read queued is affected: it was queued before."""
+        fused = self._fused
+        if fused is None or not fused.has_waiting:
+            return
+        if torch.cuda.is_initialized() and _capturing():  # nothing may run in a graph being captured
+            return
+        try:
+            start, size = int(storage.data_ptr()), int(storage.nbytes())
+        except (RuntimeError, AttributeError):  # no memory to read the address of: be safe
+            with transforms_off():
+                fused.flush()
+            return
+        if start and size:
+            with transforms_off():
+                fused.protect_spans([(start, start + size)])
+
+    @own_work
     def flush(self) -> None:
         """Launch the batched kernels for every waiting tensor (no sync). The recorder calls this
         before code that may change a recorded tensor in place."""
