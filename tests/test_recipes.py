@@ -288,6 +288,51 @@ def test_empty_like_is_uninitialised_and_its_first_write_is_a_version():
     assert t["empty_like0:out@v1"].md5 == _md5(out) and not t["empty_like0:out@v1"].uninitialized
 
 
+def test_an_out_argument_met_first_is_overwritten_not_hashed_unless_the_call_reads_it():
+    """An ``out=`` tensor first seen in the block is written whole and never read: what it held
+    (FSDP copies each unsharded parameter out of the all-gather into memory it has just given
+    back, whatever bytes the allocator left there) is not hashed, and its first value is the
+    next version. A tensor also passed as another argument is read: hashed."""
+    a, b = torch.randn(4), torch.randn(4)
+    fresh, both = torch.empty(4), torch.randn(4)
+    parts = [torch.empty(2), torch.empty(2)]
+    with tracer.trace() as t:
+        torch.add(a, b, out=fresh)
+        torch.add(both, b, out=both)
+        torch.split_with_sizes_copy(a, [2, 2], out=parts)
+    add0, add1, split = t["add0"], t["add1"], t["split_with_sizes_copy0"]
+    first = t[add0.inputs[2]]
+    assert first.uninitialized and first.md5 is None and first.stats is None
+    assert first.hash_note == ("not hashed: first seen being overwritten by add (its out= argument), which reads "
+                               "none of its bytes; its new value is the next version")
+    assert add0.outputs == [f"{add0.inputs[2]}@v1"] and t[add0.outputs[0]].md5 == _md5(fresh)
+    assert t[add1.inputs[0]].md5 is not None and not t[add1.inputs[0]].uninitialized  # read by the call
+    for name, part in zip(split.inputs[1:], parts):
+        assert t[name].uninitialized and t[f"{name}@v1"].md5 == _md5(part)
+
+
+def test_memory_a_storage_is_given_back_is_uninitialised_until_written():
+    """FSDP frees an unsharded parameter's storage (``resize_(0)``) after its layer and gives it
+    memory back (``resize_(n)``) before the layer's backward: until something writes it, its
+    bytes are whatever the allocator left, so a tensor there seen now is not hashed (two runs
+    would differ there); once a recorded call has written it, it is hashed again."""
+    x = torch.randn(1000)
+    with tracer.trace() as t:
+        storage = x.untyped_storage()
+        storage.resize_(0)
+        storage.resize_(4000)
+        (x.view(10, 100) * 2).sum()
+        x.copy_(torch.ones(1000))
+        x * 3
+    first = t["input0"]
+    assert first.uninitialized and first.md5 is None and first.stats is None
+    assert first.hash_note.startswith("not hashed: uninitialised memory (its storage was resized from nothing")
+    assert t["view0:out"].md5 is None  # the same bytes
+    assert t["copy_0"].outputs == ["input0@v1"] and t["input0@v1"].md5 == _md5(x)
+    assert t["mul1"].inputs == ["input0@v1"]
+    assert "resize_" not in torch.UntypedStorage.__dict__  # the wrapper is gone with the trace
+
+
 def test_two_identical_mixtral_runs_are_equal_despite_empty_like():
     def run() -> tracer.Trace:
         torch.manual_seed(0)

@@ -111,8 +111,9 @@ class PythonCapture(Part):
         rec = self.rec
         ins = call_tensors(args, kwargs)
         vers = versions_of(ins)
+        out_only = _out_only(args, kwargs) if kwargs and "out" in kwargs else None
         with rec.lock:
-            in_names = self._names.name_inputs(ins, vers, short)
+            in_names = self._names.name_inputs(ins, vers, short, out_only)
             seq = rec.call_seq
             rec.call_seq += 1
         listeners = rec.listeners
@@ -214,3 +215,16 @@ class PythonCapture(Part):
         if unchanged:
             return func(*args, **kwargs)
         return self.record_call(func, api, short, "op", args, kwargs, writes)
+
+
+def _out_only(args: tuple[Any, ...], kwargs: dict[str, Any]) -> set[int]:
+    """The identities of the tensors a call passes as ``out=`` and as no other argument (one it
+    also reads, ``torch.add(a, b, out=a)``, is read before it is written)."""
+    outs: list[torch.Tensor] = []
+    flat_tensors(kwargs["out"], outs)
+    if not outs:
+        return set()
+    others: list[torch.Tensor] = []
+    flat_tensors(args, others)
+    flat_tensors({k: v for k, v in kwargs.items() if k != "out"}, others)
+    return set(map(identity, outs)) - set(map(identity, others))

@@ -6,7 +6,10 @@ the recorder sees does either. Values waiting for their checksum in a batch (``h
 ``check_numerics`` on CUDA) are held as tensors, but a resize frees the memory under them
 whatever holds them: the caching allocator then hands those bytes to the next allocation, and
 the batch would read whatever that wrote. So while a trace is on, ``UntypedStorage.resize_`` is
-wrapped: the bytes the storage holds are read first (``Hasher.before_free``).
+wrapped: the bytes the storage holds are read first (``Hasher.before_free``). A storage given
+memory again (resized from nothing) holds whatever the allocator left there until something
+writes it: a tensor in it seen before that is recorded as uninitialised memory, not hashed
+(``TensorNames.fresh_storage``), as ``torch.empty``'s output is.
 """
 
 from __future__ import annotations
@@ -25,14 +28,24 @@ _REAL_RESIZE: Any = torch.UntypedStorage.resize_
 
 def _traced_resize(self: torch.UntypedStorage, size: int) -> Any:
     rec = active_recorder()
-    if rec is not None and not rec.closed and not rec.stopped and rec.hasher.holds_tensors \
-            and on_traced_thread(rec):
-        try:
+    if rec is None or rec.closed or rec.stopped or not on_traced_thread(rec):
+        return _REAL_RESIZE(self, size)
+    try:
+        empty = self.nbytes() == 0
+        if rec.hasher.holds_tensors:
             with torch._C.DisableTorchFunction():
                 rec.hasher.before_free(self)
-        except Exception as exc:  # gradtrace's own fault: see tracer.record.failsafe
+    except Exception as exc:  # gradtrace's own fault: see tracer.record.failsafe
+        rec.recorder_failed(exc)
+        return _REAL_RESIZE(self, size)
+    result = _REAL_RESIZE(self, size)
+    if empty and size:
+        try:  # memory given back: its bytes are whatever the allocator left there
+            with rec.lock:
+                rec.names.fresh_storage(int(self.data_ptr()), int(self.data_ptr()) + int(self.nbytes()))
+        except Exception as exc:
             rec.recorder_failed(exc)
-    return _REAL_RESIZE(self, size)
+    return result
 
 
 def install_resize_wrapper() -> None:

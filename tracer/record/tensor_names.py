@@ -47,6 +47,10 @@ from tracer.record.tensors import (
 )
 from tracer.record.weakmap import IdWeakMap
 
+# Why a tensor in memory a storage was just given is not hashed (TensorNames.fresh_storage).
+FRESH_NOTE = ("not hashed: uninitialised memory (its storage was resized from nothing inside the block, as "
+              "FSDP gives an unsharded parameter its memory back, and nothing recorded has written it since)")
+
 if TYPE_CHECKING:
     from tracer.record.recorder import Recorder
 
@@ -93,20 +97,32 @@ class TensorNames(Part):
         self._versions: dict[str, int] = {}  # the last version of each base name
         self._tensor_seq = 0
         self._inputs = 0
+        # Byte spans of storages given memory inside the block (``UntypedStorage.resize_`` from
+        # nothing: FSDP before a layer's backward) and not written by a recorded call since: a
+        # tensor in one, seen now, holds whatever the allocator left there (see fresh_storage).
+        self._fresh: list[tuple[int, int]] = []
         self._owner_searches = 0  # passes over the live objects made for this trace (see name_model_of)
 
     # ---- a call's values ----------------------------------------------------------------------
-    def name_inputs(self, ins: list[torch.Tensor], versions: list[int], short: str) -> list[str]:
+    def name_inputs(self, ins: list[torch.Tensor], versions: list[int], short: str,
+                    out_only: set[int] | None = None) -> list[str]:
         """The names of a call's inputs, whose versions the caller has just read, before its op
-        runs (the caller holds the lock). The first input of an initialiser that is met here
-        first is recorded as what that initialiser overwrites (``name_at``'s ``overwritten_by``)."""
+        runs (the caller holds the lock). What the op overwrites without reading it, met here
+        first, is recorded as such (``name_at``'s ``overwritten_by``): the first input of an
+        initialiser, and ``out_only``, the identities of the tensors passed only as ``out=``
+        (an ``out=`` argument is written whole and never read; FSDP copies each unsharded
+        parameter out of the all-gather into memory it has just given back to the parameter)."""
         # A list of exactly the right length (not grown by appends): it is kept in the Call.
         in_names = [""] * len(ins)
         known = self.lookup
         for i, t in enumerate(ins):
             hit = known(t)  # name_at's usual outcome inlined: a tensor named before, unchanged
-            in_names[i] = hit[0] if hit is not None and hit[1] == versions[i] else self.name_at(
-                t, versions[i], short if i == 0 and short in OVERWRITING else None)
+            if hit is not None and hit[1] == versions[i]:
+                in_names[i] = hit[0]
+            elif out_only and identity(t) in out_only:
+                in_names[i] = self.name_at(t, versions[i], f"{short} (its out= argument)")
+            else:
+                in_names[i] = self.name_at(t, versions[i], short if i == 0 and short in OVERWRITING else None)
         return in_names
 
     def name_call_values(self, api: str, short: str, kind: str, name: str, ins: list[torch.Tensor],
@@ -177,6 +193,8 @@ class TensorNames(Part):
         shares its bytes."""
         tensors = self._trace.tensors
         versions = self._versions
+        if self._fresh:  # written by a recorded call: its bytes are that call's from now on
+            self._fresh = [span for span in self._fresh if not any(self._within(t, span) for t in mutated)]
         # Foreach ops and optimizer steps never resize, restride or retype a tensor.
         same_meta = kind == "optimizer" or api.startswith("torch._foreach_")
         for j, t in enumerate(mutated):  # an optimizer's foreach op changes ~150 at once
@@ -431,8 +449,12 @@ class TensorNames(Part):
             # Changed in place where the trace could not see it (untraced code, through .data).
             base = names.base_name(name)
             old = self._trace.tensors.get(name)
-            return self.new_tensor(t, self.bump(base), old.role if old is not None else "input", None,
-                                    previous=name)
+            fresh = bool(self._fresh) and self._in_fresh(t)
+            new = self.new_tensor(t, self.bump(base), old.role if old is not None else "input", None,
+                                  previous=name, uninitialized=fresh)
+            if fresh:
+                self._trace.tensors[new].hash_note = FRESH_NOTE
+            return new
         named = self._named.get(t)
         if named is not None:
             # A parameter first seen after code wrote its bytes through a live alias the trace
@@ -469,11 +491,32 @@ class TensorNames(Part):
                              "of its bytes; its new value is the next version")
             self.index_alias(t)
             return name
-        name = self.new_tensor(t, f"input{self._inputs - 1}", "input", None)
+        fresh = bool(self._fresh) and self._in_fresh(t)
+        name = self.new_tensor(t, f"input{self._inputs - 1}", "input", None, uninitialized=fresh)
+        if fresh:
+            self._trace.tensors[name].hash_note = FRESH_NOTE
         if self.rec.in_backward:
             self.rec.graph.note_unnamed_hook_input(name)
         self.index_alias(t)
         return name
+
+    def fresh_storage(self, start: int, end: int) -> None:
+        """A storage was given the memory [start, end) inside the block (resized from nothing):
+        until a recorded call writes into it, a tensor there seen for the first time, or seen
+        changed, is recorded as uninitialised memory, not hashed (its bytes are whatever the
+        allocator left: two runs of the same program would differ there)."""
+        self._fresh = [span for span in self._fresh if span[1] <= start or span[0] >= end]  # (reused)
+        self._fresh.append((start, end))
+
+    def _in_fresh(self, t: torch.Tensor) -> bool:
+        return any(self._within(t, span) for span in self._fresh)
+
+    @staticmethod
+    def _within(t: torch.Tensor, span: tuple[int, int]) -> bool:
+        try:
+            return t.layout == torch.strided and span[0] <= t.data_ptr() < span[1]
+        except RuntimeError:  # no data pointer (a freed storage, a wrapper)
+            return False
 
     def name_data_alias(self, source: torch.Tensor, alias: torch.Tensor) -> None:
         """``source.data`` returned ``alias``: a new tensor object on the same bytes, seen the same
