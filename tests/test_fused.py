@@ -385,12 +385,7 @@ def test_cuda_batches_equal_the_torch_path(dtype, with_fingerprint):
     held = [h for batch in batcher._batches.values() for h in batch.held]
     # read in place (a complex tensor: as its real view), or a packed copy
     assert any(h.data_ptr() == images.data_ptr() for h in held) is (not with_fingerprint)
-    batcher.flush()
-    rows = {}
-    for slots, floats, ints in batcher.take(wait=True):
-        for recs_of_row, frow, irow in zip(slots, floats, ints):
-            for rec in recs_of_row:
-                rows[rec.name] = (frow, irow)
+    rows = _rows(batcher)
     for i, t in enumerate(cases):
         frow, irow = rows[str(i)]
         if with_fingerprint:
@@ -480,12 +475,11 @@ def test_cuda_writes_through_a_view_and_on_another_stream_leave_the_recorded_byt
 
 
 def _rows(batcher) -> dict[str, tuple[list[float], list[int]]]:
-    rows = {}
-    for slots, floats, ints in batcher.take(wait=True):
-        for recs_of_row, frow, irow in zip(slots, floats, ints):
-            for rec in recs_of_row:
-                rows[rec.name] = (frow, irow)
-    return rows
+    """Each record's float and int rows, by name, once what waits is launched (a flush with
+    nothing waiting launches nothing: the callers that flushed on a stream of their own keep it)."""
+    from tests.fused_interpreted import flushed_rows
+
+    return flushed_rows(batcher)
 
 
 @pytest.mark.cuda
