@@ -111,7 +111,8 @@ class PythonCapture(Part):
         rec = self.rec
         ins = call_tensors(args, kwargs)
         vers = versions_of(ins)
-        out_only = _out_only(args, kwargs) if kwargs and "out" in kwargs else None
+        # (torch's out= convention: an op writes its result into out=, whole, reading none of it)
+        out_only = _out_only(args, kwargs) if kwargs and "out" in kwargs and kind in ("op", "custom_op") else None
         with rec.lock:
             in_names = self._names.name_inputs(ins, vers, short, out_only)
             seq = rec.call_seq
