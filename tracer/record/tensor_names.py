@@ -276,12 +276,13 @@ class TensorNames(Part):
     # ---- tensors ------------------------------------------------------------------------------
     def new_tensor(self, t: torch.Tensor, name: str, role: Role, producer: str | None,
                     previous: str | None = None, like: TensorRecord | None = None,
-                    uninitialized: bool = False, same_as: TensorRecord | None = None) -> str:
+                    uninitialized: bool | str = False, same_as: TensorRecord | None = None) -> str:
         """Record a new tensor value. ``like``: the record of the version this one replaced,
         when the call cannot have changed shape, strides, dtype or device (foreach in-place
         ops): its metadata is reused instead of read again (an optimizer step makes ~10 new
         versions of every parameter and state tensor). ``uninitialized``: memory nobody wrote
-        (``torch.empty_like``): recorded, never hashed. ``same_as``: the record of a value
+        (``torch.empty_like``): recorded, never hashed (a string: the note saying why, else
+        "made by ``producer``"). ``same_as``: the record of a value
         this one reads as (``_reads_as``: a view of it): its checksum and stats are copied from
         that record, not computed again."""
         if name in self._trace.tensors:  # (untaken's usual outcome inlined: a name not taken yet)
@@ -333,7 +334,8 @@ class TensorNames(Part):
                            self._tensor_seq, None, None, None, None, previous)
         if uninitialized:
             rec.uninitialized = True
-            rec.hash_note = f"not hashed: uninitialised memory (made by {producer}); its first write is a new version"
+            rec.hash_note = uninitialized if isinstance(uninitialized, str) else (
+                f"not hashed: uninitialised memory (made by {producer}); its first write is a new version")
         elif ragged:
             rec.hash_note = RAGGED_NOTE
             self._tensor_seq += 1
@@ -449,12 +451,8 @@ class TensorNames(Part):
             # Changed in place where the trace could not see it (untraced code, through .data).
             base = names.base_name(name)
             old = self._trace.tensors.get(name)
-            fresh = bool(self._fresh) and self._in_fresh(t)
-            new = self.new_tensor(t, self.bump(base), old.role if old is not None else "input", None,
-                                  previous=name, uninitialized=fresh)
-            if fresh:
-                self._trace.tensors[new].hash_note = FRESH_NOTE
-            return new
+            return self.new_tensor(t, self.bump(base), old.role if old is not None else "input", None,
+                                   previous=name, uninitialized=self._fresh_note(t))
         named = self._named.get(t)
         if named is not None:
             # A parameter first seen after code wrote its bytes through a live alias the trace
@@ -482,20 +480,12 @@ class TensorNames(Part):
             if read is not None and self._name_read_before(t, *read):
                 return self.name_at(t, version)
         self._inputs += 1
-        if overwritten_by is not None:
-            # Met first as what an initialiser overwrites (``nn.Parameter(torch.empty(...))`` in a
-            # constructor that runs in the block): bytes nobody wrote or will read, not hashed.
-            name = self.new_tensor(t, f"input{self._inputs - 1}", "input", None, uninitialized=True)
-            rec = self._trace.tensors[name]
-            rec.hash_note = (f"not hashed: first seen being overwritten by {overwritten_by}, which reads none "
-                             "of its bytes; its new value is the next version")
-            self.index_alias(t)
-            return name
-        fresh = bool(self._fresh) and self._in_fresh(t)
-        name = self.new_tensor(t, f"input{self._inputs - 1}", "input", None, uninitialized=fresh)
-        if fresh:
-            self._trace.tensors[name].hash_note = FRESH_NOTE
-        if self.rec.in_backward:
+        # Met first as what an initialiser or an out= overwrites (``nn.Parameter(torch.empty(...))``
+        # in a constructor that runs in the block), or in memory nobody has written yet: not hashed.
+        unwritten = (f"not hashed: first seen being overwritten by {overwritten_by}, which reads none of its "
+                     "bytes; its new value is the next version") if overwritten_by is not None else self._fresh_note(t)
+        name = self.new_tensor(t, f"input{self._inputs - 1}", "input", None, uninitialized=unwritten)
+        if self.rec.in_backward and overwritten_by is None:
             self.rec.graph.note_unnamed_hook_input(name)
         self.index_alias(t)
         return name
@@ -508,8 +498,9 @@ class TensorNames(Part):
         self._fresh = [span for span in self._fresh if span[1] <= start or span[0] >= end]  # (reused)
         self._fresh.append((start, end))
 
-    def _in_fresh(self, t: torch.Tensor) -> bool:
-        return any(self._within(t, span) for span in self._fresh)
+    def _fresh_note(self, t: torch.Tensor) -> str | bool:
+        """``FRESH_NOTE`` when ``t`` lies in memory a storage was given and nobody wrote since."""
+        return bool(self._fresh) and any(self._within(t, span) for span in self._fresh) and FRESH_NOTE
 
     @staticmethod
     def _within(t: torch.Tensor, span: tuple[int, int]) -> bool:
