@@ -30,16 +30,14 @@ def _traced_resize(self: torch.UntypedStorage, size: int) -> Any:
     rec = active_recorder()
     if rec is None or rec.closed or rec.stopped or not on_traced_thread(rec):
         return _REAL_RESIZE(self, size)
+    empty = False
     try:
         empty = self.nbytes() == 0
-        if rec.hasher.holds_tensors:
-            with torch._C.DisableTorchFunction():
-                rec.hasher.before_free(self)
+        rec.hasher.before_free(self)  # (gradtrace's own work: torch functions off in there)
     except Exception as exc:  # gradtrace's own fault: see tracer.record.failsafe
         rec.recorder_failed(exc)
-        return _REAL_RESIZE(self, size)
     result = _REAL_RESIZE(self, size)
-    if empty and size:
+    if empty and size and not rec.stopped:
         try:  # memory given back: its bytes are whatever the allocator left there
             with rec.lock:
                 rec.names.fresh_storage(int(self.data_ptr()), int(self.data_ptr()) + int(self.nbytes()))

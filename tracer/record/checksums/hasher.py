@@ -432,6 +432,14 @@ class Hasher:
         """Whether tensors wait in batches that hold them (``fused``: CUDA), until launched."""
         return self._fused is not None and self._fused.has_waiting
 
+    def _waiting_batches(self) -> Any:
+        """The batches (``Fused``) when tensors wait in them and may be read or copied now: None
+        without any, and while a CUDA graph is captured (nothing may run in it)."""
+        fused = self._fused
+        if fused is None or not fused.has_waiting or (torch.cuda.is_initialized() and _capturing()):
+            return None
+        return fused
+
     @own_work
     def let_go(self, taken: list[torch.Tensor], into_grad: bool = False) -> None:
         """Autograd takes ``taken`` next, so no waiting batch may hold them: the engine sums a
@@ -442,10 +450,8 @@ class Hasher:
         The batches keep copies of them instead (``Fused.release``) and go on filling; for an
         accumulator (``into_grad``), whose test is on the tensor alone, they keep aliases of
         their storage, with no copy (``Fused.hold_storage_only``)."""
-        fused = self._fused
-        if fused is None or not fused.has_waiting:
-            return
-        if torch.cuda.is_initialized() and _capturing():  # nothing may run in a graph being captured
+        fused = self._waiting_batches()
+        if fused is None:
             return
         with transforms_off():
             if into_grad:
@@ -460,10 +466,8 @@ class Hasher:
         the bytes): values still waiting for their checksum in those bytes are read first (a
         snapshot on the current stream, before the memory can serve anything else; see
         ``Fused.protect``). Nothing a per-tensor read queued is affected: it was queued before."""
-        fused = self._fused
-        if fused is None or not fused.has_waiting:
-            return
-        if torch.cuda.is_initialized() and _capturing():  # nothing may run in a graph being captured
+        fused = self._waiting_batches()
+        if fused is None:
             return
         try:
             start, size = int(storage.data_ptr()), int(storage.nbytes())
