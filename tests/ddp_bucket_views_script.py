@@ -21,6 +21,7 @@ kernels; on the CPU the host reads against the batches under Triton's interprete
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -60,49 +61,38 @@ def _step(device: torch.device, rank: int, bucket_view: bool, comm_hook: bool, t
     g = torch.Generator().manual_seed(100 + rank)
     batches = [torch.randint(0, 32, (4, 12), generator=g).to(device) for _ in range(2)]
 
-    def step(idx: torch.Tensor) -> None:
+    def backward(idx: torch.Tensor) -> None:
         logits = ddp(idx[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), idx[:, 1:].reshape(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=False)  # the next step accumulates into the bucket views
-        # (zeroed before the traced step, so its .grad are what the step made)
+        torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), idx[:, 1:].reshape(-1)).backward()
 
-    step(batches[0])
-    records: dict[str, object] = {}
-    if traced:
-        with tracer.trace(hash="fast", stats=True) as t:
-            logits = ddp(batches[1][:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                     batches[1][:, 1:].reshape(-1))
-            loss.backward()
-            grads = _state_md5(model)  # the averaged gradients, before the optimizer
-            opt.step()
-        records = {name: [r.fingerprint, None if r.stats is None else [r.stats.min, r.stats.max, r.stats.nan],
-                          r.hash_note] for name, r in t.tensors.items()}
-        ddp_calls = [c for c in t.calls if c.api.endswith("reducer.allreduce")]
-        assert len(ddp_calls) == 1, [c.name for c in ddp_calls]
-        # The averaged gradients as they are now, read by the host/torch path in a trace of their own.
-        saved = {k: os.environ.pop(k) for k in ("GRADTRACE_FUSED_INTERPRET", "GRADTRACE_TRITON") if k in os.environ}
-        try:
-            with tracer.trace(hash="fast") as now:
-                for p in model.parameters():
-                    if p.grad is not None:  # (an unused parameter's, under find_unused_parameters)
-                        p.grad.clone()
-        finally:
-            os.environ.update(saved)
-        truth = [r.fingerprint for name, r in now.tensors.items() if name.startswith("clone")]
-        return {"records": records, "grads": grads, "after": _state_md5(model), "averaged": ddp_calls[0].outputs,
-                "local": ddp_calls[0].inputs, "truth": truth}
-    else:
-        logits = ddp(batches[1][:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batches[1][:, 1:].reshape(-1))
-        loss.backward()
-        grads = _state_md5(model)
+    backward(batches[0])
+    opt.step()
+    opt.zero_grad(set_to_none=False)  # the traced step accumulates into the zeroed bucket views
+    with tracer.trace(hash="fast", stats=True) if traced else contextlib.nullcontext() as t:
+        backward(batches[1])
+        grads = _state_md5(model)  # the averaged gradients, before the optimizer
         opt.step()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return {"records": records, "grads": grads, "after": _state_md5(model)}
+    out: dict[str, object] = {"records": {}, "grads": grads, "after": _state_md5(model)}
+    if not traced:
+        return out
+    out["records"] = {name: [r.fingerprint, None if r.stats is None else [r.stats.min, r.stats.max, r.stats.nan],
+                             r.hash_note] for name, r in t.tensors.items()}
+    ddp_calls = [c for c in t.calls if c.api.endswith("reducer.allreduce")]
+    assert len(ddp_calls) == 1, [c.name for c in ddp_calls]
+    out["averaged"], out["local"] = ddp_calls[0].outputs, ddp_calls[0].inputs
+    # The averaged gradients as they are now, read by the host/torch path in a trace of their own.
+    saved = {k: os.environ.pop(k) for k in ("GRADTRACE_FUSED_INTERPRET", "GRADTRACE_TRITON") if k in os.environ}
+    try:
+        with tracer.trace(hash="fast") as now:
+            for p in model.parameters():
+                if p.grad is not None:  # (an unused parameter's, under find_unused_parameters)
+                    p.grad.clone()
+    finally:
+        os.environ.update(saved)
+    out["truth"] = [r.fingerprint for name, r in now.tensors.items() if name.startswith("clone")]
+    return out
 
 
 def main() -> None:
