@@ -124,13 +124,12 @@ def main() -> None:
     a = p.parse_args()
     import torch
     from lever_ab import run_rounds
-    from workloads import build
+    from workloads import build, time_step
 
     import tracer
 
     device = torch.device(a.device)
     w = build(a.model, device, None, None, torch.bfloat16 if device.type == "cuda" else None)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     configs: dict[str, Callable[[], Any]] = {
         "stacks": lambda: tracer.trace(hash="none", node_runs=True),
         "fast": lambda: tracer.trace(hash="fast"),
@@ -140,12 +139,7 @@ def main() -> None:
     def timed(make: Callable[[], Any], capture: bool) -> Callable[[], float]:
         def step() -> float:
             with capture_only_nodes() if capture else contextlib.nullcontext():
-                sync()
-                t0 = time.perf_counter()
-                with make():
-                    w.step()
-                sync()
-                return (time.perf_counter() - t0) * 1e3
+                return time_step(w, make)[0]
         return step
 
     variants = {"plain": timed(contextlib.nullcontext, False),
@@ -169,10 +163,7 @@ def main() -> None:
     with timed_functions() as (ns, calls):
         for _ in range(a.steps):
             gc.collect()
-            sync()
-            with make():
-                w.step()
-            sync()
+            time_step(w, make)
     print()
     print(f"{a.config}, {a.steps} steps: inclusive host time a step by function")
     print("| function | calls a step | ms a step | us a call |")

@@ -30,7 +30,6 @@ import gc
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,7 +120,7 @@ def main() -> None:
         os.environ["TRITON_INTERPRET"] = "1"  # before Triton is first imported
         os.environ["GRADTRACE_FUSED_INTERPRET"] = "1"
     import torch
-    from workloads import build
+    from workloads import build, time_step
 
     import tracer
 
@@ -136,14 +135,7 @@ def main() -> None:
     def timed(ctx: Callable[[], Any], off: Lever | None = None) -> Callable[[], float]:
         def step() -> float:
             with lever_off(off) if off is not None else contextlib.nullcontext():
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                with ctx():
-                    w.step()
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                return (time.perf_counter() - t0) * 1e3
+                return time_step(w, ctx)[0]
         return step
 
     variants = {"plain": timed(contextlib.nullcontext), "all on": timed(make)}
