@@ -288,6 +288,39 @@ def test_empty_like_is_uninitialised_and_its_first_write_is_a_version():
     assert t["empty_like0:out@v1"].md5 == _md5(out) and not t["empty_like0:out@v1"].uninitialized
 
 
+def test_an_op_whose_other_overloads_write_a_list_or_a_generator_does_not_write_its_tensor():
+    """``aten::sort`` also names TorchScript builtins that sort a Python list in place
+    (``sort.Tensor(Tensor[](a!) self)``, ``sort.int(int[](a!) self)``), and ``manual_seed`` writes
+    a Generator: a tensor passed to ``torch.sort`` is only read (found by
+    ``pack_padded_sequence(enforce_sorted=False)``, which sorts the lengths). In-place ops and
+    the foreach and fused ops, which write a tensor or a list of them, still write."""
+    x, y = torch.tensor([4, 6, 2]), torch.randn(5)
+    params = [torch.randn(3), torch.randn(3)]
+    with tracer.trace() as t:
+        torch.sort(x, descending=True)
+        y.sort(dim=0)
+        torch.topk(y, 2)
+        y.add_(1)
+        torch._foreach_mul_(params, 2.0)
+    assert x._version == 0
+    assert [c.mutated for c in t.calls] == [[], [], [], ["input1@v1"], ["input2@v1", "input3@v1"]]
+    assert t["sort0"].inputs == ["input0"] and t["sort1"].inputs == ["input1"]
+    assert t["input1@v1"].md5 == _md5(y) and t["input2@v1"].md5 == _md5(params[0])
+
+
+def test_detach_in_place_cuts_autograd_without_making_a_version():
+    """``detach_``'s schema marks ``self`` written, but its bytes and shape stay: the next reader
+    reads the same record."""
+    a = torch.randn(3, requires_grad=True)
+    with tracer.trace() as t:
+        b = a * 2
+        b.detach_()
+        b + 1
+    assert [(c.name, c.inputs, c.outputs, c.mutated) for c in t.calls] == [
+        ("mul0", ["input0"], ["mul0:out"], []), ("detach_0", ["mul0:out"], ["mul0:out"], []),
+        ("add0", ["mul0:out"], ["add0:out"], [])]
+
+
 def test_an_out_argument_met_first_is_overwritten_not_hashed_unless_the_call_reads_it():
     """An ``out=`` tensor first seen in the block is written whole and never read: what it held
     (FSDP copies each unsharded parameter out of the all-gather into memory it has just given

@@ -45,6 +45,9 @@ class Writes:
     positions: tuple[int, ...]
     names: frozenset[str] = frozenset()
     when: Callable[[tuple[Any, ...], dict[str, Any]], bool] | None = None
+    # Positions only a list of tensors is written at (``aten::sort.Tensor(Tensor[](a!) self)``, a
+    # TorchScript list sort beside the tensor sort): a tensor passed there is only read.
+    lists_only: frozenset[int] = frozenset()
 
     def tensors(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
         """The tensors this call writes into."""
@@ -52,7 +55,7 @@ class Writes:
         if self.when is not None and not self.when(args, kwargs):
             return out
         for i in self.positions:
-            if i < len(args):
+            if i < len(args) and not (i in self.lists_only and isinstance(args[i], torch.Tensor)):
                 _collect(args[i], out)
         if kwargs:
             for k in self.names:
@@ -93,28 +96,58 @@ _HIDDEN: dict[str, Writes] = {
 }
 
 
+# In-place ops whose schema marks ``self`` written but which change neither its bytes nor its
+# shape (``detach_`` cuts the tensor from autograd): no new version.
+_METADATA_ONLY = frozenset({"detach_"})
+
+
 def op_writes(func: Any, api: str) -> Writes | None:
     """The arguments ``func`` (seen by the recorder as ``api``) may write, or None."""
     hidden = _HIDDEN.get(api)
     if hidden is not None:
         return hidden
+    if api.rsplit(".", 1)[-1] in _METADATA_ONLY:
+        return None
     schemas = _schemas(func, api)
     positions: set[int] = set()
+    tensor_positions: set[int] = set()
     names: set[str] = set()
     for schema in schemas:
         for i, a in enumerate(schema.arguments):
             info = a.alias_info
-            if info is not None and info.is_write:
-                names.add(a.name)
-                if not a.kwarg_only:
-                    positions.add(i)
+            if info is None or not info.is_write:
+                continue
+            # Only tensors and lists of them: an overload name also has TorchScript builtins
+            # that write a Python list, a dict or a Generator (``sort.int(int[](a!) self)``,
+            # ``manual_seed(Generator(a!) self)``), none of which a tensor call writes.
+            kind = _written_kind(a.type)
+            if kind is None:
+                continue
+            names.add(a.name)
+            if not a.kwarg_only:
+                positions.add(i)
+                if kind == "tensor":
+                    tensor_positions.add(i)
     short = api.rsplit(".", 1)[-1]
     if not positions and not names and api.startswith("Tensor.") and (
             short in _INPLACE_DUNDERS or (short.endswith("_") and not short.startswith("__"))):
         positions.add(0)  # an in-place method without a schema of its own: it writes self
     if not positions and not names:
         return None
-    return Writes(tuple(sorted(positions)), frozenset(names))
+    return Writes(tuple(sorted(positions)), frozenset(names), lists_only=frozenset(positions - tensor_positions))
+
+
+def _written_kind(ty: Any) -> str | None:
+    """``"tensor"`` for a ``Tensor`` or ``Tensor?`` argument, ``"list"`` for a list of them,
+    None for anything else (schema types: ``torch._C.JitType``)."""
+    kind = ty.kind()
+    if kind == "OptionalType":
+        return _written_kind(ty.getElementType())
+    if kind == "TensorType":
+        return "tensor"
+    if kind == "ListType" and _written_kind(ty.getElementType()) == "tensor":
+        return "list"
+    return None
 
 
 def _schemas(func: Any, api: str) -> list[Any]:
