@@ -86,3 +86,32 @@ def test_every_rule_has_its_test_here_and_a_line_in_the_docs() -> None:
         assert function == "test_" + rule.name.replace("-", "_"), rule.name
         assert rule.matches and rule.admitted_by
         assert f"`{rule.name}`" in api, f"docs/api.md does not list the rule {rule.name}"
+
+
+def test_a_value_written_into_lasting_state_is_never_dropped() -> None:
+    """A NaN the step writes into a buffer stays in the model after the step, however this step
+    reads it (here only through nan_to_num, which the selection rule drops): reported, with
+    the op that made it. A -inf mask kept as a buffer from before the block is data the step
+    reads: dropped by softmax as before."""
+    torch.manual_seed(0)
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+            self.register_buffer("s", torch.zeros(4))
+            self.register_buffer("mask", torch.full((3, 3), float("-inf")).triu(1), persistent=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.fc(x)
+            with torch.no_grad():
+                self.s.copy_(torch.sqrt(h.mean(0) - 5))
+            h = (h @ x.T + self.mask).softmax(-1) @ h
+            return h * self.s.nan_to_num(0.0).sum()
+
+    m, x = Model(), torch.randn(3, 4)
+    report = _checked(lambda: m(x).sum().backward())
+    assert torch.isnan(m.s).all()
+    first = report.headline
+    assert first is not None and first.kind == "nan" and first.producer == "sqrt0" and first.phase == "forward"
+    assert report.dropped == 2  # the mask and its sum with the scores, selected away by the softmax

@@ -469,13 +469,18 @@ def _bad(rec: TensorRecord | None) -> bool:
 def dropped_values(trace: Trace) -> set[str]:
     """The NaN/Inf-holding values that no later value keeps: every call that reads one makes
     only integer or boolean values, finite values by selection or by a softmax, or values that
-    are dropped in turn (tracer.analysis.rules). A value nothing reads (a loss) is not dropped."""
+    are dropped in turn (tracer.analysis.rules). A value nothing reads (a loss) is not dropped,
+    nor one the program keeps past the block (``outliving_values``), nor what only those keep."""
     tensors = trace.tensors
     readers: dict[str, list[Call]] = {}
     for c in trace.calls:
         for i in c.inputs:
             readers.setdefault(i, []).append(c)
-    memo: dict[str, bool] = {}
+    # The program keeps the last value of each parameter, buffer and optimizer state past the
+    # step (the next step reads it): never dropped, whoever reads it here (a NaN written into a
+    # buffer that this step reads only through nan_to_num is still in the model).
+    kept = outliving_values(trace)
+    memo: dict[str, bool] = {name: False for name in kept}
 
     def dropped(name: str, depth: int) -> bool:
         if name not in memo:
@@ -501,6 +506,19 @@ def dropped_values(trace: Trace) -> set[str]:
 
     return {name for name, r in tensors.items()
             if r.stats is not None and (r.stats.nan or r.stats.inf) and name in readers and dropped(name, 0)}
+
+
+def outliving_values(trace: Trace) -> set[str]:
+    """The values the block wrote that the program keeps after it: the last version of every
+    parameter, buffer and optimizer state tensor (one no later record replaced) that a call in
+    the block made. (One that came from before the block, a -inf mask kept as a buffer, is data
+    the step read, dropped or not as any other.)"""
+    replaced = {r.previous for r in trace.tensors.values() if r.previous is not None}
+    return {name for name, r in trace.tensors.items()
+            if r.role in _LASTING_ROLES and r.producer is not None and name not in replaced}
+
+
+_LASTING_ROLES = frozenset({"param", "buffer", "state"})
 
 
 # ---- the walk -----------------------------------------------------------------------------------------
