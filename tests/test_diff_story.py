@@ -28,6 +28,7 @@ import tracer
 from export.cli import main
 from export.diff import DiffResult, diff, diff_html, diff_payload
 from export.diff.console import record_line
+from export.diff.result import Divergence, Row
 from export.diff.rules import FIND_EARLIER_STEP, RANDOM_OPS, ROW_RULES, RULES, Facts, classify, random_op
 from tests.fresh_stack import on_a_fresh_stack
 from tests.test_dot import check_golden
@@ -600,3 +601,41 @@ def test_the_json_names_each_records_rule(runs: dict[str, Path]) -> None:
     data = diff(runs["drop0"], runs["drop0_noise"]).to_json()
     assert data["forward"]["origin"]["rule"] == "random-op" and data["forward"]["origin"]["phase"] == "forward"
     assert {r["rule"] for r in data["forward"]["records"]} >= {"random-op", "contaminated", "gradient"}
+
+
+def _sparse_embedding_trace(label: int) -> tracer.Trace:
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 4, sparse=True)
+    opt = torch.optim.SparseAdam(emb.parameters(), lr=0.1)
+    ids, target = torch.tensor([1, 2, 3]), torch.tensor([0, 1, label])
+    with tracer.trace() as t:
+        F.cross_entropy(emb(ids), target).backward()
+        opt.step()
+    return t
+
+
+def test_a_call_reading_an_unhashed_value_is_not_called_an_origin() -> None:
+    """``Embedding(sparse=True)``'s gradient is sparse, which is not hashed: the SparseAdam step
+    that reads it differs while every input it could compare matches. It is not another place
+    where a difference enters ('inputs match, outputs differ'): the sparse gradient may differ."""
+    r = diff(_sparse_embedding_trace(2), _sparse_embedding_trace(3))
+    assert r.forward.origin is not None and r.forward.origin.a == "cross_entropy0"
+    assert r.forward.independent == []
+    step = next(row for row in r.forward.rows if row.a == "SparseAdam0")
+    assert (step.status, step.rule) == ("unknown", "unknown-input")
+    assert step.note == ("outputs differ; no compared input differs, but weight@grad (not hashed: sparse_coo layout) "
+                         "could not be compared: the difference may come from there")
+    assert r.forward.unknown == 1
+
+
+def test_the_later_records_of_a_verdict_add_up_over_their_phases() -> None:
+    """The count of later differing records (carried on, or a difference of their own) and its
+    split by phase count the same rows."""
+    d = Divergence("forward")
+    d.rows = [Row("mul0", "mul0", "m", "torch.mul", status="origin", phase="forward"),
+              Row("add0", "add0", "m", "torch.add", status="contaminated", phase="forward"),
+              Row("randn0", "randn0", "", "torch.randn", status="new", phase="optimizer"),
+              Row("sub0", "sub0", "", "torch.sub", status="contaminated", phase="optimizer")]
+    d.origin, d.reason = d.rows[0], "inputs match, outputs differ"
+    d.contaminated = {"m": 1, "": 2}
+    assert d.summary().endswith("; 3 later records contaminated (1 forward, 2 optimizer)")

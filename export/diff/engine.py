@@ -45,7 +45,16 @@ from typing import Any
 
 from export.diff.align import Pair, align_calls, align_steps, call_mapping
 from export.diff.elements import ONLY_STATS, STATS_WORDS, comparable, element_diff
-from export.diff.result import Compared, DiffResult, Divergence, ModuleStat, ParamDiff, Row, Tolerance
+from export.diff.result import (
+    LATER_DIFFERING,
+    Compared,
+    DiffResult,
+    Divergence,
+    ModuleStat,
+    ParamDiff,
+    Row,
+    Tolerance,
+)
 from export.diff.rules import BACKWARD, CAST_APIS, CAST_NODES, FORWARD, SOURCE, STRUCTURE, Facts, classify
 from export.errors import DiffError
 from export.load import load_with_notes
@@ -232,7 +241,7 @@ class _Section:
         for r in d.rows:
             if r is d.origin:
                 seen_origin = True
-            if r.status in ("contaminated", "new"):
+            if r.status in LATER_DIFFERING:
                 contaminated[r.module] += 1
             elif r.status == "gradient":
                 from_backward[r.module] += 1
@@ -321,6 +330,7 @@ def _forward(a: Trace, b: Trace, cmp: Comparer, rows: list[Pair]) -> tuple[Diver
         kinds = frozenset(k for k, _ in causes)
         changed = [x or y or "?" for (x, y), (k, _) in zip(diff_in, causes) if k == SOURCE]
         facts = Facts("call", ca.name, ca.api, kinds, cmp.tol is not None, row.max_rel, _mismatch(outs),
+                      unknown=tuple(f"{x or y} ({c.why or 'not compared'})" for x, y, c in ins if c.status == "unknown"),
                       # (an index or a scalar the program chose differently)
                       args=_args_pair(ca, cb) if ca.args != cb.args else "",
                       sources=tuple(t for k, t in causes if k == SOURCE),
@@ -333,6 +343,10 @@ def _forward(a: Trace, b: Trace, cmp: Comparer, rows: list[Pair]) -> tuple[Diver
             sec.candidates.append((ranks[r.a], row, row.note))
         elif status == "contaminated":
             cause[ca.name] = FORWARD if FORWARD in kinds else STRUCTURE
+        elif status == "unknown":  # (rule unknown-input) its outputs differ as what it could not compare
+            d.unknown += 1
+            unknown_kinds = {input_cause(x, y)[0] for x, y, c in ins if c.status == "unknown"}
+            cause[ca.name] = next((k for k in (FORWARD, STRUCTURE) if k in unknown_kinds), BACKWARD)
         else:
             cause[ca.name] = BACKWARD
     sec.close()

@@ -20,6 +20,9 @@ from tracer.model import Frame, Trace
 from tracer.model.display import PHASE_ORDER, format_number, json_number, phase_key, plural, plural_verb
 
 TOP_NAMED = 5  # parameters named in a verdict before "… N more"
+# The statuses of the later records a section's verdict counts as contaminated: carried on from
+# the origin, or a difference of their own after it (``Divergence.independent``).
+LATER_DIFFERING = frozenset({"contaminated", "new"})
 
 
 # ---- one tensor compared -----------------------------------------------------------------------
@@ -223,7 +226,7 @@ class Divergence:
         if self.origin is not None:
             o = self.origin
             where = o.a if o.a == o.b else f"{o.a} (B: {o.b})"
-            tail = f"; {plural(n, 'later record')} contaminated{self._phases('contaminated')}" if n else ""
+            tail = f"; {plural(n, 'later record')} contaminated{self._phases(LATER_DIFFERING)}" if n else ""
             tail += f"; {plural_verb(k, 'call after backward', 'differs', 'differ', 'calls after backward')} " \
                     "via gradients" if k else ""
             return f"first at {where} ({o.what} in {o.module or '<root>'}{_phase_words(o.phase)}): {self.reason}{tail}"
@@ -240,10 +243,10 @@ class Divergence:
                     "only because gradients differ")
         return f"equal ({self.compared} aligned)"
 
-    def _phases(self, status: str) -> str:
-        """`` (3 forward, 2 optimizer)``: the rows of ``status`` per phase, in the order a step runs
-        them, when they span more than one phase; else ``""``."""
-        counts = Counter(r.phase for r in self.rows if r.status == status)
+    def _phases(self, statuses: frozenset[str]) -> str:
+        """`` (3 forward, 2 optimizer)``: the rows of ``statuses`` per phase, in the order a step
+        runs them, when they span more than one phase; else ``""``."""
+        counts = Counter(r.phase for r in self.rows if r.status in statuses)
         if len(counts) < 2:
             return ""
         return " (" + ", ".join(f"{counts[p]} {p or 'unknown'}" for p in sorted(counts, key=phase_key)) + ")"

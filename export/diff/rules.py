@@ -70,6 +70,9 @@ class Facts:
     call_touched: str = ""
     only_in: str = ""
     cast: bool = False
+    # Inputs that could not be compared, in words (``weight@grad (not hashed: sparse_coo layout)``):
+    # a difference may have come in through them.
+    unknown: tuple[str, ...] = ()
 
     @property
     def inputs_match(self) -> bool:
@@ -228,6 +231,14 @@ ROW_RULES: tuple[Rule, ...] = (
          "tests/test_diff_story.py::test_inserted_and_removed_calls_show_their_line", "removed",
          lambda f: f.record == "only" and f.only_in == "A", _no_note),
     # where a difference enters: inputs match (or only values from before the block differ)
+    Rule("unknown-input", "a call whose outputs differ while no input differs, but an input could not be "
+         "compared (not hashed: a sparse gradient)",
+         "Embedding(sparse=True) under SparseAdam: the sparse gradient is not hashed, and the step that read "
+         "it was called an independent origin, 'inputs match, outputs differ'",
+         "tests/test_diff_story.py::test_a_call_reading_an_unhashed_value_is_not_called_an_origin", "unknown",
+         lambda f: f.record == "call" and f.inputs_match and bool(f.unknown),
+         lambda f: _where(f) + f"outputs differ; no compared input differs, but {', '.join(f.unknown)} could not "
+                   "be compared: the difference may come from there"),
     Rule("random-op", "a call of a random op (RANDOM_OPS) whose inputs match and outputs differ",
          "issue 42: dropout or randn with another seed read 'inputs match, outputs differ'",
          "tests/test_diff_story.py::test_a_random_op_with_equal_inputs_says_the_rng_state_differs", "new",
