@@ -820,3 +820,36 @@ def test_lightning_with_accumulation_and_clipping_records_every_node_run(tmp_pat
     names = [n for n, r in t.tensors.items() if r.role == "param" and r.previous is None]
     for n in names:
         assert f"{n}@grad" in t and f"{n}@grad#1" in t and f"{n}@grad@v1" in t
+
+
+def test_an_encoder_in_eval_runs_its_regular_path_and_the_trace_says_so():
+    """PyTorch's fused inference path of nn.TransformerEncoder / MultiheadAttention (eval mode,
+    gradients off) is skipped under any torch function mode: the traced run computes what the
+    regular path computes (the same as under a pass-through TorchFunctionMode), and one note says so.
+    In training nothing is said."""
+    from torch.overrides import TorchFunctionMode
+
+    class PassThrough(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+    enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    x = torch.randn(2, 5, 16)
+    pad = torch.tensor([[False] * 5, [False, False, False, True, True]])
+    with torch.no_grad():
+        with PassThrough():
+            regular = enc(x, src_key_padding_mask=pad)
+        with tracer.trace() as t:
+            traced = enc(x, src_key_padding_mask=pad)
+    assert torch.equal(traced, regular)
+    assert [n for n in t.notes if "fused inference path" in n] == [
+        "nn.TransformerEncoder ran in eval mode with gradients off, where PyTorch takes the fused inference path "
+        "of nn.MultiheadAttention and the Transformer encoder only when no torch function mode is active: under "
+        "the trace they ran their regular path, so their outputs can differ from an untraced run's in the last "
+        "bits, and at padded positions of a key padding mask (which the fused path leaves at zero)"]
+    enc.train()
+    with tracer.trace() as t:
+        enc(x, src_key_padding_mask=pad)
+    assert not [n for n in t.notes if "fused inference path" in n]

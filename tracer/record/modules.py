@@ -27,6 +27,16 @@ from tracer.record.tensors import (
 if TYPE_CHECKING:
     from tracer.record.recorder import Recorder
 
+# Modules whose forward has an inference fast path (eval mode, gradients off) that PyTorch takes
+# only when no torch function mode is active (``torch.overrides.has_torch_function``).
+_FAST_PATH_MODULES = frozenset({torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer,
+                                torch.nn.TransformerEncoder})
+SLOW_PATH_NOTE = ("nn.{cls} ran in eval mode with gradients off, where PyTorch takes the fused inference "
+                  "path of nn.MultiheadAttention and the Transformer encoder only when no torch function mode "
+                  "is active: under the trace they ran their regular path, "
+                  "so their outputs can differ from an untraced run's in the last bits, and at padded positions "
+                  "of a key padding mask (which the fused path leaves at zero)")
+
 
 def _holds_tensors(module: torch.nn.Module) -> bool:
     """Whether ``module`` or a module inside it has a parameter or a buffer."""
@@ -43,6 +53,7 @@ class ModuleScopes(Part):
         self._scope_frames: list[FrameType | None] = []  # per _stack entry, see _module_pre
         self._handles: list[Any] = []
         self._opaque: list[OpaqueRegion] = []  # compiled regions running now, innermost last
+        self._slow_path_noted = False  # SLOW_PATH_NOTE is in the trace
 
     # ---- what the other parts ask ------------------------------------------------------------
     def innermost(self) -> str | None:
@@ -127,12 +138,23 @@ class ModuleScopes(Part):
             except Exception as exc:  # gradtrace's own fault: see tracer.record.failsafe
                 rec.recorder_failed(exc)
                 path = f"<{type(module).__name__}>"
+        if type(module) in _FAST_PATH_MODULES and not module.training:
+            self._note_slow_path(module)
         self._stack.append(path)
         # The frame that called this hook runs the module's forward and stays on the stack until
         # the post-hook: stack captures inside the module stop walking there.
         self._scope_frames.append(rec.stack_table.open_scope(sys._getframe(1)))
         if type(module).__name__ == "OptimizedModule" and not rec.paused:
             self._enter_opaque(module, args)
+
+    def _note_slow_path(self, module: torch.nn.Module) -> None:
+        """An nn attention or Transformer encoder module in eval mode (with gradients off, PyTorch
+        would take its fused inference path, which it skips whenever a torch function mode is
+        active, as the trace's is): the trace says so, once."""
+        if self._slow_path_noted or (torch.is_grad_enabled() and not torch.is_inference_mode_enabled()):
+            return
+        self._slow_path_noted = True  # (an encoder's layers and attention too: one note)
+        self.rec.trace.notes.append(SLOW_PATH_NOTE.format(cls=type(module).__name__))
 
     def _recomputes_here(self) -> bool:
         """Whether this thread, not the tracing one, is an autograd engine thread running a
