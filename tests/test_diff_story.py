@@ -639,3 +639,43 @@ def test_the_later_records_of_a_verdict_add_up_over_their_phases() -> None:
     d.origin, d.reason = d.rows[0], "inputs match, outputs differ"
     d.contaminated = {"m": 1, "": 2}
     assert d.summary().endswith("; 3 later records contaminated (1 forward, 2 optimizer)")
+
+
+def _bn_trace(shift: float) -> tracer.Trace:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    x = torch.randn(4, 4)
+    x[0, 0] += shift
+    with tracer.trace() as t:
+        m(x).sum().backward()
+        m[1].running_mean.clone()  # read after the forward changed it (an EMA or SWA copy of buffers)
+    return t
+
+
+def test_a_buffer_batch_norm_updates_is_compared_as_it_was_before_the_step() -> None:
+    """Batch norm changes its running stats in its forward; a later read (an EMA copy) reads the
+    new value, which the step made from its input. The value before the step is the buffer as
+    it came in: equal here, where only the input changed, so the verdict leads with the forward
+    origin, not with 'parameters differ'."""
+    r = diff(_bn_trace(0.0), _bn_trace(1.0))
+    stat = next(p for p in r.params if p.name == "1.running_mean")
+    assert (stat.read, stat.made_in_step, stat.buffer, stat.value.status) == ("1.running_mean", False, True, "equal")
+    assert r.verdict().startswith("DIVERGED — forward: first at linear0 (torch.nn.functional.linear in 0): "
+                                  "first call to read the changed input input0")
+
+
+def test_the_first_reader_of_a_changed_parameter_is_said_to_match_only_when_it_did() -> None:
+    """A builds its Linear inside the block (``gradtrace run``'s step 0), B outside with another
+    seed: forward finds no origin (A's init calls have no counterpart), and linear0, the first
+    reader of the changed weight, differs: the verdict names it without 'whose outputs matched'."""
+    x = torch.randn(4, 8)
+    with tracer.trace() as a:
+        torch.manual_seed(0)
+        nn.Linear(8, 4)(x).sum().backward()
+    torch.manual_seed(1)
+    m = nn.Linear(8, 4)
+    with tracer.trace() as b:
+        m(x).sum().backward()
+    r = diff(a, b)
+    assert r.forward.origin is None
+    assert r.verdict().startswith("DIVERGED — 2 parameters differ: weight, bias; first read by linear0 | forward:")

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 import tracer
 from tests.models import traced_twin
+from tracer.record.modules import SLOW_PATH_NOTE
 
 Recipe = Callable[[], tuple[nn.Module, Callable[[], None]]]
 
@@ -312,7 +313,9 @@ RECIPES: dict[str, Recipe] = {f.__name__: f for f in (lbfgs, parametrized, chann
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_the_recipe_ends_as_untraced_and_its_last_records_hold_the_end_values(recipe: str, hash_kind: str) -> None:
     plain, model, t = traced_twin(RECIPES[recipe], hash=hash_kind)
-    assert t.status == "ok" and t.backward_runs and not t.notes
+    assert t.status == "ok" and t.backward_runs
+    # (the encoder recipe's no_grad eval pass: PyTorch skips its fused path under the trace)
+    assert t.notes == ([SLOW_PATH_NOTE.format(cls="TransformerEncoder")] if recipe == "transformer_encoder" else [])
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         assert torch.equal(p, q), name
         if hash_kind == "none":

@@ -576,12 +576,15 @@ def _values_read(t: Trace, params: set[str]) -> dict[str, str]:
     """Per parameter, the version the step read: the first input of a call that reads it without
     changing it (an in-place init of a weight reads the value it overwrites: the next reader's
     value is the one the step computed with). A parameter no call reads keeps its own name."""
-    read: dict[str, str] = {}
+    # One that came from before the block is read as it was: nothing in the step made it (batch
+    # norm's running stats change in its forward, and a later reader would read the new value).
+    made_here = {p for p in params if (r := t.tensors.get(p)) is not None and (r.producer is not None or r.uninitialized)}
+    read: dict[str, str] = {p: p for p in params if p not in made_here}
     for c in t.calls:
         changed = {base_name(m) for m in c.mutated}
         for i in c.inputs:
             p = base_name(i)
-            if p in params and p not in read and p not in changed:
+            if p in made_here and p not in read and p not in changed:
                 read[p] = i
     return read
 

@@ -355,7 +355,9 @@ class DiffResult:
             return ""
         n = len(changed)
         text = ", ".join(p.name for p in changed[:TOP_NAMED]) + (f" … {n - TOP_NAMED} more" if n > TOP_NAMED else "")
-        head = f"{plural_verb(n, 'parameter', 'differs', 'differ')}: {text}"
+        buffers = sum(p.buffer for p in changed)
+        noun = "buffer" if buffers == n else "parameter" if not buffers else "parameter or buffer"
+        head = f"{plural_verb(n, noun, 'differs', 'differ', 'parameters and buffers' if 0 < buffers < n else None)}: {text}"
         how = changed[0].value.describe() if n == 1 and not changed[0].only_in else ""
         if how:
             head += f" ({how})"
@@ -363,7 +365,9 @@ class DiffResult:
             first = changed[0].name
             reader = next((c.name for c in self.trace_a.calls if c.phase != "backward" and first in c.inputs), None)
             if reader is not None:
-                head += f"; first read by {reader}, whose outputs matched"
+                row = next((r for r in self.forward.rows if r.a == reader), None)
+                matched = row is not None and row.b is not None and row.status == "equal"
+                head += f"; first read by {reader}" + (", whose outputs matched" if matched else "")
         return head
 
     @property

@@ -132,6 +132,7 @@ def op_writes(func: Any, api: str) -> Writes | None:
     if not positions and not names and api.startswith("Tensor.") and (
             short in _INPLACE_DUNDERS or (short.endswith("_") and not short.startswith("__"))):
         positions.add(0)  # an in-place method without a schema of its own: it writes self
+        tensor_positions.add(0)
     if not positions and not names:
         return None
     return Writes(tuple(sorted(positions)), frozenset(names), lists_only=frozenset(positions - tensor_positions))
