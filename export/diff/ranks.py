@@ -59,6 +59,7 @@ from export.load import load_with_notes
 from export.views import checksum
 from tracer.model import Call, Frame, GradNode, TensorRecord, Trace
 from tracer.model.display import plural
+from tracer.model.records import OWNED_ROLES
 
 # Collectives whose outputs hold the same value on every rank of their group (by the last part of
 # the call's API name). DDP's all-reduce is recorded as one call named ddp_allreduce<k>.
@@ -300,7 +301,7 @@ class _Ranked:
         """Where a record stands in this rank's execution: a value from before the step (a
         parameter, buffer or optimizer state as first seen) before everything the step made."""
         rec = self.trace.tensors[name]
-        if rec.previous is None and rec.producer is None and rec.role in ("param", "buffer", "state"):
+        if rec.previous is None and rec.producer is None and rec.role in OWNED_ROLES:
             return -1
         return rec.seq
 

@@ -356,8 +356,8 @@ class DiffResult:
         n = len(changed)
         text = ", ".join(p.name for p in changed[:TOP_NAMED]) + (f" … {n - TOP_NAMED} more" if n > TOP_NAMED else "")
         buffers = sum(p.buffer for p in changed)
-        noun = "buffer" if buffers == n else "parameter" if not buffers else "parameter or buffer"
-        head = f"{plural_verb(n, noun, 'differs', 'differ', 'parameters and buffers' if 0 < buffers < n else None)}: {text}"
+        mixed = "parameters and buffers" if 0 < buffers < n else None  # (two at least)
+        head = f"{plural_verb(n, 'buffer' if buffers == n else 'parameter', 'differs', 'differ', mixed)}: {text}"
         how = changed[0].value.describe() if n == 1 and not changed[0].only_in else ""
         if how:
             head += f" ({how})"

@@ -45,6 +45,7 @@ from tracer.analysis.rules import (
 from tracer.model import BackwardRun, Call, Frame, GradNode, NodeRun, TensorRecord, Trace, install_view
 from tracer.model.display import all_finite, clip, phase_key, plural
 from tracer.model.frames import short_line, stack_lines, user_frame
+from tracer.model.records import OWNED_ROLES
 from tracer.options import RaisedOnPurpose
 
 FramesOf = Callable[[int | None], tuple[Frame, ...]]
@@ -515,10 +516,7 @@ def outliving_values(trace: Trace) -> set[str]:
     the step read, dropped or not as any other.)"""
     replaced = {r.previous for r in trace.tensors.values() if r.previous is not None}
     return {name for name, r in trace.tensors.items()
-            if r.role in _LASTING_ROLES and r.producer is not None and name not in replaced}
-
-
-_LASTING_ROLES = frozenset({"param", "buffer", "state"})
+            if r.role in OWNED_ROLES and r.producer is not None and name not in replaced}
 
 
 # ---- the walk -----------------------------------------------------------------------------------------

@@ -27,6 +27,9 @@ Phase = Literal["forward", "backward", "optimizer"]
 RunStatus = Literal["ok", "failed"]
 TraceStatus = Literal["ok", "failed", "truncated"]
 ROLES: tuple[Role, ...] = get_args(Role)
+# The roles of tensors named by their place in the program, which outlive a step: parameters,
+# buffers and optimizer state (their name, and role, is kept through writes by any alias).
+OWNED_ROLES: frozenset[str] = frozenset({"param", "buffer", "state"})
 CALL_KINDS: tuple[CallKind, ...] = get_args(CallKind)
 PHASES: tuple[Phase, ...] = get_args(Phase)
 RUN_STATUSES: tuple[RunStatus, ...] = get_args(RunStatus)

@@ -106,7 +106,8 @@ def op_writes(func: Any, api: str) -> Writes | None:
     hidden = _HIDDEN.get(api)
     if hidden is not None:
         return hidden
-    if api.rsplit(".", 1)[-1] in _METADATA_ONLY:
+    short = api.rsplit(".", 1)[-1]
+    if short in _METADATA_ONLY:
         return None
     schemas = _schemas(func, api)
     positions: set[int] = set()
@@ -128,7 +129,6 @@ def op_writes(func: Any, api: str) -> Writes | None:
                 positions.add(i)
                 if kind == "tensor":
                     tensor_positions.add(i)
-    short = api.rsplit(".", 1)[-1]
     if not positions and not names and api.startswith("Tensor.") and (
             short in _INPLACE_DUNDERS or (short.endswith("_") and not short.startswith("__"))):
         positions.add(0)  # an in-place method without a schema of its own: it writes self

@@ -21,9 +21,10 @@ import torch
 import torch.utils
 
 from tracer.model.names import base_name
+from tracer.model.records import OWNED_ROLES
 from tracer.record.functions import active_recorder
 from tracer.record.part import Part
-from tracer.record.tensor_names import OWNED_ROLES, Held
+from tracer.record.tensor_names import Held
 
 _REAL_SWAP: Callable[[torch.Tensor, torch.Tensor], None] = torch.utils.swap_tensors
 # Objects whose name is their place (a path, a parameter's .grad), not the value they hold.

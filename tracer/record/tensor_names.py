@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tracer.model import TensorRecord, names
-from tracer.model.records import Role
+from tracer.model.records import OWNED_ROLES, Role
 from tracer.record.checksums.hasher import BATCH_MIN
 from tracer.record.effects import OVERWRITING, SET_DATA_API, UNINITIALISED
 from tracer.record.identity import identity
@@ -56,8 +56,6 @@ if TYPE_CHECKING:
 
 # Searches of the live objects for a parameter's model per trace (each one gc pass; see owners.py).
 MAX_OWNER_SEARCHES = 4
-# Roles whose values have a name of their own, kept through writes by any alias.
-OWNED_ROLES = frozenset({"param", "buffer", "state"})
 
 
 @dataclass
