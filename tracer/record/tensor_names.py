@@ -57,6 +57,9 @@ if TYPE_CHECKING:
 # Searches of the live objects for a parameter's model per trace (each one gc pass; see owners.py).
 MAX_OWNER_SEARCHES = 4
 
+# Roles a value keeps through an in-place write (else its new version is the writing call's output).
+_KEPT_ON_WRITE: frozenset[str] = OWNED_ROLES | {"grad"}
+
 
 @dataclass
 class Held:
@@ -198,7 +201,9 @@ class TensorNames(Part):
         for j, t in enumerate(mutated):  # an optimizer's foreach op changes ~150 at once
             old = in_names[in_pos[identity(t)]]
             old_rec = tensors.get(old)
-            role = old_rec.role if old_rec is not None and old_rec.role in OWNED_ROLES else "output"
+            # A written parameter, buffer, state or gradient stays one (``clip_grad_value_`` clamps
+            # each ``.grad`` in place: its new version is still the gradient, not a call's output).
+            role = old_rec.role if old_rec is not None and old_rec.role in _KEPT_ON_WRITE else "output"
             head, sep, tail = old.rpartition("@v")  # names.base_name(old), inlined
             base = head if sep and tail.isdigit() else old
             n = versions.get(base, 0) + 1
