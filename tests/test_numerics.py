@@ -435,3 +435,44 @@ def test_a_grad_scaler_overflow_is_said_to_be_one_and_what_it_explains():
     t, scaler, _, warned = _scaled_step(2.0 ** 8)
     assert t.anomalies.clean and t.anomalies.scaler_overflows == [] and warned == []
     assert scaler.get_scale() == 2.0 ** 8
+
+
+def _steps_with_a_nan(steps: int, micro_batches: int, bad: tuple[int, int]) -> tracer.Trace:
+    """``steps`` optimizer steps of ``micro_batches`` backward runs each, in one block; the
+    forward of micro-batch ``bad`` = (step, micro-batch), both 1-based, takes the log of a
+    negative."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # (lr 0: the NaN never reaches the weights)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tracer.NumericsWarning)
+        with tracer.trace(hash="none", check_numerics=True) as t:
+            for step in range(1, steps + 1):
+                for micro in range(1, micro_batches + 1):
+                    shift = -100.0 if (step, micro) == bad else 1.0
+                    loss = torch.log(model(torch.ones(2, 4)).pow(2).mean() + shift)
+                    loss.backward()
+                opt.step()
+                opt.zero_grad()
+    return t
+
+
+def test_two_optimizer_steps_in_one_block_are_steps_not_micro_batches() -> None:
+    t = _steps_with_a_nan(steps=2, micro_batches=1, bad=(2, 1))
+    first = t.anomalies.headline
+    assert first is not None and first.phase == "forward" and first.producer == "log1"
+    assert (first.step, first.steps) == (2, 2)
+    assert first.micro_batch is None
+    assert "forward (step 2 of 2), module <root>" in first.headline()
+    assert "micro-batch" not in first.headline()
+    assert first.to_json()["step"] == 2 and first.to_json()["steps"] == 2
+
+
+def test_micro_batches_are_counted_within_their_optimizer_step() -> None:
+    t = _steps_with_a_nan(steps=2, micro_batches=2, bad=(2, 2))
+    first = t.anomalies.headline
+    assert first is not None and first.producer == "log3"
+    assert (first.step, first.steps, first.micro_batch, first.micro_batches) == (2, 2, 2, 2)
+    assert "forward (step 2 of 2, micro-batch 2 of 2)" in first.headline()
+    one_step = _steps_with_a_nan(steps=1, micro_batches=2, bad=(1, 2)).anomalies.headline
+    assert one_step is not None and one_step.step is None and (one_step.micro_batch, one_step.micro_batches) == (2, 2)

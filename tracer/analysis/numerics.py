@@ -85,6 +85,10 @@ class Anomaly:
     # when the step ran one backward, and in the optimizer phase).
     micro_batch: int | None = None
     micro_batches: int = 1
+    # A block that holds several optimizer steps: which step (1-based) of ``steps`` it was met in
+    # (None when it holds one); its micro-batches are counted within that step.
+    step: int | None = None
+    steps: int = 1
     # Position in the step's execution order among the non-finite values (1: the first met); not
     # in the JSON, the analysis computes it again from the trace.
     order: int = field(default=0, compare=False)
@@ -102,8 +106,11 @@ class Anomaly:
         """``backward (micro-batch 2 of 3), in the backward of Attn0/AttnBackward, module h.0.attn``
         (no module for an optimizer-phase call outside every module)."""
         text = self.phase
+        where = [f"step {self.step} of {self.steps}"] if self.step is not None else []
         if self.micro_batch is not None:
-            text += f" (micro-batch {self.micro_batch} of {self.micro_batches})"
+            where.append(f"micro-batch {self.micro_batch} of {self.micro_batches}")
+        if where:
+            text += f" ({', '.join(where)})"
         if self.node is not None:
             text += f", in the backward of {self.node}"
         if not self.module and self.phase == "optimizer":  # (outside every module, as optimizers are)
@@ -164,6 +171,7 @@ class Anomaly:
                 "contaminated_by_module": self.contaminated_by_module, "backward_run": self.backward_run,
                 "from_forward": self.from_forward, "state_unchecked": self.state_unchecked,
                 "micro_batch": self.micro_batch, "micro_batches": self.micro_batches,
+                "step": self.step, "steps": self.steps,
                 "headline": self.headline(),
                 "stack": [[f.file, f.line, f.function, f.code] for f in self.stack]}
 
@@ -555,8 +563,11 @@ class _Walk:
         # Function's business (it did not escape), not an anomaly.
         self.sealed = {c.name for c in trace.calls
                        if c.kind == "function" and not any(_bad(self.tensors.get(o)) for o in c.outputs)}
+        # Where the timeline is (see run): the optimizer step and the micro-batch within it, and
+        # the accumulating backward runs of each optimizer step (a step ends at its optimizer call).
+        self.step = 0
         self.micro_batch = 1
-        self.micro_batches = sum(1 for r in trace.backward_runs if _accumulates(r) and r.parent not in self.nodes)
+        self.step_runs: list[int] = [0]
 
     def stack(self, stack_id: int | None, recorded: tuple[Frame, ...]) -> tuple[Frame, ...]:
         return self.frames_of(stack_id) if self.frames_of is not None and not recorded else recorded
@@ -571,8 +582,14 @@ class _Walk:
         else:
             a = self.first[key] = make()
             a.order = self.seen
-            if self.micro_batches > 1 and phase != "optimizer":
-                a.micro_batch, a.micro_batches = min(self.micro_batch, self.micro_batches), self.micro_batches
+            if phase != "optimizer":
+                steps = len(self.step_runs)
+                step = min(self.step, steps - 1)
+                runs = self.step_runs[step]
+                if runs > 1:
+                    a.micro_batch, a.micro_batches = min(self.micro_batch, runs), runs
+                if steps > 1:
+                    a.step, a.steps = step + 1, steps
             self.counts[key] = Counter()
         for v in values:
             if v in self.met:
@@ -598,9 +615,23 @@ class _Walk:
             if r.parent is None or r.parent not in nodes:
                 events.append((self._run_position(r), 0, r))
         events.sort(key=lambda e: (e[0], e[1]))
+        # The block's optimizer steps, each with its accumulating runs (micro-batches): a step
+        # ends at an optimizer call that follows a run. Two steps in one block are two steps,
+        # not two micro-batches of one.
+        runs = self.step_runs
+        for _, _, ev in events:
+            if isinstance(ev, BackwardRun):
+                runs[-1] += _accumulates(ev)
+            elif ev.kind == "optimizer" and runs[-1]:
+                runs.append(0)
+        if len(runs) > 1 and not runs[-1]:
+            runs.pop()
         walked: set[str] = set()
         for _, _, ev in events:
             if isinstance(ev, Call):
+                if ev.kind == "optimizer" and self.micro_batch > 1:
+                    self.step += 1
+                    self.micro_batch = 1
                 for call in _post_order([ev], self.children):
                     if not self._inside_sealed(call.parent):
                         self.check_call(call.phase, call)
