@@ -87,7 +87,7 @@ def _render_header(trace: Trace, console: Console) -> None:
     if trace.error:
         err = trace.error
         last = f" (last call {err['last_call']})" if err.get("last_call") else ""
-        _add_row(grid, "error", Text(inert(f"{err.get('type', '')}: {err.get('message', '')}{last}"), style="red"))
+        _add_row(grid, "error", Text(inert_lines(f"{err.get('type', '')}: {err.get('message', '')}{last}"), style="red"))
     for note in trace.notes:
         _add_row(grid, "note", note)
     console.print(grid)
@@ -347,7 +347,7 @@ def _show_call(trace: Trace, call: Call, console: Console, all_frames: bool) -> 
     if call.mutated:
         rows.append(("changed in place", ", ".join(call.mutated)))
     if call.error:
-        rows.append(("error", Text(inert(call.error), style="red")))
+        rows.append(("error", Text(inert_lines(call.error), style="red")))
     _fields(console, f"call {call.name}", rows)
     console.print(_tensor_table(trace, "inputs", list(call.inputs)))
     console.print(_tensor_table(trace, "outputs", list(call.outputs)))
@@ -407,6 +407,9 @@ def _show_tensor(trace: Trace, t: TensorRecord, console: Console, all_frames: bo
         _print_stack(console, producer.stack, all_frames, f"Stack of producer {producer.name} (most recent call last):")
     elif summed_from(trace, t.name):
         console.print("Stack: none (the autograd engine summed the gradients above; `show` each for its line)")
+    elif t.producer:  # a producer the file lost (cut off before its record)
+        console.print(Text(inert(f"Stack: unknown (its producer {t.producer} is not in this file"
+                                 f"{': the trace was cut off' if trace.status == 'truncated' else ''})")))
     else:
         console.print("Stack: none (the tensor was made outside the traced block)")
 
@@ -475,7 +478,7 @@ def _show_run(trace: Trace, run: BackwardRun, console: Console, all_frames: bool
     if run.outputs:
         rows.append(("outputs", ", ".join(run.outputs)))
     if run.error:
-        rows.append(("error", Text(inert(run.error), style="red")))
+        rows.append(("error", Text(inert_lines(run.error), style="red")))
     _fields(console, f"backward run {run.name}", rows)
     # One line per step rather than a table: gradient names are long and a table would cut them.
     console.print(Text("steps (engine order): node  <- received  -> produced", style="bold"))

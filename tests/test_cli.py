@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -178,6 +179,28 @@ def test_summary_of_a_failed_trace_shows_the_error(tmp_trace, capsys):
     assert re.search(r"^error\s+ValueError: boom \(last call add0\)\s*$", out, re.M)
 
 
+def test_a_multi_line_error_is_shown_in_lines_with_its_control_characters_still_escaped(tmp_trace, capsys):
+    class Refuses(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            raise ValueError("bad input\n  expected 3 dims\x1b[2J\n  got 2")
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            return g
+
+    with pytest.raises(ValueError, match="bad input"), tracer.trace() as t:
+        Refuses.apply(torch.ones(2, 4, requires_grad=True))
+    t.save(tmp_trace)
+    for command in (("show", tmp_trace, "Refuses0"), ("summary", tmp_trace)):
+        rc, out, _ = run(capsys, *command)
+        assert rc == 0
+        assert re.search(r"^error\s+ValueError: bad input\s*$", out, re.M), command
+        assert re.search(r"^\s+expected 3 dims\\x1b\[2J\s*$", out, re.M), command
+        assert re.search(r"^\s+got 2( \(last call Refuses0\))?\s*$", out, re.M), command
+        assert "\x1b" not in out and "\\n" not in out, command
+
+
 def test_summary_of_a_truncated_file_warns_on_one_line(rec, tmp_path, capsys):
     with open(rec.path, encoding="utf-8") as fh:
         lines = fh.readlines()
@@ -188,6 +211,22 @@ def test_summary_of_a_truncated_file_warns_on_one_line(rec, tmp_path, capsys):
     assert re.search(r"^status\s+truncated\s*$", out, re.M)
     assert len(err.strip().splitlines()) == 1 and err.startswith("gradtrace: warning: ")
     assert "Traceback" not in err
+
+
+def test_show_of_a_value_whose_producer_a_cut_file_lost_does_not_call_it_made_outside(tmp_path, capsys):
+    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    full = tmp_path / "full.gtrace"
+    with tracer.trace(out=os.fspath(full)):
+        m(torch.ones(2, 4)).sum().backward()
+    lines = full.read_text(encoding="utf-8").splitlines(keepends=True)
+    records = [json.loads(line)["t"] for line in lines]
+    cut = tmp_path / "cut.gtrace"
+    cut.write_text("".join(lines[: records.index("call")]), encoding="utf-8")  # every tensor, no call
+    rc, out, _ = run(capsys, "show", os.fspath(cut), "linear0:out")
+    assert rc == 0
+    assert re.search(r"^producer\s+linear0\s*$", out, re.M)
+    assert "Stack: unknown (its producer linear0 is not in this file: the trace was cut off)" in out
+    assert "made outside" not in out
 
 
 # ---- show ------------------------------------------------------------------------------------------
@@ -412,3 +451,19 @@ def test_commands_run_as_gradtrace_and_as_python_m_tracer(rec, tmp_path, capsys)
     p = _proc([_gradtrace_exe(), "summary", bad["newer"]])
     assert p.returncode == 2 and p.stdout == "" and "Traceback" not in p.stderr
     assert p.stderr.count("\n") == 1 and "version 99 is newer" in p.stderr
+
+
+def test_an_unknown_command_is_offered_the_listed_commands_only(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["nosuch"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1
+    offered = re.search(r"invalid choice: '?nosuch'? \(choose from (.*?)\)", err)
+    assert offered is not None, err
+    # (quoted by repr or not, as Python versions differ)
+    assert re.findall(r"[\w-]+", offered.group(1)) == [
+        "summary", "show", "md5", "demo", "dot", "report", "diff", "run", "bisect", "memory"]
+    # The old spelling it leaves out still runs.
+    with pytest.raises(SystemExit) as help_:
+        main(["diff-ranks", "--help"])
+    assert help_.value.code == 0 and "usage: gradtrace diff-ranks" in capsys.readouterr().out

@@ -21,7 +21,7 @@ import shutil
 import sys
 import textwrap
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
 
 from export import companion
@@ -43,6 +43,19 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         print(f"{self.prog}: error: {inert(message)} (see {self.prog} --help)", file=sys.stderr)
         raise SystemExit(2)
+
+
+class _ListedChoices(dict[str, Any]):
+    """The subcommands, every one accepted but only the listed ones iterated: argparse names
+    the choices in its "invalid choice" message by iterating them, and a hidden command (an
+    old spelling) must not be offered there either."""
+
+    def __init__(self, choices: dict[str, Any], hidden: set[str]) -> None:
+        super().__init__(choices)
+        self.hidden = hidden
+
+    def __iter__(self) -> Iterator[str]:
+        return (name for name in super().__iter__() if name not in self.hidden)
 
 
 def _error(command: str, message: str) -> int:
@@ -91,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(command.name, **options)
         command.arguments(p)
         p.set_defaults(func=command.run)
+    sub.choices = _ListedChoices(sub.choices, {c.name for c in COMMANDS if c.hidden})
     return parser
 
 
