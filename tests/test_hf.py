@@ -80,6 +80,31 @@ def test_hf_callback_bounds_and_closing_a_step_when_train_raises():
     assert t.status == "failed" and t.error["type"] == "ValueError" and [c.name for c in t.calls] == ["ones0", "linear0"]
 
 
+def test_a_callback_given_no_steps_traces_step_0_as_gradtrace_run_does():
+    pytest.importorskip("transformers")
+    from tracer.integrations.hf import TraceCallback
+    from tracer.loops.steps import StepSelection
+
+    class State:
+        def __init__(self, step: int) -> None:
+            self.global_step, self.is_world_process_zero = step, True
+
+    model = torch.nn.Linear(4, 2)
+    with TraceCallback(out=None) as cb:
+        for step in range(2):
+            cb.on_step_begin(None, State(step), None)
+            model(torch.ones(3, 4)).sum().backward()
+            cb.on_step_end(None, State(step + 1), None)
+    assert list(cb.traces) == [0]
+    assert [c.name for c in cb.traces[0].calls] == ["ones0", "linear0", "sum0"]
+    # The loop's own selection still asks for a choice: tracer.trace(steps=None) is one block.
+    with pytest.raises(tracer.TraceError, match="no step chosen"):
+        StepSelection.parse(None, None)
+    assert 0 in StepSelection.parse(None, None, first_by_default=True)
+    every = StepSelection.parse(None, 3, first_by_default=True)  # every= alone is a choice: no step 0 added
+    assert every.every == 3 and every.steps == frozenset()
+
+
 def test_lightning_callback_traces_chosen_steps_with_gradient_accumulation(tmp_path):
     L = pytest.importorskip("lightning.pytorch")
     from tracer.integrations.lightning import TraceCallback

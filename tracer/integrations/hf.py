@@ -70,7 +70,8 @@ else:
 
 
 class TraceCallback(TrainerCallback, StepResults):
-    """Trace the chosen steps (``steps="1,3"``, ``"100-"`` or ``every=N``) into ``out``.
+    """Trace the chosen steps (``steps="1,3"``, ``"100-"`` or ``every=N``; neither: step 0, as
+    ``gradtrace run``) into ``out``.
 
     ``trace_options`` are those of ``tracer.trace`` (``hash``, ``stacks``, ``stats``,
     ``max_calls``, ``max_bytes``, ``listeners``, ``flush_every``, ...); ``per_step_files``
@@ -80,7 +81,7 @@ class TraceCallback(TrainerCallback, StepResults):
     def __init__(self, steps: str | int | Iterable[int] | None = None, *, every: int | None = None,
                  out: str | os.PathLike[str] | None = "hf.gtrace", per_step_files: bool = False,
                  **trace_options: Unpack[RecordKwargs]) -> None:
-        self.selection = StepSelection.parse(steps, every)
+        self.selection = StepSelection.parse(steps, every, first_by_default=True)
         self.recorder = StepRecorder(TraceOptions.from_kwargs(out=out, **trace_options),
                                      per_step_files=per_step_files)
 

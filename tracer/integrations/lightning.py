@@ -63,15 +63,15 @@ else:
 
 
 class TraceCallback(Callback, StepResults):
-    """Trace the chosen steps (``steps="1,3"``, ``"100-"`` or ``every=N``) into ``out``; the
-    ``trace_options`` are those of ``tracer.trace`` (``hash``, ``max_calls``, ``max_bytes``, ...);
+    """Trace the chosen steps (``steps="1,3"``, ``"100-"`` or ``every=N``; neither: step 0, as
+    ``gradtrace run``) into ``out``; the ``trace_options`` are those of ``tracer.trace`` (``hash``, ``max_calls``, ``max_bytes``, ...);
     ``per_step_files`` writes one file per step."""
 
     def __init__(self, steps: str | int | Iterable[int] | None = None, *, every: int | None = None,
                  out: str | os.PathLike[str] | None = "lightning.gtrace", per_step_files: bool = False,
                  **trace_options: Unpack[RecordKwargs]) -> None:
         super().__init__()
-        self.selection = StepSelection.parse(steps, every)
+        self.selection = StepSelection.parse(steps, every, first_by_default=True)
         self.recorder = StepRecorder(TraceOptions.from_kwargs(out=out, **trace_options),
                                      per_step_files=per_step_files)
         self._started: int | None = None  # the chosen step whose batches are running

@@ -65,8 +65,13 @@ class StepSelection:
     every: int | None = None  # steps 0, every, 2*every, ...
 
     @classmethod
-    def parse(cls, steps: str | int | Iterable[int] | None = None, every: int | None = None) -> StepSelection:
-        """``steps``: ``"100,200-202"``, ``"500-"``, an int or ints; ``every``: k for steps 0, k, 2k, ..."""
+    def parse(cls, steps: str | int | Iterable[int] | None = None, every: int | None = None,
+              first_by_default: bool = False) -> StepSelection:
+        """``steps``: ``"100,200-202"``, ``"500-"``, an int or ints; ``every``: k for steps 0, k, 2k, ...
+        ``first_by_default``: with neither, step 0 (a trainer's callback, as ``gradtrace run``),
+        else that is an error."""
+        if first_by_default and steps is None and every is None:
+            steps = 0
         chosen: set[int] = set()
         start_from = None
         if isinstance(steps, bool):
