@@ -125,6 +125,29 @@ def test_a_script_that_raises_exits_1_with_its_traceback_and_keeps_the_trace(scr
     assert [c.name for c in failed.calls] == ["ones0", "linear0"] and failed.calls[1].error is not None
 
 
+def test_an_error_inside_a_python_torch_function_shows_pythons_own_traceback(tmp_path, monkeypatch, capsys):
+    # F.batch_norm is Python: under the trace it hands itself to handle_torch_function, which
+    # calls it again under the mode. The traceback shows it once, as a plain run does.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad_norm.py").write_text(textwrap.dedent("""\
+        import torch
+        m = torch.nn.Linear(4, 3)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for step in range(2):
+            y = torch.nn.functional.batch_norm(m(torch.ones(2, 4)), torch.zeros(5), torch.ones(5))
+            y.sum().backward()
+            opt.step()
+        """))
+    plain = subprocess.run([sys.executable, "bad_norm.py"], capture_output=True, text=True, timeout=300)
+    assert plain.returncode == 1
+    assert main_run(["--no-progress", "bad_norm.py"]) == 1
+    err = capsys.readouterr().err
+    traced = err[err.index("Traceback (most recent call last):"):].splitlines()
+    expected = plain.stderr[plain.stderr.index("Traceback (most recent call last):"):].splitlines()
+    assert traced[:len(expected)] == expected
+    assert "handle_torch_function" not in err
+
+
 def test_sys_exit_with_a_message_and_every(script, capsys):
     assert main_run(["--every", "2", script, "--exit-message"]) == 1
     err = capsys.readouterr().err.splitlines()

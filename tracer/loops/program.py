@@ -262,9 +262,30 @@ def _print_exception(exc: BaseException) -> None:
         frames.pop(0)
     # By file, not module name: the program may have a `tracer` package of its own.
     kept = [f for f in frames if not f.tb_frame.f_code.co_filename.startswith(_TRACER_DIR)] or frames
+    kept = _without_mode_dispatch(kept)
     rebuilt: TracebackType | None = None
     for f in reversed(kept):
         rebuilt = TracebackType(rebuilt, f.tb_frame, f.tb_lasti, f.tb_lineno)
     sys.stderr.flush()
     exc.__traceback__ = rebuilt  # the default hook prints the exception's own traceback
     sys.excepthook(type(exc), exc, rebuilt)
+
+
+def _without_mode_dispatch(frames: list[TracebackType]) -> list[TracebackType]:
+    """``frames`` without the detour a torch function takes to reach the trace's mode: a Python
+    function of torch (``F.batch_norm``) that handed itself to ``handle_torch_function``, which
+    called it again under the mode. A plain run shows that function once, at the line that
+    raised; so does this."""
+    dispatch = torch.overrides.handle_torch_function.__code__
+    kept: list[TracebackType] = []
+    i = 0
+    while i < len(frames):
+        f = frames[i]
+        if (f.tb_frame.f_code is dispatch and kept and i + 1 < len(frames)
+                and frames[i + 1].tb_frame.f_code is kept[-1].tb_frame.f_code):
+            kept.pop()  # the function's first entry, at its handle_torch_function line
+            i += 1  # and the dispatch itself
+            continue
+        kept.append(f)
+        i += 1
+    return kept
