@@ -45,6 +45,14 @@ def _configs() -> None:
         "md5": ('trace(hash="md5")', lambda: tracer.trace(hash="md5")),
         "check_numerics": ("check_numerics()", lambda: tracer.check_numerics()),
     })
+    # The hook points doing nothing (floor.py): the rows above less these is the recorder's own work.
+    from floor import hook_point_rows  # a sibling script
+
+    floor = hook_point_rows()
+    CONFIGS.update({
+        "floor-modules": ("floor: mode + module hooks", floor["mode+modules"]),
+        "floor-walk": ("floor: + node walk", floor["+node walk"]),
+    })
 
 
 def _ctl(*args: str) -> None:
