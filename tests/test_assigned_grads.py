@@ -44,3 +44,21 @@ def test_assigned_gradients_are_the_parameters_gradients() -> None:
     assert t.tensors["weight@grad@v1"].producer == "mul2"  # (step 0 made mul0, mul1)
     assert steps[1].inputs == ["weight@v1", "weight@grad@v2", "bias@v1", "bias@grad@v2"]
     assert t.tensors["weight@grad@v2"].md5 == _md5(model.weight.grad)
+
+
+def test_a_gradient_clamped_in_place_keeps_its_role() -> None:
+    # clip_grad_value_ clamps each .grad in place (_foreach_clamp_min_/_max_): the new versions
+    # are the parameters' gradients still, not the clamp's outputs.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tracer.trace(hash="md5") as t:
+        model(torch.randn(2, 4)).sum().backward()
+        torch.nn.utils.clip_grad_value_(model.parameters(), 0.1)
+        opt.step()
+    written = {n: r for n, r in t.tensors.items() if n.startswith(("weight@grad@v", "bias@grad@v"))}
+    assert sorted(written) == ["bias@grad@v1", "bias@grad@v2", "weight@grad@v1", "weight@grad@v2"]
+    assert {r.role for r in written.values()} == {"grad"}
+    assert written["weight@grad@v2"].producer.startswith("_foreach_clamp_max_")
+    assert written["weight@grad@v2"].md5 == _md5(model.weight.grad)
+    assert t.calls[-1].inputs == ["weight", "weight@grad@v2", "bias", "bias@grad@v2"]
