@@ -90,6 +90,7 @@ def inner(args: argparse.Namespace) -> None:
     print("| configuration | instructions added per step | calls + grad nodes + tensor values | "
           "instructions per object |")
     print("|---|---:|---:|---:|")
+    objects = 0
     for key in args.configs.split(","):
         label, make = CONFIGS[key]
         for _ in range(2):  # warm: first-call costs of the recorder and its kernels
@@ -104,6 +105,10 @@ def inner(args: argparse.Namespace) -> None:
 
         added = min(_counted(traced, args.out) for _ in range(args.repeats)) - empty - plain
         t = traces[-1]
+        if t is None:  # a floor row records nothing: per object of the last trace row, if any
+            per = f"{added / objects:,.0f}" if objects else "-"
+            print(f"| {label} | {added:,} | (as above) | {per} |", flush=True)
+            continue
         objects = len(t.calls) + len(t.grad_nodes) + len(t.tensors)
         print(f"| {label} | {added:,} | {len(t.calls)} + {len(t.grad_nodes)} + {len(t.tensors)} = {objects} | "
               f"{added / objects:,.0f} |", flush=True)
