@@ -39,6 +39,7 @@ from tracer.model.display import (
 )
 from tracer.model.frames import folded, short_line, user_frame
 from tracer.model.gradients import summed_from
+from tracer.model.phases import CLOSURE_STEP_PREFIX
 from tracer.model.records import PHASES
 
 TOP_APIS = 15
@@ -156,7 +157,10 @@ def _render_phases(trace: Trace, console: Console) -> None:
     table.add_column("first", overflow="fold")
     table.add_column("last", overflow="fold")
     table.add_column("", overflow="fold")
-    accumulating = sum(1 for r in trace.backward_runs if r.parent is None and not r.api.endswith(".grad"))
+    # (a step with a closure evaluates it, forward and backward, several times: not micro-batches)
+    closure = any(CLOSURE_STEP_PREFIX in n for n in trace.notes)
+    accumulating = 0 if closure else sum(1 for r in trace.backward_runs
+                                         if r.parent is None and not r.api.endswith(".grad"))
     for phase in PHASES:
         calls = [c for c in trace.calls if c.phase == phase]
         if phase == "backward":
@@ -164,7 +168,8 @@ def _render_phases(trace: Trace, console: Console) -> None:
         elif phase == "forward":
             note = f"{accumulating} micro-batches" if accumulating > 1 else ""
         else:
-            note = ", ".join(c.name for c in calls if c.kind == "optimizer") or "no optimizer step"
+            note = ", ".join(c.name for c in calls if c.kind == "optimizer") or (
+                "a step with a closure: its ops one by one" if closure else "no optimizer step")
         _add_row(table, phase, str(len(calls)), calls[0].name if calls else "-", calls[-1].name if calls else "-", note)
     console.print(table)
 

@@ -205,7 +205,8 @@ def api_run(*, lr: float = 0.1, init_seed: int = 0, traced_step: int = 0, build_
 
 
 # ---- parameters by the value the step read ----------------------------------------------------------------
-STEP0_LR = ("DIVERGED — forward: first at SGD0 (torch.optim.sgd.SGD.step in <root>, optimizer): inputs match, outputs differ | "
+STEP0_LR = ("DIVERGED — optimizer: first at SGD0 (torch.optim.sgd.SGD.step in <root>, optimizer): inputs match, "
+            "arguments differ ('lr=0.1' vs 'lr=0.2'), outputs differ | "
             "backward: equal (12 aligned) | 4 parameters differ (gradient or value after the step)")
 
 
@@ -560,7 +561,8 @@ def test_phases_beyond_forward_and_backward_are_compared_and_shown(tmp_path: Pat
     o = r.forward.origin
     assert o is not None and (o.a, o.phase) == ("SGD0", "optimizer")
     assert r.forward.summary() == ("first at SGD0 (torch.optim.sgd.SGD.step in <root>, optimizer): inputs match, "
-                                   "outputs differ")
+                                   "arguments differ ('lr=0.1' vs 'lr=0.2'), outputs differ")
+    assert r.verdict().startswith("DIVERGED — optimizer: first at SGD0 ")
     assert r.forward.compared == sum(1 for c in r.trace_a.calls if c.phase != "backward")  # type: ignore[union-attr]
     assert "│ phase      │ optimizer" in _text(r)
     assert r.to_json()["forward"]["origin"]["phase"] == "optimizer"
@@ -679,3 +681,26 @@ def test_the_first_reader_of_a_changed_parameter_is_said_to_match_only_when_it_d
     r = diff(a, b)
     assert r.forward.origin is None
     assert r.verdict().startswith("DIVERGED — 2 parameters differ: weight, bias; first read by linear0 | forward:")
+
+
+def test_an_optimizer_step_records_its_settings_and_a_diff_names_the_one_that_differs() -> None:
+    def step(head_lr: float) -> tracer.Trace:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+        opt = torch.optim.AdamW([{"params": model[0].parameters()},
+                                 {"params": model[1].parameters(), "lr": head_lr, "weight_decay": 0.0}], lr=1e-3)
+        with tracer.trace() as t:
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+        return t
+
+    a, b = step(1e-4), step(1e-3)
+    # Group 0's settings by name, group 1's as g1.<name>, the learning rates first.
+    assert a["AdamW0"].args == ("lr=0.001, g1.lr=0.0001, betas=(0.9, 0.999), eps=1e-08, weight_decay=0.01, "
+                                "decoupled_weight_decay=True, g1.weight_decay=0.0, g1.betas=(0.9, 0.999), "
+                                "g1.eps=1e-08, g1.decoupled_weight_decay=True")
+    r = diff(a, b)
+    assert r.forward.origin is not None and r.forward.origin.a == "AdamW0"
+    assert r.forward.reason == "inputs match, arguments differ ('g1.lr=0.0001' vs 'g1.lr=0.001'), outputs differ"
+    assert r.verdict().startswith("DIVERGED — optimizer: first at AdamW0 (torch.optim.adamw.AdamW.step in <root>, "
+                                  "optimizer): inputs match, arguments differ ('g1.lr=0.0001' vs 'g1.lr=0.001')")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import warnings
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from export.summary import render_summary
 from tests.test_dot import check_golden
 from tracer.analysis.memory_views import record_tables_data
 from tracer.model.display import PHASE_ORDER
+from tracer.model.phases import CLOSURE_STEP_NOTE
 from tracer.model.records import PHASES
 
 
@@ -228,3 +230,41 @@ def test_the_docs_show_the_phases_golden() -> None:
 
 def test_one_order_of_the_phases() -> None:
     assert PHASE_ORDER == PHASES == ("forward", "backward", "optimizer")
+
+
+def test_a_parameter_updated_in_place_outside_an_optimizer_call_is_optimizer_phase() -> None:
+    # A leaf that requires grad, written in place (only possible under no_grad), builds no graph:
+    # a hand-written SGD update, LBFGS (whose closure makes step() record its ops one by one) and
+    # any optimizer under optimizer_ops=True update the parameters in the optimizer phase.
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 5), torch.randn(8, 1)
+    model = nn.Linear(5, 1)
+    with tracer.trace() as t:
+        nn.functional.mse_loss(model(x), y).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.sub_(0.1 * p.grad)
+    assert [(c.name, c.phase) for c in t.calls if c.mutated] == [("sub_0", "optimizer"), ("sub_1", "optimizer")]
+    assert t["linear0"].phase == "forward"
+
+    lbfgs = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=2)
+
+    def closure() -> torch.Tensor:
+        lbfgs.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    with tracer.trace() as t:
+        lbfgs.step(closure)
+    updates = [c for c in t.calls if any(m.startswith(("weight@v", "bias@v")) for m in c.mutated)]
+    assert updates and {c.phase for c in updates} == {"optimizer"}
+    assert all(c.phase == "forward" for c in t.calls if c.api == "torch.nn.functional.linear")
+    # Why no call is the optimizer step, said once; the summary neither says "no optimizer step"
+    # nor calls the closure's two evaluations micro-batches.
+    assert t.notes == [CLOSURE_STEP_NOTE.format(cls="LBFGS")] and len(t.backward_runs) == 2
+    console = Console(width=200, record=True, color_system=None)
+    render_summary(t, console)
+    text = console.export_text()
+    assert re.search(r"^\s*optimizer\s+\d+\s+\S+\s+\S+\s+a step with a closure: its ops one by one\s*$", text, re.M)
+    assert "micro-batches" not in text and "no optimizer step" not in text

@@ -140,7 +140,7 @@ def test_fused_runs_with_different_learning_rates_diverge_at_the_step():
     b, _, _ = _step("AdamW", "fused", lr=0.2)
     r = export.diff(a, b)
     assert r.exit_code == 1 and r.forward.origin_a == "AdamW0"
-    assert r.forward.reason == "inputs match, outputs differ"
+    assert r.forward.reason == "inputs match, arguments differ ('lr=0.1' vs 'lr=0.2'), outputs differ"
     assert {p.name for p in r.differing_params} == {n for n, _ in MLP(width=6, depth=2).named_parameters()}
 
 

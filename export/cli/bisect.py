@@ -147,7 +147,7 @@ def first_op(found: DiffResult) -> str:
         frame = next((f for f in reversed(section.stack_a) if frame_class(f.file) != FRAMEWORK),
                      section.stack_a[-1] if section.stack_a else None)
         where = f" at {frame.file}:{frame.line} ({frame.code.strip()})" if frame is not None else ""
-        return f"first at {o.a} ({o.what} in {o.module or '<root>'}, {section.section}){where}: {section.reason}"
+        return f"first at {o.a} ({o.what} in {o.module or '<root>'}, {o.phase or section.section}){where}: {section.reason}"
     return f"but the traces of the step show no single origin: {found.verdict()}"
 
 

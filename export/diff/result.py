@@ -403,7 +403,9 @@ class DiffResult:
             casts = len(f.casts) + len(b.casts)
             tail += f"; {plural(casts, 'dtype cast')} made by one side only, ignored" if casts else ""
             return f"EQUAL within {self.tolerance}{at}{tail}"
-        parts = [f"forward: {f.summary()}", f"backward: {b.summary()}"]
+        # (the calls' section holds the optimizer phase too: named by its origin's phase there)
+        calls = f.origin.phase if f.origin is not None and f.origin.phase == "optimizer" else "forward"
+        parts = [f"{calls}: {f.summary()}", f"backward: {b.summary()}"]
         if self.parted_earlier:  # the cause lies before this step: say so first, and how to find it
             parts.insert(0, parted_earlier(sum(1 for p in self.params if not p.buffer)))
         elif self.differing_params:

@@ -45,6 +45,7 @@ from tracer.analysis.rules import (
 from tracer.model import BackwardRun, Call, Frame, GradNode, NodeRun, TensorRecord, Trace, install_view
 from tracer.model.display import all_finite, clip, phase_key, plural
 from tracer.model.frames import short_line, stack_lines, user_frame
+from tracer.model.phases import CLOSURE_STEP_PREFIX
 from tracer.model.records import OWNED_ROLES
 from tracer.options import RaisedOnPurpose
 
@@ -568,6 +569,8 @@ class _Walk:
         self.step = 0
         self.micro_batch = 1
         self.step_runs: list[int] = [0]
+        # A step with a closure (LBFGS) evaluates it several times: its runs are no micro-batches.
+        self.closure = any(CLOSURE_STEP_PREFIX in n for n in trace.notes)
 
     def stack(self, stack_id: int | None, recorded: tuple[Frame, ...]) -> tuple[Frame, ...]:
         return self.frames_of(stack_id) if self.frames_of is not None and not recorded else recorded
@@ -582,7 +585,7 @@ class _Walk:
         else:
             a = self.first[key] = make()
             a.order = self.seen
-            if phase != "optimizer":
+            if phase != "optimizer" and not self.closure:
                 steps = len(self.step_runs)
                 step = min(self.step, steps - 1)
                 runs = self.step_runs[step]

@@ -12,7 +12,8 @@ The rules, in order (the first that applies decides; docs/trace-format.md "Phase
    recomputed forwards, an optimizer stepped from a post-accumulate-grad hook);
 2. an optimizer step (a call of kind ``optimizer``) is ``optimizer``;
 3. a call inside a module's forward is ``forward``, and closes the optimizer window (rule 6);
-4. a call that builds a graph (an output requires grad) is ``forward``;
+4. a call that builds a graph (an output requires grad, other than a leaf it wrote in place: a
+   parameter updated under ``no_grad``) is ``forward``;
 5. a call that reads or writes a gradient, a parameter, a buffer or optimizer state, or a value an
    ``optimizer`` call made, is ``optimizer`` (clipping, unscaling, EMA, weight clamping, a manual
    SGD update, ``zero_grad(set_to_none=False)``);
@@ -34,6 +35,14 @@ from collections.abc import Container, Iterable
 
 from tracer.model.records import BackwardRun, Call, TensorRecord
 from tracer.model.trace import Trace
+
+# The note a trace carries when an optimizer stepped with a closure (LBFGS, Lightning's automatic
+# optimization): the closure runs a forward and backward inside the step, so the step's ops are
+# recorded one by one, not as one call of kind ``optimizer`` ({cls}: the optimizer's class).
+CLOSURE_STEP_NOTE = ("{cls}.step(closure) ran: a step with a closure runs the closure's forward and backward "
+                     "inside it, so its ops are recorded one by one (its updates of the parameters in the "
+                     "optimizer phase), not as one optimizer call")
+CLOSURE_STEP_PREFIX = CLOSURE_STEP_NOTE.split("{cls}", 1)[1][:30]
 
 # Roles of values that belong to the model's state rather than to the step's data (rule 5).
 STATE_ROLES = frozenset({"grad", "param", "buffer", "state"})

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from tracer.model.phases import CLOSURE_STEP_NOTE
 from tracer.options import RaisedOnPurpose
 from tracer.record.calls import PendingCall
 from tracer.record.identity import identity
@@ -96,8 +97,13 @@ class OptimizerSteps(Part):
         rec.names.name_step_inputs(optimizer)
         closure = (args[1] if len(args) > 1 else None) or (kwargs or {}).get("closure")
         if not (self._every_op or rec.paused or rec.stopped or closure is not None):
-            # A closure (LBFGS) runs a forward and backward inside the step: those stay visible.
             self._open_step(optimizer, caller)
+        elif closure is not None and not (self._every_op or rec.paused or rec.stopped):
+            # A closure (LBFGS) runs a forward and backward inside the step: those stay visible,
+            # and the trace says why there is no one optimizer call (once per class).
+            note = CLOSURE_STEP_NOTE.format(cls=type(optimizer).__name__)
+            if note not in rec.trace.notes:
+                rec.trace.notes.append(note)
         # The step writes into parameters, gradients and state in place: every value waiting for
         # its checksum is read first, those the step's record has just named among them.
         rec.hasher.before_write()
@@ -246,7 +252,63 @@ class OptimizerSteps(Part):
             now = versions_of(st.call.ins)
             mutated = [t for t, v, n in zip(st.call.ins, st.versions, now) if n != v or identity(t) in written]
             created = rec.names.name_new_state(st.optimizer, st.call.name, self._with_state)
-        # Its outputs are what it changed (as an in-place op returns its target) and what it made.
-        call = rec.finish_call(st.call, mutated + created, mutated)
+        # Its outputs are what it changed (as an in-place op returns its target) and what it made;
+        # its arguments, the settings of its param groups (what a diff of two runs names when the
+        # step read equal values and wrote different ones: the learning rate differs).
+        call = rec.finish_call(st.call, mutated + created, mutated, kwargs=group_settings(st.optimizer))
         if error is not None:
             call.error = error
+
+
+# Settings of a param group that choose an implementation, not the arithmetic, or that a
+# scheduler keeps for itself: not among a step's arguments.
+_NOT_SETTINGS = frozenset({"params", "foreach", "fused", "capturable", "differentiable", "initial_lr"})
+
+
+def group_settings(optimizer: Any) -> dict[str, Any]:
+    """The settings of ``optimizer``'s param groups as a step's keyword arguments: numbers and
+    tuples of them, and switches that are on (``amsgrad``, ``nesterov``); group 0's by their own
+    name, group k's as ``g<k>.<name>``, every group's learning rate first. Every group's whole
+    settings (not only where they differ from group 0's), so that two runs' steps compare
+    setting by setting. A tensor setting (a capturable optimizer's ``lr``) is not read: that
+    would wait for the device."""
+    try:
+        groups = [_settings_of(group) for group in optimizer.param_groups]
+    except Exception:  # (not a torch optimizer's shape: no settings to show)
+        return {}
+    lrs: dict[str, Any] = {}
+    rest: dict[str, Any] = {}
+    for g, settings in enumerate(groups):
+        prefix = f"g{g}." if g else ""
+        for key, shown in settings.items():
+            (lrs if key == "lr" else rest)[prefix + key] = shown
+    return lrs | rest
+
+
+def _settings_of(group: dict[str, Any]) -> dict[str, Any]:
+    settings = {}
+    for key, value in group.items():
+        if isinstance(key, str) and key not in _NOT_SETTINGS:
+            shown = _setting(value)
+            if shown is not None:
+                settings[key] = shown
+    return settings
+
+
+def _setting(value: Any) -> Any:
+    if isinstance(value, bool):
+        return True if value else None
+    if isinstance(value, int | float):
+        return value
+    if isinstance(value, tuple) and all(isinstance(v, int | float) and not isinstance(v, bool) for v in value):
+        return value
+    if isinstance(value, torch.Tensor):
+        return _TensorSetting(f"tensor{list(value.shape)}")
+    return None
+
+
+class _TensorSetting(str):
+    """A tensor setting's text, shown bare (not quoted) among the arguments."""
+
+    def __repr__(self) -> str:
+        return str(self)

@@ -47,13 +47,22 @@ class PhaseTracker:
     def _decide(self, kind: str, in_names: Sequence[str], produced: Sequence[Any], writes: bool) -> Phase:
         if kind == "optimizer":
             return "optimizer"
-        if any(getattr(t, "requires_grad", False) for t in produced):
+        # (a leaf that requires grad, written in place, builds no graph: a parameter updated
+        # under no_grad, by hand, by LBFGS or by any optimizer whose ops are recorded one by one)
+        if any(getattr(t, "requires_grad", False) and not (writes and _is_leaf(t)) for t in produced):
             return "forward"
         if reads_model_state(in_names, self._tensors, self._optimizer_calls):
             return "optimizer"
         if self.window_open and (writes or _called_from_optimizer_code()):
             return "optimizer"
         return "forward"
+
+
+def _is_leaf(t: Any) -> bool:
+    try:
+        return bool(t.is_leaf)
+    except RuntimeError:  # a view made under no_grad whose base changed in place refuses it
+        return False
 
 
 def _called_from_optimizer_code() -> bool:

@@ -84,6 +84,12 @@ class _Unhashed:
         return getattr(self._real, name)
 
 
+# The longest text of an optimizer step's settings (tracer.record.optimizer.group_settings) kept:
+# a diff compares them setting by setting, so they are cut only where a text of a call's
+# arguments would hide one.
+OPTIMIZER_ARGS_LIMIT = 1000
+
+
 class Recorder:
     """Owns every hook of one active trace and turns what they see into trace records: a façade
     over the parts that own the recorder's state (docs/architecture.md, "The recorder's parts"),
@@ -278,8 +284,12 @@ class Recorder:
                                                                           mutated, produced)
         node_names = self.graph.link_call_nodes(produced, grad_fns, seq0, seq1, name, stack_id, names_of)
         parent, module, phase = self._context(name, kind, in_names, produced, bool(mutated))
+        if node_names and module:
+            self.graph.note_module(node_names, module)
         # Positional, in Call's field order: this runs for every recorded call.
-        call = Call(name, api, module, in_names, out_names, naming.short_args(args, kwargs), node_names,
+        args_text = naming.short_args(args, kwargs) if kind != "optimizer" else \
+            naming.short_args(args, kwargs, OPTIMIZER_ARGS_LIMIT)  # (its param groups' settings, whole)
+        call = Call(name, api, module, in_names, out_names, args_text, node_names,
                     stack_id, parent, kind, phase, seq, mutated_names)  # type: ignore[arg-type]
         if parent is not None:
             self.graph.note_node_call(parent, name)
@@ -300,8 +310,13 @@ class Recorder:
         module_now = self.scopes.innermost()
         if module_now is not None:
             module = module_now
+        elif in_backward and parent is not None:
+            # A custom backward's op, a hook's (a tensor hook runs before its node: parent is
+            # that node), a forward recomputed by a checkpoint: the module of the forward call
+            # whose grad node runs (a recomputed submodule's calls have their own scope above).
+            module = graph.module_of_node(running if running is not None else parent)
         else:
-            module = graph.module_of_node(running) if running is not None else ""
+            module = ""
         # The usual call, inside a module's forward, decides with two tests.
         if in_backward:
             phase: Phase = "backward"
@@ -458,19 +473,21 @@ class Recorder:
 
     def record_raised(self, api: str, short: str, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any],
                       in_names: list[str], seq: int, exc: BaseException) -> None:
-        """A call whose op raised ``exc``: recorded with its inputs and the error, no outputs."""
+        """A call whose op raised ``exc``: recorded with its inputs and the error, no outputs.
+        The op a non-reentrant checkpoint stops its recomputation at is no error: torch raises
+        its own ``_StopRecomputationError`` from the op's saved-tensor hook once it holds every
+        tensor the backward needs, and drops the op's result. That op is recorded as the
+        recomputation it is, without outputs and without an error."""
+        stopped = type(exc).__name__ == "_StopRecomputationError" and type(exc).__module__ == "torch.utils.checkpoint"
         with self.lock, torch._C.DisableTorchFunction():
             stack_id = self.stack_table.capture()
             name = self.counters.next(short)
-            call = Call(name=name, api=api,
-                        module=self.current_module, inputs=in_names,
-                        outputs=[], args=naming.short_args(args, kwargs), stack_id=stack_id,
-                        parent=self.functions.innermost(), kind=cast(CallKind, kind),
-                        phase=self.phase_of(name, kind, in_names, ()), seq=seq,
-                        error=f"{type(exc).__name__}: {exc}")
+            parent, module, phase = self._context(name, kind, in_names, [], False)
+            call = Call(name=name, api=api, module=module, inputs=in_names, outputs=[],
+                        args=naming.short_args(args, kwargs), stack_id=stack_id, parent=parent,
+                        kind=cast(CallKind, kind), phase=phase, seq=seq,
+                        error=None if stopped else f"{type(exc).__name__}: {exc}")
             self.append_call(call)
-
-
 
 
 __all__ = ["PendingCall", "Recorder", "active_recorder"]
