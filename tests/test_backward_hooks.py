@@ -353,3 +353,20 @@ def test_a_recipe_with_a_pruning_hook_records_it_for_every_micro_batch(options: 
     assert t.tensors["0.weight@grad@v1"].previous == "0.weight@grad"
     assert masked[0].inputs[1] == masked[1].inputs[1]  # the same mask, its own tensor
     assert t.tensors[masked[0].inputs[1]].role == "input"
+
+
+def test_a_backward_under_forward_mode_ad_records_no_torch_reference_ops() -> None:
+    # Inside a dual level the engine runs torch's Python references (torch._refs.mul calling
+    # prims.mul) on meta tensors for the tangents: torch's own work, not calls of the program.
+    import torch.autograd.forward_ad as fwAD
+
+    x, v, w = torch.randn(4), torch.randn(4), torch.randn(4, requires_grad=True)
+    expected = torch.cos(x * w.detach()) * x
+    with tracer.trace(hash="md5") as t, fwAD.dual_level():
+        y = (fwAD.make_dual(x, v) * w).sin().sum()
+        primal, _ = fwAD.unpack_dual(y)
+        primal.backward()
+    assert [c.name for c in t.calls] == ["_make_dual0", "mul0", "sin0", "sum0", "_unpack_dual0"]
+    assert not [c.api for c in t.calls if "prims" in c.api]
+    assert torch.allclose(w.grad, expected)
+    assert t["input2@grad"].md5 == _md5(w.grad)  # (w is the block's third input)

@@ -85,4 +85,60 @@ def test_a_module_first_called_in_a_backward_hook_is_not_named_there() -> None:
     assert len(seen) == 1
     assert list(t.modules) == ["", "0", "1", "2"]
     assert [(c.name, c.module, c.phase) for c in t.calls if c.phase == "backward"] == [
-        ("gelu0", "", "backward"), ("tanh1", "1", "backward"), ("add0", "", "backward")]
+        ("gelu0", "2", "backward"), ("tanh1", "1", "backward"), ("add0", "2", "backward")]
+
+
+class BodyCheckpointed(torch.nn.Module):
+    """Checkpoints its forward's body, not its __call__ (as transformers 5's
+    GradientCheckpointingLayer does): the recomputation runs no hook of this module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def _body(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x)) + x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self._body, x, use_reentrant=False)
+
+
+def test_a_checkpointed_body_recomputes_in_its_module_and_its_early_stop_is_no_error() -> None:
+    model = torch.nn.Sequential(BodyCheckpointed(), BodyCheckpointed())
+    x = torch.randn(4, 8, requires_grad=True)
+    with tracer.trace(hash="none") as t:
+        model(x).sum().backward()
+    forward = [(c.api.rsplit(".", 1)[-1], c.module) for c in t.calls if c.phase == "forward"][:3]
+    assert forward == [("linear", "0.fc"), ("tanh", "0"), ("add", "0")]
+    recomputed = [(c.api.rsplit(".", 1)[-1], c.module) for c in t.calls if c.phase == "backward"]
+    # The last block first; each recomputation stops (torch's early stop) at the last op it needs.
+    assert recomputed == [("linear", "1.fc"), ("tanh", "1"), ("linear", "0.fc"), ("tanh", "0")]
+    assert not [c.name for c in t.calls if c.error is not None]
+    stop = [c for c in t.calls if c.phase == "backward" and not c.outputs]
+    assert [c.api.rsplit(".", 1)[-1] for c in stop] == ["tanh", "tanh"]
+    assert all(c.parent is not None and c.parent.endswith("Backward0") for c in t.calls if c.phase == "backward")
+
+
+def test_a_module_no_root_holds_is_in_the_path_of_each_module_that_calls_it() -> None:
+    # transformers 5 makes its rotary helpers global nn.Module objects, called from every layer.
+    class Doubler(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+    shared = Doubler()
+
+    class Layer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return shared(self.fc(x))
+
+    model = torch.nn.Sequential(Layer(), Layer())
+    with tracer.trace(hash="none") as t:
+        model(torch.randn(2, 4)).sum().backward()
+    assert [(c.name, c.module) for c in t.calls if c.api == "Tensor.mul"] == [("mul0", "0.<Doubler>"),
+                                                                               ("mul1", "1.<Doubler>")]
+    assert t.modules["0.<Doubler>"] == t.modules["1.<Doubler>"] == "Doubler"
+    assert t["sum0"].module == ""  # the module stack unwound after each call of it

@@ -146,3 +146,35 @@ def test_a_notebook_stack_starts_at_the_cell() -> None:
     ]
     assert len(stack_lines(frames, all_frames=True)) == 2 * len(frames)
     assert fold_label(frames[:1]) == "1 frame folded (1 notebook kernel)"
+
+
+def test_a_dataclass_init_python_generated_is_not_the_users_line() -> None:
+    import dataclasses
+
+    from tracer.model import Frame
+    from tracer.model.frames import is_user_frame, user_frame
+
+    @dataclasses.dataclass
+    class Result:
+        loss: torch.Tensor
+
+        def __post_init__(self) -> None:
+            self.kept = self.loss.detach()  # the line of the call
+
+    x = torch.randn(3, requires_grad=True)
+    with tracer.trace() as t:
+        Result(x.sum())
+    stack = t["detach0"].stack
+    # Python's generated __init__ is on the stack (a "<string>" file, as python -c's own code is).
+    assert [f.file for f in stack if "__create_fn__" in f.function] == ["<string>"]
+    line = user_frame(stack)
+    assert line is not None and line.function.endswith("Result.__post_init__")
+    assert line.code == "self.kept = self.loss.detach()  # the line of the call"
+    # A library's dataclass: its generated __init__ is passed over for the caller's line;
+    # python -c's code, also "<string>", stays the user's.
+    lib = "/venv/lib/python3.11/site-packages/lib/__init__.py"
+    frames = (Frame("/home/u/train.py", 8, "<module>", "r = lib.wrap(x)"), Frame(lib, 3, "wrap", "return Result(x)"),
+              Frame("<string>", 4, "__create_fn__.<locals>.__init__", ""), Frame(lib, 9, "Result.__post_init__", ""))
+    assert user_frame(frames) == frames[0]
+    assert [is_user_frame(f) for f in frames] == [True, False, False, False]
+    assert is_user_frame(Frame("<string>", 1, "<module>", ""))

@@ -106,7 +106,7 @@ def folded(frames: Sequence[Frame]) -> list[bool]:
     """For each frame (outermost first), whether a short view folds it away: everything but the
     user's frames and the innermost frame."""
     last = len(frames) - 1
-    return [i != last and frame_class(f.file) != USER for i, f in enumerate(frames)]
+    return [i != last and not is_user_frame(f) for i, f in enumerate(frames)]
 
 
 def user_frame(frames: Sequence[Frame]) -> Frame | None:
@@ -114,9 +114,17 @@ def user_frame(frames: Sequence[Frame]) -> Frame | None:
     that made the call, also when the call ran inside a library), else the innermost frame;
     None for an empty stack."""
     for f in reversed(frames):
-        if frame_class(f.file) == USER:
+        if is_user_frame(f):
             return f
     return frames[-1] if frames else None
+
+
+def is_user_frame(frame: Frame) -> bool:
+    """Whether ``frame`` is the user's code (``frame_class``), leaving out code Python generates
+    at run time: a dataclass's ``__init__`` (file ``<string>``, function ``__create_fn__...``),
+    whose calls are its class's (a library's ``__post_init__``), not the user's. (Other
+    ``<string>`` code, ``python -c`` or an ``exec`` of the user's, stays the user's.)"""
+    return frame_class(frame.file) == USER and not (frame.file.startswith("<") and "__create_fn__" in frame.function)
 
 
 def short_line(frame: Frame) -> str:
@@ -165,4 +173,4 @@ def stack_lines(frames: Sequence[Frame], all_frames: bool = False, indent: str =
 
 
 __all__ = ["CLASSES", "CLASS_LABELS", "FRAMEWORK", "KERNEL", "LIBRARY", "USER", "fold_label", "fold_runs", "folded",
-           "frame_class", "short_line", "stack_lines", "user_frame"]
+           "frame_class", "is_user_frame", "short_line", "stack_lines", "user_frame"]

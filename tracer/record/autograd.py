@@ -86,7 +86,7 @@ class Graph(Part):
         # Nodes whose runs are not recorded and whose hooks read tensors without a name
         # (note_unnamed_hook_input).
         self._hook_inputs_noted: set[str] = set()
-        self._node_modules: dict[str, str] = {}  # nodes that run user code -> their call's module
+        self._node_modules: dict[str, str] = {}  # grad node -> the module of the call that made it
         # A backward run with create_graph=True makes grad nodes while it runs; those are
         # adopted by the node that made them (see _adopt_nodes).
         self._create_graph = False
@@ -216,8 +216,14 @@ class Graph(Part):
                 step.calls.append(call)
 
     def module_of_node(self, node: str) -> str:
-        """The module of the forward call of a node that runs user code (``""``: none known)."""
+        """The module of the forward call that made the grad node ``node`` (``""``: none known,
+        or the root)."""
         return self._node_modules.get(node, "")
+
+    def note_module(self, nodes: list[str], module: str) -> None:
+        """The grad nodes ``nodes`` were made by a call in ``module`` (where their backward's
+        hooks and recomputations are said to run)."""
+        self._node_modules.update(dict.fromkeys(nodes, module))
 
     def _node_key(self, node: Any) -> tuple[int, str]:
         return (node._sequence_nr(), NODE_KINDS.get(type(node)) or node_kind(node))

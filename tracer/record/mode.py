@@ -3,6 +3,7 @@ that make or change tensors to the recorder."""
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -53,8 +54,15 @@ def from_dispatch_handler() -> bool:
     own work passing through it (``save_for_backward``'s detach, a built-in grad node's mm,
     ``AccumulateGrad``'s add_), not a call of the user's code. Such work is not recorded, as a
     forward call's inner ops are not; a custom Function's backward calls torch itself and stays
-    recorded."""
+    recorded. Likewise an operator that one of torch's Python references or decompositions calls
+    (``torch._refs.mul`` calling ``prims.mul``: the engine runs them on meta tensors for a
+    forward-mode AD tangent's shape inside a backward)."""
     f: FrameType | None = sys._getframe(2)  # (above this function and the mode's handler)
+    caller = f
+    while caller is not None and caller.f_code.co_filename in _DISPATCH_FILES:
+        caller = caller.f_back  # (the mode's handlers, torch's OpOverload.__call__)
+    if caller is not None and caller.f_code.co_filename.startswith(_TORCH_REFERENCES):
+        return True
     for _ in range(_HANDLER_DEPTH):
         if f is None:
             return False
@@ -62,6 +70,12 @@ def from_dispatch_handler() -> bool:
             return True
         f = f.f_back
     return False
+
+
+# torch's Python references and decompositions of its operators: the operators they call are theirs.
+_DISPATCH_FILES = frozenset({__file__, torch._ops.__file__})
+_TORCH_REFERENCES = tuple(os.path.join(os.path.dirname(torch.__file__), d) + os.sep
+                          for d in ("_refs", "_prims", "_prims_common", "_decomp"))
 
 
 class RecordingMode(TorchFunctionMode):

@@ -49,6 +49,11 @@ class ModuleScopes(Part):
     def __init__(self, rec: Recorder) -> None:
         super().__init__(rec)
         self._paths: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+        # Modules no root holds, named under whichever module calls them (``<parent>.<Cls>``), by
+        # class name: one such object called from several places (transformers 5 makes its
+        # rotary helpers global ``nn.Module`` objects, called from every layer) is in each
+        # caller's path, not in the first one's.
+        self._floating: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
         self._stack: list[str] = []  # paths of the modules running now, innermost last
         self._scope_frames: list[FrameType | None] = []  # per _stack entry, see _module_pre
         self._handles: list[Any] = []
@@ -138,6 +143,8 @@ class ModuleScopes(Part):
             except Exception as exc:  # gradtrace's own fault: see tracer.record.failsafe
                 rec.recorder_failed(exc)
                 path = f"<{type(module).__name__}>"
+        if self._floating and module in self._floating:
+            path = self._floating_path(self._floating[module])
         if type(module) in _FAST_PATH_MODULES and not module.training:
             self._note_slow_path(module)
         self._stack.append(path)
@@ -146,6 +153,17 @@ class ModuleScopes(Part):
         self._scope_frames.append(rec.stack_table.open_scope(sys._getframe(1)))
         if type(module).__name__ == "OptimizedModule" and not rec.paused:
             self._enter_opaque(module, args)
+
+    def _floating_path(self, cls: str, depth: int | None = None) -> str:
+        """The path of a module no root holds, of class ``cls``, called from the module at
+        ``depth`` of the module stack (None: the innermost), registered in the trace."""
+        stack = self._stack
+        parent = stack[-1 if depth is None else depth - 1] if stack and (depth is None or depth > 0) else ""
+        path = f"{parent}.<{cls}>" if parent else f"<{cls}>"
+        modules = self.rec.trace.modules
+        if path not in modules:
+            modules[path] = cls
+        return path
 
     def _note_slow_path(self, module: torch.nn.Module) -> None:
         """An nn attention or Transformer encoder module in eval mode (with gradients off, PyTorch
@@ -177,6 +195,8 @@ class ModuleScopes(Part):
             return
         path = self._paths.get(module)
         stack = self._stack
+        if self._floating and module in self._floating:  # (named under its caller: see _module_pre)
+            path = self._floating_path(self._floating[module], len(stack) - 1)
         if stack and stack[-1] == path:
             self._pop_modules(len(stack) - 1)
         elif path in stack:
@@ -195,10 +215,8 @@ class ModuleScopes(Part):
         (module_roots)."""
         cls = type(module).__name__
         if self._stack:  # a module not reachable from any root seen so far
-            parent = self._stack[-1]
-            path = f"{parent}.<{cls}>" if parent else f"<{cls}>"
-            self._paths[module] = path
-            self.rec.trace.modules[path] = cls
+            self._floating[module] = cls
+            path = self._paths[module] = self._floating_path(cls)
             return path
         if called_by is not None:
             # A part of a model called from one of the model's methods (training_step, encode):
