@@ -704,3 +704,26 @@ def test_an_optimizer_step_records_its_settings_and_a_diff_names_the_one_that_di
     assert r.forward.reason == "inputs match, arguments differ ('g1.lr=0.0001' vs 'g1.lr=0.001'), outputs differ"
     assert r.verdict().startswith("DIVERGED — optimizer: first at AdamW0 (torch.optim.adamw.AdamW.step in <root>, "
                                   "optimizer): inputs match, arguments differ ('g1.lr=0.0001' vs 'g1.lr=0.001')")
+
+
+def test_a_diff_counts_parameters_and_buffers_apart() -> None:
+    def step(lr: float, seed: int = 1) -> tracer.Trace:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(seed))
+        with tracer.trace() as t:
+            model(x).sum().backward()
+            opt.step()
+        return t
+
+    equal = diff(step(0.1), step(0.1))
+    # 6 parameters; BatchNorm's running_mean, running_var and num_batches_tracked are buffers.
+    assert equal.verdict().endswith("and 6 parameters and 3 buffers bit-identical")
+    changed = diff(step(0.1), step(0.2))
+    differing = changed.differing_params
+    assert differing and not any(p.buffer for p in differing)  # (the lr moves no buffer)
+    assert changed.verdict().endswith(f"| {len(differing)} parameters differ (gradient or value after the step)")
+    other_data = diff(step(0.1), step(0.1, seed=2))  # BatchNorm's running statistics move too
+    assert [p.name for p in other_data.differing_params if p.buffer] == ["1.running_mean", "1.running_var"]
+    assert other_data.verdict().endswith("| 4 parameters and 2 buffers differ (gradient or value after the step)")

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 import tracer
 from tests.models import traced_twin
+from tracer.model.phases import CLOSURE_STEP_NOTE
 from tracer.record.modules import SLOW_PATH_NOTE
 
 Recipe = Callable[[], tuple[nn.Module, Callable[[], None]]]
@@ -315,7 +316,9 @@ def test_the_recipe_ends_as_untraced_and_its_last_records_hold_the_end_values(re
     plain, model, t = traced_twin(RECIPES[recipe], hash=hash_kind)
     assert t.status == "ok" and t.backward_runs
     # (the encoder recipe's no_grad eval pass: PyTorch skips its fused path under the trace)
-    assert t.notes == ([SLOW_PATH_NOTE.format(cls="TransformerEncoder")] if recipe == "transformer_encoder" else [])
+    notes = {"transformer_encoder": [SLOW_PATH_NOTE.format(cls="TransformerEncoder")],
+             "lbfgs": [CLOSURE_STEP_NOTE.format(cls="LBFGS")]}
+    assert t.notes == notes.get(recipe, [])
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         assert torch.equal(p, q), name
         if hash_kind == "none":

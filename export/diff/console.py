@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from rich.console import Console
@@ -11,7 +12,7 @@ from rich.text import Text
 from export.diff.elements import STATS_WORDS
 from export.text import format_stack, frame_text, short_path
 from tracer.model import Frame, Trace
-from tracer.model.display import format_number, plural, plural_verb
+from tracer.model.display import format_number, plural
 from tracer.model.frames import fold_label, fold_runs, folded, user_frame
 
 if TYPE_CHECKING:  # the results call these from their render(): no import back at run time
@@ -64,7 +65,7 @@ def _summary_table(result: DiffResult, console: Console) -> None:
         t.add_row(_tx(d.section), _tx(d.compared), _tx(differing), _tx(len(d.inserted)), _tx(len(d.removed)),
                   _tx(d.summary()), style=None if d.equal and not d.from_backward else "red")
     bad = result.differing_params
-    words = (f"{plural_verb(len(bad), 'parameter', 'differs', 'differ')} (value, gradient or value after the step)"
+    words = (f"{state_count(bad)} {'differs' if len(bad) == 1 else 'differ'} (value, gradient or value after the step)"
              if bad else "equal")
     t.add_row(_tx("parameters"), _tx(len(result.params)), _tx(len(bad)), _tx(""), _tx(""), _tx(words),
               style="red" if bad else None)
@@ -255,3 +256,15 @@ def render_ranks(result: RankDiffResult, console: Console) -> None:
     if result.not_comparable:
         parts = ", ".join(f"{n} ({k})" for k, n in sorted(result.not_comparable.items()))
         console.print(_tx(f"not compared, no checksum: {parts}", "dim"))
+
+
+def state_count(params: Sequence[ParamDiff]) -> str:
+    """``4 parameters``, ``20 parameters and 2 buffers``: what a diff compared by name, counted
+    apart (a model's buffers are no parameters)."""
+    buffers = sum(1 for p in params if p.buffer)
+    own = len(params) - buffers
+    if not buffers:
+        return plural(own, "parameter")
+    if not own:
+        return plural(buffers, "buffer")
+    return f"{plural(own, 'parameter')} and {plural(buffers, 'buffer')}"

@@ -12,7 +12,7 @@ from typing import Any
 from rich.console import Console
 
 from export.diff import reprs
-from export.diff.console import render_diff
+from export.diff.console import render_diff, state_count
 from export.diff.elements import STATS_WORDS, ElementDiff, difference_text
 from export.diff.rules import parted_earlier
 from tracer.analysis.numerics import NumericsReport, find_anomalies
@@ -389,7 +389,7 @@ class DiffResult:
             tail = f" ({unknown} records could not be compared: no checksum or stats)" if unknown else ""
             if self.tolerance is None:
                 return (f"EQUAL: {plural(f.compared, 'call')}, {plural(b.compared, 'backward step')} and "
-                        f"{plural(len(self.params), 'parameter')} bit-identical{tail}")
+                        f"{state_count(self.params)} bit-identical{tail}")
             top = max((d.largest for d in (f, b) if d.largest is not None),
                       key=lambda r: r.max_rel or 0.0, default=None)
             if top is None or not top.max_rel:
@@ -416,7 +416,8 @@ class DiffResult:
                 parts.insert(0, changed + (f"; {n} differ in all (value, gradient or value after the step)"
                                            if n > values else ""))
             else:
-                parts.append(f"{plural_verb(n, 'parameter', 'differs', 'differ')} (gradient or value after the step)")
+                parts.append(f"{state_count(self.differing_params)} {'differs' if n == 1 else 'differ'} "
+                             "(gradient or value after the step)")
         head = "DIVERGED" if self.tolerance is None else f"BEYOND TOLERANCE ({self.tolerance})"
         if self.tolerance is not None and f.origin is not None:
             basis = "element-wise" if f.origin.basis == "values" else "by stats"
