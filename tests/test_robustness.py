@@ -205,6 +205,9 @@ def test_views_and_in_place_changes_get_versions():
         y.add_(1)
         y.sum().backward()
     assert t["mul_0"].mutated == ["getitem0:out@v1"]
+    # What it wrote through the view: the base's new version, made by it and among its outputs.
+    assert t["mul_0"].outputs == ["getitem0:out@v1", "mul0:out@v1"]
+    assert t.tensors["mul0:out@v1"].producer == "mul_0"
     assert t["add_0"].inputs[0] == "mul0:out@v1"  # the base changed through its view
     assert t["add_0"].outputs == ["mul0:out@v2"]
     assert t.tensors["mul0:out@v2"].previous == "mul0:out@v1"

@@ -144,9 +144,11 @@ class TensorNames(Part):
         try:
             # Lists of exactly the right length, filled in place (they are kept in the Call).
             mutated_names = [""] * len(mutated)
+            through: list[str] = []  # new versions of aliases of what it wrote (a view's base)
             if mutated:
                 assert in_pos is not None
-                self._name_written(api, kind, name, ins, in_names, mutated, in_pos, names_of, mutated_names)
+                through = self._name_written(api, kind, name, ins, in_names, mutated, in_pos, names_of,
+                                             mutated_names)
             uninit = short in UNINITIALISED
             n_outs = len(outs)
             out_names = [""] * n_outs
@@ -185,13 +187,15 @@ class TensorNames(Part):
             # What it wrote without returning it (foreach in-place ops, GradScaler's unscale
             # return nothing) is among its outputs too.
             out_names += [names_of[identity(t)] for t in produced[n_outs:]]
+        if through:
+            out_names += [n for n in through if n not in out_names]  # (and what it wrote through an alias)
         return mutated_names, out_names, names_of
 
     def _name_written(self, api: str, kind: str, name: str, ins: list[torch.Tensor], in_names: list[str],
                       mutated: list[torch.Tensor], in_pos: dict[int, int], names_of: dict[int, str],
-                      mutated_names: list[str]) -> None:
+                      mutated_names: list[str]) -> list[str]:
         """A new version of each tensor the call ``name`` wrote, and of every named tensor that
-        shares its bytes."""
+        shares its bytes; returns the names of the latter (written through an alias)."""
         tensors = self._trace.tensors
         versions = self._versions
         if self._fresh:  # written by a recorded call: its bytes are that call's from now on
@@ -215,8 +219,8 @@ class TensorNames(Part):
         if api == SET_DATA_API:
             # Its new bytes are the value's; no other tensor's bytes changed.
             self.index_alias(mutated[0])
-        else:
-            self.write_through_aliases(mutated, names_of, name, ins)
+            return []
+        return self.write_through_aliases(mutated, names_of, name, ins)
 
     # ---- what the other parts ask ------------------------------------------------------------
     def set_name(self, t: torch.Tensor, name: str, version: int) -> None:
@@ -760,10 +764,13 @@ class TensorNames(Part):
         return name
 
     def write_through_aliases(self, mutated: list[torch.Tensor], names_of: dict[int, str], call: str,
-                              ins: list[torch.Tensor]) -> None:
+                              ins: list[torch.Tensor]) -> list[str]:
         """A call that changed ``mutated`` changed every named tensor sharing their bytes too. Its
         own inputs excepted: an op keeps what it reads (an in-place all-gather's input is a slice
-        of its output, rewritten with the same bytes)."""
+        of its output, rewritten with the same bytes). Returns the names of the new versions it
+        made that way (a view's base, a parameter written through a detached alias): what the
+        call wrote without being handed it."""
+        made: list[str] = []
         done = set(names_of)
         done.update(identity(t) for t in ins)
         aliases = self._aliases
@@ -797,14 +804,15 @@ class TensorNames(Part):
                         # alias (an EMA's foreach update of ``p.detach()`` lists, AveragedModel's
                         # first copy): its own next version, with the written value's checksum;
                         # else its name would stay on the value before the write.
-                        self.new_tensor(o, self.bump(own), old.role, call, previous=hit[0],
-                                         same_as=self._trace.tensors.get(new))
+                        made.append(self.new_tensor(o, self.bump(own), old.role, call, previous=hit[0],
+                                                    same_as=self._trace.tensors.get(new)))
                     else:
                         self._tensor_names[o] = (new, version_of(o))
                 else:
                     old = self._trace.tensors.get(hit[0])
                     role = old.role if old is not None else "input"
-                    self.new_tensor(o, self.bump(names.base_name(hit[0])), role, call, previous=hit[0])
+                    made.append(self.new_tensor(o, self.bump(names.base_name(hit[0])), role, call, previous=hit[0]))
+        return made
 
     def bump(self, base: str) -> str:
         n = self._versions.get(base, 0) + 1
