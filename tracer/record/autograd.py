@@ -86,7 +86,9 @@ class Graph(Part):
         # Nodes whose runs are not recorded and whose hooks read tensors without a name
         # (note_unnamed_hook_input).
         self._hook_inputs_noted: set[str] = set()
-        self._node_modules: dict[str, str] = {}  # grad node -> the module of the call that made it
+        self._node_modules: dict[str, str] = {}  # nodes that run user code -> their call's module
+        self._call_modules: dict[str, str] = {}  # call -> its module (see _module_of_call)
+        self._calls_indexed = 0
         # A backward run with create_graph=True makes grad nodes while it runs; those are
         # adopted by the node that made them (see _adopt_nodes).
         self._create_graph = False
@@ -217,13 +219,24 @@ class Graph(Part):
 
     def module_of_node(self, node: str) -> str:
         """The module of the forward call that made the grad node ``node`` (``""``: none known,
-        or the root)."""
-        return self._node_modules.get(node, "")
+        or the root): where its backward's hooks and recomputations are said to run."""
+        module = self._node_modules.get(node)
+        if module is not None:
+            return module
+        rec = self._node_recs.get(node)
+        return self._module_of_call(rec.call) if rec is not None and rec.call is not None else ""
 
-    def note_module(self, nodes: list[str], module: str) -> None:
-        """The grad nodes ``nodes`` were made by a call in ``module`` (where their backward's
-        hooks and recomputations are said to run)."""
-        self._node_modules.update(dict.fromkeys(nodes, module))
+    def _module_of_call(self, call: str) -> str:
+        """The module of the recorded call ``call``, from an index of the calls' modules brought
+        up to date when asked (only backward-phase calls outside every module ask: nothing is
+        kept per call on the hot path)."""
+        index = self._call_modules
+        if call not in index:
+            calls = self._trace.calls
+            for c in calls[min(self._calls_indexed, len(calls)):]:
+                index[c.name] = c.module
+            self._calls_indexed = len(calls)
+        return index.get(call, "")
 
     def _node_key(self, node: Any) -> tuple[int, str]:
         return (node._sequence_nr(), NODE_KINDS.get(type(node)) or node_kind(node))

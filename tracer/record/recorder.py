@@ -284,8 +284,6 @@ class Recorder:
                                                                           mutated, produced)
         node_names = self.graph.link_call_nodes(produced, grad_fns, seq0, seq1, name, stack_id, names_of)
         parent, module, phase = self._context(name, kind, in_names, produced, bool(mutated))
-        if node_names and module:
-            self.graph.note_module(node_names, module)
         # Positional, in Call's field order: this runs for every recorded call.
         args_text = naming.short_args(args, kwargs) if kind != "optimizer" else \
             naming.short_args(args, kwargs, OPTIMIZER_ARGS_LIMIT)  # (its param groups' settings, whole)
