@@ -54,6 +54,7 @@ class ModuleScopes(Part):
         # rotary helpers global ``nn.Module`` objects, called from every layer) is in each
         # caller's path, not in the first one's.
         self._floating: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+        self._any_floating = False  # (tested by every module call: a WeakKeyDictionary's len is Python)
         self._stack: list[str] = []  # paths of the modules running now, innermost last
         self._scope_frames: list[FrameType | None] = []  # per _stack entry, see _module_pre
         self._handles: list[Any] = []
@@ -143,7 +144,7 @@ class ModuleScopes(Part):
             except Exception as exc:  # gradtrace's own fault: see tracer.record.failsafe
                 rec.recorder_failed(exc)
                 path = f"<{type(module).__name__}>"
-        if self._floating and module in self._floating:
+        if self._any_floating and module in self._floating:
             path = self._floating_path(self._floating[module])
         if type(module) in _FAST_PATH_MODULES and not module.training:
             self._note_slow_path(module)
@@ -195,7 +196,7 @@ class ModuleScopes(Part):
             return
         path = self._paths.get(module)
         stack = self._stack
-        if self._floating and module in self._floating:  # (named under its caller: see _module_pre)
+        if self._any_floating and module in self._floating:  # (named under its caller: see _module_pre)
             path = self._floating_path(self._floating[module], len(stack) - 1)
         if stack and stack[-1] == path:
             self._pop_modules(len(stack) - 1)
@@ -216,6 +217,7 @@ class ModuleScopes(Part):
         cls = type(module).__name__
         if self._stack:  # a module not reachable from any root seen so far
             self._floating[module] = cls
+            self._any_floating = True
             path = self._paths[module] = self._floating_path(cls)
             return path
         if called_by is not None:
