@@ -43,18 +43,27 @@ def _holds_tensors(module: torch.nn.Module) -> bool:
     return any(m._parameters or m._buffers for m in module.modules())
 
 
+class FloatingPath(str):
+    """The path kept for a module no root holds (``<Cls>``): the path it gets is that of the
+    module calling it, each time (``<parent>.<Cls>``; ``ModuleScopes._floating_path``). One such
+    object called from several places (transformers 5 makes its rotary helpers global
+    ``nn.Module`` objects, called from every layer) is in each caller's path, not in the first
+    one's. A ``str``, so that the module hooks' one look-up tells it apart by its type."""
+
+    cls: str
+
+    def __new__(cls, text: str, module_class: str) -> FloatingPath:
+        path = super().__new__(cls, text)
+        path.cls = module_class
+        return path
+
+
 class ModuleScopes(Part):
     """Module scopes and compiled regions (a part of ``Recorder``)."""
 
     def __init__(self, rec: Recorder) -> None:
         super().__init__(rec)
         self._paths: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
-        # Modules no root holds, named under whichever module calls them (``<parent>.<Cls>``), by
-        # class name: one such object called from several places (transformers 5 makes its
-        # rotary helpers global ``nn.Module`` objects, called from every layer) is in each
-        # caller's path, not in the first one's.
-        self._floating: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
-        self._any_floating = False  # (tested by every module call: a WeakKeyDictionary's len is Python)
         self._stack: list[str] = []  # paths of the modules running now, innermost last
         self._scope_frames: list[FrameType | None] = []  # per _stack entry, see _module_pre
         self._handles: list[Any] = []
@@ -144,8 +153,8 @@ class ModuleScopes(Part):
             except Exception as exc:  # gradtrace's own fault: see tracer.record.failsafe
                 rec.recorder_failed(exc)
                 path = f"<{type(module).__name__}>"
-        if self._any_floating and module in self._floating:
-            path = self._floating_path(self._floating[module])
+        if type(path) is FloatingPath:
+            path = self._floating_path(path.cls)
         if type(module) in _FAST_PATH_MODULES and not module.training:
             self._note_slow_path(module)
         self._stack.append(path)
@@ -196,8 +205,8 @@ class ModuleScopes(Part):
             return
         path = self._paths.get(module)
         stack = self._stack
-        if self._any_floating and module in self._floating:  # (named under its caller: see _module_pre)
-            path = self._floating_path(self._floating[module], len(stack) - 1)
+        if type(path) is FloatingPath:  # (named under its caller: see _module_pre)
+            path = self._floating_path(path.cls, len(stack) - 1)
         if stack and stack[-1] == path:
             self._pop_modules(len(stack) - 1)
         elif path in stack:
@@ -216,10 +225,8 @@ class ModuleScopes(Part):
         (module_roots)."""
         cls = type(module).__name__
         if self._stack:  # a module not reachable from any root seen so far
-            self._floating[module] = cls
-            self._any_floating = True
-            path = self._paths[module] = self._floating_path(cls)
-            return path
+            self._paths[module] = FloatingPath(f"<{cls}>", cls)
+            return self._floating_path(cls)
         if called_by is not None:
             # A part of a model called from one of the model's methods (training_step, encode):
             # the model is the root, and the part keeps its path in it.
