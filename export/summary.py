@@ -39,7 +39,7 @@ from tracer.model.display import (
 )
 from tracer.model.frames import folded, short_line, user_frame
 from tracer.model.gradients import summed_from
-from tracer.model.phases import CLOSURE_STEP_PREFIX
+from tracer.model.phases import stepped_with_closure
 from tracer.model.records import PHASES
 
 TOP_APIS = 15
@@ -158,7 +158,7 @@ def _render_phases(trace: Trace, console: Console) -> None:
     table.add_column("last", overflow="fold")
     table.add_column("", overflow="fold")
     # (a step with a closure evaluates it, forward and backward, several times: not micro-batches)
-    closure = any(CLOSURE_STEP_PREFIX in n for n in trace.notes)
+    closure = stepped_with_closure(trace)
     accumulating = 0 if closure else sum(1 for r in trace.backward_runs
                                          if r.parent is None and not r.api.endswith(".grad"))
     for phase in PHASES:

@@ -45,7 +45,7 @@ from tracer.analysis.rules import (
 from tracer.model import BackwardRun, Call, Frame, GradNode, NodeRun, TensorRecord, Trace, install_view
 from tracer.model.display import all_finite, clip, phase_key, plural
 from tracer.model.frames import short_line, stack_lines, user_frame
-from tracer.model.phases import CLOSURE_STEP_PREFIX
+from tracer.model.phases import stepped_with_closure
 from tracer.model.records import OWNED_ROLES
 from tracer.options import RaisedOnPurpose
 
@@ -570,7 +570,7 @@ class _Walk:
         self.micro_batch = 1
         self.step_runs: list[int] = [0]
         # A step with a closure (LBFGS) evaluates it several times: its runs are no micro-batches.
-        self.closure = any(CLOSURE_STEP_PREFIX in n for n in trace.notes)
+        self.closure = stepped_with_closure(trace)
 
     def stack(self, stack_id: int | None, recorded: tuple[Frame, ...]) -> tuple[Frame, ...]:
         return self.frames_of(stack_id) if self.frames_of is not None and not recorded else recorded

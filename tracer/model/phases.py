@@ -39,10 +39,16 @@ from tracer.model.trace import Trace
 # The note a trace carries when an optimizer stepped with a closure (LBFGS, Lightning's automatic
 # optimization): the closure runs a forward and backward inside the step, so the step's ops are
 # recorded one by one, not as one call of kind ``optimizer`` ({cls}: the optimizer's class).
-CLOSURE_STEP_NOTE = ("{cls}.step(closure) ran: a step with a closure runs the closure's forward and backward "
+_CLOSURE_STEP_MARK = ".step(closure) ran: "
+CLOSURE_STEP_NOTE = ("{cls}" + _CLOSURE_STEP_MARK + "a step with a closure runs the closure's forward and backward "
                      "inside it, so its ops are recorded one by one (its updates of the parameters in the "
                      "optimizer phase), not as one optimizer call")
-CLOSURE_STEP_PREFIX = CLOSURE_STEP_NOTE.split("{cls}", 1)[1][:30]
+
+
+def stepped_with_closure(trace: Trace) -> bool:
+    """Whether an optimizer of ``trace`` stepped with a closure (its note, ``CLOSURE_STEP_NOTE``):
+    its backward runs are the closure's evaluations, not micro-batches."""
+    return any(_CLOSURE_STEP_MARK in note for note in trace.notes)
 
 # Roles of values that belong to the model's state rather than to the step's data (rule 5).
 STATE_ROLES = frozenset({"grad", "param", "buffer", "state"})
@@ -119,4 +125,4 @@ def _made_by_optimizer_code(trace: Trace, call: Call) -> bool:
     return any(0 <= f < len(frames) and is_optimizer_code(frames[f].file) for f in trace.stacks[call.stack_id])
 
 
-__all__ = ["STATE_ROLES", "is_optimizer_code", "reads_model_state", "upgrade_phases"]
+__all__ = ["CLOSURE_STEP_NOTE", "STATE_ROLES", "is_optimizer_code", "reads_model_state", "stepped_with_closure", "upgrade_phases"]

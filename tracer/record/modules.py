@@ -154,7 +154,7 @@ class ModuleScopes(Part):
                 rec.recorder_failed(exc)
                 path = f"<{type(module).__name__}>"
         if type(path) is FloatingPath:
-            path = self._floating_path(path.cls)
+            path = self._floating_path(path.cls, self._stack[-1] if self._stack else "")
         if type(module) in _FAST_PATH_MODULES and not module.training:
             self._note_slow_path(module)
         self._stack.append(path)
@@ -164,11 +164,9 @@ class ModuleScopes(Part):
         if type(module).__name__ == "OptimizedModule" and not rec.paused:
             self._enter_opaque(module, args)
 
-    def _floating_path(self, cls: str, depth: int | None = None) -> str:
+    def _floating_path(self, cls: str, parent: str) -> str:
         """The path of a module no root holds, of class ``cls``, called from the module at
-        ``depth`` of the module stack (None: the innermost), registered in the trace."""
-        stack = self._stack
-        parent = stack[-1 if depth is None else depth - 1] if stack and (depth is None or depth > 0) else ""
+        ``parent`` (``""``: none), registered in the trace."""
         path = f"{parent}.<{cls}>" if parent else f"<{cls}>"
         modules = self.rec.trace.modules
         if path not in modules:
@@ -206,7 +204,7 @@ class ModuleScopes(Part):
         path = self._paths.get(module)
         stack = self._stack
         if type(path) is FloatingPath:  # (named under its caller: see _module_pre)
-            path = self._floating_path(path.cls, len(stack) - 1)
+            path = self._floating_path(path.cls, stack[-2] if len(stack) > 1 else "")
         if stack and stack[-1] == path:
             self._pop_modules(len(stack) - 1)
         elif path in stack:
@@ -226,7 +224,7 @@ class ModuleScopes(Part):
         cls = type(module).__name__
         if self._stack:  # a module not reachable from any root seen so far
             self._paths[module] = FloatingPath(f"<{cls}>", cls)
-            return self._floating_path(cls)
+            return self._floating_path(cls, self._stack[-1])
         if called_by is not None:
             # A part of a model called from one of the model's methods (training_step, encode):
             # the model is the root, and the part keeps its path in it.
