@@ -622,19 +622,20 @@ class _Walk:
         # ends at an optimizer call that follows a run. Two steps in one block are two steps,
         # not two micro-batches of one.
         runs = self.step_runs
+        step_of: list[int] = []  # per event, the optimizer step it belongs to
         for _, _, ev in events:
             if isinstance(ev, BackwardRun):
                 runs[-1] += _accumulates(ev)
             elif ev.kind == "optimizer" and runs[-1]:
                 runs.append(0)
+            step_of.append(len(runs) - 1)
         if len(runs) > 1 and not runs[-1]:
             runs.pop()
         walked: set[str] = set()
-        for _, _, ev in events:
+        for (_, _, ev), step in zip(events, step_of):
+            if step != self.step:
+                self.step, self.micro_batch = step, 1
             if isinstance(ev, Call):
-                if ev.kind == "optimizer" and self.micro_batch > 1:
-                    self.step += 1
-                    self.micro_batch = 1
                 for call in _post_order([ev], self.children):
                     if not self._inside_sealed(call.parent):
                         self.check_call(call.phase, call)
