@@ -20,6 +20,10 @@ path, so on the CPU only under ``--interpret``, Triton's interpreter, for a smok
   lies (``tracer.record.checksums.fused.READ_DENSE_IN_PLACE``; off: packed like any other).
 - ``grad_aliases``: a gradient a leaf's accumulator takes next stays in its batch through an
   alias of its storage (``tracer.record.checksums.fused.ALIAS_INTO_GRAD``; off: copied out).
+- ``state_ahead``: a root module's parameters and buffers are read through one plan when it
+  is first called, so no in-place write of them (a batch norm's running statistics, the
+  optimizer step) finds them waiting (``tracer.record.tensor_names.READ_STATE_AHEAD``; off: each
+  queued when a call first uses it).
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ LEVERS: dict[str, Lever] = {
                          "stats alone read transposed and permuted values in place"),
     "grad_aliases": Lever("tracer.record.checksums.fused", "ALIAS_INTO_GRAD", False,
                           "a gradient an accumulator takes is held by a storage alias, not copied"),
+    "state_ahead": Lever("tracer.record.tensor_names", "READ_STATE_AHEAD", False,
+                         "a model's parameters and buffers read in one go when it is first called"),
 }
 
 

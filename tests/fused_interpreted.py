@@ -345,6 +345,57 @@ def ddp_results() -> dict[str, object]:
     return out
 
 
+class BatchNormNet(torch.nn.Module):
+    """Six conv + batch norm + in-place ReLU blocks (24 parameters, 18 buffers: a list long
+    enough to be read ahead) and a head. Before the head's first use, its forward writes the
+    head's weight with no op the recorder sees (its version bumps: what was read ahead is
+    stale) and its bias through ``.data`` (a traced write: the value before it is recorded)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.Sequential(*[
+            torch.nn.Sequential(torch.nn.Conv2d(3 if i == 0 else 8, 8, 3, padding=1), torch.nn.BatchNorm2d(8),
+                                torch.nn.ReLU(inplace=True))
+            for i in range(6)])
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.blocks(x).mean(dim=(2, 3))
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            self.head.weight.mul_(0.5)  # unseen, version bumped
+        self.head.bias.data.add_(1.0)  # seen through .data
+        return self.head(h)
+
+
+def _state_ahead(config: str) -> dict[str, object]:
+    """Two steps of ``BatchNormNet`` in one block under ``config`` (``fast`` or ``check_numerics``):
+    every value's fingerprint and stats, and the roles of the values the batches snapshotted."""
+    import tracer
+
+    torch.manual_seed(0)
+    model = BatchNormNet()
+    opt = torch.optim.AdamW(model.parameters(), foreach=True)
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 4, (4,))
+    snapshotted: list[str] = []
+    kept = fused.Fused.__dict__["_snapshot"]  # (the staticmethod itself, put back as it was)
+    snapshot = fused.Fused._snapshot
+
+    def counted(batch: Any, slot: int) -> None:
+        snapshotted.extend(rec.role for rec in batch.slots[slot])
+        snapshot(batch, slot)
+
+    fused.Fused._snapshot = staticmethod(counted)  # type: ignore[method-assign]
+    try:
+        with (tracer.trace(hash="fast") if config == "fast" else tracer.check_numerics()) as t:
+            for _ in range(2):
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+    finally:
+        fused.Fused._snapshot = kept  # type: ignore[method-assign]
+    return {"values": record_values(t), "snapshotted": snapshotted}
+
+
 def trace_results() -> dict[str, object]:
     """Both optimizer recordings: the step as one call, and every foreach op inside it; with the
     batches' launches counted."""
@@ -359,7 +410,9 @@ def trace_results() -> dict[str, object]:
             del os.environ["GRADTRACE_FUSED_INTERPRET"]
         out[mode] = {"immediate": immediate, "batched": batched, "launches": launches[0]}
     for label, run in (("recipe", _recipe), ("unseen_write", _unseen_write), ("inference_first", _inference_first),
-                       ("tied_checkpointed", _tied_checkpointed)):
+                       ("tied_checkpointed", _tied_checkpointed),
+                       ("state_ahead_fast", functools.partial(_state_ahead, "fast")),
+                       ("state_ahead_numerics", functools.partial(_state_ahead, "check_numerics"))):
         immediate = run()
         os.environ["GRADTRACE_FUSED_INTERPRET"] = "1"
         try:

@@ -137,6 +137,30 @@ def test_batched_tied_embeddings_with_checkpointing_and_accumulation_equal_the_i
     assert batched["versions"] == untraced and immediate["versions"] == untraced
 
 
+@needs_triton
+@pytest.mark.parametrize("config", ["fast", "numerics"])
+def test_a_models_state_is_read_ahead_and_never_snapshotted(interpreted, config):
+    """A root module's parameters and buffers are read in one go when it is first called
+    (``TensorNames._read_state_ahead``), so a batch norm writing its running statistics in the
+    call that first reads them, and the optimizer's step, find none of them waiting: no
+    parameter or buffer is snapshotted. What a value's record says is what the immediate path
+    says: the head's weight, written with no op seen between its root's first call and its
+    first use, is read again at its first use (its version moved); its bias, written through
+    ``.data`` there, is recorded before and after."""
+    run = interpreted["trace"][f"state_ahead_{config}"]
+    immediate, batched = run["immediate"], run["batched"]
+    assert set(immediate["values"]) == set(batched["values"]) and len(immediate["values"]) > 100
+    differ = {n: (immediate["values"][n], batched["values"][n]) for n in immediate["values"]
+              if immediate["values"][n] != batched["values"][n]}
+    assert not differ
+    assert immediate["snapshotted"] == []  # (the immediate path holds nothing)
+    # (Before the state was read ahead, each batch norm's three buffers were snapshotted: 18.)
+    assert not {"param", "buffer"} & set(batched["snapshotted"])
+    assert "head.bias@v1" in immediate["values"]  # the .data write, a new version of the bias
+    if config == "numerics":  # stats alone; the fast path has both
+        assert immediate["values"]["head.weight"][0] is None
+
+
 def test_stats_alone_read_dense_layouts_in_place(interpreted):
     """check_numerics' batches (stats, no fingerprint) hold a transposed, permuted, channels-last
     tensor or a Linear weight's gradient as it is (no packing copy: the stats do not depend on
@@ -443,6 +467,51 @@ def test_cuda_trace_uses_batches_without_a_sync_and_matches_after_in_place_chang
     # recorded before the optimizer changed it in place, and read before that change too
     assert t.tensors["0.weight"].fingerprint == fingerprint(w0) != fingerprint(model[0].weight)
     assert all(r.stats is not None for r in t.tensors.values() if r.numel)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("config", ["fast", "check_numerics"])
+def test_cuda_model_state_read_ahead_equals_its_values_without_a_sync(config):
+    """On the GPU a root module's parameters and buffers are read through one plan when it is
+    first called: no sync, none of them snapshotted when a batch norm or the optimizer writes
+    them, and each record's fingerprint and stats are those of the bytes before the writes."""
+    import torch.nn.functional as F
+
+    from tests.fused_interpreted import BatchNormNet
+    from tracer.record.checksums import fused
+
+    torch.manual_seed(0)
+    model = BatchNormNet().cuda()
+    opt = torch.optim.AdamW(model.parameters(), foreach=True)
+    x, y = torch.randn(4, 3, 8, 8, device="cuda"), torch.randint(0, 4, (4,), device="cuda")
+    before = {name: v.detach().clone() for name, v in [*model.named_parameters(), *model.named_buffers()]}
+    snapshotted: list[str] = []
+    kept, snapshot = fused.Fused.__dict__["_snapshot"], fused.Fused._snapshot
+
+    def counted(batch, slot):
+        snapshotted.extend(rec.role for rec in batch.slots[slot])
+        snapshot(batch, slot)
+
+    fused.Fused._snapshot = staticmethod(counted)
+    try:
+        with (tracer.trace(hash="fast") if config == "fast" else tracer.check_numerics()) as t:
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        fused.Fused._snapshot = kept
+    assert not {"param", "buffer"} & set(snapshotted)
+    before["head.weight"] *= 0.5  # (the forward halves it, unseen, before its first use)
+    for name, value in before.items():
+        rec = t.tensors[name]
+        assert rec.stats is not None and (rec.stats.min, rec.stats.max) == (value.min().item(), value.max().item()), name
+        if config == "fast":
+            assert rec.fingerprint == fingerprint(value), name
+    assert t.tensors["blocks.0.1.running_mean@v1"].stats.max == model.blocks[0][1].running_mean.max().item()
 
 
 @pytest.mark.cuda

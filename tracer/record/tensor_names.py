@@ -57,6 +57,10 @@ if TYPE_CHECKING:
 # Searches of the live objects for a parameter's model per trace (each one gc pass; see owners.py).
 MAX_OWNER_SEARCHES = 4
 
+# Whether a root module's parameters and buffers are read ahead, in one go, when it is first
+# called (see TensorNames._read_state_ahead); a switch for benchmarks/lever_ab.py.
+READ_STATE_AHEAD = True
+
 # Roles a value keeps through an in-place write (else its new version is the writing call's output).
 _KEPT_ON_WRITE: frozenset[str] = OWNED_ROLES | {"grad"}
 
@@ -94,6 +98,9 @@ class TensorNames(Part):
         # What p.grad or p.data returned before the parameter p was named -> (p, "grad"/"data"):
         # named when a call first uses it (see name_grad_alias, name_data_alias).
         self._read_before_named: IdWeakMap[tuple[torch.Tensor, str]] = IdWeakMap()
+        # Parameters and buffers read when their root module was named, before any call used
+        # them (see _read_state_ahead) -> (the version read, the record the reads went to).
+        self._read_ahead: IdWeakMap[tuple[int, TensorRecord]] = IdWeakMap()
         self._aliases: dict[int, list[weakref.ref[torch.Tensor]]] = {}  # storage -> tensors
         self._versions: dict[str, int] = {}  # the last version of each base name
         self._tensor_seq = 0
@@ -467,9 +474,14 @@ class TensorNames(Part):
             # runs): its record continues that alias's last version, whose bytes it holds.
             key = storage_key(t)  # (read once: for the alias and for the index)
             prior = self._same_view_alias(t, key) if key and key in self._aliases else None
-            prior_name = self.name_of(prior) if prior is not None else None
-            name = self.new_tensor(t, named[0], named[1], None, previous=prior_name,
-                                    same_as=self._trace.tensors.get(prior_name) if prior_name is not None else None)
+            if prior is not None:
+                prior_name: str | None = self.name_of(prior)
+                same = self._trace.tensors.get(prior_name) if prior_name is not None else None
+            else:
+                prior_name = None
+                ahead = self._read_ahead.pop(t)
+                same = ahead[1] if ahead is not None and ahead[0] == version else None
+            name = self.new_tensor(t, named[0], named[1], None, previous=prior_name, same_as=same)
             self.index_alias(t, key)
             return name
         if self.rec.running_node is not None:
@@ -687,6 +699,36 @@ class TensorNames(Part):
                 named[b] = (bname, "buffer")
                 renamed.append((b, bname, "buffer"))
         self._take_paths(renamed)
+        self._read_state_ahead(renamed)
+
+    def _read_state_ahead(self, tensors: list[tuple[torch.Tensor, str, Role]]) -> None:
+        """Read a root module's parameters and buffers now, in one go, where the values are read
+        at all and the batched device path reads them (``Hasher.read_ahead``): each record made
+        when a call first uses one (``name_at``) takes what was read, if the tensor is still at
+        the version read, instead of being queued itself. A queued value that a call writes in
+        place before its batch launches costs a snapshot copy, and a model's state is written so
+        (a batch norm writes its running statistics in the call that first reads them: 159
+        snapshots a ResNet-50 step; the optimizer step writes every parameter). Writes that bump
+        no version counter (a kernel outside torch's) between the root's first call and a value's
+        first use are not seen, as they are not anywhere else."""
+        rec = self.rec
+        if not READ_STATE_AHEAD or not self.reads_values or rec.hasher is not rec.own_hasher:
+            return
+        known = self._tensor_names
+        items: list[tuple[TensorRecord, torch.Tensor]] = []
+        versions: dict[int, int] = {}
+        with torch._C.DisableTorchFunction():
+            for t, path, role in tensors:
+                if t in known:  # (met before its module ran: it has a record, _take_paths)
+                    continue
+                placeholder = TensorRecord(path, (), "", "", role)
+                items.append((placeholder, t))
+                versions[identity(placeholder)] = version_of(t)
+            if not items:
+                return
+            ahead = self._read_ahead
+            for placeholder, t in rec.hasher.read_ahead(items):
+                ahead[t] = (versions[identity(placeholder)], placeholder)
 
     def _take_paths(self, tensors: list[tuple[torch.Tensor, str, Role]]) -> None:
         """Parameters and buffers the trace met before their module ran (made and initialised in

@@ -610,6 +610,25 @@ class Fused:
         self.done.append((slots, res_f, res_i, event))
         return True
 
+    def read_listed(self, recs: Sequence[TensorRecord], tensors: Sequence[torch.Tensor]) -> list[int]:
+        """``read_now`` of those of ``tensors`` a plan can read (contiguous, non-empty, of the
+        kernels' dtypes, readable where they lie), one list per device; the positions of the
+        ones read. The others are left to the caller, as is everything where no plan reads."""
+        by_device: dict[int, list[int]] = {}
+        for i, t in enumerate(tensors):
+            try:
+                if t.dtype in _SPECS and t.is_contiguous() and not t.is_neg() and t.numel() \
+                        and self._readable_at([t.data_ptr()]):
+                    by_device.setdefault(t.get_device(), []).append(i)
+            except RuntimeError:  # no data pointer (a freed storage)
+                continue
+        read: list[int] = []
+        for index, positions in by_device.items():
+            if (index >= 0 or self.interpret) and \
+                    self.read_now([recs[i] for i in positions], [tensors[i] for i in positions]):
+                read += positions
+        return read
+
     def launch(self, plan: Plan) -> torch.Tensor | None:
         """Launch ``plan`` on the current stream (after a ``follow`` of the tensors it reads):
         its results tensor (see ``Plan``), or None while the warm-up is compiling one of its

@@ -384,6 +384,30 @@ class Hasher:
             return items
         return rest
 
+    @own_work
+    def read_ahead(self, items: list[tuple[TensorRecord, torch.Tensor]]) -> list[tuple[TensorRecord, torch.Tensor]]:
+        """Read ``items`` now, through plans of the list (``Fused.read_listed``), where the batched
+        device path is how they would be read; returns the items read. Nothing is done for the
+        others (nor for any where no plan reads them, the MD5 path, a transform): the caller
+        submits those as usual when their records are made.
+
+        For values a step is likely to write in place before the batch that would hold them
+        launches (a model's parameters and buffers: a batch norm's running statistics are
+        written by the very call that first reads them): each write into a waiting value costs
+        a snapshot copy (``Fused.protect``), and each such value an ``add``."""
+        if not self.active or self.algorithm == "md5" or transforms_active():
+            return []
+        interpret = self._interpret
+        listed = [(rec, t) for rec, t in items
+                  if type(t) in ALLOWED_TYPES and t.layout is _STRIDED and (t.is_cpu if interpret else t.is_cuda)
+                  and not t.is_quantized and not t.is_nested]
+        if len(listed) < LIST_MIN or (not interpret and _capturing()):
+            return []
+        fused = self._fused if self._fused_tried else self._make_fused()
+        if fused is None:
+            return []
+        return [listed[i] for i in fused.read_listed([rec for rec, _ in listed], [t for _, t in listed])]
+
     def _scalar_checksum(self, rec: TensorRecord, t: torch.Tensor) -> None:
         """The checksum of a one-element CPU tensor, from its bytes."""
         if self.algorithm != "none":
