@@ -5,6 +5,7 @@ wrapper) is exactly as before."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 from typing import Any
@@ -111,3 +112,36 @@ def test_same_thread_nesting_still_says_so() -> None:
     with tracer.trace(hash="none") as t:  # and the process is free again
         torch.ones(1) + 1
     assert [c.name for c in t.calls] == ["ones0", "add0"]
+
+
+@pytest.mark.parametrize("raises", [False, True])
+def test_the_end_reads_results_before_the_users_gc_thresholds_come_back(monkeypatch: pytest.MonkeyPatch,
+                                                                        raises: bool) -> None:
+    """The end of a block fills in thousands of records' results (a Stats object each): under the
+    user's young-generation threshold each few hundred set off a collection (9 a step on
+    resnet50-tiny under ``hash="fast"``). They are filled in while the trace's raised threshold
+    holds; the user's thresholds come back afterwards, whether or not the block raised."""
+    from tracer.record.checksums.hasher import Hasher
+
+    seen: list[tuple[int, int, int]] = []
+    close = Hasher.close
+
+    def watched(self: Hasher, *args: Any, **kwargs: Any) -> None:
+        seen.append(gc.get_threshold())
+        close(self, *args, **kwargs)
+
+    monkeypatch.setattr(Hasher, "close", watched)
+    saved = gc.get_threshold()
+    gc.set_threshold(700, 10, 10)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+        with pytest.raises(RuntimeError, match="on purpose") if raises else contextlib.nullcontext():
+            with tracer.trace(hash="fast", stats=True) as t:
+                model(torch.randn(3, 4)).sum().backward()
+                if raises:
+                    raise RuntimeError("on purpose")
+        assert seen and seen[0][0] >= 50_000
+        assert gc.get_threshold() == (700, 10, 10)
+        assert all(r.stats is not None for r in t.tensors.values())
+    finally:
+        gc.set_threshold(*saved)
