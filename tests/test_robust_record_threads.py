@@ -135,11 +135,11 @@ def test_the_end_reads_results_before_the_users_gc_thresholds_come_back(monkeypa
     gc.set_threshold(700, 10, 10)
     try:
         model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
-        with pytest.raises(RuntimeError, match="on purpose") if raises else contextlib.nullcontext():
-            with tracer.trace(hash="fast", stats=True) as t:
-                model(torch.randn(3, 4)).sum().backward()
-                if raises:
-                    raise RuntimeError("on purpose")
+        with pytest.raises(RuntimeError, match="on purpose") if raises else contextlib.nullcontext(), \
+                tracer.trace(hash="fast", stats=True) as t:
+            model(torch.randn(3, 4)).sum().backward()
+            if raises:
+                raise RuntimeError("on purpose")
         assert seen and seen[0][0] >= 50_000
         assert gc.get_threshold() == (700, 10, 10)
         assert all(r.stats is not None for r in t.tensors.values())
