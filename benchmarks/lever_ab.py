@@ -24,6 +24,9 @@ path, so on the CPU only under ``--interpret``, Triton's interpreter, for a smok
   is first called, so no in-place write of them (a batch norm's running statistics, the
   optimizer step) finds them waiting (``tracer.record.tensor_names.READ_STATE_AHEAD``; off: each
   queued when a call first uses it).
+- ``late_gc``: the user's gc thresholds come back after the end of a block has filled in its
+  records' results, not before (``tracer.record.session.RESTORE_GC_AFTER_END``; off: a young
+  collection every few hundred results).
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ LEVERS: dict[str, Lever] = {
                           "a gradient an accumulator takes is held by a storage alias, not copied"),
     "state_ahead": Lever("tracer.record.tensor_names", "READ_STATE_AHEAD", False,
                          "a model's parameters and buffers read in one go when it is first called"),
+    "late_gc": Lever("tracer.record.session", "RESTORE_GC_AFTER_END", False,
+                     "the user's gc thresholds come back after the end's results are filled in"),
 }
 
 

@@ -28,6 +28,10 @@ from tracer.record.protocol import RecorderAPI
 from tracer.record.stacks import user_stacklevel
 from tracer.version import __version__
 
+# Whether the user's gc thresholds come back after the end's results are filled in (see
+# TraceSession._exit), not before; a switch for benchmarks/lever_ab.py.
+RESTORE_GC_AFTER_END = True
+
 # One trace at a time per process (the apply wrapper, the module hooks and the gc thresholds are
 # process-wide): a session claims the process under this lock before it installs anything, and
 # gives it back once everything is uninstalled and restored.
@@ -205,6 +209,8 @@ class TraceSession:
     def _exit(self, exc: BaseException | None) -> None:
         rec, t = self._recorder, self.trace
         assert rec is not None and t is not None
+        if not RESTORE_GC_AFTER_END:  # (the lever off: as before)
+            self._give_back_gc()
         try:
             rec.uninstall()  # first: whatever happens below, nothing stays installed
             while self._detach:
@@ -226,9 +232,12 @@ class TraceSession:
             # collection, whose survivors went on to the older generations (resnet50-tiny under
             # hash="fast": 9 young and 0.8 middle collections a step at the end, 4.2 ms). Now
             # the one young collection comes at the program's next allocations.
-            if self._gc_threshold is not None:
-                gc.set_threshold(*self._gc_threshold)
-                self._gc_threshold = None
+            self._give_back_gc()
+
+    def _give_back_gc(self) -> None:
+        if self._gc_threshold is not None:
+            gc.set_threshold(*self._gc_threshold)
+            self._gc_threshold = None
 
     def _finalize(self, rec: _recorder.Recorder, t: Trace, exc: BaseException | None) -> None:
         try:

@@ -101,6 +101,7 @@ class TensorNames(Part):
         # Parameters and buffers read when their root module was named, before any call used
         # them (see _read_state_ahead) -> (the version read, the record the reads went to).
         self._read_ahead: IdWeakMap[tuple[int, TensorRecord]] = IdWeakMap()
+        self._reading_ahead = False  # whether anything was read ahead
         self._aliases: dict[int, list[weakref.ref[torch.Tensor]]] = {}  # storage -> tensors
         self._versions: dict[str, int] = {}  # the last version of each base name
         self._tensor_seq = 0
@@ -478,9 +479,10 @@ class TensorNames(Part):
                 prior_name: str | None = self.name_of(prior)
                 same = self._trace.tensors.get(prior_name) if prior_name is not None else None
             else:
-                prior_name = None
-                ahead = self._read_ahead.pop(t)
-                same = ahead[1] if ahead is not None and ahead[0] == version else None
+                prior_name, same = None, None
+                if self._reading_ahead:  # (a names + links + stacks trace reads nothing)
+                    ahead = self._read_ahead.pop(t)
+                    same = ahead[1] if ahead is not None and ahead[0] == version else None
             name = self.new_tensor(t, named[0], named[1], None, previous=prior_name, same_as=same)
             self.index_alias(t, key)
             return name
@@ -729,6 +731,7 @@ class TensorNames(Part):
             ahead = self._read_ahead
             for placeholder, t in rec.hasher.read_ahead(items):
                 ahead[t] = (versions[identity(placeholder)], placeholder)
+                self._reading_ahead = True
 
     def _take_paths(self, tensors: list[tuple[torch.Tensor, str, Role]]) -> None:
         """Parameters and buffers the trace met before their module ran (made and initialised in
