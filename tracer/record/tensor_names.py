@@ -717,20 +717,15 @@ class TensorNames(Part):
         if not READ_STATE_AHEAD or not self.reads_values or rec.hasher is not rec.own_hasher:
             return
         known = self._tensor_names
-        items: list[tuple[TensorRecord, torch.Tensor]] = []
-        versions: dict[int, int] = {}
+        # (the record the reads go to: its name and role alone, for messages)
+        items = [(TensorRecord(path, (), "", "", role), t) for t, path, role in tensors if t not in known]
+        if not items:  # (each met before its module ran has a record already: _take_paths)
+            return
         with torch._C.DisableTorchFunction():
-            for t, path, role in tensors:
-                if t in known:  # (met before its module ran: it has a record, _take_paths)
-                    continue
-                placeholder = TensorRecord(path, (), "", "", role)
-                items.append((placeholder, t))
-                versions[identity(placeholder)] = version_of(t)
-            if not items:
-                return
             ahead = self._read_ahead
+            # Nothing runs between the reads being queued and the versions read here.
             for placeholder, t in rec.hasher.read_ahead(items):
-                ahead[t] = (versions[identity(placeholder)], placeholder)
+                ahead[t] = (version_of(t), placeholder)
                 self._reading_ahead = True
 
     def _take_paths(self, tensors: list[tuple[torch.Tensor, str, Role]]) -> None:

@@ -366,21 +366,11 @@ class Hasher:
         As with ``add``, the tensors are taken to be made on the current stream (the kernels are
         queued there, behind their producers); unlike ``add`` nothing holds them: the caching
         allocator hands their memory, if they are freed, only to later work of that stream."""
-        listed: list[tuple[TensorRecord, torch.Tensor]] = []
-        rest: list[tuple[TensorRecord, torch.Tensor]] = []
-        interpret = self._interpret
-        for item in items:
-            t = item[1]
-            if type(t) in ALLOWED_TYPES and t.layout is _STRIDED and (t.is_cpu if interpret else t.is_cuda) \
-                    and not t.is_quantized and not t.is_nested:
-                listed.append(item)
-            else:
-                rest.append(item)
-        if len(listed) < LIST_MIN or (not interpret and _capturing()):
+        split = self._listable(items)
+        if split is None:
             return items
-        # (made only now: a CPU program's lists must not load Triton)
-        fused = self._fused if self._fused_tried else self._make_fused()
-        if fused is None or not fused.read_now([rec for rec, _ in listed], [t for _, t in listed]):
+        fused, listed, rest = split
+        if not fused.read_now([rec for rec, _ in listed], [t for _, t in listed]):
             return items
         return rest
 
@@ -397,16 +387,33 @@ class Hasher:
         a snapshot copy (``Fused.protect``), and each such value an ``add``."""
         if not self.active or self.algorithm == "md5" or transforms_active():
             return []
-        interpret = self._interpret
-        listed = [(rec, t) for rec, t in items
-                  if type(t) in ALLOWED_TYPES and t.layout is _STRIDED and (t.is_cpu if interpret else t.is_cuda)
-                  and not t.is_quantized and not t.is_nested]
-        if len(listed) < LIST_MIN or (not interpret and _capturing()):
+        split = self._listable(items)
+        if split is None:
             return []
-        fused = self._fused if self._fused_tried else self._make_fused()
-        if fused is None:
-            return []
+        fused, listed, _ = split
         return [listed[i] for i in fused.read_listed([rec for rec, _ in listed], [t for _, t in listed])]
+
+    def _listable(self, items: list[tuple[TensorRecord, torch.Tensor]],
+                  ) -> tuple[Fused, list[tuple[TensorRecord, torch.Tensor]], list[tuple[TensorRecord, torch.Tensor]]] \
+            | None:
+        """The batched path and ``items`` split into the plain device tensors a list plan may
+        read (CPU ones under the interpreter) and the rest; None where no list is read: fewer
+        than ``LIST_MIN`` of them, a CUDA graph being captured, no batched path."""
+        listed: list[tuple[TensorRecord, torch.Tensor]] = []
+        rest: list[tuple[TensorRecord, torch.Tensor]] = []
+        interpret = self._interpret
+        for item in items:
+            t = item[1]
+            if type(t) in ALLOWED_TYPES and t.layout is _STRIDED and (t.is_cpu if interpret else t.is_cuda) \
+                    and not t.is_quantized and not t.is_nested:
+                listed.append(item)
+            else:
+                rest.append(item)
+        if len(listed) < LIST_MIN or (not interpret and _capturing()):
+            return None
+        # (made only now: a CPU program's lists must not load Triton)
+        fused = self._fused if self._fused_tried else self._make_fused()
+        return None if fused is None else (fused, listed, rest)
 
     def _scalar_checksum(self, rec: TensorRecord, t: torch.Tensor) -> None:
         """The checksum of a one-element CPU tensor, from its bytes."""
