@@ -61,6 +61,10 @@ MAX_OWNER_SEARCHES = 4
 # called (see TensorNames._read_state_ahead); a switch for benchmarks/lever_ab.py.
 READ_STATE_AHEAD = True
 
+# Ops that return a new tensor object on their input's bytes and version counter, with no
+# ``_base`` (``Tensor.detach``, ``torch.ops.aten.alias``): see name_call_values.
+DETACHING = frozenset({"detach", "alias"})
+
 # Roles a value keeps through an in-place write (else its new version is the writing call's output).
 _KEPT_ON_WRITE: frozenset[str] = OWNED_ROLES | {"grad"}
 
@@ -197,6 +201,12 @@ class TensorNames(Part):
             out_names += [names_of[identity(t)] for t in produced[n_outs:]]
         if through:
             out_names += [n for n in through if n not in out_names]  # (and what it wrote through an alias)
+        if short in DETACHING and kind == "op" and ins and n_outs == 1 and same_view(ins[0], outs[0]):
+            # ``y.detach()``: a new tensor object on y's bytes and version counter, without a
+            # ``_base`` to lead a write back to y. Both indexed (outputs of calls are not, see
+            # index_alias), so that ``y.detach().zero_()`` is a new version of y too, made by
+            # that call, and a write into y one of the detached tensor.
+            self._index_pair(ins[0], outs[0])
         return mutated_names, out_names, names_of
 
     def _name_written(self, api: str, kind: str, name: str, ins: list[torch.Tensor], in_names: list[str],
@@ -548,6 +558,11 @@ class TensorNames(Part):
         """``alias`` (``source.data``) takes ``source``'s current name; both indexed by storage."""
         name = self.name_at(source, version_of(source))
         self._tensor_names[alias] = (name, version_of(alias))
+        self._index_pair(source, alias)
+
+    def _index_pair(self, source: torch.Tensor, alias: torch.Tensor) -> None:
+        """Index ``source`` and ``alias``, a tensor object on its bytes, by their storage: a write
+        through either is a new version of what the other shows."""
         key = storage_key(source)
         if not key:
             return
@@ -839,11 +854,12 @@ class TensorNames(Part):
                 if same_view(o, t):  # the same bytes seen through another tensor object
                     old = self._trace.tensors.get(hit[0])
                     own = names.base_name(hit[0])
-                    if old is not None and old.role in OWNED_ROLES and names.base_name(new) != own:
-                        # A parameter, buffer or optimizer state written through a detached
-                        # alias (an EMA's foreach update of ``p.detach()`` lists, AveragedModel's
-                        # first copy): its own next version, with the written value's checksum;
-                        # else its name would stay on the value before the write.
+                    if old is not None and names.base_name(new) != own:
+                        # Written through a detached alias of its own name: a parameter, buffer or
+                        # optimizer state (an EMA's foreach update of ``p.detach()`` lists,
+                        # AveragedModel's first copy), or a call's output (``y.detach().zero_()``).
+                        # Its own next version, made by the call, with the written value's
+                        # checksum: else its name would stay on the value before the write.
                         made.append(self.new_tensor(o, self.bump(own), old.role, call, previous=hit[0],
                                                     same_as=self._trace.tensors.get(new)))
                     else:
