@@ -156,6 +156,21 @@ def test_retain_graph_double_backward_and_autograd_grad():
     assert torch.equal(x.grad, 4 * x.detach())
 
 
+def test_autograd_grad_with_unused_inputs_names_each_gradient_by_its_inputs_position():
+    a, b, c = (torch.randn(3, requires_grad=True) for _ in range(3))
+    with tracer.trace() as t:
+        y = (a * 2 + c).sum()
+        ga, gb, gc = torch.autograd.grad(y, [a, b, c], allow_unused=True)
+        z = ga + gc
+    assert gb is None
+    (run,) = t.backward_runs
+    assert run.outputs == ["grad0:out0", "grad0:out2"]  # b's is None: no name takes its place
+    assert t["add1"].inputs == ["grad0:out0", "grad0:out2"]
+    assert t.tensors["grad0:out0"].md5 == tracer.md5_of(ga)
+    assert t.tensors["grad0:out2"].md5 == tracer.md5_of(gc)
+    assert t.tensors["add1:out"].md5 == tracer.md5_of(z)
+
+
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_gradient_checkpointing(reentrant):
     model = MLP(depth=2)

@@ -685,9 +685,11 @@ class Graph(Part):
                 self.rec.phases.open_window()
         if api.endswith(".grad"):
             with self.rec.lock, torch._C.DisableTorchFunction():
-                results = flat_tensors(out)
+                # One result per input, None for an input the roots do not reach (allow_unused):
+                # each gradient is named by its input's position, so ``<run>:out2`` is the third's.
+                results = out if isinstance(out, (tuple, list)) else (out,)
                 run.outputs = [self.rec.names.new_tensor(t, names.output_name(run.name, i, len(results)), "grad", run.name)
-                               for i, t in enumerate(results)]
+                               for i, t in enumerate(results) if isinstance(t, torch.Tensor)]
         return out
 
     def _indegree_all(self) -> dict[tuple[str, int], int]:
