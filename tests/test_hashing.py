@@ -52,6 +52,26 @@ def test_md5_equals_hashlib(case):
     assert t.tensors["input0"].md5 == reference_md5(src)
 
 
+
+def test_md5_of_inside_a_traced_block_records_nothing_of_its_own():
+    lin = torch.nn.Linear(4, 4)
+    calls = []
+
+    class Counting(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            calls.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Counting(), tracer.trace() as t:
+        y = lin(torch.randn(2, 4)).sum()
+        before = len(calls)
+        digest = tracer.md5_of(lin.weight)  # a user comparing a live tensor with the trace
+        seen = calls[before:]
+        z = y * 2
+    assert [c.api for c in t.calls] == ["torch.randn", "torch.nn.functional.linear", "Tensor.sum", "Tensor.mul"]
+    assert digest == reference_md5(lin.weight) == t.tensors["weight"].md5
+    assert seen == []  # nor does the program's own mode see its detach, reshape and view
+
 def test_snapshot_taken_before_a_later_in_place_change():
     big = torch.randn(512, 512)  # large: hashed on a worker thread from a snapshot
     with tracer.trace() as t:
