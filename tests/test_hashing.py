@@ -70,6 +70,7 @@ def test_md5_of_inside_a_traced_block_records_nothing_of_its_own():
         z = y * 2
     assert [c.api for c in t.calls] == ["torch.randn", "torch.nn.functional.linear", "Tensor.sum", "Tensor.mul"]
     assert digest == reference_md5(lin.weight) == t.tensors["weight"].md5
+    assert t.tensors["mul0:out"].md5 == reference_md5(z)
     assert seen == []  # nor does the program's own mode see its detach, reshape and view
 
 def test_snapshot_taken_before_a_later_in_place_change():
