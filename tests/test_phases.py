@@ -108,6 +108,62 @@ def test_a_step_trace_begins_in_the_optimizer_phase_of_the_step_before() -> None
     assert forward and all(p == "forward" for _, p in forward)
 
 
+
+def _data_prepared_after_the_step(step_traces: bool) -> tuple[tracer.Trace, dict[str, str]]:
+    """DCGAN's loop, twice: the batch's labels filled in place and the batch copied into a kept
+    buffer right after the step before (a new DataLoader iterator's seed, ``random_``, too), an
+    EMA copy updated in place after each step. ``step_traces``: the second step's trace of
+    ``trace(steps="1")``, which begins at the first step's ``optimizer.step()``; else one block
+    around both."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    shadow = [p.detach().clone() for p in model.parameters()]
+    data = torch.utils.data.TensorDataset(torch.randn(8, 4))
+    label, kept = torch.zeros(4), torch.empty(4, 4)
+    with tracer.trace(steps="1") if step_traces else tracer.trace() as run:
+        for (x,) in torch.utils.data.DataLoader(data, batch_size=4):  # its iterator draws a seed: random_
+            label.fill_(1.0)
+            kept.copy_(x)
+            loss = nn.functional.mse_loss(model(kept).squeeze(1), label)
+            loss.backward()
+            opt.step()
+            with torch.no_grad():
+                for e, p in zip(shadow, model.parameters()):
+                    e.mul_(0.5)  # an update of a copy from its old value: still optimizer work
+            opt.zero_grad()
+    t = run.traces[1] if step_traces else run
+    return t, _phases(t)
+
+
+@pytest.mark.parametrize("step_traces", [True, False], ids=["step-trace", "one-block"])
+def test_data_overwritten_in_place_after_the_step_is_the_next_steps_data_not_optimizer_work(
+        step_traces: bool) -> None:
+    t, phase = _data_prepared_after_the_step(step_traces)
+    second = "_1" if not step_traces else "_0"  # (the second iteration's, in one block)
+    assert phase[f"fill{second}"] == phase[f"copy{second}"] == "forward"  # overwritten whole, none of it read
+    assert phase["mul_0"] == phase["mul_1"] == "optimizer"  # the EMA copies' mul_ (rule 6)
+    assert all(phase[c.name] == "forward" for c in t.calls if c.api == "torch.nn.functional.linear")
+    assert all(phase[c.name] == "optimizer" for c in t.calls if c.kind == "optimizer")
+
+
+def test_a_format_2_file_gets_the_same_rule_for_data_overwritten_in_place(tmp_path: Path) -> None:
+    t, phase = _data_prepared_after_the_step(step_traces=False)
+    path = tmp_path / "v3.gtrace"
+    t.save(path)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    for r in records:  # as version 2 wrote it
+        if r["t"] == "header":
+            r["version"] = 2
+        if r["t"] == "call" and r["phase"] == "optimizer":
+            r["phase"] = "forward"
+        r.pop("at", None)
+    old = tmp_path / "v2.gtrace.gz"
+    with gzip.open(old, "wt") as fh:
+        fh.write("".join(json.dumps(r) + "\n" for r in records))
+    assert phase["fill_1"] == "forward" and phase["mul_0"] == "optimizer"
+    assert _phases(tracer.load(old)) == phase
+
 def test_a_format_2_file_gets_its_optimizer_phase_on_load(tmp_path: Path) -> None:
     t = _loop()
     path = tmp_path / "v3.gtrace"

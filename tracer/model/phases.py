@@ -19,8 +19,11 @@ The rules, in order (the first that applies decides; docs/trace-format.md "Phase
    SGD update, ``zero_grad(set_to_none=False)``);
 6. while the optimizer window is open (from the end of a backward run, or from the start of a
    step trace that began at the optimizer step ending the step before, to the next module
-   forward), a call that writes a tensor in place (an EMA copy's ``mul_``) or that torch's own
-   optimizer, AMP or clipping code makes (GradScaler's ``found_inf``) is ``optimizer``;
+   forward), a call that changes a tensor in place from its old value (an EMA copy's ``mul_``),
+   or that torch's own optimizer, AMP or clipping code makes (GradScaler's ``found_inf``), is
+   ``optimizer``; one that overwrites a tensor whole (``fill_``, ``zero_``, ``random_``,
+   ``copy_``: the next batch's labels, a DataLoader's seed, a batch copied into a kept buffer)
+   reads nothing of it and decides nothing here;
 7. anything else is ``forward``: the step's data (a batch made or prepared for the next
    micro-batch after the last one's backward), the loss kept for logging.
 
@@ -49,6 +52,24 @@ def stepped_with_closure(trace: Trace) -> bool:
     """Whether an optimizer of ``trace`` stepped with a closure (its note, ``CLOSURE_STEP_NOTE``):
     its backward runs are the closure's evaluations, not micro-batches."""
     return any(_CLOSURE_STEP_MARK in note for note in trace.notes)
+
+# Calls that write every byte of their first argument without reading any (initialisers and
+# fills, by their short name). The recorder's naming: a tensor first met as their target is not
+# hashed before they run (tracer.record.tensor_names).
+OVERWRITING = frozenset({"uniform_", "normal_", "zero_", "fill_", "random_", "bernoulli_", "exponential_",
+                         "geometric_", "log_normal_", "cauchy_", "kaiming_uniform_", "kaiming_normal_",
+                         "xavier_uniform_", "xavier_normal_", "trunc_normal_", "constant_", "ones_", "zeros_",
+                         "orthogonal_", "sparse_", "eye_", "dirac_"})
+# Rule 6: in-place calls that replace what they write rather than update it from its old value
+# (``copy_`` reads only its source).
+_REPLACING = OVERWRITING | {"copy_"}
+
+
+def replaces_whole(api: str) -> bool:
+    """Whether the call ``api`` (``Tensor.fill_``, ``torch.nn.init.zeros_``) overwrites the tensor
+    it writes without reading its old value (rule 6 passes it by)."""
+    return api.rpartition(".")[2] in _REPLACING
+
 
 # Roles of values that belong to the model's state rather than to the step's data (rule 5).
 STATE_ROLES = frozenset({"grad", "param", "buffer", "state"})
@@ -98,7 +119,7 @@ def upgrade_phases(trace: Trace) -> int:
         elif any(r is not None and r.requires_grad for r in (tensors.get(o) for o in call.outputs)):
             continue
         elif reads_model_state(call.inputs, tensors, optimizer_calls) or (
-                window and (call.mutated or _made_by_optimizer_code(trace, call))):
+                window and ((call.mutated and not replaces_whole(call.api)) or _made_by_optimizer_code(trace, call))):
             call.phase = "optimizer"
         if call.phase == "optimizer":
             optimizer_calls.add(call.name)
