@@ -129,7 +129,7 @@ def _data_prepared_after_the_step(step_traces: bool) -> tuple[tracer.Trace, dict
             loss.backward()
             opt.step()
             with torch.no_grad():
-                for e, p in zip(shadow, model.parameters()):
+                for e in shadow:
                     e.mul_(0.5)  # an update of a copy from its old value: still optimizer work
             opt.zero_grad()
     t = run.traces[1] if step_traces else run
