@@ -156,6 +156,30 @@ def test_post_accumulate_grad_hook_ops_are_recorded_and_make_new_versions() -> N
     assert t.tensors["weight@grad@v1"].md5 == _md5(lin.weight.grad)  # type: ignore[arg-type]
 
 
+
+@pytest.mark.parametrize("options", [LEAN, {"hash": "md5"}], ids=["lean", "md5"])
+def test_a_post_accumulate_grad_hook_reading_an_accumulated_grad_names_the_accumulator_as_its_maker(
+        options: dict[str, Any]) -> None:
+    """The second backward adds into the ``.grad`` the hook halved: the hook reads the sum before
+    the accumulator's own hook has named it; the sum is still the accumulator's."""
+    torch.manual_seed(0)
+    lin, x = nn.Linear(3, 2), torch.randn(4, 3)
+
+    def halve(p: torch.Tensor) -> None:
+        p.grad.mul_(0.5)  # type: ignore[union-attr]
+
+    lin.bias.register_post_accumulate_grad_hook(halve)
+    with tracer.trace(**options) as t:
+        lin(x).sum().backward()
+        lin(x).pow(2).sum().backward()  # accumulates into the halved .grad
+    summed = t.tensors["bias@grad@v2"]
+    assert (summed.producer, summed.previous) == ("bias/AccumulateGrad", "bias@grad@v1")
+    assert [c.inputs for c in _backward_calls(t) if c.api == "Tensor.mul_"] == [["bias@grad"], ["bias@grad@v2"]]
+    assert t.tensors["weight@grad@v1"].producer == "weight/AccumulateGrad"  # (no hook: the same story)
+    assert not any(r.producer is None and r.previous is not None for r in t.tensors.values())
+    if options.get("hash") == "md5":
+        assert t.tensors["bias@grad@v3"].md5 == _md5(lin.bias.grad)  # type: ignore[arg-type]
+
 @pytest.mark.parametrize("options", [LEAN, FULL], ids=["lean", "node_runs"])
 def test_non_reentrant_checkpoint_recomputation_is_recorded_in_backward(options: dict[str, Any]) -> None:
     torch.manual_seed(0)

@@ -473,6 +473,12 @@ class TensorNames(Part):
             name, ver = hit
             if version == ver:
                 return name
+            if self.rec.running_node is not None:
+                # A leaf's .grad its accumulator has just added into in place, read by a
+                # post-accumulate-grad hook before the accumulator's own hook named it.
+                leaf = self.rec.graph.name_leaf_grad(t, version)
+                if leaf is not None:
+                    return leaf
             # Changed in place where the trace could not see it (untraced code, through .data).
             base = names.base_name(name)
             old = self._trace.tensors.get(name)
