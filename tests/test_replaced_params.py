@@ -67,6 +67,23 @@ def test_a_parameter_replaced_between_two_forwards_is_its_paths_next_version() -
     assert t.tensors["0.weight@grad#1"].md5 == _md5(model[0].weight.grad)
 
 
+
+def test_a_parameter_whose_detached_alias_the_module_held_is_not_a_new_version() -> None:
+    """``functional_call(m, {k: v.detach()})`` with the dict taken before the block: the module
+    holds the aliases while it runs, so they take the paths; the parameters, met at the
+    optimizer step, show the very same bytes and version, not a value nobody wrote."""
+    torch.manual_seed(0)
+    m, x = nn.Linear(3, 2), torch.randn(3)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    params = {k: v.detach() for k, v in m.named_parameters()}
+    with tracer.trace(hash="md5") as t:
+        torch.func.functional_call(m, params, (x,)).sum()  # (the aliases need no grad)
+        opt.step()  # the aliases have no .grad: it changes nothing
+    step = next(c for c in t.calls if c.kind == "optimizer")
+    assert step.inputs == ["weight", "bias"]
+    assert not [n for n in t.tensors if n.startswith(("weight@v", "bias@v"))]
+    assert t.tensors["weight"].md5 == _md5(m.weight) and t.tensors["weight"].role == "param"
+
 def test_its_trace_loads_back(tmp_path: Path) -> None:
     model = nn.Sequential(nn.Linear(3, 1))
     with tracer.trace(hash="none") as t:

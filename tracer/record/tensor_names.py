@@ -781,6 +781,17 @@ class TensorNames(Part):
         if path is None:
             return False
         self._named[p] = (path, "param")  # (its gradients: <path>@grad)
+        key = storage_key(p)
+        shown = self._same_view_alias(p, key) if key and key in self._aliases else None
+        if shown is not None and version_of(shown) == version_of(p):
+            hit = self._tensor_names.get(shown)
+            if hit is not None and names.base_name(hit[0]) == path:
+                # The same bytes, unchanged, as the tensor the path's name is on: a detached alias
+                # the module held meanwhile (``functional_call`` with ``{k: v.detach()}``, taken
+                # before the block). The parameter shows that value; it is no new one.
+                self._tensor_names[p] = (hit[0], version_of(p))
+                self.index_alias(p, key)
+                return True
         if path in self._trace.tensors:
             last = self._versions.get(path, 0)
             previous = names.version_name(path, last) if last else path
