@@ -207,7 +207,7 @@ def api_run(*, lr: float = 0.1, init_seed: int = 0, traced_step: int = 0, build_
 # ---- parameters by the value the step read ----------------------------------------------------------------
 STEP0_LR = ("DIVERGED — optimizer: first at SGD0 (torch.optim.sgd.SGD.step in <root>, optimizer): inputs match, "
             "arguments differ ('lr=0.1' vs 'lr=0.2'), outputs differ | "
-            "backward: equal (12 aligned) | 4 parameters differ (gradient or value after the step)")
+            "backward: equal (12 aligned) | 4 parameters differ (value after the step)")
 
 
 def _check_step0_lr(r: DiffResult) -> None:
@@ -445,8 +445,8 @@ def test_counts_of_one_read_in_the_singular(runs: dict[str, Path]) -> None:
         return t
 
     r = diff(one_weight(0.1), one_weight(0.2))
-    assert r.verdict().endswith("| 1 parameter differs (gradient or value after the step)")
-    assert re.search(r"│ parameters +│ +1 │ +1 │ +│ +│ 1 parameter differs \(value, gradient", _text(r))
+    assert r.verdict().endswith("| 1 parameter differs (value after the step)")  # (its gradient is equal)
+    assert re.search(r"│ parameters +│ +1 │ +1 │ +│ +│ 1 parameter differs \(value after the step\)", _text(r))
     same = diff(one_weight(0.1), one_weight(0.1))
     assert same.verdict().startswith("EQUAL: 3 calls, ") and same.verdict().endswith(" and 1 parameter bit-identical")
     drop = diff(runs["drop0"], runs["drop0_noise"])
@@ -723,7 +723,7 @@ def test_a_diff_counts_parameters_and_buffers_apart() -> None:
     changed = diff(step(0.1), step(0.2))
     differing = changed.differing_params
     assert differing and not any(p.buffer for p in differing)  # (the lr moves no buffer)
-    assert changed.verdict().endswith(f"| {len(differing)} parameters differ (gradient or value after the step)")
+    assert changed.verdict().endswith(f"| {len(differing)} parameters differ (value after the step)")
     other_data = diff(step(0.1), step(0.1, seed=2))  # BatchNorm's running statistics move too
     assert [p.name for p in other_data.differing_params if p.buffer] == ["1.running_mean", "1.running_var"]
-    assert other_data.verdict().endswith("| 4 parameters and 2 buffers differ (gradient or value after the step)")
+    assert other_data.verdict().endswith("| 4 parameters and 2 buffers differ (gradient, value after the step)")

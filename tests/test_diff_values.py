@@ -277,7 +277,7 @@ def test_headline_names_the_changed_parameters_first() -> None:
     base = _mlp_step([])
     r = diff(base, _mlp_step([2, 7]))
     assert r.verdict().startswith("DIVERGED — 2 parameters differ: 1.weight, 3.bias; 8 differ in all "
-                                  "(value, gradient or value after the step) | forward: ")
+                                  "(value, gradient, value after the step) | forward: ")
     assert [p.name for p in r.differing_params[:2]] == ["1.weight", "3.bias"]
     assert [p["name"] for p in r.to_json()["params"][:2]] == ["1.weight", "3.bias"]
     text = _text(r)

@@ -65,7 +65,7 @@ def _summary_table(result: DiffResult, console: Console) -> None:
         t.add_row(_tx(d.section), _tx(d.compared), _tx(differing), _tx(len(d.inserted)), _tx(len(d.removed)),
                   _tx(d.summary()), style=None if d.equal and not d.from_backward else "red")
     bad = result.differing_params
-    words = (f"{state_count(bad)} {'differs' if len(bad) == 1 else 'differ'} (value, gradient or value after the step)"
+    words = (f"{state_count(bad)} {'differs' if len(bad) == 1 else 'differ'} ({differing_parts(bad)})"
              if bad else "equal")
     t.add_row(_tx("parameters"), _tx(len(result.params)), _tx(len(bad)), _tx(""), _tx(""), _tx(words),
               style="red" if bad else None)
@@ -256,6 +256,20 @@ def render_ranks(result: RankDiffResult, console: Console) -> None:
     if result.not_comparable:
         parts = ", ".join(f"{n} ({k})" for k, n in sorted(result.not_comparable.items()))
         console.print(_tx(f"not compared, no checksum: {parts}", "dim"))
+
+
+def differing_parts(params: Sequence[ParamDiff]) -> str:
+    """What differs among ``params``, of each one's three comparisons, in their order: ``value``
+    (the value the step read; one side only counts too), ``gradient``, ``value after the step``
+    (``gradient, value after the step``: the values read were equal)."""
+    parts = []
+    if any(p.only_in is not None or p.value.status == "differ" for p in params):
+        parts.append("value")
+    if any(p.grad is not None and p.grad.status == "differ" for p in params):
+        parts.append("gradient")
+    if any(p.updated is not None and p.updated.status == "differ" for p in params):
+        parts.append("value after the step")
+    return ", ".join(parts)
 
 
 def state_count(params: Sequence[ParamDiff]) -> str:

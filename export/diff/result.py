@@ -12,7 +12,7 @@ from typing import Any
 from rich.console import Console
 
 from export.diff import reprs
-from export.diff.console import render_diff, state_count
+from export.diff.console import differing_parts, render_diff, state_count
 from export.diff.elements import STATS_WORDS, ElementDiff, difference_text
 from export.diff.rules import parted_earlier
 from tracer.analysis.numerics import NumericsReport, find_anomalies
@@ -413,11 +413,11 @@ class DiffResult:
             n = len(self.differing_params)
             values = sum(1 for p in self.params if p.value.status == "differ" or p.only_in)
             if changed:  # the parameters that changed come first: they are what the user changed
-                parts.insert(0, changed + (f"; {n} differ in all (value, gradient or value after the step)"
+                parts.insert(0, changed + (f"; {n} differ in all ({differing_parts(self.differing_params)})"
                                            if n > values else ""))
             else:
                 parts.append(f"{state_count(self.differing_params)} {'differs' if n == 1 else 'differ'} "
-                             "(gradient or value after the step)")
+                             f"({differing_parts(self.differing_params)})")
         head = "DIVERGED" if self.tolerance is None else f"BEYOND TOLERANCE ({self.tolerance})"
         if self.tolerance is not None and f.origin is not None:
             basis = "element-wise" if f.origin.basis == "values" else "by stats"
