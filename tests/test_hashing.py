@@ -73,6 +73,29 @@ def test_md5_of_inside_a_traced_block_records_nothing_of_its_own():
     assert t.tensors["mul0:out"].md5 == reference_md5(z)
     assert seen == []  # nor does the program's own mode see its detach, reshape and view
 
+
+def test_stats_of_a_value_with_a_tangent_ask_no_forward_derivative_of_the_reductions(monkeypatch):
+    """Under ``forward_ad.dual_level`` a value may carry a tangent: its stats are read from the
+    primal (torch 2.11 has no forward derivative for ``aminmax``: the read failed and the value
+    had no checksum)."""
+    import torch.autograd.forward_ad as fwAD
+
+    from tracer.record.checksums import stats
+
+    real, seen = torch.aminmax, []
+
+    def aminmax(x, *args, **kwargs):
+        seen.append(fwAD.unpack_dual(x).tangent is None)
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(stats.torch, "aminmax", aminmax)
+    x, v = torch.randn(4), torch.randn(4)
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(x, v)
+        got = stats.cpu_stats(dual)
+    assert seen == [True]
+    assert got is not None and (got.min, got.max) == (x.min().item(), x.max().item())
+
 def test_snapshot_taken_before_a_later_in_place_change():
     big = torch.randn(512, 512)  # large: hashed on a worker thread from a snapshot
     with tracer.trace() as t:

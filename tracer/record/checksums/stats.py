@@ -6,8 +6,17 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 
 from tracer.model import Stats
+
+
+def _in_dual_level() -> bool:
+    """Whether a forward-mode AD level is open (``forward_ad.dual_level``): a value may carry a
+    tangent, and a reduction of it would be differentiated forward too (torch 2.11 has no
+    forward derivative for ``aminmax``: the read failed). Private in torch; without it, always."""
+    level = getattr(forward_ad, "_current_level", None)
+    return not isinstance(level, int) or level >= 0
 
 
 def stats_tensor(t: torch.Tensor) -> torch.Tensor | None:
@@ -28,8 +37,9 @@ def cpu_stats(t: torch.Tensor) -> Stats | None:
     """Stats of a CPU tensor now: one fused min/max pass and one sum when all values are finite
     (min and max reveal any NaN or Inf), the masked reduction only when they are not."""
     # Read through a detached alias only where autograd would see the reductions (no grad node
-    # is made, no sequence number taken); most values a step makes do not require grad.
-    x = t.detach() if t.requires_grad else t
+    # is made, no sequence number taken, no tangent carried); most values a step makes do not
+    # require grad, and no dual level is open.
+    x = t.detach() if t.requires_grad or _in_dual_level() else t  # (detach drops a tangent too)
     if x.numel() == 0:
         return None
     if not x.is_contiguous():
