@@ -147,12 +147,13 @@ def test_data_overwritten_in_place_after_the_step_is_the_next_steps_data_not_opt
     assert all(phase[c.name] == "optimizer" for c in t.calls if c.kind == "optimizer")
 
 
-def test_a_format_2_file_gets_the_same_rule_for_data_overwritten_in_place(tmp_path: Path) -> None:
-    t, phase = _data_prepared_after_the_step(step_traces=False)
+def _saved_as_format_2(t: tracer.Trace, tmp_path: Path) -> Path:
+    """``t`` saved as format version 2 wrote it: two phases (no ``optimizer``), runs without
+    their place among the calls."""
     path = tmp_path / "v3.gtrace"
     t.save(path)
     records = [json.loads(line) for line in path.read_text().splitlines()]
-    for r in records:  # as version 2 wrote it
+    for r in records:
         if r["t"] == "header":
             r["version"] = 2
         if r["t"] == "call" and r["phase"] == "optimizer":
@@ -161,24 +162,18 @@ def test_a_format_2_file_gets_the_same_rule_for_data_overwritten_in_place(tmp_pa
     old = tmp_path / "v2.gtrace.gz"
     with gzip.open(old, "wt") as fh:
         fh.write("".join(json.dumps(r) + "\n" for r in records))
+    return old
+
+
+def test_a_format_2_file_gets_the_same_rule_for_data_overwritten_in_place(tmp_path: Path) -> None:
+    t, phase = _data_prepared_after_the_step(step_traces=False)
     assert phase["fill_1"] == "forward" and phase["mul_0"] == "optimizer"
-    assert _phases(tracer.load(old)) == phase
+    assert _phases(tracer.load(_saved_as_format_2(t, tmp_path))) == phase
+
 
 def test_a_format_2_file_gets_its_optimizer_phase_on_load(tmp_path: Path) -> None:
     t = _loop()
-    path = tmp_path / "v3.gtrace"
-    t.save(path)
-    records = [json.loads(line) for line in path.read_text().splitlines()]
-    for r in records:  # as version 2 wrote it: two phases, runs without their place among the calls
-        if r["t"] == "header":
-            r["version"] = 2
-        if r["t"] == "call" and r["phase"] == "optimizer":
-            r["phase"] = "forward"
-        r.pop("at", None)
-    old = tmp_path / "v2.gtrace.gz"
-    with gzip.open(old, "wt") as fh:
-        fh.write("".join(json.dumps(r) + "\n" for r in records))
-    loaded = tracer.load(old)
+    loaded = tracer.load(_saved_as_format_2(t, tmp_path))
     assert _phases(loaded) == _phases(t)
     assert [r.at for r in loaded.backward_runs] == [None, None]
     # the story reads the same from either file: the runs are placed after the losses they start from
