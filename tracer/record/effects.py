@@ -21,15 +21,9 @@ from typing import Any
 
 import torch
 
-from tracer.model.phases import OVERWRITING as _OVERWRITING
-
 # Tensor-returning ops whose result holds uninitialised memory (by their short name).
 UNINITIALISED = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided",
                            "empty_permuted"})
-
-# Calls that write every byte of their first argument without reading any (initialisers, by
-# their short name): the trace's rule, in the model layer.
-OVERWRITING = _OVERWRITING
 
 _INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
                               "__imod__", "__ipow__", "__ilshift__", "__irshift__", "__iand__", "__ior__",

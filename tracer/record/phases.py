@@ -9,7 +9,7 @@ from types import FrameType
 from typing import Any
 
 from tracer.model import TensorRecord
-from tracer.model.phases import is_optimizer_code, reads_model_state
+from tracer.model.phases import is_optimizer_code, reads_model_state, replaces_whole
 from tracer.model.records import Phase
 
 _CALLER_DEPTH = 16  # frames looked at for rule 6's code test (torch's own call chains are short)
@@ -36,18 +36,17 @@ class PhaseTracker:
         return "forward"
 
     def outside_modules(self, name: str, kind: str, in_names: Sequence[str], produced: Sequence[Any],
-                        writes: bool, replaces: bool = False) -> Phase:
-        """The phase of call ``name``, made outside every module's forward and outside backward;
-        ``produced``: the tensors it returned or wrote; ``writes``: whether it wrote in place;
-        ``replaces``: whether what it wrote it overwrote whole, reading none of it
-        (``tracer.model.phases.replaces_whole``)."""
-        phase = self._decide(kind, in_names, produced, writes, replaces)
+                        writes: bool, api: str = "") -> Phase:
+        """The phase of call ``name`` (of ``api``), made outside every module's forward and outside
+        backward; ``produced``: the tensors it returned or wrote; ``writes``: whether it wrote in
+        place."""
+        phase = self._decide(kind, in_names, produced, writes, api)
         if phase == "optimizer":
             self._optimizer_calls.add(name)
         return phase
 
     def _decide(self, kind: str, in_names: Sequence[str], produced: Sequence[Any], writes: bool,
-                replaces: bool) -> Phase:
+                api: str) -> Phase:
         if kind == "optimizer":
             return "optimizer"
         # (a leaf that requires grad, written in place, builds no graph: a parameter updated
@@ -56,7 +55,7 @@ class PhaseTracker:
             return "forward"
         if reads_model_state(in_names, self._tensors, self._optimizer_calls):
             return "optimizer"
-        if self.window_open and ((writes and not replaces) or _called_from_optimizer_code()):
+        if self.window_open and ((writes and not replaces_whole(api)) or _called_from_optimizer_code()):
             return "optimizer"
         return "forward"
 

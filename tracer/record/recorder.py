@@ -34,7 +34,6 @@ from typing import Any, cast
 import torch
 
 from tracer.model import Call, TensorRecord, Trace, names
-from tracer.model.phases import replaces_whole
 from tracer.model.records import CallKind, Phase, Role
 from tracer.options import RaisedOnPurpose, TraceOptions
 from tracer.record import naming
@@ -284,8 +283,7 @@ class Recorder:
         mutated_names, out_names, names_of = self.names.name_call_values(api, short, kind, name, ins, in_names, outs,
                                                                           mutated, produced)
         node_names = self.graph.link_call_nodes(produced, grad_fns, seq0, seq1, name, stack_id, names_of)
-        parent, module, phase = self._context(name, kind, in_names, produced, bool(mutated),
-                                              bool(mutated) and replaces_whole(api))
+        parent, module, phase = self._context(name, kind, in_names, produced, bool(mutated), api)
         # Positional, in Call's field order: this runs for every recorded call.
         args_text = naming.short_args(args, kwargs) if kind != "optimizer" else \
             naming.short_args(args, kwargs, OPTIMIZER_ARGS_LIMIT)  # (its param groups' settings, whole)
@@ -297,7 +295,7 @@ class Recorder:
         return call
 
     def _context(self, name: str, kind: str, in_names: list[str], produced: list[torch.Tensor],
-                 wrote: bool, replaced: bool = False) -> tuple[str | None, str, Phase]:
+                 wrote: bool, api: str = "") -> tuple[str | None, str, Phase]:
         """Where the call ``name`` was made: its parent (the custom Function whose forward runs,
         else the grad node whose code or hook runs), its module (in backward: the module of
         the running node's forward call) and its phase (tracer.record.phases)."""
@@ -325,7 +323,7 @@ class Recorder:
             if self.phases.window_open:
                 self.phases.module_call()
         else:
-            phase = self.phases.outside_modules(name, kind, in_names, produced, wrote, replaced)
+            phase = self.phases.outside_modules(name, kind, in_names, produced, wrote, api)
         return parent, module, phase
 
     # ---- the public recording API (features record their own calls through it) ---------------

@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tracer.model import TensorRecord, names
+from tracer.model.phases import OVERWRITING
 from tracer.model.records import OWNED_ROLES, Role
 from tracer.record.checksums.hasher import BATCH_MIN
-from tracer.record.effects import OVERWRITING, SET_DATA_API, UNINITIALISED
+from tracer.record.effects import SET_DATA_API, UNINITIALISED
 from tracer.record.identity import identity
 from tracer.record.module_roots import name_in_callers, parameter_path, swaps_parameters
 from tracer.record.owners import constructing_a_module, needs_search, owning_root_module
@@ -473,12 +474,9 @@ class TensorNames(Part):
             name, ver = hit
             if version == ver:
                 return name
-            if self.rec.running_node is not None:
-                # A leaf's .grad its accumulator has just added into in place, read by a
-                # post-accumulate-grad hook before the accumulator's own hook named it.
-                leaf = self.rec.graph.name_leaf_grad(t, version)
-                if leaf is not None:
-                    return leaf
+            leaf = self._accumulated_now(t, version)  # (added into in place: a post-accumulate-grad hook reads it)
+            if leaf is not None:
+                return leaf
             # Changed in place where the trace could not see it (untraced code, through .data).
             base = names.base_name(name)
             old = self._trace.tensors.get(name)
@@ -489,8 +487,7 @@ class TensorNames(Part):
             # A parameter first seen after code wrote its bytes through a live alias the trace
             # met first (an EMA helper's kept ``.data`` tensors, updated before the EMA model
             # runs): its record continues that alias's last version, whose bytes it holds.
-            key = storage_key(t)  # (read once: for the alias and for the index)
-            prior = self._same_view_alias(t, key) if key and key in self._aliases else None
+            key, prior = self._indexed_alias(t)  # (the key read once: for the alias and for the index)
             if prior is not None:
                 prior_name: str | None = self.name_of(prior)
                 same = self._trace.tensors.get(prior_name) if prior_name is not None else None
@@ -502,10 +499,9 @@ class TensorNames(Part):
             name = self.new_tensor(t, named[0], named[1], None, previous=prior_name, same_as=same)
             self.index_alias(t, key)
             return name
-        if self.rec.running_node is not None:
-            leaf = self.rec.graph.name_leaf_grad(t, version)
-            if leaf is not None:
-                return leaf
+        leaf = self._accumulated_now(t, version)  # (made by it: a post-accumulate-grad hook reads it)
+        if leaf is not None:
+            return leaf
         if self._aliases:
             alias = self._alias_name(t, version)
             if alias is not None:
@@ -526,6 +522,20 @@ class TensorNames(Part):
             self.rec.graph.note_unnamed_hook_input(name)
         self.index_alias(t)
         return name
+
+    def _accumulated_now(self, t: torch.Tensor, version: int) -> str | None:
+        """While an accumulator runs, the name of ``t`` if it is the .grad the accumulator has just
+        made or added into (``Graph.name_leaf_grad``: named as the accumulator's hook would,
+        before a post-accumulate-grad hook that reads it runs); else None."""
+        if self.rec.running_node is None:
+            return None
+        return self.rec.graph.name_leaf_grad(t, version)
+
+    def _indexed_alias(self, t: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """``t``'s storage key, and a named, indexed tensor that ``t`` is the same view of (None:
+        none, or the storage is not indexed)."""
+        key = storage_key(t)
+        return key, self._same_view_alias(t, key) if key and key in self._aliases else None
 
     def fresh_storage(self, start: int, end: int) -> None:
         """A storage was given the memory [start, end) inside the block (resized from nothing):
@@ -781,8 +791,7 @@ class TensorNames(Part):
         if path is None:
             return False
         self._named[p] = (path, "param")  # (its gradients: <path>@grad)
-        key = storage_key(p)
-        shown = self._same_view_alias(p, key) if key and key in self._aliases else None
+        key, shown = self._indexed_alias(p)
         if shown is not None and version_of(shown) == version_of(p):
             hit = self._tensor_names.get(shown)
             if hit is not None and names.base_name(hit[0]) == path:
