@@ -43,6 +43,7 @@ from tracer.record.tensors import (
     same_multiset,
     same_values,
     same_view,
+    storage_id,
     storage_key,
     version_of,
 )
@@ -858,14 +859,19 @@ class TensorNames(Part):
         for t in mutated:
             new = names_of[identity(t)]
             others: list[torch.Tensor] = []
-            key = indexed_storage_key(t, aliases) if aliases else 0
-            if key:  # (an entry whose storage has changed since, by set_ or resize, is not an alias)
-                for ref in aliases[key]:
+            refs = aliases.get(storage_id(t)) if aliases else None
+            if refs:
+                # The tensor itself first, without reading any storage: an optimizer step writes
+                # hundreds of indexed tensors, each usually its storage's only one, and then
+                # nothing more is read. Else the storage is checked to be one that holds memory
+                # (storage_key) and each other tensor to be on it still (an entry whose storage
+                # has changed since, by set_ or resize, is not an alias).
+                for ref in refs:
                     o = ref()
-                    # The tensor itself first, without reading its storage again: an optimizer
-                    # step writes hundreds of indexed tensors, each usually its storage's only one.
-                    if o is not None and o is not t and identity(o) not in done and storage_key(o) == key:
+                    if o is not None and o is not t and identity(o) not in done:
                         others.append(o)
+                key = storage_key(t) if others else 0
+                others = [o for o in others if storage_key(o) == key] if key else []
             base = t._base
             if base is not None:
                 others.append(base)

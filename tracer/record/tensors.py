@@ -220,17 +220,25 @@ def storage_key(t: torch.Tensor) -> int:
     return int(key) if s.nbytes() else 0
 
 
+def storage_id(t: torch.Tensor) -> int:
+    """The identity of ``t``'s storage alone (one C call), without ``storage_key``'s checks that
+    the storage holds memory: what to look a tensor up by in a table keyed by ``storage_key``
+    (a hit is confirmed with ``storage_key``). 0 where there is none to read."""
+    if _storage_id is None:
+        return storage_key(t)
+    try:
+        return int(_storage_id(t))
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+        return 0  # (what storage_key says then too)
+
+
 def indexed_storage_key(t: torch.Tensor, index: Mapping[int, Any]) -> int:
     """``storage_key(t)`` when it is a key of ``index``, else 0. The storage's identity alone
-    first (one C call): most tensors asked (an optimizer step writes hundreds, each usually
+    first (``storage_id``): most tensors asked (an optimizer step writes hundreds, each usually
     alone on its storage) share no indexed storage, and need none of the checks that make an
     identity a key (a non-empty tensor on memory that is there)."""
-    if _storage_id is not None:
-        try:
-            if int(_storage_id(t)) not in index:
-                return 0
-        except (RuntimeError, NotImplementedError, TypeError, AttributeError):
-            return 0  # (what storage_key says then too)
+    if storage_id(t) not in index:
+        return 0
     key = storage_key(t)
     return key if key in index else 0
 
