@@ -80,6 +80,8 @@ def why_stopped(trace: Trace) -> str:
         return ""
     if "gradtrace failed" in note:  # (tracer.record.failsafe: the program went on untraced)
         return "recording stopped: gradtrace failed, see the trace's notes"
+    if "writing the trace to" in note:  # (TraceSession._stream_failed: a full disk)
+        return "recording stopped: the trace file could not be written, see the warning"
     return "recording stopped at a bound"
 
 

@@ -48,6 +48,7 @@ from tracer.model.display import with_tag
 from tracer.options import STEP_ON, StepOn, TraceError, TraceOptions
 from tracer.record import recorder as _recorder
 from tracer.record.session import TraceSession
+from tracer.record.stacks import user_stacklevel
 
 _ACTIVE: StepTrace | None = None
 
@@ -457,7 +458,7 @@ class StepTrace(StepResults):
             self.step = nxt
             self.recorder.exhausted = f"tracing failed at step {nxt}: {type(exc).__name__}: {exc}"
             warnings.warn(f"gradtrace: {self.recorder.exhausted}; later steps are not traced",
-                          RuntimeWarning, stacklevel=2)
+                          RuntimeWarning, stacklevel=user_stacklevel())
 
     def __repr__(self) -> str:
         return (f"<StepTrace steps={self.selection} at step {self.step}, traced {self.steps}"

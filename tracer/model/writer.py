@@ -155,16 +155,17 @@ class StreamWriter:
     def close(self) -> None:
         if self._raw is None:
             return
+        raw, gz, claim = self._raw, self._gz, self._claim
+        self._raw = self._gz = self._claim = None
         try:
-            if self._gz is not None:
-                self._gz.close()  # the gzip trailer (CRC and size): the member is complete
+            try:
+                if gz is not None:
+                    gz.close()  # the gzip trailer (CRC and size): the member is complete
+            finally:
+                raw.close()  # (raises where its last buffered bytes cannot be written: a full disk)
         finally:
-            self._raw.close()
-            self._raw = None
-            self._gz = None
-            if self._claim is not None:
-                self._claim.release()
-                self._claim = None
+            if claim is not None:  # the file is given back whatever its close said
+                claim.release()
 
 
 class TraceStream:

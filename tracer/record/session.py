@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import platform
@@ -219,7 +220,10 @@ class TraceSession:
                 self._finalize(rec, t, exc)
             finally:
                 if self._stream is not None:
-                    self._stream.close()
+                    try:
+                        self._stream.close()  # (gzip writes its trailer here)
+                    except OSError as exc:
+                        self._stream_failed(exc)
                 # The recorder's flush callback points back at this session, and its parts at the
                 # recorder: drop both, so that the finished recorder and trace are freed by reference
                 # counting, not by the cycle collector walking every record.
@@ -271,8 +275,11 @@ class TraceSession:
             if not report.clean and report.skipped_step is None:
                 warnings.warn(f"gradtrace: {report}", NumericsWarning, stacklevel=user_stacklevel())
         if self._stream is not None:
-            self._flush(final=True)
-            self._stream.end(t)
+            try:
+                self._flush(final=True)
+                self._stream.end(t)
+            except OSError as exc:  # the block ended well: its end must not fail the program now
+                self._stream_failed(exc)
 
     # ---- streaming ----------------------------------------------------------------------------
     def _maybe_flush(self) -> None:
@@ -283,7 +290,32 @@ class TraceSession:
                 unwritten and time.monotonic() - self._last_flush_time >= FLUSH_SECONDS) or (
                 stream.runs_written < len(t.backward_runs) and self._recorder is not None
                 and stream.runs_written < self._recorder.finished_runs):  # a run has just ended
-            self._flush(final=False)
+            try:
+                self._flush(final=False)
+            except OSError as exc:  # a full disk, a quota, a file grown past its limit
+                self._stream_failed(exc)
+
+    def _stream_failed(self, exc: OSError) -> None:
+        """Writing the streamed file failed while the block runs (inside the program's own torch
+        calls and backward): recording stops, the file keeps what reached it, the trace in
+        memory keeps what was recorded, and the program goes on untraced, as after any failure
+        of gradtrace's own (tracer.record.failsafe). Nothing more is written to the file."""
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            with contextlib.suppress(OSError):
+                stream.close()
+        rec = self._recorder
+        if rec is not None:
+            rec.on_records = None  # (nothing more to flush)
+        reason = (f"recording stopped: writing the trace to {self.out} failed ({type(exc).__name__}: "
+                  f"{exc.strerror or exc}); the program went on untraced from there. The file holds what "
+                  "was written before (readable as a trace cut short); the trace in memory holds every call "
+                  "recorded before the failure (the trace the block returned: t.save(path) keeps it elsewhere)")
+        if rec is not None and not rec.stopped:
+            rec.stop(reason)
+        elif self.trace is not None:
+            self.trace.notes.append(reason)
+            warnings.warn(f"gradtrace: {reason}", RuntimeWarning, stacklevel=user_stacklevel())
 
     def _flush(self, final: bool) -> None:
         """Write what the trace gained since the last flush (tracer.model.writer.TraceStream)."""
