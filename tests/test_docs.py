@@ -140,6 +140,19 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def test_the_docs_give_the_format_version_the_code_writes() -> None:
+    """The format's title, its header field and the API's constant say the version written."""
+    with open(os.path.join(ROOT, "docs/trace-format.md"), encoding="utf-8") as fh:
+        fmt = fh.read()
+    with open(os.path.join(ROOT, "docs/api.md"), encoding="utf-8") as fh:
+        api = fh.read()
+    v = tracer.SCHEMA_VERSION
+    assert fmt.startswith(f"# The `.gtrace` file format, version {v}\n")
+    assert f"| `version` | int | format version, `{v}` for this document" in fmt
+    assert f"- **{v}** (gradtrace" in fmt  # (its entry under Versions)
+    assert f"`tracer.SCHEMA_VERSION`: the trace format version this gradtrace writes ({v};" in api
+
+
 def test_the_first_screens_list_every_command_the_test_runs_or_skips():
     commands = _first_screens()
     run = [c for c in commands if c not in NOT_RUN]
