@@ -10,9 +10,12 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
+from torch.overrides import _get_current_function_mode_stack as mode_stack
 
 import tracer
+from tracer.options import TraceError
 
 STEPS = 8  # Function applications per forward
 TIMEOUT = 30.0
@@ -136,3 +139,40 @@ def test_racing_steps_of_two_threads_record_the_traced_one_exactly() -> None:
         stop.set()
         thread.join(TIMEOUT)
     assert not failures, failures
+
+
+def test_a_block_left_on_another_thread_is_refused_and_stays_whole(tmp_path: Any) -> None:
+    """``__exit__`` called on a thread other than the one that entered the block (a pool thread
+    entered it) is refused with a message naming both threads: the recording mode sits on the
+    entering thread's stack of modes and can only come off there. The block goes on recording
+    its own thread, and ends whole when it is left there."""
+    m, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
+    out = str(tmp_path / "pool.gtrace")
+    block = tracer.trace(out=out)
+    results: dict[str, Any] = {}
+    entered, left_elsewhere = threading.Event(), threading.Event()
+
+    def pool_thread() -> None:
+        results["trace"] = block.__enter__()
+        m(x)
+        entered.set()
+        assert left_elsewhere.wait(TIMEOUT)
+        m(x)  # (still recorded: the block is open)
+        block.__exit__(None, None, None)
+        results["stack after"] = mode_stack()
+
+    worker = threading.Thread(target=pool_thread, name="pool-0")
+    worker.start()
+    assert entered.wait(TIMEOUT)
+    with pytest.raises(TraceError, match=r"must end on the thread that entered it \(thread 'pool-0'\), "
+                                         r"not on thread 'MainThread'; it is still recording"):
+        block.__exit__(None, None, None)
+    assert mode_stack() == []  # nothing of this thread's was touched
+    left_elsewhere.set()
+    worker.join(TIMEOUT)
+    t = results["trace"]
+    assert results["stack after"] == [] and t.status == "ok"
+    assert [c.name for c in t.calls] == ["linear0", "linear1"]
+    assert [c.name for c in tracer.load(out).calls] == ["linear0", "linear1"]
+    m(x)  # after the block: not recorded
+    assert len(t.calls) == 2

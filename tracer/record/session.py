@@ -122,6 +122,7 @@ class TraceSession:
         self._last_flush_time = 0.0
         self._detach: list[Callable[[], None]] = []
         self._gc_threshold: tuple[int, int, int] | None = None
+        self._thread: tuple[int, str] | None = None  # (ident, name) of the thread that entered the block
 
     @property
     def recorder(self) -> _recorder.Recorder | None:
@@ -131,6 +132,7 @@ class TraceSession:
     # ---- enter / exit -------------------------------------------------------------------------
     def __enter__(self) -> Trace:
         _claim(self)
+        self._thread = threading.get_ident(), threading.current_thread().name
         try:
             return self._enter()
         except BaseException:
@@ -201,6 +203,12 @@ class TraceSession:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> Literal[False]:
+        if self._thread is not None and self._thread[0] != threading.get_ident():
+            # The recording mode is on the entering thread's stack of modes (each thread has its
+            # own), and the block's calls run there: it can only be undone there.
+            raise TraceError(f"a traced block must end on the thread that entered it (thread {self._thread[1]!r}), "
+                             f"not on thread {threading.current_thread().name!r}; it is still recording: "
+                             "leave it (call __exit__) on its own thread")
         try:
             self._exit(exc)
         finally:
