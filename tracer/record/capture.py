@@ -34,7 +34,6 @@ import torch
 from tracer.model import Call
 from tracer.record.calls import CAPTURE_NOW
 from tracer.record.effects import Writes
-from tracer.record.failsafe import passes_on
 from tracer.record.identity import identity
 from tracer.record.own_work import OWN_WORK
 from tracer.record.part import Part
@@ -91,15 +90,11 @@ class PythonCapture(Part):
             raise
         finally:
             rec.op_depth -= 1
-        trace = self._trace
-        marks = (len(trace.calls), len(trace.tensors), len(trace.grad_nodes))
         try:
             with OWN_WORK():
                 self._after_call(api, short, kind, args, kwargs, ins, vers, in_names, seq, seq0, tokens, written,
                                  out)
-        except Exception as exc:
-            if not passes_on(exc):  # (a stop raised on purpose keeps the call that raised it)
-                self._roll_back(marks)
+        except Exception as exc:  # (what it had recorded is taken back: see close)
             rec.recorder_failed(exc)
         return out
 
@@ -152,16 +147,6 @@ class PythonCapture(Part):
         # record_call <- RecordingMode.__torch_function__ <- the caller.
         self.close(api, short, kind, args, kwargs, ins, in_names, outs, mutated, seq, seq0, tokens=tokens, skip=5)
 
-    def _roll_back(self, marks: tuple[int, int, int]) -> None:
-        """Take back what a call that failed half-way recorded (its records would link to
-        names no record has)."""
-        calls, tensors, nodes = marks
-        trace = self._trace
-        del trace.calls[calls:]
-        del trace.grad_nodes[nodes:]
-        for name in list(trace.tensors)[tensors:]:
-            del trace.tensors[name]
-
     def close(self, api: str, short: str, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any],
               ins: list[torch.Tensor], in_names: list[str], outs: list[torch.Tensor], mutated: list[torch.Tensor],
               seq: int, seq0: int | None, name: str | None = None, tokens: list[Any] | None = None,
@@ -188,11 +173,17 @@ class PythonCapture(Part):
         except RuntimeError:  # a view made under no_grad whose base changed in place refuses it
             grad_fns = [grad_fn_of(t) for t in produced]
         seq1 = get_seq() if get_seq is not None else None
+        trace = self._trace  # (rec.marks(), inlined: every recorded call passes here)
+        marks = (len(trace.calls), len(trace.tensors), len(trace.grad_nodes))
         with rec.lock:  # (torch functions are off already: see the docstring)
             if stack_id == CAPTURE_NOW:
                 stack_id = rec.stack_table.capture(skip)
-            call = rec.record_captured(api, short, kind, args, kwargs, ins, in_names, outs, mutated, produced,
-                                       grad_fns, seq, seq0, seq1, name, tokens, stack_id)
+            try:
+                call = rec.record_captured(api, short, kind, args, kwargs, ins, in_names, outs, mutated, produced,
+                                           grad_fns, seq, seq0, seq1, name, tokens, stack_id)
+            except BaseException as exc:
+                rec.take_back(marks, exc, api)
+                raise
         if rec.on_records is not None:
             rec.on_records()
         return call

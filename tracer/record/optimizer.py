@@ -246,16 +246,21 @@ class OptimizerSteps(Part):
         rec = self.rec
         self.open = None
         rec.paused = False
-        with rec.lock, torch._C.DisableTorchFunction():
-            # A step that raised wrote what its version counters say, no more can be known.
-            written = st.written if error is None else set()
-            now = versions_of(st.call.ins)
-            mutated = [t for t, v, n in zip(st.call.ins, st.versions, now) if n != v or identity(t) in written]
-            created = rec.names.name_new_state(st.optimizer, st.call.name, self._with_state)
-        # Its outputs are what it changed (as an in-place op returns its target) and what it made;
-        # its arguments, the settings of its param groups (what a diff of two runs names when the
-        # step read equal values and wrote different ones: the learning rate differs).
-        call = rec.finish_call(st.call, mutated + created, mutated, kwargs=group_settings(st.optimizer))
+        marks = rec.marks()
+        try:
+            with rec.lock, torch._C.DisableTorchFunction():
+                # A step that raised wrote what its version counters say, no more can be known.
+                written = st.written if error is None else set()
+                now = versions_of(st.call.ins)
+                mutated = [t for t, v, n in zip(st.call.ins, st.versions, now) if n != v or identity(t) in written]
+                created = rec.names.name_new_state(st.optimizer, st.call.name, self._with_state)
+            # Its outputs are what it changed (as an in-place op returns its target) and what it
+            # made; its arguments, the settings of its param groups (what a diff of two runs names
+            # when the step read equal values and wrote different ones: the learning rate differs).
+            call = rec.finish_call(st.call, mutated + created, mutated, kwargs=group_settings(st.optimizer))
+        except BaseException as exc:  # (the state it named is taken back with the call)
+            rec.take_back(marks, exc, st.call.api)
+            raise
         if error is not None:
             call.error = error
 

@@ -241,6 +241,30 @@ class Recorder:
         self.failed = True
         self.stop(failure_note(exc))
 
+    def marks(self) -> tuple[int, int, int]:
+        """Where the trace's records end now (see ``take_back``)."""
+        t = self.trace
+        return len(t.calls), len(t.tensors), len(t.grad_nodes)
+
+    def take_back(self, marks: tuple[int, int, int], exc: BaseException, what: str) -> None:
+        """Recording ``what`` (an API) did not finish: ``exc`` came from inside it. Its records
+        made since ``marks`` are taken back (half a call's records would name a producer no record
+        has: its outputs are in before the call is), so that the trace, and the file it streams
+        to, hold every call before it whole. A Ctrl-C or an exit landing in gradtrace's own work
+        also stops the recording (what the recorder holds may be half updated); an exception
+        raised on purpose keeps the call it was raised for."""
+        if isinstance(exc, RaisedOnPurpose):
+            return
+        calls, tensors, nodes = marks
+        t = self.trace
+        del t.calls[calls:]
+        del t.grad_nodes[nodes:]
+        for name in list(t.tensors)[tensors:]:
+            del t.tensors[name]
+        if not isinstance(exc, Exception):
+            self.stop(f"recording stopped: {type(exc).__name__} came while gradtrace recorded a call of {what}; "
+                      "the trace holds every call before it")
+
     def stop(self, reason: str) -> None:
         """Stop recording cleanly (a bound was reached); the trace and the console say why."""
         if self.stopped:
