@@ -303,6 +303,22 @@ def test_a_random_op_with_equal_inputs_says_the_rng_state_differs(op: str) -> No
     assert changed.forward.origin is not None and changed.forward.origin.rule != "random-op"
 
 
+def test_a_random_op_whose_arguments_differ_names_the_arguments_not_the_rng() -> None:
+    """Dropout with another ``p`` under the same seed: the RNG state is the same in both runs; the
+    arguments are the difference the trace knows."""
+    def run(p: float) -> tracer.Trace:
+        torch.manual_seed(0)
+        with tracer.trace() as t:
+            F.dropout(X, p).sum()
+        return t
+
+    r = diff(run(0.1), run(0.3))
+    o = r.forward.origin
+    assert o is not None and (o.a, o.rule) == ("dropout0", "arguments-differ")
+    assert "inputs match, arguments differ ('p=0.1' vs 'p=0.3'), outputs differ" in r.verdict()
+    assert RNG not in r.verdict()
+
+
 def test_dropout_with_another_seed_in_a_gradtrace_run(runs: dict[str, Path], capsys: Any) -> None:
     r = diff(runs["drop0"], runs["drop0_noise"])
     o = r.forward.origin
