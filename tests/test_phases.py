@@ -319,3 +319,61 @@ def test_a_parameter_updated_in_place_outside_an_optimizer_call_is_optimizer_pha
     text = console.export_text()
     assert re.search(r"^\s*optimizer\s+\d+\s+\S+\s+\S+\s+a step with a closure: its ops one by one\s*$", text, re.M)
     assert "micro-batches" not in text and "no optimizer step" not in text
+
+
+def _adversarial_step(by_grad: bool) -> tracer.Trace:
+    """FGSM adversarial training: the input's gradient (from ``torch.autograd.grad``, or the
+    ``.grad`` of an input the block made) builds the adversarial batch before the step's real
+    forward and backward; a frozen weight is read at the top of the step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    frozen = nn.Parameter(torch.randn(2, 2), requires_grad=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    with tracer.trace() as t:
+        frozen.view(4).sum()  # (a frozen weight read before any backward: data, not optimizer work)
+        x_ = x.clone().requires_grad_(True)
+        if by_grad:
+            g, = torch.autograd.grad(nn.functional.cross_entropy(model(x_), y), x_)
+        else:
+            nn.functional.cross_entropy(model(x_), y).backward()
+            g = x_.grad
+            opt.zero_grad()
+        x_adv = (x + 0.1 * g.sign()).clamp(-3, 3)
+        nn.functional.cross_entropy(model(x_adv), y).backward()
+        opt.step()
+    return t
+
+
+@pytest.mark.parametrize("by_grad", [True, False], ids=["autograd.grad", "x.grad"])
+def test_an_input_gradient_that_makes_the_steps_data_is_forward_not_optimizer(by_grad: bool) -> None:
+    t = _adversarial_step(by_grad)
+    phase = _phases(t)
+    assert phase["view0"] == phase["sum0"] == "forward"
+    assert phase["sign0"] == phase["mul0"] == phase["add0"] == phase["clamp0"] == "forward"
+    assert phase["SGD0"] == "optimizer"
+    if not by_grad:  # zero_grad(): the parameters' gradients are the model's state
+        assert {c.phase for c in t.calls if c.name.startswith("zero_")} <= {"optimizer"}
+
+
+def test_a_format_2_file_gets_the_same_phases_for_an_adversarial_step(tmp_path: Path) -> None:
+    t = _adversarial_step(by_grad=True)
+    assert _phases(tracer.load(_saved_as_format_2(t, tmp_path))) == _phases(t)
+
+
+def test_clamping_weights_at_the_top_of_a_step_is_still_optimizer_work() -> None:
+    """WGAN's weight clipping before the critic's forward: written in place, so rule 5 holds
+    with the window closed; a manual SGD update reading ``.grad`` too."""
+    torch.manual_seed(0)
+    critic = nn.Linear(4, 1)
+    with tracer.trace() as t:
+        with torch.no_grad():
+            for p in critic.parameters():
+                p.clamp_(-0.01, 0.01)
+        critic(torch.randn(3, 4)).mean().backward()
+        with torch.no_grad():
+            for p in critic.parameters():
+                p.add_(p.grad, alpha=-0.1)
+    phase = _phases(t)
+    assert phase["clamp_0"] == phase["clamp_1"] == "optimizer"
+    assert phase["add_0"] == phase["add_1"] == "optimizer"

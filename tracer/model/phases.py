@@ -14,9 +14,12 @@ The rules, in order (the first that applies decides; docs/trace-format.md "Phase
 3. a call inside a module's forward is ``forward``, and closes the optimizer window (rule 6);
 4. a call that builds a graph (an output requires grad, other than a leaf it wrote in place: a
    parameter updated under ``no_grad``) is ``forward``;
-5. a call that reads or writes a gradient, a parameter, a buffer or optimizer state, or a value an
-   ``optimizer`` call made, is ``optimizer`` (clipping, unscaling, EMA, weight clamping, a manual
-   SGD update, ``zero_grad(set_to_none=False)``);
+5. a call that reads or writes optimizer state, a gradient of the model's state (not one
+   ``torch.autograd.grad`` returns, nor the ``.grad`` of a tensor a call of the block made: an
+   input made from the data, as adversarial training does), or a value an ``optimizer`` call made,
+   or that writes a parameter or buffer, or reads one while the optimizer window is open (rule 6),
+   is ``optimizer`` (clipping, unscaling, EMA, weight clamping, a manual SGD update,
+   ``zero_grad(set_to_none=False)``);
 6. while the optimizer window is open (from the end of a backward run, or from the start of a
    step trace that began at the optimizer step ending the step before, to the next module
    forward), a call that changes a tensor in place from its old value (an EMA copy's ``mul_``),
@@ -85,14 +88,37 @@ def is_optimizer_code(filename: str) -> bool:
 
 
 def reads_model_state(in_names: Iterable[str], tensors: dict[str, TensorRecord],
-                      optimizer_calls: Container[str]) -> bool:
-    """Rule 5: whether a call reads a gradient, parameter, buffer or optimizer state, or a value an
-    optimizer-phase call made."""
+                      optimizer_calls: Container[str], window: bool = True, writes: bool = False) -> bool:
+    """Rule 5: whether a call reads optimizer state, the gradient of model state, a value an
+    optimizer-phase call made, or a parameter or buffer while the optimizer window is open
+    (``window``) or writing in place (``writes``). Not model state: the gradients that
+    ``torch.autograd.grad`` returns and the ``.grad`` of a tensor a call of the block made (an
+    input made from the step's data: FGSM's ``x.grad.sign()``), and, before any backward run of
+    the step, a parameter only read (a frozen weight's ``.view`` at the top of a step)."""
     for n in in_names:
         rec = tensors.get(n)
-        if rec is not None and (rec.role in STATE_ROLES or rec.producer in optimizer_calls):
+        if rec is None:
+            continue
+        role = rec.role
+        if rec.producer in optimizer_calls or role == "state" or (role == "grad" and _gradient_of_state(rec, tensors)):
+            return True
+        if (window or writes) and (role == "param" or role == "buffer"):
             return True
     return False
+
+
+def _gradient_of_state(rec: TensorRecord, tensors: dict[str, TensorRecord]) -> bool:
+    """Whether the gradient ``rec`` belongs to the model's state: not one ``torch.autograd.grad``
+    returned (``<run>:out<i>``, made by the run), nor the ``.grad`` (``<t>@grad``) of a tensor a
+    call of the block made."""
+    name, producer = rec.name, rec.producer
+    if producer is not None and name.startswith(producer) and name[len(producer):len(producer) + 4] == ":out":
+        return False
+    of, sep, _ = name.partition("@grad")
+    if not sep:
+        return True
+    target = tensors.get(of)
+    return target is None or target.role != "output"
 
 
 def upgrade_phases(trace: Trace) -> int:
@@ -118,7 +144,7 @@ def upgrade_phases(trace: Trace) -> int:
             window = False
         elif any(r is not None and r.requires_grad for r in (tensors.get(o) for o in call.outputs)):
             continue
-        elif reads_model_state(call.inputs, tensors, optimizer_calls) or (
+        elif reads_model_state(call.inputs, tensors, optimizer_calls, window, bool(call.mutated)) or (
                 window and ((call.mutated and not replaces_whole(call.api)) or _made_by_optimizer_code(trace, call))):
             call.phase = "optimizer"
         if call.phase == "optimizer":

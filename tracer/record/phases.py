@@ -53,7 +53,7 @@ class PhaseTracker:
         # under no_grad, by hand, by LBFGS or by any optimizer whose ops are recorded one by one)
         if any(getattr(t, "requires_grad", False) and not (writes and _is_leaf(t)) for t in produced):
             return "forward"
-        if reads_model_state(in_names, self._tensors, self._optimizer_calls):
+        if reads_model_state(in_names, self._tensors, self._optimizer_calls, self.window_open, writes):
             return "optimizer"
         if self.window_open and ((writes and not replaces_whole(api)) or _called_from_optimizer_code()):
             return "optimizer"
