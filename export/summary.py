@@ -27,6 +27,7 @@ from rich.text import Text
 from export.errors import UserError
 from export.text import call_site, compact_stats, format_stack, inert, inert_lines, stats_text
 from export.views import checksum, module_groups, module_with_class, nonfinite, param_totals
+from tracer.analysis.numerics import OptimizerStep, optimizer_steps
 from tracer.model import BackwardRun, Call, Frame, GradNode, TensorRecord, Trace
 from tracer.model.display import (
     clip,
@@ -39,11 +40,12 @@ from tracer.model.display import (
 )
 from tracer.model.frames import folded, short_line, user_frame
 from tracer.model.gradients import summed_from
-from tracer.model.phases import stepped_with_closure
+from tracer.model.phases import replaces_whole, stepped_with_closure
 from tracer.model.records import PHASES
 
 TOP_APIS = 15
 MAX_ROWS = 40
+MAX_EDITS = 16  # in-place edits of a gradient followed back to the sum of a step's runs
 MAX_WHY_NOT = 4  # reasons named on the "without stats" line; the rest are counted as "other"
 
 
@@ -150,7 +152,7 @@ def _render_backward(trace: Trace, console: Console) -> None:
 
 def _render_phases(trace: Trace, console: Console) -> None:
     """What each phase of the step holds (tracer.model.phases): its calls, first to last; the
-    backward's runs; the optimizer phase's optimizer steps."""
+    forward's steps and micro-batches; the backward's runs; the optimizer phase's optimizer steps."""
     table = Table(title="Phases", box=box.SIMPLE_HEAD, title_justify="left")
     table.add_column("phase")
     table.add_column("calls", justify="right")
@@ -159,19 +161,66 @@ def _render_phases(trace: Trace, console: Console) -> None:
     table.add_column("", overflow="fold")
     # (a step with a closure evaluates it, forward and backward, several times: not micro-batches)
     closure = stepped_with_closure(trace)
-    accumulating = 0 if closure else sum(1 for r in trace.backward_runs
-                                         if r.parent is None and not r.api.endswith(".grad"))
+    steps, tail = optimizer_steps(trace)
     for phase in PHASES:
         calls = [c for c in trace.calls if c.phase == phase]
         if phase == "backward":
             note = plural(len(trace.backward_runs), "backward run")
         elif phase == "forward":
-            note = f"{accumulating} micro-batches" if accumulating > 1 else ""
+            note = "" if closure else _steps_text(trace, steps, tail)
         else:
             note = ", ".join(c.name for c in calls if c.kind == "optimizer") or (
-                "a step with a closure: its ops one by one" if closure else "no optimizer step")
+                "a step with a closure: its ops one by one" if closure
+                else "no optimizer step: GradScaler skipped " + ("it" if len(steps) == 1 else f"all {len(steps)}")
+                if steps and all(s.end.kind != "optimizer" for s in steps) else "no optimizer step")
         _add_row(table, phase, str(len(calls)), calls[0].name if calls else "-", calls[-1].name if calls else "-", note)
     console.print(table)
+
+
+def _steps_text(trace: Trace, steps: list[OptimizerStep], tail: list[BackwardRun]) -> str:
+    """The steps of the block and the backward runs of each: ``3 steps``, ``1 step of 4
+    micro-batches``, ``2 steps, 2 micro-batches each``; runs are micro-batches where the step
+    summed their gradients into ``.grad`` (gradient accumulation), else ``backward runs`` (SAM's
+    second pass after zero_grad); none for one step of one run."""
+    if not steps:  # no optimizer step: the block's runs, as micro-batches where they accumulate
+        return f"{len(tail)} micro-batches" if len(tail) > 1 and _accumulated(trace, None) else ""
+    counts = [len(s.runs) for s in steps]
+    several = [s for s in steps if len(s.runs) > 1]
+    word = "micro-batches" if all(_accumulated(trace, s.end) for s in several) else "backward runs"
+    if len(steps) == 1:
+        text = f"1 step of {counts[0]} {word}" if counts[0] > 1 else "1 step"
+    elif max(counts) == 1:
+        text = f"{len(steps)} steps"
+    elif min(counts) == max(counts):
+        text = f"{len(steps)} steps, {counts[0]} {word} each"
+    else:
+        text = f"{len(steps)} steps, {min(counts)} to {max(counts)} {word} each"
+    if tail:
+        return f"{text}, then {plural(len(tail), 'backward run')} with no step"
+    return "" if text == "1 step" else text
+
+
+def _accumulated(trace: Trace, end: Call | None) -> bool:
+    """Whether a gradient that ``end`` (the call that ended a step; None: any) reads is a sum the
+    engine made of two backward runs' gradients: ``w@grad@v1``, the first run's ``w@grad`` plus
+    the second's, edited in place or not since (clipping, GradScaler's unscale). Not after a
+    reset: SAM's second pass after ``zero_grad()`` writes a fresh ``w@grad#1``, or adds into the
+    zeroed ``.grad`` (the sum's previous value a call's)."""
+    for name in end.inputs if end is not None else list(trace.tensors):
+        t = trace.tensors.get(name)
+        for _ in range(MAX_EDITS):  # back through the edits in place after the runs
+            made_by = trace.get(t.producer) if t is not None and t.producer else None
+            if t is None or t.previous is None or not isinstance(made_by, Call) or made_by.phase == "backward" \
+                    or replaces_whole(made_by.api):
+                break
+            t = trace.tensors.get(t.previous)
+        if t is None or t.previous is None or not (t.producer or "").endswith("/AccumulateGrad"):
+            continue
+        before = trace.tensors.get(t.previous)
+        made_by = trace.get(before.producer) if before is not None and before.producer else None
+        if isinstance(made_by, GradNode | BackwardRun) or (isinstance(made_by, Call) and made_by.phase == "backward"):
+            return True
+    return False
 
 
 def _render_nonfinite(trace: Trace, console: Console, all_anomalies: bool, all_frames: bool) -> None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 import math
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -603,34 +603,19 @@ class _Walk:
 
     # ---- the timeline --------------------------------------------------------------------------
     def run(self) -> None:
-        calls, nodes = self.calls, self.nodes
+        nodes = self.nodes
         nested: dict[str, list[BackwardRun]] = {}
         for r in self.trace.backward_runs:
             if r.parent is not None and r.parent in nodes:
                 nested.setdefault(r.parent, []).append(r)
-        events: list[tuple[float, int, Call | BackwardRun]] = []
-        for c in self.trace.calls:
-            # (a backward-phase call of no grad node, DDP's all-reduce at the end of a run, is met
-            # where it was made too; those of a node are met in the node's step)
-            if c.parent is None or (c.parent not in calls and c.parent not in nodes):
-                events.append((c.seq, 1, c))
-        for r in self.trace.backward_runs:
-            if r.parent is None or r.parent not in nodes:
-                events.append((self._run_position(r), 0, r))
-        events.sort(key=lambda e: (e[0], e[1]))
+        events = _timeline(self.trace, self.calls, nodes)
         # The block's optimizer steps, each with its accumulating runs (micro-batches): a step
-        # ends at an optimizer call that follows a run. Two steps in one block are two steps,
-        # not two micro-batches of one.
-        runs = self.step_runs
-        step_of: list[int] = []  # per event, the optimizer step it belongs to
-        for _, _, ev in events:
-            if isinstance(ev, BackwardRun):
-                runs[-1] += _accumulates(ev)
-            elif ev.kind == "optimizer" and runs[-1]:
-                runs.append(0)
-            step_of.append(len(runs) - 1)
-        if len(runs) > 1 and not runs[-1]:
-            runs.pop()
+        # ends at an optimizer call (or a GradScaler step that skipped it) that follows a run.
+        # Two steps in one block are two steps, not two micro-batches of one.
+        closed, tail, step_of = _split_steps(events)
+        self.step_runs[:] = [len(s.runs) for s in closed]
+        if tail or not closed:
+            self.step_runs.append(len(tail))
         walked: set[str] = set()
         for (_, _, ev), step in zip(events, step_of):
             if step != self.step:
@@ -646,19 +631,6 @@ class _Walk:
         for r in self.trace.backward_runs:  # (a parent whose step was not recorded)
             if r.name not in walked:
                 self.walk_run(r, nested, walked)
-
-    def _run_position(self, run: BackwardRun) -> float:
-        """Where a run began among the calls: recorded (``at``), else (files of version 2) just after
-        the call that made its first root (the loss), else after the calls its nodes made."""
-        if run.at is not None:
-            return run.at - 0.5
-        for root in run.roots:
-            rec = self.tensors.get(root)
-            call = self.calls.get(rec.producer) if rec is not None and rec.producer else None
-            if call is not None:
-                return call.seq + 0.5
-        inner = [self.calls[c].seq for s in run.steps for c in s.calls if c in self.calls]
-        return min(inner) - 0.5 if inner else float(len(self.trace.calls)) + run.seq
 
     def _inside_sealed(self, parent: str | None) -> bool:
         while parent is not None:
@@ -783,6 +755,86 @@ class _Walk:
                     call is not None and o.scale is not None and o.scale in call.inputs):
                 return o
         return None
+
+
+Event = tuple[float, int, Call | BackwardRun]
+
+
+def _timeline(trace: Trace, calls: dict[str, Call], nodes: Container[str]) -> list[Event]:
+    """The step in execution order: each call where it began, each backward run where it began
+    among the calls (runs and calls a grad node's own code made are met inside that node's run)."""
+    events: list[Event] = []
+    for c in trace.calls:
+        # (a backward-phase call of no grad node, DDP's all-reduce at the end of a run, is met
+        # where it was made too; those of a node are met in the node's step)
+        if c.parent is None or (c.parent not in calls and c.parent not in nodes):
+            events.append((c.seq, 1, c))
+    for r in trace.backward_runs:
+        if r.parent is None or r.parent not in nodes:
+            events.append((_run_position(trace, calls, r), 0, r))
+    events.sort(key=lambda e: (e[0], e[1]))
+    return events
+
+
+def _run_position(trace: Trace, calls: dict[str, Call], run: BackwardRun) -> float:
+    """Where a run began among the calls: recorded (``at``), else (files of version 2) just after
+    the call that made its first root (the loss), else after the calls its nodes made."""
+    if run.at is not None:
+        return run.at - 0.5
+    for root in run.roots:
+        rec = trace.tensors.get(root)
+        call = calls.get(rec.producer) if rec is not None and rec.producer else None
+        if call is not None:
+            return call.seq + 0.5
+    inner = [calls[c].seq for s in run.steps for c in s.calls if c in calls]
+    return min(inner) - 0.5 if inner else float(len(trace.calls)) + run.seq
+
+
+@dataclass
+class OptimizerStep:
+    """One optimizer step of a block: the backward runs that added into ``.grad`` before it
+    (its micro-batches under gradient accumulation) and the call that ended it."""
+
+    runs: list[BackwardRun]
+    end: Call  # the optimizer call, or GradScaler's unscale when it skipped the optimizer step
+
+
+def _split_steps(events: list[Event]) -> tuple[list[OptimizerStep], list[BackwardRun], list[int]]:
+    """The optimizer steps of a timeline (each ends at an optimizer call that follows an
+    accumulating run), the accumulating runs after the last one, and per event the index of the
+    step it belongs to (``len(steps)``: after the last step). A step GradScaler skipped (its
+    gradients overflowed) records no optimizer call: it ends at its unscale of the gradients when
+    the next run comes, or the block ends, before any optimizer call."""
+    closed: list[OptimizerStep] = []
+    runs: list[BackwardRun] = []
+    unscaled: Call | None = None  # GradScaler's unscale after the runs, until an optimizer call
+    step_of: list[int] = []
+    for _, _, ev in events:
+        if isinstance(ev, BackwardRun):
+            if _accumulates(ev):
+                if unscaled is not None:  # the step before was skipped
+                    closed.append(OptimizerStep(runs, unscaled))
+                    runs, unscaled = [], None
+                runs.append(ev)
+        elif runs and ev.kind == "optimizer":
+            closed.append(OptimizerStep(runs, ev))
+            runs, unscaled = [], None
+        elif runs and ev.api == UNSCALE_API:
+            unscaled = ev
+        step_of.append(len(closed))
+    if unscaled is not None:
+        closed.append(OptimizerStep(runs, unscaled))
+        runs = []
+    return closed, runs, step_of
+
+
+def optimizer_steps(trace: Trace) -> tuple[list[OptimizerStep], list[BackwardRun]]:
+    """The optimizer steps of ``trace`` in order, each with the accumulating backward runs before
+    it, and the accumulating runs after the last step (none when the block ends with a step). The
+    numerics headline counts steps and micro-batches the same way."""
+    calls = {c.name: c for c in trace.calls}
+    closed, tail, _ = _split_steps(_timeline(trace, calls, {n.name for n in trace.grad_nodes}))
+    return closed, tail
 
 
 def _accumulates(run: BackwardRun) -> bool:
