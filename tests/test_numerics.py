@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tracer
+from export.diff import diff
 
 
 class PaddedAttention(torch.autograd.Function):
@@ -116,6 +117,39 @@ def test_a_clean_step_reports_clean_with_every_tensor_counted():
     assert [r.shape for r in uninitialised] == [tuple(empty.shape)] and uninitialised[0].stats is None
     assert report.unchecked >= 1
     assert not [w for w in caught if issubclass(w.category, tracer.NumericsWarning)]
+
+
+def _grown_buffer_step(stale: float, numerics: bool) -> tracer.Trace:
+    """What torch.ao's per-channel observers do: an empty buffer grown by ``resize_`` (its new
+    elements uninitialised memory: here, deterministically, stale bytes of ``stale``), then
+    overwritten whole before anything reads it."""
+    buf = torch.full((64,), stale).resize_(0)
+    with tracer.check_numerics() if numerics else tracer.trace(hash="md5") as t:
+        buf.resize_(8, 8)
+        buf.copy_(torch.arange(64.0).view(8, 8))
+        (buf * 2).sum()
+    return t
+
+
+def test_what_a_resize_grows_is_uninitialised_not_a_nan_the_program_made():
+    """Stale NaN bytes in what ``resize_`` grew are no NaN the program made (no read sees them),
+    and two runs of the same program do not differ there: the grown value is recorded
+    uninitialised, as ``torch.empty``'s output is; what the program writes next is checked."""
+
+    t = _grown_buffer_step(float("nan"), numerics=True)
+    grown = t.tensors[t["resize_0"].mutated[0]]
+    assert grown.uninitialized and grown.stats is None and grown.md5 is None
+    assert grown.hash_note == ("not hashed: resize_0 grew it from 0 to 64 elements, the new ones uninitialised "
+                               "memory; its first write is a new version")
+    assert t.anomalies.clean
+    written = t.tensors[t["copy_0"].mutated[0]]
+    assert written.previous == grown.name and written.stats is not None and not written.uninitialized
+    a, b = _grown_buffer_step(float("nan"), numerics=False), _grown_buffer_step(7.0, numerics=False)
+    assert diff(a, b).verdict().startswith("EQUAL")
+    # A resize that does not grow keeps the value's bytes: checked as usual.
+    with tracer.trace(hash="md5") as t:
+        torch.arange(6.0).resize_(2, 3).sum()
+    assert t.tensors[t["resize_0"].mutated[0]].md5 is not None
 
 
 class InfGrad(torch.autograd.Function):
@@ -297,7 +331,6 @@ def test_f_linear_error_in_module_reports_module_path():
 def test_summary_and_diff_show_the_first_nonfinite(capsys):
     from rich.console import Console
 
-    from export.diff import diff
     from export.summary import render_summary
 
     def run(poison: bool) -> tracer.Trace:

@@ -24,6 +24,9 @@ import torch
 # Tensor-returning ops whose result holds uninitialised memory (by their short name).
 UNINITIALISED = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided",
                            "empty_permuted"})
+# In-place resizes: a tensor they grow holds uninitialised memory past its old elements (by API;
+# torch.ao's per-channel observers grow their empty min/max buffers this way).
+RESIZING_APIS = frozenset({"Tensor.resize_", "Tensor.resize_as_", "torch.resize_as_"})
 
 _INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
                               "__imod__", "__ipow__", "__ilshift__", "__irshift__", "__iand__", "__ior__",

@@ -23,7 +23,7 @@ from tracer.model import TensorRecord, names
 from tracer.model.phases import OVERWRITING
 from tracer.model.records import OWNED_ROLES, Role
 from tracer.record.checksums.hasher import BATCH_MIN
-from tracer.record.effects import SET_DATA_API, UNINITIALISED
+from tracer.record.effects import RESIZING_APIS, SET_DATA_API, UNINITIALISED
 from tracer.record.identity import identity
 from tracer.record.module_roots import name_in_callers, parameter_path, swaps_parameters
 from tracer.record.owners import constructing_a_module, needs_search, owning_root_module
@@ -233,7 +233,8 @@ class TensorNames(Part):
             n = versions.get(base, 0) + 1
             versions[base] = n
             new = self.new_tensor(t, names.version_name(base, n), role, name, previous=old,
-                                  like=old_rec if same_meta else None)
+                                  like=old_rec if same_meta else None,
+                                  uninitialized=api in RESIZING_APIS and self._grown(t, old_rec, name))
             names_of[identity(t)] = new
             mutated_names[j] = new
         if api == SET_DATA_API:
@@ -241,6 +242,16 @@ class TensorNames(Part):
             self.index_alias(mutated[0])
             return []
         return self.write_through_aliases(mutated, names_of, name, ins)
+
+    @staticmethod
+    def _grown(t: torch.Tensor, old: TensorRecord | None, call: str) -> str | bool:
+        """For a resize (``call``) that wrote ``t``: the note of a value that holds uninitialised
+        memory (it has more elements than before: the new ones are whatever the allocator left,
+        so two runs of the same program differ there), else False."""
+        if old is None or t.numel() <= old.numel:
+            return False
+        return (f"not hashed: {call} grew it from {old.numel} to {t.numel()} elements, the new ones "
+                "uninitialised memory; its first write is a new version")
 
     # ---- what the other parts ask ------------------------------------------------------------
     def set_name(self, t: torch.Tensor, name: str, version: int) -> None:
