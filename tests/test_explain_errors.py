@@ -68,3 +68,22 @@ def test_a_module_backward_hook_that_raises_names_its_node_and_module() -> None:
                              "[BackwardHookFunctionBackward].")
     assert "in module '1.0':" in lines[1]
     assert '<locals>.hook: raise RuntimeError("hook exploded")' in note
+
+
+@pytest.mark.parametrize("make", [tracer.explain_errors, tracer.trace])
+def test_a_node_detect_anomaly_finds_returning_nan_is_the_node_named(make) -> None:  # type: ignore[no-untyped-def]
+    """detect_anomaly checks a node's results after the node (and gradtrace's hook on it) finished:
+    the note names the node torch's message names (the square root's backward, at its line), not
+    the next node the graph would have run (the squeeze's, which never ran)."""
+    torch.manual_seed(0)
+    lin, x = nn.Linear(4, 1), torch.randn(6, 4)
+    with pytest.raises(RuntimeError, match="Function 'SqrtBackward0' returned nan values") as info, \
+            make(), torch.autograd.detect_anomaly():
+        h = lin(x).squeeze(-1)
+        y = torch.where(h > 0, torch.sqrt(h), 0.0)  # the sqrt of a negative h: NaN, and a NaN gradient
+        y.sum().backward()
+    note = info.value.__notes__[-1]
+    assert note.splitlines()[0].endswith("failed in grad node sqrt0/SqrtBackward0 [SqrtBackward0].")
+    assert "Error in backward of sqrt0/SqrtBackward0 [SqrtBackward0], created by sqrt0 (torch.sqrt)" in note
+    assert "y = torch.where(h > 0, torch.sqrt(h), 0.0)" in note
+    assert "Squeeze" not in note

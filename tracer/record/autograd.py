@@ -7,6 +7,7 @@ produced (a leaf's ``.grad`` included), the calls a node's own code made, the no
 from __future__ import annotations
 
 import functools
+import re
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -653,6 +654,10 @@ class Graph(Part):
                     # A module's backward hook raised: torch runs it as a hook of that node,
                     # after the node's own (gradtrace's) hook recorded its run.
                     failing = last
+                elif len(self._running) <= depth and (nan_node := _returned_nan(exc, run)) is not None:
+                    # detect_anomaly checks a node's results after its hooks ran, so the node
+                    # counts as finished: torch's message names its class, the run its last one.
+                    failing = nan_node
                 elif len(self._running) <= depth:
                     # No node of this run is running (a node with no pre-hook failed: it does not
                     # show in _running): find it from the graph, from the runs that finished,
@@ -1114,6 +1119,23 @@ class Graph(Part):
                 preds[dest].add(name)
         ready = [n for n, ps in preds.items() if n not in done and ps <= done]
         return max(ready, key=lambda n: seq_of.get(n, _UINT64_MAX)) if ready else None
+
+
+# detect_anomaly's check of a node's results (torch/csrc/autograd/engine.cpp).
+_RETURNED_NAN = re.compile(r"Function '([A-Za-z_][A-Za-z0-9_]*)' returned nan values in its \d+(?:st|nd|rd|th) output")
+
+
+def _returned_nan(exc: BaseException, run: BackwardRun) -> str | None:
+    """The grad node that ``detect_anomaly`` found returning NaN (``exc``), by the class torch's
+    message names: the last step of ``run`` of that class. None for any other error."""
+    found = _RETURNED_NAN.match(str(exc))
+    if found is None:
+        return None
+    kind = "/" + found.group(1)
+    for step in reversed(run.steps):
+        if step.node.endswith(kind):
+            return step.node
+    return None
 
 
 # The engine's final callbacks (run when a backward's nodes are done, in the order queued): the
