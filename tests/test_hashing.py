@@ -118,13 +118,37 @@ def test_unhashable_tensors_are_recorded_with_a_reason():
     h.submit(q, torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.quint8))
     assert q.hash_note == "not hashed: quantized tensor"
 
-    class MyTensor(torch.Tensor):
-        pass
+    class Routed(torch.Tensor):  # takes over dispatch: its bytes need not be its data
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            return func(*args, **(kwargs or {}))
 
     sub = TensorRecord("m", (2,), "float32", "cpu", "input")
-    h.submit(sub, torch.randn(2).as_subclass(MyTensor))
-    assert sub.hash_note == "not hashed: tensor subclass MyTensor"
+    h.submit(sub, torch.randn(2).as_subclass(Routed))
+    assert sub.hash_note == "not hashed: tensor subclass Routed"
     h.close()
+
+
+def test_a_subclass_that_only_tags_a_tensor_is_hashed_and_checked_by_its_bytes():
+    """A subclass with no dispatch of its own (units, a tag: made with ``as_subclass``) holds a
+    plain tensor's bytes: its checksum is hashlib's of them and its NaN is found where it is made
+    (before, 'not hashed: tensor subclass', and check_numerics called the step clean)."""
+
+    class Tagged(torch.Tensor):
+        pass
+
+    torch.manual_seed(0)
+    m = torch.nn.Linear(6, 2)
+    x = torch.randn(4, 6).as_subclass(Tagged)
+    with tracer.trace(hash="md5") as t:
+        y = m(x)
+    rec = t.tensors[t["linear0"].outputs[0]]
+    assert type(y) is Tagged and rec.hash_note is None
+    assert rec.md5 == hashlib.md5(y.detach().as_subclass(torch.Tensor).contiguous().numpy().tobytes()).hexdigest()
+    assert t.tensors[t["linear0"].inputs[0]].md5 == tracer.md5_of(x.as_subclass(torch.Tensor))
+    with tracer.check_numerics() as t:
+        (m(x) * float("nan")).sum()
+    assert t.anomalies.headline is not None and t.anomalies.headline.producer == "mul0"
 
 
 def test_meta_and_sparse_inside_a_trace():

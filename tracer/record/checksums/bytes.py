@@ -15,6 +15,27 @@ import torch
 from tracer.record.own_work import own_work
 
 ALLOWED_TYPES = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
+# A lazy module's parameters and buffers before their first call (no data yet: not hashed).
+_UNINITIALIZED: type = getattr(torch.nn.parameter, "UninitializedTensorMixin", type(None))
+
+
+def plain_data(t: torch.Tensor) -> torch.Tensor | None:
+    """For an instance of a tensor subclass that keeps its data as a plain tensor does (it
+    overrides no ``__torch_dispatch__``: a class that tags a tensor with units or metadata, made
+    with ``as_subclass``), a plain tensor on the same bytes, read the same way: what is hashed
+    and summarised for it. None for any other tensor: a plain one, a wrapper subclass (DTensor,
+    a fake or functional tensor: their bytes are elsewhere or nowhere), a lazy module's
+    uninitialised parameter."""
+    cls = type(t)
+    if cls in ALLOWED_TYPES or getattr(cls, "__torch_dispatch__", None) is not _PLAIN_DISPATCH \
+            or isinstance(t, _UNINITIALIZED):
+        return None
+    try:
+        with torch._C.DisableTorchFunction():
+            return t.as_subclass(torch.Tensor)
+    except (RuntimeError, TypeError):
+        return None
 
 
 def unhashable_reason(t: torch.Tensor) -> str | None:

@@ -39,7 +39,7 @@ import torch
 from tracer.model import Stats, TensorRecord
 from tracer.options import HASH_ALGORITHMS
 from tracer.record.checksums import fingerprint as fp
-from tracer.record.checksums.bytes import ALLOWED_TYPES, as_bytes, host_bytes, unhashable_reason
+from tracer.record.checksums.bytes import ALLOWED_TYPES, as_bytes, host_bytes, plain_data, unhashable_reason
 from tracer.record.checksums.fused import Fused, triton_usable, warm_up
 from tracer.record.checksums.host_batch import HostFingerprints
 from tracer.record.checksums.launcher import WARMUP
@@ -198,6 +198,10 @@ class Hasher:
             if fused is not None and fused.add(rec, t):
                 return
         if not (plain and t.is_cpu):  # (a CPU tensor is not a meta tensor)
+            data = plain_data(t) if type(t) not in ALLOWED_TYPES else None
+            if data is not None:  # a subclass that only tags a plain tensor: its bytes
+                self.submit(rec, data)
+                return
             reason = unhashable_reason(t)
             if reason is not None:
                 shard = local_shard(t)  # a DTensor: this rank's local shard is hashed, its layout recorded
