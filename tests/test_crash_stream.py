@@ -41,18 +41,28 @@ CHILD = textwrap.dedent("""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     x = torch.randn(8, 16)
+    if mode == "step":  # (warm: the step's calls then take well under FLUSH_SECONDS)
+        model(x).pow(2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
     with tracer.trace(out=out, listeners=[KillAt()]) as t:
         h = x
         for i in range(2000):  # ~2 recorded calls per step: a long forward
             h = torch.tanh(h * 0.5 + 0.1)
-            if sleep:
+            if sleep and mode != "step":
                 time.sleep(sleep)
-            if mode == "backward" and i == 20:
+            if mode in ("backward", "step") and i == 20:
                 break
         loss = model(h).pow(2).mean()
         loss.backward()
         if mode == "backward":
             print(len(t.calls), len(t.backward_runs), flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # (its first call flushes the backward)
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+        if mode == "step":  # the loop waits for its next batch, and is killed meanwhile
+            time.sleep(sleep)
+            print(len(t.calls), flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 """)
 
@@ -134,3 +144,13 @@ def test_killed_right_after_backward_keeps_the_whole_step(tmp_path: Any, name: s
     assert len(t.calls) == recorded
     assert len(t.backward_runs) == 1 and t.backward_runs[0].status == "ok"
     assert t.grad_nodes and all(n.call is None or n.call in {c.name for c in t.calls} for n in t.grad_nodes)
+
+
+def test_killed_while_waiting_after_the_optimizer_step_keeps_the_whole_step(tmp_path: Any) -> None:
+    """The loop is idle after ``optimizer.step()`` (a DataLoader fetching the next batch) and is
+    killed: every call of the step, its optimizer step included, is on disk (the step's end
+    flushed it; before, the calls since the backward's flush waited for a later call)."""
+    path, (recorded,) = _run(tmp_path, "step.gtrace", 0, mode="step", sleep=0.3)
+    t = _load(path)
+    assert len(t.calls) == recorded
+    assert t.calls[-1].kind == "optimizer" and t.calls[-1].name == "SGD0"

@@ -80,8 +80,9 @@ def _note_unfinished_checksums(t: Trace, algorithm: str, err: Exception) -> None
 
 
 # A streamed file is flushed (written through to the OS, gzip with a sync flush) every
-# ``flush_every`` calls and at the first call this many seconds after the last flush: a SIGKILL
-# loses fewer than ``flush_every`` calls, and none recorded this long before a later call.
+# ``flush_every`` calls, at the first call this many seconds after the last flush, after every
+# backward run and after every optimizer step: a SIGKILL loses fewer than ``flush_every`` calls,
+# none recorded this long before a later call, and none of a step whose optimizer step ended.
 FLUSH_SECONDS = 1.0
 
 
@@ -294,8 +295,10 @@ class TraceSession:
         t, stream = self.trace, self._stream
         assert t is not None and stream is not None
         unwritten = len(t.calls) - stream.calls_written
-        if unwritten >= self.options.flush_every or (
-                unwritten and time.monotonic() - self._last_flush_time >= FLUSH_SECONDS) or (
+        # (an optimizer step just ended: a training loop often waits for its next batch now, and
+        # a crash while it waits would lose the whole step's calls)
+        if unwritten >= self.options.flush_every or (unwritten and (
+                time.monotonic() - self._last_flush_time >= FLUSH_SECONDS or t.calls[-1].kind == "optimizer")) or (
                 stream.runs_written < len(t.backward_runs) and self._recorder is not None
                 and stream.runs_written < self._recorder.finished_runs):  # a run has just ended
             try:
