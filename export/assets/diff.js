@@ -166,7 +166,10 @@
     sec.appendChild(t); main.appendChild(sec);
   }
   if (data.params.length) {
-    const sec = el("section"); sec.appendChild(el("h2", null, "Parameters that differ"));
+    // parameters and buffers named apart: a buffer (running statistics, a rotary table) is no parameter
+    const buffers = data.params.filter(p => p.buffer).length;
+    const noun = buffers === 0 ? "Parameters" : buffers === data.params.length ? "Buffers" : "Parameters and buffers";
+    const sec = el("section"); sec.appendChild(el("h2", null, noun + " that differ"));
     const t = el("table"), head = el("tr");
     for (const h of ["parameter", "value", "gradient", "after step"]) head.appendChild(el("th", null, h));
     t.appendChild(head);
@@ -174,7 +177,7 @@
         c.status + (c.difference && c.status === "differ" ? " (" + c.difference + ")" : "");
     for (const p of data.params) {
       const tr = el("tr");
-      for (const x of [p.name, p.only_in ? "only in " + p.only_in : cell(p.value), cell(p.grad), cell(p.updated)]) tr.appendChild(el("td", null, x));
+      for (const x of [p.name + (p.buffer ? " (buffer)" : ""), p.only_in ? "only in " + p.only_in : cell(p.value), cell(p.grad), cell(p.updated)]) tr.appendChild(el("td", null, x));
       t.appendChild(tr);
     }
     sec.appendChild(t); main.appendChild(sec);

@@ -62,20 +62,25 @@ def _summary_table(result: DiffResult, console: Console) -> None:
         t.add_column(col, justify="left" if col in ("section", "verdict") else "right", overflow="fold")
     for d in (result.forward, result.backward):
         differing = sum(1 for r in d.rows if r.differs)
-        t.add_row(_tx(d.section), _tx(d.compared), _tx(differing), _tx(len(d.inserted)), _tx(len(d.removed)),
+        t.add_row(_tx(d.label), _tx(d.compared), _tx(differing), _tx(len(d.inserted)), _tx(len(d.removed)),
                   _tx(d.summary()), style=None if d.equal and not d.from_backward else "red")
-    bad = result.differing_params
-    words = (f"{state_count(bad)} {'differs' if len(bad) == 1 else 'differ'} ({differing_parts(bad)})"
-             if bad else "equal")
-    t.add_row(_tx("parameters"), _tx(len(result.params)), _tx(len(bad)), _tx(""), _tx(""), _tx(words),
-              style="red" if bad else None)
+    # Parameters and buffers each on their row: a count of one is no count of the other.
+    for kind, buffer in (("parameters", False), ("buffers", True)):
+        compared = [p for p in result.params if p.buffer == buffer]
+        if buffer and not compared:
+            continue
+        bad = [p for p in result.differing_params if p.buffer == buffer]
+        words = (f"{state_count(bad)} {'differs' if len(bad) == 1 else 'differ'} ({differing_parts(bad)})"
+                 if bad else "equal")
+        t.add_row(_tx(kind), _tx(len(compared)), _tx(len(bad)), _tx(""), _tx(""), _tx(words),
+                  style="red" if bad else None)
     console.print(t)
 
 
 def _origin(d: Divergence, o: Row, console: Console, all_frames: bool) -> None:
     """The origin's facts side by side, then its stack in each trace, folded as ``gradtrace show``
     folds it unless ``all_frames``."""
-    s = Table(title=f"First {d.section} divergence: {d.reason}", title_justify="left", show_lines=True)
+    s = Table(title=f"First {d.label} divergence: {d.reason}", title_justify="left", show_lines=True)
     s.add_column("")
     s.add_column("A", overflow="fold")
     s.add_column("B", overflow="fold")
@@ -185,7 +190,8 @@ def _param_table(result: DiffResult, console: Console) -> None:
     if not bad:
         return
     shown = bad[:_MAX_ROWS]
-    q = Table(title=f"Parameters that differ ({len(bad)} of {len(result.params)})", title_justify="left")
+    q = Table(title=f"{states_noun(bad).capitalize()} that differ ({differing_of(bad, result.params)})",
+              title_justify="left")
     for col in ("parameter", "value read", "gradient", "after step"):
         q.add_column(col, no_wrap=True, overflow="ellipsis")
     for pd in shown:
@@ -282,3 +288,22 @@ def state_count(params: Sequence[ParamDiff]) -> str:
     if not own:
         return plural(buffers, "buffer")
     return f"{plural(own, 'parameter')} and {plural(buffers, 'buffer')}"
+
+
+def states_noun(params: Sequence[ParamDiff]) -> str:
+    """``parameters``, ``buffers`` or ``parameters and buffers``: what ``params`` hold."""
+    buffers = sum(1 for p in params if p.buffer)
+    return "buffers" if params and buffers == len(params) else "parameters and buffers" if buffers else "parameters"
+
+
+def differing_of(bad: Sequence[ParamDiff], params: Sequence[ParamDiff]) -> str:
+    """How many of the compared ``params`` differ (``bad``): ``4 of 4`` where there is no buffer,
+    else counted apart, ``21 of 21 parameters, 0 of 1 buffer``."""
+    if not any(p.buffer for p in params):
+        return f"{len(bad)} of {len(params)}"
+    out = []
+    for kind, buffer in (("parameter", False), ("buffer", True)):
+        n = sum(1 for p in params if p.buffer == buffer)
+        if n:
+            out.append(f"{sum(1 for p in bad if p.buffer == buffer)} of {plural(n, kind)}")
+    return ", ".join(out)

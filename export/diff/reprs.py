@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from export.diff.console import differing_of, state_count, states_noun
 from tracer.model.display import clip, format_number, plural
 from tracer.model.frames import user_frame
 from tracer.model.reprs import NAME_LIMIT, card, esc, names, names_html, source_link
@@ -33,7 +34,7 @@ def row_repr(r: Row) -> str:
 
 
 def divergence_repr(d: Divergence) -> str:
-    return f"<Divergence {d.section}: {clip(d.summary(), VERDICT_LIMIT)}>"
+    return f"<Divergence {d.label}: {clip(d.summary(), VERDICT_LIMIT)}>"
 
 
 def param_repr(p: ParamDiff) -> str:
@@ -57,13 +58,13 @@ def _section(d: Divergence) -> str:
 
 def result_html(r: DiffResult) -> str:
     facts = [("A", f"<code>{esc(r.a_label)}</code>"), ("B", f"<code>{esc(r.b_label)}</code>"),
-             ("forward", _section(r.forward)), ("backward", _section(r.backward))]
+             (r.forward.label, _section(r.forward)), (r.backward.label, _section(r.backward))]
     bad = r.differing_params
     if bad:
-        facts.append(("parameters", f"{len(bad)} of {len(r.params)} differ: "
-                                    f"{names_html([p.name for p in bad], TOP_PARAMS)}"))
+        facts.append((states_noun(r.params), f"{esc(differing_of(bad, r.params))} differ: "
+                                             f"{names_html([p.name for p in bad], TOP_PARAMS)}"))
     elif r.params:
-        facts.append(("parameters", f"{len(r.params)} compared, none differs"))
+        facts.append((states_noun(r.params), f"{esc(state_count(r.params))} compared, none differs"))
     for note in r.notes[:3]:
         facts.append(("note", esc(note, VERDICT_LIMIT)))
     return card("diff", "EQUAL" if r.equal else "DIFFERENT", facts, note="" if r.equal else r.verdict())

@@ -214,6 +214,14 @@ class Divergence:
         return self.origin is None and not self.contaminated and not self.inserted and not self.removed
 
     @property
+    def label(self) -> str:
+        """The word every surface names this section's divergence by (the verdict, the summary's
+        row, the origin's heading): the calls' section holds the optimizer phase too, and an origin
+        there is named by its phase (``optimizer``); otherwise the section's name."""
+        o = self.origin
+        return o.phase if self.section == "forward" and o is not None and o.phase == "optimizer" else self.section
+
+    @property
     def first_structural(self) -> Row | None:
         return next((r for r in self.rows if r.status in ("inserted", "removed")), None)
 
@@ -301,7 +309,7 @@ class ParamDiff:
         def c(x: Compared | None) -> Any:
             return None if x is None else x.to_json()
         return {"name": self.name, "value": c(self.value), "grad": c(self.grad), "updated": c(self.updated),
-                "only_in": self.only_in, "read": self.read or None}
+                "only_in": self.only_in, "read": self.read or None, "buffer": self.buffer}
 
 
 @dataclass
@@ -403,9 +411,7 @@ class DiffResult:
             casts = len(f.casts) + len(b.casts)
             tail += f"; {plural(casts, 'dtype cast')} made by one side only, ignored" if casts else ""
             return f"EQUAL within {self.tolerance}{at}{tail}"
-        # (the calls' section holds the optimizer phase too: named by its origin's phase there)
-        calls = f.origin.phase if f.origin is not None and f.origin.phase == "optimizer" else "forward"
-        parts = [f"{calls}: {f.summary()}", f"backward: {b.summary()}"]
+        parts = [f"{f.label}: {f.summary()}", f"{b.label}: {b.summary()}"]
         if self.parted_earlier:  # the cause lies before this step: say so first, and how to find it
             parts.insert(0, parted_earlier(sum(1 for p in self.params if not p.buffer)))
         elif self.differing_params:
@@ -431,7 +437,8 @@ class DiffResult:
                 "rtol": None if t is None else t.rtol, "atol": None if t is None else t.atol,
                 "forward": self.forward.to_json(), "backward": self.backward.to_json(),
                 "params": [p.to_json() for p in self.differing_params],
-                "params_compared": len(self.params), "notes": self.notes,
+                "params_compared": sum(1 for p in self.params if not p.buffer),
+                "buffers_compared": sum(1 for p in self.params if p.buffer), "notes": self.notes,
                 "numerics": {side: r.to_json() for side, r in self.numerics().items()}}
 
     def numerics(self) -> dict[str, NumericsReport]:
