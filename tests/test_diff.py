@@ -22,6 +22,7 @@ from export.cli import main
 from export.diff import DiffError, diff
 from export.diff.align import Pair, align, align_steps
 from export.diff.page import diff_html, diff_html_text
+from tests.browser import opened
 from tests.models import hf_model
 from tests.test_cli import assert_one_line_error, run
 
@@ -462,7 +463,6 @@ def _evil(k: float) -> tracer.Trace:
 
 @pytest.mark.browser
 def test_html_in_browser_escapes_and_filters(tmp_path) -> None:
-    playwright = pytest.importorskip("playwright.sync_api")
     a, b = _evil(1.0), _evil(2.0)
     r = diff(a, b)
     assert r.forward.origin_a == "mul0" and r.forward.origin.module == EVIL
@@ -471,27 +471,18 @@ def test_html_in_browser_escapes_and_filters(tmp_path) -> None:
     diff_html(r, a, b, path)
     page_text = path.read_text(encoding="utf-8")
     assert EVIL not in page_text  # only escaped inside the JSON
-    with playwright.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"])
-        try:
-            page = browser.new_page()
-            errors: list[str] = []
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-            page.goto(path.as_uri())
-            assert errors == []
-            assert page.locator("img").count() == 0
-            assert page.locator("#verdict").inner_text().startswith("DIVERGED")
-            origin = page.locator("#section-forward tr.origin")
-            assert origin.count() == 1 and "mul0" in origin.inner_text()
-            assert page.get_by_text(EVIL, exact=True).count() >= 1  # shown as text
-            rows = page.locator("#section-forward tbody tr")
-            visible = lambda: sum(1 for i in range(rows.count()) if rows.nth(i).is_visible())  # noqa: E731
-            before = visible()
-            page.locator("#section-forward input[type=checkbox]").check()
-            assert visible() < before and visible() == sum(1 for row in r.forward.rows if row.status != "equal")
-        finally:
-            browser.close()
+    with opened(path) as (page, errors):
+        assert errors == []
+        assert page.locator("img").count() == 0
+        assert page.locator("#verdict").inner_text().startswith("DIVERGED")
+        origin = page.locator("#section-forward tr.origin")
+        assert origin.count() == 1 and "mul0" in origin.inner_text()
+        assert page.get_by_text(EVIL, exact=True).count() >= 1  # shown as text
+        rows = page.locator("#section-forward tbody tr")
+        visible = lambda: sum(1 for i in range(rows.count()) if rows.nth(i).is_visible())  # noqa: E731
+        before = visible()
+        page.locator("#section-forward input[type=checkbox]").check()
+        assert visible() < before and visible() == sum(1 for row in r.forward.rows if row.status != "equal")
 
 
 # ---- alignment -------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import torch.nn as nn
 import tracer
 from export.cli import main
 from export.diff import diff, diff_html, diff_payload
+from tests.browser import opened
 
 LR_REASON = "inputs match, arguments differ ('lr=0.001' vs 'lr=0.002'), outputs differ"
 
@@ -142,24 +143,15 @@ def test_a_forward_origin_is_still_named_forward(traces: dict[str, Path], capsys
 
 @pytest.mark.browser
 def test_the_html_page_names_the_buffers_it_lists(traces: dict[str, Path], tmp_path: Path) -> None:
-    playwright = pytest.importorskip("playwright.sync_api")
     a, b = tracer.load(str(traces["base"])), tracer.load(str(traces["buffer"]))
     result = diff(a, b)
     assert [(p["name"], p["buffer"]) for p in diff_payload(result, a, b)["params"]] == \
         [("scale", True), ("fc.weight", False)]
     path = tmp_path / "diff.html"
     diff_html(result, a, b, path)
-    with playwright.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"])
-        try:
-            page = browser.new_page()
-            errors: list[str] = []
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.goto(path.as_uri())
-            assert errors == []
-            section = page.locator("section", has_text="Parameters and buffers that differ")
-            assert section.locator("h2").inner_text() == "Parameters and buffers that differ"
-            names = [section.locator("tr").nth(i).locator("td").first.inner_text() for i in (1, 2)]
-            assert names == ["scale (buffer)", "fc.weight"]
-        finally:
-            browser.close()
+    with opened(path) as (page, errors):
+        assert errors == []
+        section = page.locator("section", has_text="Parameters and buffers that differ")
+        assert section.locator("h2").inner_text() == "Parameters and buffers that differ"
+        names = [section.locator("tr").nth(i).locator("td").first.inner_text() for i in (1, 2)]
+        assert names == ["scale (buffer)", "fc.weight"]
