@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import tracer
+from export.diff import diff
 from tests.conftest import requires_cuda
 from tracer.model import Call, Trace
 
@@ -187,3 +188,28 @@ def test_inductor_on_cuda_is_one_call_without_recompiling() -> None:
     out = t.tensors[t.calls[0].outputs[0]]
     assert out.fingerprint is not None and out.device.startswith("cuda")
     assert torch.allclose(y, five_ops(x))
+
+
+def test_a_compiled_models_parameters_have_the_models_own_names() -> None:
+    """torch.compile's wrapper and the model it compiles are one model: its parameters and modules
+    are named as an eager run names them (``0.weight``, not ``_orig_mod.0.weight``), so a
+    compiled run and an eager one compare parameter by parameter."""
+
+    def step(compile_it: bool) -> tracer.Trace:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        run = torch.compile(model, backend="aot_eager") if compile_it else model
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(3, 4)
+        with tracer.trace(hash="md5") as t:
+            run(x).sum().backward()
+            opt.step()
+        return t
+
+    compiled, eager = step(True), step(False)
+    params = ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert [n for n, r in compiled.tensors.items() if r.role == "param" and r.previous is None] == params
+    assert compiled.modules == eager.modules == {"": "Sequential", "0": "Linear", "1": "ReLU", "2": "Linear"}
+    r = diff(eager, compiled)
+    assert sorted(p.name for p in r.params) == sorted(params)
+    assert all(p.only_in is None for p in r.params)

@@ -168,6 +168,16 @@ def name_in_callers(module: torch.nn.Module, depth: int, frames: int = 6) -> str
     return None
 
 
+def compiled_model(module: torch.nn.Module) -> torch.nn.Module | None:
+    """The model ``torch.compile`` wrapped, where ``module`` is its wrapper (``OptimizedModule``,
+    which holds it as ``_orig_mod``); else None. By the class's name: importing torch._dynamo to
+    test the class takes seconds."""
+    if type(module).__name__ != "OptimizedModule":
+        return None
+    inner = module.__dict__.get("_modules", {}).get("_orig_mod")
+    return inner if isinstance(inner, torch.nn.Module) else None
+
+
 def parameter_path(module: torch.nn.Module, prefix: str, p: torch.Tensor) -> str | None:
     """The path of parameter ``p`` in ``module`` (whose own path is ``prefix``), if it holds it."""
     for name, q in module.named_parameters(prefix=prefix, remove_duplicate=False):

@@ -16,7 +16,7 @@ from torch.nn.modules import module as nn_module
 
 from tracer.record.calls import PendingCall
 from tracer.record.mode import on_traced_thread
-from tracer.record.module_roots import Caller, caller, enclosing_module, name_in_caller
+from tracer.record.module_roots import Caller, caller, compiled_model, enclosing_module, name_in_caller
 from tracer.record.opaque import COMPILED_NOTE, ModeOff, OpaqueRegion
 from tracer.record.part import Part
 from tracer.record.tensors import (
@@ -161,7 +161,7 @@ class ModuleScopes(Part):
         # The frame that called this hook runs the module's forward and stays on the stack until
         # the post-hook: stack captures inside the module stop walking there.
         self._scope_frames.append(rec.stack_table.open_scope(sys._getframe(1)))
-        if type(module).__name__ == "OptimizedModule" and not rec.paused:
+        if compiled_model(module) is not None and not rec.paused:
             self._enter_opaque(module, args)
 
     def _floating_path(self, cls: str, parent: str) -> str:
@@ -258,7 +258,15 @@ class ModuleScopes(Part):
         # three separate walks cost ~2 ms per trace on a GPT-2-sized model.
         params: list[tuple[str, torch.Tensor]] = []
         buffers: list[tuple[str, torch.Tensor]] = []
-        for sub_path, sub in module.named_modules():
+        walked = module
+        compiled = compiled_model(module)
+        if compiled is not None:
+            # torch.compile's wrapper and the model it compiles are one model to the program: its
+            # names are the model's (``0.weight``, not ``_orig_mod.0.weight``), as an eager run's
+            # are, so that two runs, compiled and not, compare name by name.
+            self._paths.setdefault(module, prefix)
+            walked = compiled
+        for sub_path, sub in walked.named_modules():
             full = f"{prefix}.{sub_path}" if prefix and sub_path else prefix or sub_path
             if sub not in self._paths:
                 self._paths[sub] = full
