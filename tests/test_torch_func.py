@@ -159,3 +159,37 @@ def test_a_wrapper_that_outlives_its_transform_is_recorded() -> None:
     rec = t["input0"]
     assert rec.md5 == reference_md5(x * 3)
     assert torch.equal(out, x * 3 + 1)
+
+
+def test_values_keep_their_lineage_through_vmap() -> None:
+    """What enters vmap is the value the block made (the per-entry view of ``linear0:out``), what
+    leaves is the value made inside (``mul0:out``), and the grad nodes made inside belong to the
+    calls that made them: one graph, not two cut apart by 'input<k>' and 'external/' nodes."""
+    torch.manual_seed(0)
+    fc, head = torch.nn.Linear(6, 8), torch.nn.Linear(8, 1)
+    x = torch.randn(5, 6)
+    with tracer.trace(hash="md5") as t:
+        h = fc(x)
+        h = vmap(lambda r: torch.tanh(r) * 2)(h)
+        head(h).sum().backward()
+    reads = {c.name: c.inputs[0] for c in t.calls}
+    assert reads == {"linear0": "input0", "tanh0": "linear0:out", "mul0": "tanh0:out", "linear1": "mul0:out",
+                     "sum0": "linear1:out"}
+    nodes = [n.name for n in t.grad_nodes]
+    assert "tanh0/TanhBackward0" in nodes and "mul0/MulBackward0" in nodes
+    assert not [n for n in nodes if n.startswith("external/")]
+    assert t.tensors["mul0:out"].md5 == reference_md5(h)  # (the batch vmap handed back)
+
+
+def test_what_torch_func_grad_returns_is_the_gradient_it_computed() -> None:
+    """``grad()``'s result, read by the next call, is its run's output ``grad0:out0``, with its
+    checksum (before, a new 'input<k>' of the same bytes)."""
+    torch.manual_seed(0)
+    m, x = torch.nn.Linear(3, 2), torch.randn(3)
+    params = {k: v.detach() for k, v in m.named_parameters()}
+    with tracer.trace(hash="md5") as t:
+        g = grad(lambda p: functional_call(m, p, (x,)).sum())(params)
+        g["weight"] * 2
+    (mul,) = [c for c in t.calls if c.api == "Tensor.mul"]
+    assert mul.inputs == ["grad0:out0"] and t.backward_runs[0].outputs == ["grad0:out0", "grad0:out1"]
+    assert t.tensors["grad0:out0"].md5 == reference_md5(g["weight"])

@@ -42,6 +42,7 @@ from tracer.record.tensors import (
     unique,
     version_of,
 )
+from tracer.record.transforms import transforms_active
 from tracer.record.weakmap import IdWeakMap
 
 if TYPE_CHECKING:
@@ -695,6 +696,8 @@ class Graph(Part):
                 results = out if isinstance(out, (tuple, list)) else (out,)
                 run.outputs = [self.rec.names.new_tensor(t, names.output_name(run.name, i, len(results)), "grad", run.name)
                                for i, t in enumerate(results) if isinstance(t, torch.Tensor)]
+                if transforms_active():  # (torch.func.grad: what it returns is what these wrap)
+                    self.rec.names.note_unwrapped([t for t in results if isinstance(t, torch.Tensor)], run.outputs)
         return out
 
     def _indegree_all(self) -> dict[tuple[str, int], int]:

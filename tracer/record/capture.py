@@ -47,6 +47,7 @@ from tracer.record.tensors import (
     unique,
     versions_of,
 )
+from tracer.record.transforms import current_transform, unwrapped_grad_fns
 
 if TYPE_CHECKING:
     from tracer.record.recorder import Recorder
@@ -172,6 +173,8 @@ class PythonCapture(Part):
             grad_fns = list(map(GRAD_FN, produced))
         except RuntimeError:  # a view made under no_grad whose base changed in place refuses it
             grad_fns = [grad_fn_of(t) for t in produced]
+        if current_transform() is not None:  # (vmap: the graph is made on the plain tensors its wrappers hold)
+            grad_fns = unwrapped_grad_fns(produced, grad_fns)
         seq1 = get_seq() if get_seq is not None else None
         trace = self._trace  # (rec.marks(), inlined: every recorded call passes here)
         marks = (len(trace.calls), len(trace.tensors), len(trace.grad_nodes))

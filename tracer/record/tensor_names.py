@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +47,7 @@ from tracer.record.tensors import (
     storage_key,
     version_of,
 )
+from tracer.record.transforms import current_transform, transforms_active, transforms_off, unwrap
 from tracer.record.weakmap import IdWeakMap
 
 # Why a tensor in memory a storage was just given is not hashed (TensorNames.fresh_storage).
@@ -117,6 +118,9 @@ class TensorNames(Part):
         # tensor in one, seen now, holds whatever the allocator left there (see fresh_storage).
         self._fresh: list[tuple[int, int]] = []
         self._owner_searches = 0  # passes over the live objects made for this trace (see name_model_of)
+        # The plain tensors that outputs recorded inside a torch.func transform wrap (vmap's
+        # batched values) -> their (name, version): the tensor a transform hands back is one.
+        self._unwrapped: IdWeakMap[tuple[str, int]] = IdWeakMap()
 
     # ---- a call's values ----------------------------------------------------------------------
     def name_inputs(self, ins: list[torch.Tensor], versions: list[int], short: str,
@@ -197,6 +201,8 @@ class TensorNames(Part):
         finally:
             if deferred:
                 self.submit_deferred()
+        if outs and current_transform() is not None:
+            self.note_unwrapped(outs, out_names)
         if len(produced) > n_outs:
             # What it wrote without returning it (foreach in-place ops, GradScaler's unscale
             # return nothing) is among its outputs too.
@@ -524,6 +530,9 @@ class TensorNames(Part):
             read = self._read_before_named.get(t)
             if read is not None and self._name_read_before(t, *read):
                 return self.name_at(t, version)
+        through = self._through_transform(t)
+        if through is not None:
+            return through
         self._inputs += 1
         # Met first as what an initialiser or an out= overwrites (``nn.Parameter(torch.empty(...))``
         # in a constructor that runs in the block), or in memory nobody has written yet: not hashed.
@@ -534,6 +543,37 @@ class TensorNames(Part):
             self.rec.graph.note_unnamed_hook_input(name)
         self.index_alias(t)
         return name
+
+    def note_unwrapped(self, outs: Sequence[torch.Tensor], out_names: Sequence[str]) -> None:
+        """Values recorded inside a ``torch.func`` transform: the plain tensor each wraps is
+        indexed by its name, so that what the transform hands back (that very tensor, the batch
+        of every entry under ``vmap``) is read as the value it is, not as a new input."""
+        with transforms_off():
+            for t, name in zip(outs, out_names):
+                plain, _ = unwrap(t)
+                if plain is not None and plain is not t:
+                    self._unwrapped[plain] = (name, version_of(plain))
+
+    def _through_transform(self, t: torch.Tensor) -> str | None:
+        """The name of the value ``t``, met for the first time, shows through a ``torch.func``
+        transform: inside one, the named tensor a wrapper wraps (vmap's per-entry view of a
+        batch the block made); after one, the output it handed back (see note_unwrapped)."""
+        if len(self._unwrapped):
+            hit = self._unwrapped.get(t)
+            if hit is not None and hit[1] == version_of(t):
+                self._tensor_names[t] = hit
+                return hit[0]
+        if not transforms_active():
+            return None
+        with transforms_off():
+            plain, _ = unwrap(t)
+            if plain is None or plain is t:
+                return None
+            hit = self._tensor_names.get(plain)
+            if hit is None or hit[1] != version_of(plain):
+                return None
+            self._tensor_names[t] = (hit[0], version_of(t))
+        return hit[0]
 
     def _accumulated_now(self, t: torch.Tensor, version: int) -> str | None:
         """While an accumulator runs, the name of ``t`` if it is the .grad the accumulator has just

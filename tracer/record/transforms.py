@@ -32,6 +32,15 @@ _disable_functorch: Callable[[], Any] | None = getattr(torch._C, "_DisableFuncTo
 _MAX_LEVELS = 64
 
 
+def _no_transform() -> None:
+    return None
+
+
+# The innermost running transform's interpreter, None when none runs: the C function itself where
+# torch has it (the recorder asks at every call: one C call, no Python frame).
+current_transform: Callable[[], Any] = _peek_interpreter if _peek_interpreter is not None else _no_transform
+
+
 def transforms_active() -> bool:
     """Whether a ``torch.func`` transform is running on this thread."""
     return _peek_interpreter is not None and _peek_interpreter() is not None
@@ -84,3 +93,20 @@ def unwrap(t: torch.Tensor) -> tuple[torch.Tensor | None, str | None]:
     shape = "x".join(str(s) for s in x.shape) or "scalar"
     return x, (f"vmap: checksum and stats of every batch entry together (the batched {shape} tensor, "
                f"batch dim {dims})")
+
+
+def unwrapped_grad_fns(tensors: list[torch.Tensor], grad_fns: list[Any]) -> list[Any]:
+    """``grad_fns`` (of ``tensors``, made inside a transform), with the grad node of the plain
+    tensor a wrapper holds where the wrapper shows none: under ``vmap`` autograd records the ops
+    on the batched values, so a call's node is on what its output wraps."""
+    out = list(grad_fns)
+    with transforms_off():
+        for i, (t, fn) in enumerate(zip(tensors, grad_fns)):
+            if fn is None and is_wrapped(t):
+                plain, _ = unwrap(t)
+                if plain is not None:
+                    try:
+                        out[i] = plain.grad_fn
+                    except RuntimeError:
+                        pass
+    return out
