@@ -152,6 +152,46 @@ def test_what_a_resize_grows_is_uninitialised_not_a_nan_the_program_made():
     assert t.tensors[t["resize_0"].mutated[0]].md5 is not None
 
 
+def test_a_partial_write_into_uninitialised_memory_leaves_the_rest_unhashed():
+    """What FSDP2's all-gather copy-in does: ``torch.empty`` for every rank, this rank's slice
+    written. The buffer's new version still holds leftover bytes: not hashed, so two identical
+    runs do not differ there (they diverged before) and stale NaN bytes are no NaN the program
+    made. A write of every element (a copy through views that cover it, ``out=``, a fill) is
+    hashed as usual, the bytes' MD5."""
+    pytest.importorskip("torch.distributed.fsdp")
+    import hashlib
+
+    def run(stale: float) -> tuple[tracer.Trace, torch.Tensor]:
+        torch.full((144,), stale)  # (freed: its bytes are what the next empty() may hold)
+        with tracer.check_numerics() as t:
+            buf = torch.empty(144)
+            inp, buf = torch.ops.fsdp.all_gather_copy_in([torch.arange(64.0), torch.arange(8.0)], buf, [64, 8], 72, 0)
+            (inp * 2).sum()
+            whole = torch.empty(6)
+            torch._foreach_copy_([whole[:3], whole[3:]], [torch.ones(3), torch.full((3,), 2.0)])
+            (whole * 1).sum()
+        return t, whole
+
+    a, whole = run(float("nan"))
+    b, _ = run(7.0)
+    partial = a.tensors["empty0:out@v1"]
+    assert partial.uninitialized and partial.stats is None
+    assert partial.hash_note == ("not hashed: it still holds uninitialised memory (all_gather_copy_in0 wrote part "
+                                 "of it, or wrote it from what it held); its first whole write is a new version")
+    assert a.tensors["all_gather_copy_in0:out0"].stats is not None  # (the slice it wrote: read as usual)
+    assert a.anomalies.clean and diff(a, b, rtol=0.0, atol=0.0).verdict().startswith("EQUAL")
+    covered = a.tensors["empty1:out@v1"]
+    assert not covered.uninitialized and covered.stats is not None and covered.stats.max == 2.0
+    with tracer.trace(hash="md5") as t:
+        out = torch.empty(3)
+        torch.add(torch.ones(3), 1, out=out)
+        garbage = torch.empty(3)
+        garbage.add_(1)  # (every element written, from what it held: still uninitialised)
+    assert t.tensors["empty0:out@v1"].md5 == hashlib.md5(out.numpy().tobytes()).hexdigest()
+    assert t.tensors["empty1:out@v1"].uninitialized and t.tensors["empty1:out@v1"].md5 is None
+    assert whole.tolist() == [1.0, 1.0, 1.0, 2.0, 2.0, 2.0]
+
+
 class InfGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):

@@ -21,12 +21,30 @@ from typing import Any
 
 import torch
 
+from tracer.model.phases import replaces_whole
+
 # Tensor-returning ops whose result holds uninitialised memory (by their short name).
 UNINITIALISED = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided",
                            "empty_permuted"})
 # In-place resizes: a tensor they grow holds uninitialised memory past its old elements (by API;
 # torch.ao's per-channel observers grow their empty min/max buffers this way).
 RESIZING_APIS = frozenset({"Tensor.resize_", "Tensor.resize_as_", "torch.resize_as_"})
+# Writes that replace all of what they write besides the initialisers, fills and copy_
+# (tracer.model.phases.replaces_whole), by short name: a new storage, a copy of whole lists, the
+# collectives whose output is all received. What else writes into uninitialised memory leaves
+# the rest of it as it was (see TensorNames._still_uninitialised).
+_WHOLE_WRITERS = frozenset({"set_", "_foreach_copy_", "broadcast", "recv", "irecv", "all_gather", "all_gather_coalesced",
+                            "all_gather_into_tensor", "all_gather_single", "_all_gather_base",
+                            "all_gather_into_tensor_coalesced", "all_gather_single_coalesced", "reduce_scatter",
+                            "reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base",
+                            "reduce_scatter_tensor_coalesced", "reduce_scatter_single_coalesced", "all_to_all_single",
+                            "all_to_all", "permute_tensor"})
+
+
+def writes_whole(api: str) -> bool:
+    """Whether the call ``api`` writes every byte of the tensors it writes (``out=`` aside)."""
+    short = api.rpartition(".")[2]
+    return short in _WHOLE_WRITERS or replaces_whole(api)
 
 _INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
                               "__imod__", "__ipow__", "__ilshift__", "__irshift__", "__iand__", "__ior__",

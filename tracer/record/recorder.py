@@ -305,7 +305,8 @@ class Recorder:
         if name is None:
             name = self.counters.next(short)
         mutated_names, out_names, names_of = self.names.name_call_values(api, short, kind, name, ins, in_names, outs,
-                                                                          mutated, produced)
+                                                                          mutated, produced,
+                                                                          bool(kwargs) and "out" in kwargs)
         node_names = self.graph.link_call_nodes(produced, grad_fns, seq0, seq1, name, stack_id, names_of)
         parent, module, phase = self._context(name, kind, in_names, produced, bool(mutated), api)
         # Positional, in Call's field order: this runs for every recorded call.

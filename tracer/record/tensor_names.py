@@ -23,7 +23,7 @@ from tracer.model import TensorRecord, names
 from tracer.model.phases import OVERWRITING
 from tracer.model.records import OWNED_ROLES, Role
 from tracer.record.checksums.hasher import BATCH_MIN
-from tracer.record.effects import RESIZING_APIS, SET_DATA_API, UNINITIALISED
+from tracer.record.effects import RESIZING_APIS, SET_DATA_API, UNINITIALISED, writes_whole
 from tracer.record.identity import identity
 from tracer.record.module_roots import name_in_callers, parameter_path, swaps_parameters
 from tracer.record.owners import constructing_a_module, needs_search, owning_root_module
@@ -118,6 +118,7 @@ class TensorNames(Part):
         # tensor in one, seen now, holds whatever the allocator left there (see fresh_storage).
         self._fresh: list[tuple[int, int]] = []
         self._owner_searches = 0  # passes over the live objects made for this trace (see name_model_of)
+        self._uninitialised = 0  # records made of uninitialised memory (see _view_of_unwritten)
         # The plain tensors that outputs recorded inside a torch.func transform wrap (vmap's
         # batched values) -> their (name, version): the tensor a transform hands back is one.
         self._unwrapped: IdWeakMap[tuple[str, int]] = IdWeakMap()
@@ -146,12 +147,14 @@ class TensorNames(Part):
 
     def name_call_values(self, api: str, short: str, kind: str, name: str, ins: list[torch.Tensor],
                          in_names: list[str], outs: list[torch.Tensor], mutated: list[torch.Tensor],
-                         produced: list[torch.Tensor]) -> tuple[list[str], list[str], dict[int, str]]:
+                         produced: list[torch.Tensor], wrote_out: bool = False,
+                         ) -> tuple[list[str], list[str], dict[int, str]]:
         """The names of what the call ``name`` wrote (a new version of each, through every alias
         that shares its bytes) and returned (an input returned unchanged keeps its name; a new
         value is ``<call>:out<i>``), recorded. Returns the names of ``mutated``, of ``produced``
         (what it returned, then what it wrote without returning it) and of every value it
-        touched, by identity (the caller holds the lock)."""
+        touched, by identity (the caller holds the lock). ``wrote_out``: the call was passed
+        ``out=`` (what it wrote it wrote whole)."""
         # Inputs by identity, for what the call wrote or returned unchanged: built only where a
         # scan of the inputs could cost more (by C calls: a comprehension is a Python frame).
         in_pos = dict(zip(map(identity, ins), range(len(ins)))) if mutated or len(ins) > 4 else None
@@ -166,7 +169,7 @@ class TensorNames(Part):
             if mutated:
                 assert in_pos is not None
                 through = self._name_written(api, kind, name, ins, in_names, mutated, in_pos, names_of,
-                                             mutated_names)
+                                             mutated_names, wrote_out)
             uninit = short in UNINITIALISED
             n_outs = len(outs)
             out_names = [""] * n_outs
@@ -191,11 +194,12 @@ class TensorNames(Part):
                     if hit is not None and hit[1] == version_of(t):
                         known = hit[0]
                 if known is None:
+                    unwritten = uninit or (bool(self._uninitialised and ins) and self._view_of_unwritten(t, name))
                     known = self.new_tensor(t, names.output_name(name, i, n_outs), "output", name,
-                                            uninitialized=uninit,
+                                            uninitialized=unwritten,
                                             same_as=self.same_values_input(t, short if kind == "op" else "", ins,
                                                                            in_names, names_of)
-                                            if ins and not uninit and self.reads_values else None)
+                                            if ins and not unwritten and self.reads_values else None)
                 names_of[key] = known
                 out_names[i] = known
         finally:
@@ -219,7 +223,7 @@ class TensorNames(Part):
 
     def _name_written(self, api: str, kind: str, name: str, ins: list[torch.Tensor], in_names: list[str],
                       mutated: list[torch.Tensor], in_pos: dict[int, int], names_of: dict[int, str],
-                      mutated_names: list[str]) -> list[str]:
+                      mutated_names: list[str], wrote_out: bool = False) -> list[str]:
         """A new version of each tensor the call ``name`` wrote, and of every named tensor that
         shares its bytes; returns the names of the latter (written through an alias)."""
         tensors = self._trace.tensors
@@ -238,16 +242,49 @@ class TensorNames(Part):
             base = head if sep and tail.isdigit() else old
             n = versions.get(base, 0) + 1
             versions[base] = n
-            new = self.new_tensor(t, names.version_name(base, n), role, name, previous=old,
-                                  like=old_rec if same_meta else None,
-                                  uninitialized=api in RESIZING_APIS and self._grown(t, old_rec, name))
+            if old_rec is not None and old_rec.uninitialized:  # (rare: no metadata reused)
+                uninit = self._still_uninitialised(api, name, wrote_out, t.numel(), old_rec.numel)
+                new = self.new_tensor(t, names.version_name(base, n), role, name, previous=old, uninitialized=uninit)
+            else:
+                new = self.new_tensor(t, names.version_name(base, n), role, name, previous=old,
+                                      like=old_rec if same_meta else None,
+                                      uninitialized=api in RESIZING_APIS and self._grown(t, old_rec, name))
             names_of[identity(t)] = new
             mutated_names[j] = new
         if api == SET_DATA_API:
             # Its new bytes are the value's; no other tensor's bytes changed.
             self.index_alias(mutated[0])
             return []
-        return self.write_through_aliases(mutated, names_of, name, ins)
+        return self.write_through_aliases(mutated, names_of, name, ins, api)
+
+    def _view_of_unwritten(self, t: torch.Tensor, call: str) -> str | bool:
+        """The note of ``t``, made by ``call``, when it is a view of a value that holds
+        uninitialised memory (``torch.empty(6)[:3]`` before anything is written there), else
+        False: also for a view of what ``call`` itself partly wrote, which it returns as the part
+        it wrote. Asked only once such a value has been recorded."""
+        base = t._base
+        if base is None:
+            return False
+        hit = self._tensor_names.get(base)
+        if hit is None or hit[1] != version_of(base):
+            return False
+        rec = self._trace.tensors.get(hit[0])
+        # (a view the writing call itself returns is what it wrote: FSDP2's copy-in returns its slice)
+        if rec is None or not rec.uninitialized or rec.producer == call:
+            return False
+        return f"not hashed: a view of {rec.name}, which holds uninitialised memory; its first write is a new version"
+
+    @staticmethod
+    def _still_uninitialised(api: str, call: str, wrote_out: bool, written: int, numel: int) -> str | bool:
+        """For a value that held uninitialised memory, written by ``call`` (``written`` of its
+        ``numel`` elements: fewer through a view): the note of a new version that still holds
+        some of it (the rest is whatever the allocator left, so two runs of the same program
+        differ there), else False: a write of every element (``out=``, a fill, ``copy_``, an
+        initialiser, a collective's received output)."""
+        if (wrote_out or writes_whole(api)) and written >= numel:
+            return False
+        return (f"not hashed: it still holds uninitialised memory ({call} wrote part of it, or wrote it from what "
+                "it held); its first whole write is a new version")
 
     @staticmethod
     def _grown(t: torch.Tensor, old: TensorRecord | None, call: str) -> str | bool:
@@ -377,6 +414,7 @@ class TensorNames(Part):
         rec = TensorRecord(name, shape, dtype, device, role, producer, stride, contiguous, t.requires_grad, ver,
                            self._tensor_seq, None, None, None, None, previous)
         if uninitialized:
+            self._uninitialised += 1
             rec.uninitialized = True
             rec.hash_note = uninitialized if isinstance(uninitialized, str) else (
                 f"not hashed: uninitialised memory (made by {producer}); its first write is a new version")
@@ -897,7 +935,7 @@ class TensorNames(Part):
         return name
 
     def write_through_aliases(self, mutated: list[torch.Tensor], names_of: dict[int, str], call: str,
-                              ins: list[torch.Tensor]) -> list[str]:
+                              ins: list[torch.Tensor], api: str = "") -> list[str]:
         """A call that changed ``mutated`` changed every named tensor sharing their bytes too. Its
         own inputs excepted: an op keeps what it reads (an in-place all-gather's input is a slice
         of its output, rewritten with the same bytes). Returns the names of the new versions it
@@ -950,7 +988,12 @@ class TensorNames(Part):
                 else:
                     old = self._trace.tensors.get(hit[0])
                     role = old.role if old is not None else "input"
-                    made.append(self.new_tensor(o, self.bump(names.base_name(hit[0])), role, call, previous=hit[0]))
+                    # (a view's write into uninitialised memory: the rest of it stays so, unless
+                    # the call's views of it cover it whole)
+                    uninit = old is not None and old.uninitialized and self._still_uninitialised(
+                        api, call, False, sum(m.numel() for m in mutated if m._base is o), old.numel)
+                    made.append(self.new_tensor(o, self.bump(names.base_name(hit[0])), role, call, previous=hit[0],
+                                                uninitialized=uninit))
         return made
 
     def bump(self, base: str) -> str:
