@@ -15,12 +15,22 @@ batch, the random state, a learning rate), or says that everything going in agre
 computation itself changed. An input that differs without changing any result (an unseeded
 generator nothing draws from) is noted and the comparison goes on.
 
+A random generator that starts to differ at the step where the runs part is blamed only on
+evidence that the step used it. Its state moved before the next step in either run: blamed (the
+step, or what runs before the next step, drew from it or seeded it); it stayed put in both: not
+blamed. With no next step to tell, it is blamed where it differs first after step 0 (the runs
+seeded or drew from it differently since the step before) or is torch's (CPU or CUDA: their
+states start alike in every process), and not where it is Python's ``random`` or NumPy's global
+generator at step 0 (seeded differently in every process unless the program seeds them). One
+not blamed is mentioned beside the step's computation.
+
 Comparisons are bit-exact (fingerprints, the loss's exact value) by default. With ``rtol`` /
 ``atol`` (for runs on different hardware or dtypes), losses, learning rates and the parameters'
 and gradients' L2 norms are compared within ``|a - b| <= atol + rtol * max(|a|, |b|)``, and
 fingerprints are not compared; batch digests stay exact.
 
-Both logs are streamed, one step of each at a time. Nothing here imports torch.
+Both logs are streamed, one step of each at a time (and the next one, at the step where the runs
+part). Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -28,16 +38,19 @@ from __future__ import annotations
 import math
 import os
 import shlex
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from export.diff import Tolerance
 from export.errors import UserError
 from tracer.model.display import plural
-from tracer.model.steplog import StepEntry, StepLogReader
+from tracer.model.steplog import StepEntry, StepLogFormatError, StepLogReader
 
 TOP_NAMED = 3  # parameters named in the verdict before "..."
+SEEDED_ALIKE = frozenset({"torch", "cuda"})  # generators whose state is the same in every process until used
+
+Pair = tuple[StepEntry | None, StepEntry | None]
 
 
 @dataclass
@@ -180,18 +193,18 @@ class _Bisection:
         self.compared = 0
 
     def run(self) -> BisectResult:
-        ia, ib = iter(self.ra), iter(self.rb)
+        pairs = _Lookahead(_pairs(iter(self.ra), iter(self.rb)))
         prev: tuple[StepEntry, StepEntry] | None = None
         parting: Parting | None = None
         a_steps = b_steps = 0
-        for ea, eb in _pairs(ia, ib):
+        for ea, eb in pairs:
             if ea is None or eb is None:
                 a_steps += ea is not None
                 b_steps += eb is not None
                 continue  # one log goes on: counted, said below
             a_steps += 1
             b_steps += 1
-            parting = self._step(prev, ea, eb)
+            parting = self._step(prev, ea, eb, pairs.peek)
             if parting is not None:
                 break
             self.compared += 1
@@ -205,7 +218,8 @@ class _Bisection:
                             parting, self.tol, self.notes)
 
     # ---- one step -------------------------------------------------------------------------------
-    def _step(self, prev: tuple[StepEntry, StepEntry] | None, ea: StepEntry, eb: StepEntry) -> Parting | None:
+    def _step(self, prev: tuple[StepEntry, StepEntry] | None, ea: StepEntry, eb: StepEntry,
+              ahead: Callable[[], Pair | None] = lambda: None) -> Parting | None:
         step = ea.step
         if ea.layout.params != eb.layout.params:
             return Parting(step, "layout", _layout_words(ea, eb))
@@ -226,9 +240,14 @@ class _Bisection:
             return None
         results = self._results_words(ea, eb, loss_differs, grads, total)
         # A generator that differed already, without changing anything (an unseeded one the
-        # program never drew from until now, perhaps), is not blamed: it is said beside.
+        # program never drew from until now, perhaps), is not blamed; nor is one the log shows
+        # unused by the step, or an unseeded one at step 0 the log cannot tell about: it is said
+        # beside (see the module docstring).
         fresh = [g for k, w in inputs if k == "rng" for g in w.split(",") if g not in self._rng_differs]
         cause = next((w for k, w in inputs if k == "batch"), None)
+        if cause is None and fresh:
+            fresh, beside = self._used(step, fresh, ea, eb, ahead())
+            self.notes.extend(beside)
         if cause is None and fresh:
             cause = f"the random state of {_generators(fresh)} differs as its first forward begins"
         if cause is not None:
@@ -239,6 +258,37 @@ class _Bisection:
         going_in = f"everything that goes into it agrees (the parameters, the batch, the learning rates{rng}), yet"
         what = "the step's computation changed" if loss_differs else "the backward pass changed"
         return Parting(step, kind, f"{going_in} {results}: {what}", [names[i] for i in grads], total)
+
+    def _used(self, step: int, fresh: list[str], ea: StepEntry, eb: StepEntry,
+              nxt: Pair | None) -> tuple[list[str], list[str]]:
+        """Of the generators in ``fresh`` (differing at a step whose results differ, and at no
+        earlier step), those the log shows the step may have used, and notes on the others."""
+        na, nb = nxt if nxt is not None else (None, None)
+        used: list[str] = []
+        idle: list[str] = []
+        unknown: list[str] = []
+        for g in fresh:
+            moves = [e.rng.get(g) != n.rng.get(g) for e, n in ((ea, na), (eb, nb)) if n is not None]
+            if any(moves):
+                used.append(g)  # drawn from (or seeded) between this step and the next
+            elif len(moves) == 2:
+                idle.append(g)  # neither run touched it before the next step
+            elif step > 0 or g in SEEDED_ALIKE:
+                used.append(g)  # alike until now (or in every process): the programs made it differ
+            else:
+                unknown.append(g)
+        notes = []
+        if idle:
+            state, verb, it = ("states", "differ", "them") if len(idle) > 1 else ("state", "differs", "it")
+            after = f"step {na.step}" if na is not None else "the next step"
+            notes.append(f"(The random {state} of {_generators(idle)} {verb} as step {step} begins, but neither run "
+                         f"draws from {it} before {after}: not what changed the step.)")
+        if unknown:
+            state, verb, it = ("states", "differ", "them") if len(unknown) > 1 else ("state", "differs", "it")
+            notes.append(f"(The random {state} of {_generators(unknown)} {verb} as step {step} begins, as an "
+                         f"unseeded generator's does in every process; the log cannot tell whether the step draws "
+                         f"from {it}.)")
+        return used, notes
 
     def _note(self, step: int, inputs: list[tuple[str, str]]) -> None:
         """Inputs that differ at a step whose results agree: said once each, and remembered."""
@@ -353,13 +403,44 @@ class _Bisection:
         return ", ".join(parts)
 
 
-def _pairs(ia: Iterator[StepEntry], ib: Iterator[StepEntry]) -> Iterator[tuple[StepEntry | None, StepEntry | None]]:
+def _pairs(ia: Iterator[StepEntry], ib: Iterator[StepEntry]) -> Iterator[Pair]:
     """The steps of both logs side by side, then what is left of the longer one."""
     while True:
         ea, eb = next(ia, None), next(ib, None)
         if ea is None and eb is None:
             return
         yield ea, eb
+
+
+class _Lookahead:
+    """``_pairs`` with the next pair readable before it is taken (``peek``: None at the end). A log
+    unreadable past the step being compared says so when that step is taken, not when peeked."""
+
+    def __init__(self, pairs: Iterator[Pair]) -> None:
+        self._pairs = pairs
+        self._ahead: list[Pair | None] = []  # the peeked pair, once peeked
+        self._error: StepLogFormatError | None = None
+
+    def __iter__(self) -> _Lookahead:
+        return self
+
+    def __next__(self) -> Pair:
+        if self._error is not None:
+            raise self._error
+        if self._ahead:
+            pair = self._ahead.pop()
+            if pair is None:
+                raise StopIteration
+            return pair
+        return next(self._pairs)
+
+    def peek(self) -> Pair | None:
+        if not self._ahead and self._error is None:
+            try:
+                self._ahead.append(next(self._pairs, None))
+            except StepLogFormatError as e:
+                self._error = e
+        return self._ahead[0] if self._ahead else None
 
 
 GENERATORS = {"torch": "torch's CPU generator", "cuda": "the CUDA generators", "python": "Python's random",
