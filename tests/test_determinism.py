@@ -2,12 +2,16 @@
 whose rows land in an order that changes at every call (atomics made to happen on the CPU), in
 the forward or inside a custom Function's backward, is named with its line and the usual cause;
 the same model trained with built-in ops is deterministic; the state is put back as it was; a
-program whose runs already differ before the step is told so."""
+program whose runs already differ before the step is told so; and one whose runs read the
+parameters in another order is told that, not that a parameter differs."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import textwrap
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +26,7 @@ from tests.determinism_models import (
     rows_model,
     scrambled_add,
 )
-from tracer.analysis.determinism import CUSTOM, usual_cause
+from tracer.analysis.determinism import CUSTOM, compare_runs, usual_cause
 from tracer.record.checksums.fingerprint import fingerprint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -150,6 +154,84 @@ def test_run_check_determinism_needs_one_step(tmp_path, capsys):
     assert "needs the step to check, one step number: --steps K" in capsys.readouterr().err
     assert main(["run", "--check-determinism", "--steps", "3", "--every", "2", os.fspath(tmp_path / "train.py")]) == 2
     assert "drop --every" in capsys.readouterr().err
+
+
+def _reordered_model() -> tuple[torch.nn.Module, torch.optim.Optimizer, list[torch.nn.Parameter]]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), list(model.parameters())
+
+
+def _penalized_step(model: torch.nn.Module, opt: torch.optim.Optimizer,
+                    order: Callable[[], list[torch.nn.Parameter]]) -> Callable[[torch.Tensor], None]:
+    def step(x: torch.Tensor) -> None:
+        penalty = sum(p.pow(2).sum() for p in order())  # (as iterating a set of names reads them)
+        (model(x).sum() + 1e-3 * penalty).backward()
+        opt.step()
+        opt.zero_grad()
+    return step
+
+
+def _read_in_another_order(record: int) -> str:
+    return (f"run 2 took another path than run 1 at record {record}: pow0 (Tensor.pow) read 0.weight in run 1 and "
+            "2.bias in run 2 (the same record read other tensors: another path or order through the program)")
+
+
+def test_runs_that_read_the_parameters_in_another_order_are_told_so_not_that_a_parameter_differs() -> None:
+    model, opt, params = _reordered_model()
+    repeats = itertools.count()
+    step = _penalized_step(model, opt, lambda: params if next(repeats) == 0 else params[::-1])
+    before = _state(model, opt)
+    report = tracer.check_determinism(step, torch.ones(3, 4), model=model, optimizer=opt)
+    assert not report and report.first is None
+    assert report.before == _read_in_another_order(1)
+    assert report.describe() == f"not comparable: {_read_in_another_order(1)}"
+    assert "differs" not in report.describe() and "same state" not in report.describe()
+    assert _state(model, opt) == before  # (the parameters were bit-equal as each repeat began)
+    # A parameter that does differ as the step begins (read in the same order) is still named so.
+    same_order = _penalized_step(model, opt, lambda: params)
+    traces = []
+    for bump in (0.0, 1e-3):
+        with torch.no_grad():
+            params[0].add_(bump)
+        with tracer.trace(hash="fast") as t:
+            same_order(torch.ones(3, 4))
+        traces.append(t)
+    assert compare_runs(traces).before == ("0.weight differs between run 1 and run 2 as the step begins (read by pow0 "
+                                           "(Tensor.pow)): the runs do not start from the same state")
+
+
+READ_IN_ANOTHER_ORDER_AT_STEP_2 = textwrap.dedent(f"""
+    import os
+    import sys
+    sys.path.insert(0, {ROOT!r})
+    import torch
+    from tests.test_determinism import _penalized_step, _reordered_model
+    runs = os.path.join(os.path.dirname(os.path.abspath(__file__)), "runs.txt")
+    with open(runs, "a") as f:
+        f.write("run\\n")
+    with open(runs) as f:
+        second = len(f.readlines()) > 1
+    model, opt, params = _reordered_model()
+    steps = iter(range(4))
+    # The second run reads the parameters in reverse order at step 2 (the order of a set of names
+    # changes between processes): the parameters are bit-equal as step 2 begins in both runs.
+    step = _penalized_step(model, opt, lambda: params[::-1] if second and next(steps) == 2 else params)
+    for _ in range(4):
+        step(torch.ones(3, 4))
+""")
+
+
+def test_run_check_determinism_says_when_the_runs_read_the_parameters_in_another_order(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    (tmp_path / "train.py").write_text(READ_IN_ANOTHER_ORDER_AT_STEP_2)
+    assert main(["run", "--check-determinism", "--steps", "2", "train.py"]) == 1
+    out = capsys.readouterr().out
+    assert out == f"Step 2: not comparable: {_read_in_another_order(2)}\n"  # (record 1: torch.ones, the batch)
+    assert "differs" not in out
+    assert (tmp_path / "runs.txt").read_text() == "run\nrun\n"
 
 
 def test_scrambled_add_is_index_add_up_to_rounding():

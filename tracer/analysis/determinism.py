@@ -13,7 +13,9 @@ suspects its cause is named with what to set (``CAUSES``).
 
 A step whose records or their inputs already differ before any op could have made the
 difference (different parameters as the step begins, a different batch, another path through the
-code) is reported as such: that is nondeterminism before the step, not in it.
+code) is reported as such: that is nondeterminism before the step, not in it. A record that reads
+other tensors in two runs (other names: the parameters read in another order, as iterating a set
+of names does) took another path; its inputs are not compared as values.
 """
 
 from __future__ import annotations
@@ -190,6 +192,11 @@ def _compare(a: Trace, b: Trace, i: int) -> tuple[Nondeterministic | None, str |
         ins_b, outs_b = _ends(b, kb, xb)
         da, db = [_digest(a, n) for n in ins_a], [_digest(b, n) for n in ins_b]
         if da != db:
+            other = _other_tensors(ins_a, ins_b, da, db)
+            if other:
+                return None, (f"run {i + 1} took another path than run 1 at record {compared}: {_label(xa)} read "
+                              f"{other[0]} in run 1 and {other[1]} in run {i + 1} (the same record read other "
+                              "tensors: another path or order through the program)"), compared
             outside = [n for n, x, y in zip(ins_a, da, db) if x != y and n is not None and _from_outside(a, n)]
             if outside:
                 return None, (f"{outside[0]} differs between run 1 and run {i + 1} as the step begins (read by "
@@ -200,6 +207,23 @@ def _compare(a: Trace, b: Trace, i: int) -> tuple[Nondeterministic | None, str |
             differing = [str(n) for n, x, y in zip(outs_a, oa, ob) if x != y]
             return _found(a, ka, xa, differing, i), None, compared
     return None, None, compared
+
+
+def _other_tensors(ins_a: list[str | None], ins_b: list[str | None], da: list[str | None],
+                   db: list[str | None]) -> tuple[str, str] | None:
+    """The tensors a record read in each run where it read other ones (other names where the
+    checksums differ: a parameter read in another order is not a parameter whose value differs);
+    None when the same tensors were read."""
+    pairs = [(x, y) for x, y, p, q in zip(ins_a, ins_b, da, db) if p != q and x != y]
+    if len(ins_a) != len(ins_b):
+        pairs = [(", ".join(map(_shown, ins_a)), ", ".join(map(_shown, ins_b)))]
+    if not pairs:
+        return None
+    return ", ".join(_shown(x) for x, _ in pairs), ", ".join(_shown(y) for _, y in pairs)
+
+
+def _shown(name: str | None) -> str:
+    return name if name is not None else "no tensor"
 
 
 def _from_outside(t: Trace, name: str) -> bool:
