@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -462,3 +463,20 @@ def test_the_device_path_logs_what_the_cpu_path_logs(tmp_path):
             for mine, theirs in ((a.param_norms, b.param_norms), (a.grad_norms, b.grad_norms)):
                 assert None not in mine and mine == pytest.approx(theirs, rel=1e-6)
         assert host.finals[0].param_norms == pytest.approx(other.finals[0].param_norms, rel=1e-6)
+
+
+def test_a_log_started_before_the_process_group_is_one_per_rank_under_a_launcher(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``gradtrace run --log`` under torchrun starts the log before the program sets up its
+    process group: the launcher's environment says the rank, so each rank writes its own
+    ``run.rank<k>.gtsteps`` (before, both truncated and appended to one file, which was refused)."""
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    log = tracer.StepLog(str(tmp_path / "run.gtsteps"))
+    log.start()
+    try:
+        assert log.path == str(tmp_path / "run.rank1.gtsteps")
+    finally:
+        log.close()
+    assert os.path.exists(tmp_path / "run.rank1.gtsteps") and not os.path.exists(tmp_path / "run.gtsteps")
+    read_steplog(str(tmp_path / "run.rank1.gtsteps"))

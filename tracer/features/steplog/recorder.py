@@ -38,11 +38,10 @@ from types import TracebackType
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from tracer.features.backward_ends import BackwardEnds
-from tracer.features.distributed import rank_path
+from tracer.features.distributed import distributed_info, rank_path
 from tracer.features.optimizers import real_optimizer
 from tracer.features.steplog.digests import ALGORITHM, Digester, Reading, quiet
 from tracer.features.steplog.inputs import ForwardInputs, digest, rng_digests
@@ -163,8 +162,11 @@ class StepLog:
         """Create the file (replacing one of that name), write its header and start logging."""
         if self._fd is not None or self._released:
             raise TraceError("this step log was started already")
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            self.path = rank_path(self.path, dist.get_rank())  # run.rank1.gtsteps: one log per rank
+        # One log per rank (run.rank1.gtsteps), also where the log starts before the program sets
+        # up its process group (gradtrace run under torchrun: the launcher's environment says).
+        where = distributed_info()
+        if where is not None and where.get("world_size", 1) > 1:
+            self.path = rank_path(self.path, int(where["rank"]))
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
         self._write(header_json(ALGORITHM, _meta(self.source, self.program)))
         self._thread = threading.get_ident()
