@@ -352,8 +352,9 @@ def test_a_backward_that_computes_otherwise_is_backward_only() -> None:
     r = diff(*traces)
     o = r.backward.origin
     assert r.forward.equal and o is not None and (o.a, o.rule) == ("mul0", "backward-only")
-    assert r.backward.reason == ("backward-only: mul0 in the backward of Scale0/ScaleBackward: inputs match, outputs "
-                                 "differ while Scale0 matched in forward (nondeterministic backward?)")
+    # The factor is the call's argument: a known difference, named (not a guess at nondeterminism).
+    assert r.backward.reason == ("backward-only: mul0 in the backward of Scale0/ScaleBackward: inputs match, "
+                                 "arguments differ ('1.0' vs '2.0'), outputs differ while Scale0 matched in forward")
 
 
 # ---- inserted and removed calls --------------------------------------------------------------------------

@@ -54,7 +54,9 @@ def test_a_hook_that_changes_a_gradient_is_the_backward_origin(tmp_path: Path, h
     assert r.forward.origin is None
     origin = r.backward.origin
     assert origin is not None and origin.a == "mul0"
-    assert origin.note.startswith(f"mul0 in a backward hook of {node}: inputs match, outputs differ")
+    # (the hook's factor is its call's argument: the difference the trace knows is named)
+    assert origin.note.startswith(f"mul0 in a backward hook of {node}: inputs match, arguments differ "
+                                  "('1.0' vs '1.5'), outputs differ")
     assert r.backward.independent == [] and "nondeterministic" not in r.verdict()
 
 

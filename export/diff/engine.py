@@ -578,7 +578,8 @@ def _inner_origin(cmp: Comparer, sa: NodeRun, calls: dict[str, str], d: Divergen
             d.rows.append(row)
             in_own_code = ca.name in sa.calls or _nested_in(ca, set(sa.calls), a_calls)
             return row, Facts("call", ca.name, ca.api, frozenset(), cmp.tol is not None, row.max_rel, _mismatch(outs),
-                              inside=sa.node, hook=not in_own_code)
+                              inside=sa.node, hook=not in_own_code,
+                              args=_args_pair(ca, cb) if ca.args != cb.args else "")
     return None
 
 

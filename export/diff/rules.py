@@ -184,6 +184,8 @@ def _random_note(f: Facts) -> str:
 
 
 def _backward_only_note(f: Facts) -> str:
+    if f.record == "call" and f.args:  # (a known difference, the arguments: no guess at nondeterminism)
+        return f"backward-only: {_arguments_note(f)} while {f.node_call} {_matched(f)} in forward"
     text = _where(f) + outputs_differ(f) if f.record == "call" else outputs_differ(f, "gradients in")
     seed = "; the seed gradient differs" if SOURCE in f.inputs else ""
     return f"backward-only: {text} while {f.node_call} {_matched(f)} in forward (nondeterministic backward?){seed}"
