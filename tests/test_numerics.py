@@ -187,8 +187,11 @@ def test_a_partial_write_into_uninitialised_memory_leaves_the_rest_unhashed():
         torch.add(torch.ones(3), 1, out=out)
         garbage = torch.empty(3)
         garbage.add_(1)  # (every element written, from what it held: still uninitialised)
+        chunks = torch.empty(2, 3)  # (FSDP2's reduce-scatter input: out= a view that covers it whole)
+        torch.cat([torch.ones(3), torch.zeros(3)], out=chunks.view(6))
     assert t.tensors["empty0:out@v1"].md5 == hashlib.md5(out.numpy().tobytes()).hexdigest()
     assert t.tensors["empty1:out@v1"].uninitialized and t.tensors["empty1:out@v1"].md5 is None
+    assert t.tensors["empty2:out@v1"].md5 == hashlib.md5(chunks.numpy().tobytes()).hexdigest()
     assert whole.tolist() == [1.0, 1.0, 1.0, 2.0, 2.0, 2.0]
 
 

@@ -255,7 +255,7 @@ class TensorNames(Part):
             # Its new bytes are the value's; no other tensor's bytes changed.
             self.index_alias(mutated[0])
             return []
-        return self.write_through_aliases(mutated, names_of, name, ins, api)
+        return self.write_through_aliases(mutated, names_of, name, ins, api, wrote_out)
 
     def _view_of_unwritten(self, t: torch.Tensor, call: str) -> str | bool:
         """The note of ``t``, made by ``call``, when it is a view of a value that holds
@@ -935,7 +935,7 @@ class TensorNames(Part):
         return name
 
     def write_through_aliases(self, mutated: list[torch.Tensor], names_of: dict[int, str], call: str,
-                              ins: list[torch.Tensor], api: str = "") -> list[str]:
+                              ins: list[torch.Tensor], api: str = "", wrote_out: bool = False) -> list[str]:
         """A call that changed ``mutated`` changed every named tensor sharing their bytes too. Its
         own inputs excepted: an op keeps what it reads (an in-place all-gather's input is a slice
         of its output, rewritten with the same bytes). Returns the names of the new versions it
@@ -991,7 +991,7 @@ class TensorNames(Part):
                     # (a view's write into uninitialised memory: the rest of it stays so, unless
                     # the call's views of it cover it whole)
                     uninit = old is not None and old.uninitialized and self._still_uninitialised(
-                        api, call, False, sum(m.numel() for m in mutated if m._base is o), old.numel)
+                        api, call, wrote_out, sum(m.numel() for m in mutated if m._base is o), old.numel)
                     made.append(self.new_tensor(o, self.bump(names.base_name(hit[0])), role, call, previous=hit[0],
                                                 uninitialized=uninit))
         return made
