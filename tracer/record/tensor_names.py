@@ -242,13 +242,12 @@ class TensorNames(Part):
             base = head if sep and tail.isdigit() else old
             n = versions.get(base, 0) + 1
             versions[base] = n
-            if old_rec is not None and old_rec.uninitialized:  # (rare: no metadata reused)
-                uninit = self._still_uninitialised(api, name, wrote_out, t.numel(), old_rec.numel)
-                new = self.new_tensor(t, names.version_name(base, n), role, name, previous=old, uninitialized=uninit)
-            else:
-                new = self.new_tensor(t, names.version_name(base, n), role, name, previous=old,
-                                      like=old_rec if same_meta else None,
-                                      uninitialized=api in RESIZING_APIS and self._grown(t, old_rec, name))
+            # Memory nobody wrote stays so after a write of part of it; a resize can make some.
+            uninit = (self._still_uninitialised(api, name, wrote_out, t.numel(), old_rec.numel)
+                      if old_rec is not None and old_rec.uninitialized
+                      else api in RESIZING_APIS and self._grown(t, old_rec, name))
+            new = self.new_tensor(t, names.version_name(base, n), role, name, previous=old,
+                                  like=old_rec if same_meta and not uninit else None, uninitialized=uninit)
             names_of[identity(t)] = new
             mutated_names[j] = new
         if api == SET_DATA_API:

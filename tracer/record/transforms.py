@@ -43,7 +43,7 @@ current_transform: Callable[[], Any] = _peek_interpreter if _peek_interpreter is
 
 def transforms_active() -> bool:
     """Whether a ``torch.func`` transform is running on this thread."""
-    return _peek_interpreter is not None and _peek_interpreter() is not None
+    return current_transform() is not None
 
 
 def is_wrapped(t: torch.Tensor) -> bool:
