@@ -395,13 +395,17 @@ def test_gpt2_lr_change_reads_in_a_screen_with_folded_stacks(gpt2_runs: tuple[Pa
         rows = [line for line in lines if re.match(rf"│ {re.escape(name)} +│", line)]
         assert len(rows) == 1 and rows[0].count("(rel ") == 3, rows
     # The stacks as `gradtrace show` prints them: the user's line, library frames folded, the
-    # innermost frame; the user's line is more than six frames out (stack[-6:] cut it off).
+    # innermost frame. With transformers 5.25 the user's line is more than six frames out (the
+    # old stack[-6:] cut it off); older releases nest fewer frames (5.17: six), so the depth is
+    # not asserted: the user's line must be printed whatever the depth.
     stack = r.forward.stack_a
     user = max(i for i, f in enumerate(stack) if f.code == "loss = model(x, labels=x).loss")
-    assert len(stack) - user > 6
+    assert stack[user].file.endswith("gpt2_train.py")
     shown = stack_lines(stack)
     assert "".join(f"{line}\n" for line in shown) in out
-    assert any(re.fullmatch(r"  \.\.\. \d+ frames folded \(\d+ library\)", line) for line in shown)
+    assert "loss = model(x, labels=x).loss" in "".join(shown)
+    if any(folded(stack)):
+        assert any(re.fullmatch(r"  \.\.\. \d+ frames folded \(\d+ library\)", line) for line in shown)
     assert stack[-1].code in out and f"B: {r.forward.origin_b}, the same stack" in out
     assert f"({sum(folded(stack))} frames folded: --all-frames shows every frame)" in out
     every = _cli(capsys, str(a), str(b), "--all-frames")

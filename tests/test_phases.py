@@ -9,6 +9,7 @@ optimizer phase on load. The summary's Phases table is a golden (docs/trace-form
 from __future__ import annotations
 
 import gzip
+import importlib.metadata
 import json
 import re
 import warnings
@@ -252,6 +253,12 @@ def test_the_watch_applies_the_policy_before_a_save_that_fails(tmp_path: Path) -
 
 
 def test_report_false_writes_no_html_and_the_default_writes_it(tmp_path: Path) -> None:
+    # The default report is found through the installed entry point; a checkout put on the path
+    # by PYTHONPATH alone (the GPU machine's runs) has none, and writes no report, as documented.
+    try:
+        importlib.metadata.distribution("gradtrace")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("gradtrace is not installed: no gradtrace.report_writers entry point")
     for report, expect in ((None, True), (False, False)):
         torch.manual_seed(0)
         model = nn.Linear(4, 1)
