@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from export.diff.align import Pair, align_calls, align_steps, call_mapping
+from export.diff.align import Pair, align_calls, align_steps, call_mapping, pair_runs
 from export.diff.elements import ONLY_STATS, STATS_WORDS, comparable, element_diff
 from export.diff.result import (
     LATER_DIFFERING,
@@ -419,10 +419,7 @@ def _backward(a: Trace, b: Trace, cmp: Comparer, calls: dict[str, str],
     by_name = _Calls.of(a, b)
     rank = 0
     ranks: dict[int, int] = {}
-    runs = max(len(a.backward_runs), len(b.backward_runs))
-    for k in range(runs):
-        ra = a.backward_runs[k] if k < len(a.backward_runs) else None
-        rb = b.backward_runs[k] if k < len(b.backward_runs) else None
+    for ra, rb in pair_runs(a, b, calls):
         only = ra if rb is None else rb if ra is None else None
         if only is not None:
             d.notes.append(f"backward run {only.name} is only in {'A' if rb is None else 'B'}")
