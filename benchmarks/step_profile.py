@@ -43,6 +43,9 @@ def main() -> None:
     p.add_argument("--config", choices=sorted(CONFIGS), default="stacks")
     p.add_argument("--steps", type=int, default=3, help="profiled traced steps")
     p.add_argument("--top", type=int, default=35)
+    p.add_argument("--sort", default="tottime", help="pstats key: tottime, cumtime, ncalls")
+    p.add_argument("--only", default="", help="a regular expression the listed functions match (e.g. tracer/)")
+    p.add_argument("--callers", default="", help="print who calls the functions matching this expression instead")
     a = p.parse_args()
     device = torch.device(a.device)
     w = build(a.model, device, None, None)
@@ -63,7 +66,11 @@ def main() -> None:
             torch.cuda.synchronize()
     prof.disable()
     print(f"{a.model} on {a.device}, {a.config}: {a.steps} traced steps under cProfile")
-    pstats.Stats(prof).sort_stats("tottime").print_stats(a.top)
+    stats = pstats.Stats(prof).sort_stats(a.sort)
+    if a.callers:
+        stats.print_callers(a.callers)
+    else:
+        stats.print_stats(*([a.only] if a.only else []), a.top)
 
 
 if __name__ == "__main__":
