@@ -237,3 +237,45 @@ def test_run_check_determinism_says_when_the_runs_read_the_parameters_in_another
 def test_scrambled_add_is_index_add_up_to_rounding():
     base, index, src = torch.zeros(3, 4), torch.tensor([0, 2, 0, 0]), torch.randn(4, 4)
     assert torch.allclose(scrambled_add(base, index, src), base.index_add(0, index, src), atol=1e-6)
+
+
+def _two_batch_step(model: torch.nn.Module, opt: torch.optim.Optimizer,
+                    swap: Callable[[], bool]) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        first, second = (y, x) if swap() else (x, y)  # (as a dict of batches iterated in another order)
+        (model(first).sum() + model(second).sum()).backward()
+        opt.step()
+        opt.zero_grad()
+    return step
+
+
+def test_inputs_read_in_another_order_are_told_so_not_that_an_input_differs() -> None:
+    # Inputs the step did not make are named in the order it reads them (input0, input1): two
+    # batches read the other way round swap names, and their checksums with them.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    repeats = itertools.count()
+    step = _two_batch_step(model, opt, lambda: next(repeats) == 1)
+    report = tracer.check_determinism(step, torch.ones(3, 4), torch.full((3, 4), 2.0), model=model, optimizer=opt)
+    assert not report and report.first is None
+    assert report.before == ("run 2 took another path than run 1 at record 1: linear0 "
+                             "(torch.nn.functional.linear) read input0 in run 1 and, in run 2, the value run 1 had "
+                             "as input1 (the runs start from the same state and read it in another order)")
+    assert "do not start from the same state" not in report.describe()
+
+
+def test_an_input_that_does_differ_as_the_step_begins_is_still_named() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = _two_batch_step(model, opt, lambda: False)
+    x, y = torch.ones(3, 4), torch.full((3, 4), 2.0)
+    traces = []
+    for first in (x, torch.full((3, 4), 3.0)):  # run 2's first batch is one run 1 never read
+        with tracer.trace(hash="fast") as t:
+            step(first, y)
+        traces.append(t)
+    assert compare_runs(traces).before == ("input0 differs between run 1 and run 2 as the step begins (read by "
+                                           "linear0 (torch.nn.functional.linear)): the runs do not start from "
+                                           "the same state")

@@ -198,6 +198,11 @@ def _compare(a: Trace, b: Trace, i: int) -> tuple[Nondeterministic | None, str |
                               f"{other[0]} in run 1 and {other[1]} in run {i + 1} (the same record read other "
                               "tensors: another path or order through the program)"), compared
             outside = [n for n, x, y in zip(ins_a, da, db) if x != y and n is not None and _from_outside(a, n)]
+            moved = _read_in_other_order(a, b, ins_a, ins_b, da, db)
+            if outside and moved is not None:
+                return None, (f"run {i + 1} took another path than run 1 at record {compared}: {_label(xa)} read "
+                              f"{moved[0]} in run 1 and, in run {i + 1}, the value run 1 had as {moved[1]} (the runs "
+                              "start from the same state and read it in another order)"), compared
             if outside:
                 return None, (f"{outside[0]} differs between run 1 and run {i + 1} as the step begins (read by "
                               f"{_label(xa)}): the runs do not start from the same state"), compared
@@ -220,6 +225,28 @@ def _other_tensors(ins_a: list[str | None], ins_b: list[str | None], da: list[st
     if not pairs:
         return None
     return ", ".join(_shown(x) for x, _ in pairs), ", ".join(_shown(y) for _, y in pairs)
+
+
+def _read_in_other_order(a: Trace, b: Trace, ins_a: list[str | None], ins_b: list[str | None],
+                         da: list[str | None], db: list[str | None]) -> tuple[str, str] | None:
+    """Where a record read a start value (an input, parameter, buffer or state the step did not
+    make) that differs between the runs, but run 2's value is one run 1 also started from, under
+    another name: the same start state read in another order (start values are named in the
+    order the step first reads them, so two inputs read the other way round swap names).
+    Returns (run 1's name, the name run 1 gave run 2's value); None when a value is new."""
+    start_a: dict[str, str] = {}
+    for name, rec in a.tensors.items():
+        if (rec.md5 or rec.fingerprint) and _from_outside(a, name) and rec.previous is None:
+            start_a.setdefault(rec.fingerprint or rec.md5 or "", name)
+    found: tuple[str, str] | None = None
+    for x, y, p, q in zip(ins_a, ins_b, da, db):
+        if p == q or x is None or y is None or not _from_outside(a, x) or not _from_outside(b, y):
+            continue
+        twin = start_a.get(q or "")
+        if twin is None or twin == x:
+            return None  # a start value run 1 did not have: the states differ
+        found = found or (x, twin)
+    return found
 
 
 def _shown(name: str | None) -> str:
