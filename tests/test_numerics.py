@@ -552,3 +552,44 @@ def test_micro_batches_are_counted_within_their_optimizer_step() -> None:
     assert "forward (step 2 of 2, micro-batch 2 of 2)" in first.headline()
     one_step = _steps_with_a_nan(steps=1, micro_batches=2, bad=(1, 2)).anomalies.headline
     assert one_step is not None and one_step.step is None and (one_step.micro_batch, one_step.micro_batches) == (2, 2)
+
+
+class _NanBackward(torch.autograd.Function):
+    """A custom backward with the model's bug: a NaN made from gradients of everyday size."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: object, g: torch.Tensor) -> torch.Tensor:
+        return g * float("nan")  # the line the story must name
+
+
+def test_a_nan_the_model_makes_under_a_grad_scaler_is_the_model_s_not_a_skipped_step() -> None:
+    """The scaler finds the NaN, skips the step and halves the scale, as for an overflow; but an
+    overflow needs values near the dtype's range, and these gradients are ~2e4 in float32: the
+    headline is the model's NaN, with a warning, and the skipped step is a note."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with tracer.check_numerics() as t:
+            loss = _NanBackward.apply(model(torch.randn(4, 8))).pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    report = t.anomalies
+    assert scaler.get_scale() == 2.0 ** 15  # the scaler did skip the step
+    [overflow] = report.scaler_overflows
+    assert report.skipped_step is None
+    h = report.headline
+    assert h is not None and (h.phase, h.kind, h.producer, h.origin) == ("backward", "nan", "mul2", True)
+    assert h.stack[-1].code == 'return g * float("nan")  # the line the story must name'
+    assert report.headline_text() == h.headline() and report.headline_text().startswith(
+        "NaN made by mul2 (Tensor.mul) in backward, in the backward of _NanBackward0/_NanBackwardBackward")
+    assert overflow.describe() in report.describe().splitlines()  # the skipped step, as a note
+    [warned] = [str(w.message) for w in caught if issubclass(w.category, tracer.NumericsWarning)]
+    assert warned.startswith("gradtrace: NaN made by mul2 (Tensor.mul) in backward")

@@ -748,13 +748,49 @@ class _Walk:
 
     def _skipped(self, headline: Anomaly, overflows: list[ScalerOverflow]) -> ScalerOverflow | None:
         """The overflow that explains ``headline``: it is where the scaled gradients are (backward,
-        optimizer), or the call that scaled the loss (it read the scale)."""
+        optimizer) and could be an overflow (``_could_overflow``), or the call that scaled the
+        loss (it read the scale)."""
         call = self.calls.get(headline.producer)
         for o in overflows:
-            if headline.phase in ("backward", "optimizer") or (
+            if (headline.phase in ("backward", "optimizer") and self._could_overflow(headline)) or (
                     call is not None and o.scale is not None and o.scale in call.inputs):
                 return o
         return None
+
+    def _could_overflow(self, a: Anomaly) -> bool:
+        """Whether the value ``a`` headlines could come from scaled gradients that overflowed.
+        An overflow makes an Inf, or a NaN inside one kernel (an Inf it made and used): from values
+        so large that a product of two of them leaves the dtype's range. A NaN made from values far
+        below that (``g * nan``, ``0 / 0`` on gradients of everyday size) is the model's, whatever
+        the scaler then finds. Unknown sizes or dtypes: it could."""
+        if a.kind != "nan" or not a.origin:
+            return True
+        call = self.calls.get(a.producer)
+        if call is not None:
+            inputs: list[str | None] = list(call.inputs)
+        else:
+            inputs = next((list(s.grads_in) for r in self.trace.backward_runs for s in r.steps
+                           if s.node == a.producer), [])
+        made = self.tensors.get(a.tensor)
+        limit = DTYPE_MAX.get(made.dtype) if made is not None else None
+        if limit is None:
+            return True
+        largest = 0.0
+        for name in inputs:
+            rec = self.tensors.get(name) if name is not None else None
+            if rec is None:
+                continue
+            top = DTYPE_MAX.get(rec.dtype)
+            if top is None or rec.stats is None or rec.stats.absmax is None:
+                return True
+            limit, largest = min(limit, top), max(largest, rec.stats.absmax)
+        return largest * largest >= limit
+
+
+# The largest finite value of each floating dtype by its name in the trace (the analysis does not
+# import torch); a dtype not here is not asked (see _Walk._could_overflow).
+DTYPE_MAX = {"float16": 65504.0, "bfloat16": 3.3895e38, "float32": 3.4028e38, "float64": 1.7977e308,
+             "float8_e4m3fn": 448.0, "float8_e4m3fnuz": 240.0, "float8_e5m2": 57344.0, "float8_e5m2fnuz": 57344.0}
 
 
 Event = tuple[float, int, Call | BackwardRun]
