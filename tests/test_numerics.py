@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -593,3 +594,44 @@ def test_a_nan_the_model_makes_under_a_grad_scaler_is_the_model_s_not_a_skipped_
     assert overflow.describe() in report.describe().splitlines()  # the skipped step, as a note
     [warned] = [str(w.message) for w in caught if issubclass(w.category, tracer.NumericsWarning)]
     assert warned.startswith("gradtrace: NaN made by mul2 (Tensor.mul) in backward")
+
+
+class _GradOfInner(torch.autograd.Function):
+    """A custom backward that runs ``torch.autograd.grad`` over a graph its forward kept, and
+    makes a NaN before (``spoil="before"``: passed in as the inner run's gradient) or after it."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, spoil: str) -> torch.Tensor:
+        with torch.enable_grad():
+            xd = x.detach().requires_grad_()
+            y = xd.exp()
+        ctx.save_for_backward(xd, y)
+        ctx.spoil = spoil
+        return y.detach()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        xd, y = ctx.saved_tensors
+        if ctx.spoil == "before":
+            g = g * float("nan")  # spoiled before the inner run
+        (grad,) = torch.autograd.grad(y, xd, g)
+        if ctx.spoil == "after":
+            grad = grad * float("nan")  # spoiled after it
+        return grad, None
+
+
+@pytest.mark.parametrize("spoil", ["before", "after"])
+def test_a_nan_made_around_a_custom_backward_s_own_autograd_grad_is_found_where_it_was_made(spoil: str) -> None:
+    """The run a custom backward starts is met where it ran among that backward's own calls, not
+    before all of them: a NaN made before it is the origin, not the inner node it reached."""
+    x = torch.randn(3, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tracer.NumericsWarning)
+        with tracer.trace(hash="none", check_numerics=True, raise_on_nonfinite=False) as t:
+            _GradOfInner.apply(x, spoil).sum().backward()
+    h = t.anomalies.headline
+    assert h is not None and (h.phase, h.kind, h.origin) == ("backward", "nan", True)
+    assert h.producer == "mul0"  # (the inner run's ExpBackward0 is a built-in node: no call of its own)
+    assert h.node == "_GradOfInner0/_GradOfInnerBackward"
+    assert h.stack[-1].code.startswith("g = g * float" if spoil == "before" else "grad = grad * float")
+    assert t.anomalies.headline_text() == h.headline()

@@ -643,14 +643,14 @@ class _Walk:
     def walk_run(self, run: BackwardRun, nested: dict[str, list[BackwardRun]], walked: set[str]) -> None:
         walked.add(run.name)
         for step in run.steps:
-            # A run a node's own code started (autograd.grad in a custom backward) ran inside that
-            # node's step: walked there, before the node's outputs.
-            for sub in nested.pop(step.node, ()):
-                self.walk_run(sub, nested, walked)
-            self.walk_step(run, step)
+            self.walk_step(run, step, nested, walked)
 
-    def walk_step(self, run: BackwardRun, step: NodeRun) -> None:
-        """One node's run: its hooks' calls, its own code's calls, then what it produced."""
+    def walk_step(self, run: BackwardRun, step: NodeRun, nested: dict[str, list[BackwardRun]],
+                  walked: set[str]) -> None:
+        """One node's run: its hooks' calls, its own code's calls and the backward runs its code
+        started (``autograd.grad`` in a custom backward, reentrant checkpointing), in the order
+        they ran, then what it produced."""
+        subs = nested.pop(step.node, [])
         node = self.nodes.get(step.node)
         call = self.calls.get(node.call) if node is not None and node.call else None
         module = call.module if call is not None else ""
@@ -662,9 +662,15 @@ class _Walk:
             self.hooked.add(step.node)
             own = set(step.calls)
             inner[:0] = [c for c in self.children.get(step.node, ()) if c.name not in own]
-        # Then the node's own code (a custom backward): the innermost op is the origin.
+        # Then the node's own code (a custom backward): the innermost op is the origin. A run it
+        # started is met where it began among the calls (``at``; before them in files that lack it).
+        subs.sort(key=lambda r: -1 if r.at is None else r.at)
         for c in _post_order(inner, self.children):
+            while subs and (subs[0].at is None or subs[0].at <= c.seq):
+                self.walk_run(subs.pop(0), nested, walked)
             self.check_call("backward", c, node=step.node, backward_run=run.name)
+        for sub in subs:
+            self.walk_run(sub, nested, walked)
         self.check_step(run.name, step, node, call, module)
 
     # ---- one call, one node run ----------------------------------------------------------------
