@@ -635,3 +635,53 @@ def test_a_nan_made_around_a_custom_backward_s_own_autograd_grad_is_found_where_
     assert h.node == "_GradOfInner0/_GradOfInnerBackward"
     assert h.stack[-1].code.startswith("g = g * float" if spoil == "before" else "grad = grad * float")
     assert t.anomalies.headline_text() == h.headline()
+
+
+def _raised_where(steps: int, micro_batches: int, bad: tuple[int, int]) -> str:
+    """Where ``raise_on_nonfinite`` says the NaN of _steps_with_a_nan's loop was met: it stops the
+    block at the value, so it knows the step and micro-batch so far, not how many will come."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with pytest.raises(tracer.NonFiniteError) as info, \
+            tracer.trace(hash="none", check_numerics=True, raise_on_nonfinite=True):
+        for step in range(1, steps + 1):
+            for micro in range(1, micro_batches + 1):
+                shift = -100.0 if (step, micro) == bad else 1.0
+                torch.log(model(torch.ones(2, 4)).pow(2).mean() + shift).backward()
+            opt.step()
+            opt.zero_grad()
+    return info.value.anomaly.where()
+
+
+@pytest.mark.parametrize(("steps", "micro_batches", "bad", "raised", "reported"), [
+    (4, 1, (3, 1), "forward (step 3)", "forward (step 3 of 4)"),
+    (2, 2, (1, 2), "forward (micro-batch 2)", "forward (step 1 of 2, micro-batch 2 of 2)"),
+    (2, 2, (2, 1), "forward (step 2, micro-batch 1)", "forward (step 2 of 2, micro-batch 1 of 2)"),
+    (1, 1, (1, 1), "forward", "forward"),
+])
+def test_raise_on_nonfinite_counts_the_step_so_far_and_the_report_of_the_whole_block(
+        steps: int, micro_batches: int, bad: tuple[int, int], raised: str, reported: str) -> None:
+    assert _raised_where(steps, micro_batches, bad) == f"{raised}, module <root>"
+    headline = _steps_with_a_nan(steps, micro_batches, bad).anomalies.headline
+    assert headline is not None and headline.where() == f"{reported}, module <root>"
+
+
+def test_a_nan_after_the_last_step_is_after_it_not_in_it() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tracer.NumericsWarning)
+        with tracer.trace(hash="none", check_numerics=True) as t:
+            for _ in range(2):
+                model(torch.ones(2, 4)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+            with torch.no_grad():
+                torch.log(model(torch.ones(2, 4)).mean() - 100.0)  # an evaluation after step 2
+    h = t.anomalies.headline
+    assert h is not None and h.producer == "log0"
+    assert (h.step, h.steps, h.after_step, h.micro_batch) == (2, 2, True, None)
+    assert h.where() == "forward (after step 2 of 2), module <root>"
+    assert h.to_json()["after_step"] is True

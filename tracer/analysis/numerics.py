@@ -87,9 +87,14 @@ class Anomaly:
     micro_batch: int | None = None
     micro_batches: int = 1
     # A block that holds several optimizer steps: which step (1-based) of ``steps`` it was met in
-    # (None when it holds one); its micro-batches are counted within that step.
+    # (None when it holds one); its micro-batches are counted within that step. ``steps`` and
+    # ``micro_batches`` are 0 where the block had not ended (``raise_on_nonfinite`` stops it at
+    # the value: the count so far is known, the total is not).
     step: int | None = None
     steps: int = 1
+    # Met after the block's last optimizer step (``step`` of ``steps``) and before any backward of
+    # another: an evaluation or logging after the training step.
+    after_step: bool = False
     # Position in the step's execution order among the non-finite values (1: the first met); not
     # in the JSON, the analysis computes it again from the trace.
     order: int = field(default=0, compare=False)
@@ -107,9 +112,12 @@ class Anomaly:
         """``backward (micro-batch 2 of 3), in the backward of Attn0/AttnBackward, module h.0.attn``
         (no module for an optimizer-phase call outside every module)."""
         text = self.phase
-        where = [f"step {self.step} of {self.steps}"] if self.step is not None else []
+        where = []
+        if self.step is not None:
+            where.append(("after " if self.after_step else "") + f"step {self.step}"
+                         + (f" of {self.steps}" if self.steps else ""))
         if self.micro_batch is not None:
-            where.append(f"micro-batch {self.micro_batch} of {self.micro_batches}")
+            where.append(f"micro-batch {self.micro_batch}" + (f" of {self.micro_batches}" if self.micro_batches else ""))
         if where:
             text += f" ({', '.join(where)})"
         if self.node is not None:
@@ -172,7 +180,7 @@ class Anomaly:
                 "contaminated_by_module": self.contaminated_by_module, "backward_run": self.backward_run,
                 "from_forward": self.from_forward, "state_unchecked": self.state_unchecked,
                 "micro_batch": self.micro_batch, "micro_batches": self.micro_batches,
-                "step": self.step, "steps": self.steps,
+                "step": self.step, "steps": self.steps, "after_step": self.after_step,
                 "headline": self.headline(),
                 "stack": [[f.file, f.line, f.function, f.code] for f in self.stack]}
 
@@ -542,7 +550,7 @@ class _Walk:
     """One pass over the step in execution order, collecting the first NaN and Inf of each phase
     and what came after the first of all."""
 
-    def __init__(self, trace: Trace, frames_of: FramesOf | None) -> None:
+    def __init__(self, trace: Trace, frames_of: FramesOf | None, open_block: bool = False) -> None:
         self.trace = trace
         self.tensors = trace.tensors
         self.frames_of = frames_of
@@ -571,6 +579,7 @@ class _Walk:
         self.step_runs: list[int] = [0]
         # A step with a closure (LBFGS) evaluates it several times: its runs are no micro-batches.
         self.closure = stepped_with_closure(trace)
+        self.open_block = open_block  # the block is still running: no totals (see Anomaly.steps)
 
     def stack(self, stack_id: int | None, recorded: tuple[Frame, ...]) -> tuple[Frame, ...]:
         return self.frames_of(stack_id) if self.frames_of is not None and not recorded else recorded
@@ -586,13 +595,7 @@ class _Walk:
             a = self.first[key] = make()
             a.order = self.seen
             if phase != "optimizer" and not self.closure:
-                steps = len(self.step_runs)
-                step = min(self.step, steps - 1)
-                runs = self.step_runs[step]
-                if runs > 1:
-                    a.micro_batch, a.micro_batches = min(self.micro_batch, runs), runs
-                if steps > 1:
-                    a.step, a.steps = step + 1, steps
+                self._place(a)
             self.counts[key] = Counter()
         for v in values:
             if v in self.met:
@@ -600,6 +603,30 @@ class _Walk:
             self.met[v] = None
             if len(self.met) > 1:
                 self.spread.add(phase, module, bool(_nan(self.tensors.get(v))), bool(_inf(self.tensors.get(v))))
+
+    def _place(self, a: Anomaly) -> None:
+        """Which step and micro-batch ``a`` was met in (see Anomaly.step)."""
+        steps = len(self.step_runs)
+        if self.step >= steps:  # after the last step, before any backward of another
+            if self.open_block:  # the next step's forward, so far
+                a.step, a.steps = (self.step + 1, 0) if self.step else (None, 1)
+                if max(self.step_runs, default=0) > 1:  # (its steps accumulate micro-batches)
+                    a.micro_batch, a.micro_batches = 1, 0
+            elif self.step:
+                a.step, a.steps, a.after_step = self.step, steps, True
+            return
+        runs = self.step_runs[self.step]
+        last = self.step == steps - 1
+        if self.open_block and last:
+            if self.micro_batch > 1 or max(self.step_runs, default=0) > 1:
+                a.micro_batch, a.micro_batches = self.micro_batch, 0
+            if steps > 1:
+                a.step, a.steps = self.step + 1, 0
+            return
+        if runs > 1:
+            a.micro_batch, a.micro_batches = min(self.micro_batch, runs), runs
+        if steps > 1:
+            a.step, a.steps = self.step + 1, steps
 
     # ---- the timeline --------------------------------------------------------------------------
     def run(self) -> None:
@@ -885,9 +912,11 @@ def _accumulates(run: BackwardRun) -> bool:
     return not run.api.endswith(".grad")
 
 
-def find_anomalies(trace: Trace, frames_of: FramesOf | None = None) -> NumericsReport:
+def find_anomalies(trace: Trace, frames_of: FramesOf | None = None, open_block: bool = False) -> NumericsReport:
     """The story of the step's NaN/Inf (see the module docstring). ``frames_of``: symbolises a
-    stack id (a live trace whose stacks are not resolved yet)."""
+    stack id (a live trace whose stacks are not resolved yet). ``open_block``: the block is still
+    running (``raise_on_nonfinite`` stops it): a step or micro-batch is counted so far, with no
+    total, and what follows the last step is the next step's."""
     tensors = trace.tensors
     checked = 0
     nonfinite = False
@@ -901,7 +930,7 @@ def find_anomalies(trace: Trace, frames_of: FramesOf | None = None) -> NumericsR
         # The usual step: no NaN or Inf anywhere, so no walk of the calls can find one (the walk
         # cost 8.8 ms at the end of each check_numerics step of tiny12 on a 2-core CPU).
         return NumericsReport(None, None, None, None, checked, len(tensors) - checked)
-    walk = _Walk(trace, frames_of)
+    walk = _Walk(trace, frames_of, open_block)
     walk.run()
     return walk.report(checked, len(tensors) - checked)
 

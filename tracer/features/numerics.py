@@ -48,7 +48,7 @@ class NonFiniteGuard(Listener):
         """Stop with the story so far: its headline is the value just met (the first of the step)."""
         rec = self._recorder
         rec.hasher.drain(wait=True)
-        report = find_anomalies(trace, rec.stack_table.frames_of)
+        report = find_anomalies(trace, rec.stack_table.frames_of, open_block=True)
         if report.headline is not None:
             raise NonFiniteError(report.headline, report)
 
