@@ -685,3 +685,36 @@ def test_a_nan_after_the_last_step_is_after_it_not_in_it() -> None:
     assert (h.step, h.steps, h.after_step, h.micro_batch) == (2, 2, True, None)
     assert h.where() == "forward (after step 2 of 2), module <root>"
     assert h.to_json()["after_step"] is True
+
+
+def test_a_nan_left_in_grad_from_before_the_block_arrived_there() -> None:
+    """A ``.grad`` with a NaN from before the block (no ``zero_grad``): the accumulator adds the
+    step's finite gradient into it. The NaN arrived, with the ``.grad`` there was; it is not the
+    optimizer's, and the line is the backward that read it."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    model.weight.grad = torch.zeros_like(model.weight)
+    model.weight.grad[0, 0] = float("nan")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tracer.NumericsWarning)
+        with tracer.trace(hash="none", check_numerics=True) as t:
+            model(torch.randn(3, 4)).pow(2).mean().backward()  # the line that reads it
+            opt.step()
+    h = t.anomalies.headline
+    assert h is not None and (h.phase, h.producer, h.arrived, h.origin) == ("backward", "weight/AccumulateGrad",
+                                                                           True, False)
+    assert h.bad_inputs == ["weight@grad@v0"] and h.tensor == "weight@grad@v1"
+    assert t.tensors["weight@grad@v0"].producer is None  # (the .grad as the block found it)
+    assert h.stack[-1].code == "model(torch.randn(3, 4)).pow(2).mean().backward()  # the line that reads it"
+    assert t.anomalies.headline_text().startswith(
+        "NaN arrived from outside the step in weight@grad@v0, first read by weight/AccumulateGrad (AccumulateGrad) "
+        "in backward")
+    # A NaN the step's own gradient brings into a clean .grad is carried there, as before.
+    model = nn.Linear(4, 2)  # (the step above wrote the NaN into the weight)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tracer.NumericsWarning)
+        with tracer.trace(hash="none", check_numerics=True) as t:
+            (model(torch.randn(3, 4)) * float("nan")).sum().backward()
+    h = t.anomalies.headline
+    assert h is not None and h.phase == "forward" and h.producer == "mul0"

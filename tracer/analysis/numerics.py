@@ -580,6 +580,8 @@ class _Walk:
         # A step with a closure (LBFGS) evaluates it several times: its runs are no micro-batches.
         self.closure = stepped_with_closure(trace)
         self.open_block = open_block  # the block is still running: no totals (see Anomaly.steps)
+        self._made_by_nodes: dict[str, list[str]] | None = None  # see _accumulated
+        self._accumulator_runs: Counter[str] = Counter()
 
     def stack(self, stack_id: int | None, recorded: tuple[Frame, ...]) -> tuple[Frame, ...]:
         return self.frames_of(stack_id) if self.frames_of is not None and not recorded else recorded
@@ -740,17 +742,44 @@ class _Walk:
                        state_unchecked=not bad_in and call.kind == "optimizer"
                        and self.trace.header.get("optimizer_state") is False)
 
+    def _accumulated(self, step: NodeRun) -> str | None:
+        """The version of a ``.grad`` that this run of an accumulator made (it added the gradient
+        it received into the ``.grad`` there was): its k-th run made its k-th version."""
+        if self._made_by_nodes is None:
+            self._made_by_nodes = {}
+            for name, rec in self.tensors.items():
+                if rec.producer is not None and rec.producer not in self.calls and rec.previous is not None:
+                    self._made_by_nodes.setdefault(rec.producer, []).append(name)
+        made = self._made_by_nodes.get(step.node)
+        if not made:
+            return None
+        k = self._accumulator_runs[step.node]
+        self._accumulator_runs[step.node] += 1
+        return made[k] if k < len(made) else None
+
     def check_step(self, run: str, step: NodeRun, node: GradNode | None, call: Call | None, module: str) -> None:
         tensors = self.tensors
+        # An accumulator's output is the .grad it added into: a NaN there that neither gradient
+        # brought came with the .grad there was (left from before the block: it arrived).
+        summed = self._accumulated(step) if not step.grads_out else None
         for kind, count in (("nan", _nan), ("inf", _inf)):
             bad_in = [g for g in step.grads_in if g is not None and (
                 count(tensors.get(g)) or (kind == "nan" and g not in self.intended and _inf(tensors.get(g))))]
             bad_out = [g for g in step.grads_out if g is not None and count(tensors.get(g))]
+            arrived = False
+            if summed is not None and count(tensors.get(summed)):
+                bad_out = [summed]
+                before = tensors[summed].previous
+                if before is not None and count(tensors.get(before)):
+                    bad_in.append(before)
+                    arrived = all(i not in self.met and (r := tensors.get(i)) is not None and r.producer is None
+                                  for i in bad_in)
             # An accumulator (no outputs) that received a bad gradient still shows where it ended.
             if not bad_out and not (bad_in and ("backward", kind) not in self.first and not step.grads_out):
                 continue
 
-            def make(bad_in: list[str] = bad_in, bad_out: list[str] = bad_out, kind: str = kind) -> Anomaly:
+            def make(bad_in: list[str] = bad_in, bad_out: list[str] = bad_out, kind: str = kind,
+                     arrived: bool = arrived) -> Anomaly:
                 rec = tensors[(bad_out or bad_in)[0]]
                 assert rec.stats is not None
                 stack = node.stack if node is not None else ()
@@ -760,8 +789,19 @@ class _Walk:
                 # A node whose forward call saw NaN/Inf did not make its own: it follows from them.
                 return Anomaly("backward", rec.name, step.node, node.kind if node else "?", module,
                                bool(bad_out) and not bad_in and not from_forward, rec.stats.nan, rec.stats.inf,
-                               stack, bad_in, backward_run=run, kind=kind, from_forward=from_forward)
+                               stack or self._run_stack(run), bad_in, backward_run=run, kind=kind,
+                               from_forward=from_forward, arrived=arrived)
             self.see("backward", kind, module, bad_out or bad_in, make)
+
+    def _run_stack(self, run: str) -> tuple[Frame, ...]:
+        """The line that started the backward run ``run`` (for a node with no line of its own: a
+        leaf's accumulator)."""
+        r = next((r for r in self.trace.backward_runs if r.name == run), None)
+        if r is None:
+            return ()
+        if not r.stack and self.frames_of is not None:
+            return self.frames_of(r.stack_id)
+        return r.stack
 
     # ---- the result ----------------------------------------------------------------------------
     def report(self, checked: int, unchecked: int) -> NumericsReport:
