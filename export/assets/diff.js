@@ -12,6 +12,8 @@
   const BASIS = {stats: "stats", values: "values", mixed: "stats+values"};
   // checksums differ while every recorded stat is equal: there is no number to show
   const CHECKSUM_ONLY = "checksum only";
+  // outputs whose shapes differ: no number measures that (it is never an infinite difference)
+  const SHAPES_DIFFER = "shapes differ";
   // the phases of a step in the order it runs them; one this page does not know comes last
   const PHASES = ["forward", "backward", "optimizer"];
   const phaseRank = p => { const k = PHASES.indexOf(p); return k < 0 ? PHASES.length : k; };
@@ -111,12 +113,12 @@
     const thead = el("thead"); thead.appendChild(head); t.appendChild(thead);
     const body = el("tbody");
     s.rows.forEach((r, i) => {
-      const [a, b, module, what, status, ab, rel, note, basis, phase, checksumOnly, line] = r;
+      const [a, b, module, what, status, ab, rel, note, basis, phase, checksumOnly, line, , shapes] = r;
       const tr = el("tr", status);
       tr.dataset.a = a || ""; tr.dataset.b = b || "";
       // the phase beside the op where it is not the section's own (an optimizer step among the calls)
       const op = what + (phase && phase !== "forward" && phase !== "backward" ? " · " + phase : "");
-      const size = checksumOnly ? [CHECKSUM_ONLY, ""] : [fmt(ab), fmt(rel)];
+      const size = checksumOnly ? [CHECKSUM_ONLY, ""] : shapes && !ab ? [shapes, ""] : [fmt(ab), fmt(rel)];
       const words = [note, line ? "at " + line : ""].filter(Boolean).join("; ");
       for (const [txt, cls] of [[i, "n"], [a || "—", "n name"], [module || "<root>", "name"], [op, "name"], [status],
                                 [b || "—", "n name"], [size[0], "n"], [size[1], "n"], [BASIS[basis] || ""],
@@ -158,9 +160,12 @@
     t.appendChild(head);
     for (const m of data.modules) {
       const tr = el("tr", m.origin ? "origin-module" : "");
-      for (const x of [m.module || "<root>", m.forward, m.backward, m.after_backward,
-                       m.checksum_only ? CHECKSUM_ONLY : fmt(m.max_abs), m.checksum_only ? "" : fmt(m.max_rel),
-                       BASIS[m.basis] || ""]) tr.appendChild(el("td", null, x));
+      // as the console's module_size: shapes that differ have no number, so they never are the largest
+      const shapesOnly = m.shapes_differ && !m.max_abs && !m.max_rel;
+      const size = shapesOnly ? [SHAPES_DIFFER, ""] : m.checksum_only ? [CHECKSUM_ONLY, ""]
+          : [fmt(m.max_abs) + (m.shapes_differ ? ", " + SHAPES_DIFFER : ""), fmt(m.max_rel)];
+      for (const x of [m.module || "<root>", m.forward, m.backward, m.after_backward, size[0], size[1],
+                       shapesOnly ? "" : BASIS[m.basis] || ""]) tr.appendChild(el("td", null, x));
       t.appendChild(tr);
     }
     sec.appendChild(t); main.appendChild(sec);
@@ -170,6 +175,8 @@
     const buffers = data.params.filter(p => p.buffer).length;
     const noun = buffers === 0 ? "Parameters" : buffers === data.params.length ? "Buffers" : "Parameters and buffers";
     const sec = el("section"); sec.appendChild(el("h2", null, noun + " that differ"));
+    // of those both traces have; those one trace alone has counted apart (never compared)
+    if (data.params_of) sec.appendChild(el("div", "note", data.params_of));
     const t = el("table"), head = el("tr");
     for (const h of ["parameter", "value", "gradient", "after step"]) head.appendChild(el("th", null, h));
     t.appendChild(head);

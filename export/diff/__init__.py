@@ -17,6 +17,7 @@ from export.diff.result import (
     Divergence,
     ModuleStat,
     ParamDiff,
+    PhaseCount,
     Row,
     Tolerance,
     module_table,
@@ -24,5 +25,5 @@ from export.diff.result import (
 from export.errors import DiffError
 
 __all__ = ["Compared", "Comparer", "Departure", "DiffError", "DiffResult", "Divergence", "ModuleStat", "ParamDiff",
-           "RankDiffResult", "Row", "Tolerance", "check_comparable", "diff", "diff_html", "diff_html_text",
+           "PhaseCount", "RankDiffResult", "Row", "Tolerance", "check_comparable", "diff", "diff_html", "diff_html_text",
            "diff_payload", "diff_ranks", "module_table", "stat_diff"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from rich.console import Console
 from rich.table import Table
@@ -26,6 +26,8 @@ _MAX_MODULES = 12
 _BASIS = {"stats": "stats", "values": "values", "mixed": "stats+values"}
 # A record whose checksums differ while every recorded stat is equal: no number to show.
 CHECKSUM_ONLY = "checksum only"
+# A module whose records' outputs differ in shape: a difference no number measures.
+SHAPES_DIFFER = "shapes differ"
 
 
 def _tx(s: object, style: str = "") -> Text:  # plain text: names and code may contain [brackets]
@@ -61,19 +63,36 @@ def _summary_table(result: DiffResult, console: Console) -> None:
     for col in ("section", "compared", "differing", "inserted", "removed", "verdict"):
         t.add_column(col, justify="left" if col in ("section", "verdict") else "right", overflow="fold")
     for d in (result.forward, result.backward):
-        differing = sum(1 for r in d.rows if r.differs)
-        t.add_row(_tx(d.label), _tx(d.compared), _tx(differing), _tx(len(d.inserted)), _tx(len(d.removed)),
-                  _tx(d.summary()), style=None if d.equal and not d.from_backward else "red")
-    # Parameters and buffers each on their row: a count of one is no count of the other.
-    for kind, buffer in (("parameters", False), ("buffers", True)):
-        compared = [p for p in result.params if p.buffer == buffer]
-        if buffer and not compared:
+        phases = d.phase_counts()
+        if len(phases) < 2:  # one phase (or none): the section's row, named as the headline names it
+            c = phases[0] if phases else None
+            differing = sum(1 for r in d.rows if r.differs)
+            t.add_row(_tx(d.label if c is None or c.phase == d.section else c.phase), _tx(d.compared),
+                      _tx(differing), _tx(len(d.inserted)), _tx(len(d.removed)), _tx(d.summary()),
+                      style=None if d.equal and not d.from_backward else "red")
             continue
-        bad = [p for p in result.differing_params if p.buffer == buffer]
-        words = (f"{state_count(bad)} {'differs' if len(bad) == 1 else 'differ'} ({differing_parts(bad)})"
-                 if bad else "equal")
-        t.add_row(_tx(kind), _tx(len(compared)), _tx(len(bad)), _tx(""), _tx(""), _tx(words),
-                  style="red" if bad else None)
+        # Calls of several phases (forward, the optimizer's, ...): a row each, counting only the
+        # calls it names, as the headline's word for them (``optimizer``) promises.
+        for c in phases:
+            same = not (c.differing or c.inserted or c.removed)
+            t.add_row(_tx(c.phase), _tx(c.compared), _tx(c.differing), _tx(c.inserted), _tx(c.removed),
+                      _tx(d.phase_summary(c)), style=None if same else "red")
+    # Parameters and buffers each on their row: a count of one is no count of the other. Those
+    # only one trace has were not compared: inserted (only in B) and removed (only in A), never
+    # in "compared" or "differing".
+    for kind, buffer in (("parameters", False), ("buffers", True)):
+        n = state_counts(result.params, buffer)
+        if buffer and not (n.compared or n.only_in_a or n.only_in_b):
+            continue
+        bad = [p for p in result.differing_params if p.buffer == buffer and p.only_in is None]
+        words = [f"{state_count(bad)} {'differs' if len(bad) == 1 else 'differ'} ({differing_parts(bad)})"
+                 if bad else "equal" if n.compared else ""]
+        one_side = n.only_in_a or n.only_in_b
+        if one_side:
+            words.append(only_in_words(n))
+        t.add_row(_tx(kind), _tx(n.compared), _tx(n.differing), _tx(n.only_in_b if one_side else ""),
+                  _tx(n.only_in_a if one_side else ""), _tx("; ".join(w for w in words if w)),
+                  style="red" if bad or one_side else None)
     console.print(t)
 
 
@@ -89,7 +108,7 @@ def _origin(d: Divergence, o: Row, console: Console, all_frames: bool) -> None:
     s.add_row(_tx("op"), _tx(o.what), _tx(o.what))
     if o.phase:
         s.add_row(_tx("phase"), _tx(o.phase), _tx(o.phase))
-    if o.max_abs is not None or o.elements is not None:
+    if o.max_abs is not None or o.elements is not None or o.shapes:
         s.add_row(_tx("difference"), _tx(o.describe()), _tx(""))
     console.print(s)
     same = [(f.file, f.line, f.function) for f in d.stack_a] == [(f.file, f.line, f.function) for f in d.stack_b]
@@ -142,14 +161,26 @@ def _module_table(result: DiffResult, console: Console) -> None:
     for col in ("module", "forward differing", "backward differing", "after backward", "max abs", "max rel", "of"):
         p.add_column(col, justify="left" if col in ("module", "of") else "right")
     for m in mods[:_MAX_MODULES]:
-        size = ((CHECKSUM_ONLY, "") if m["checksum_only"]
-                else (format_number(m["max_abs"], 3), format_number(m["max_rel"], 3)))
+        size = module_size(m)
+        of = "" if size[0] == SHAPES_DIFFER else _BASIS.get(m.get("basis") or "", "")  # (no number to be of)
         p.add_row(_tx(_mod(m["module"])), _tx(m["forward"]), _tx(m["backward"]), _tx(m["after_backward"]),
-                  _tx(size[0]), _tx(size[1]), _tx(_BASIS.get(m.get("basis") or "", "")),
+                  _tx(size[0]), _tx(size[1]), _tx(of),
                   style="red" if m["origin"] else None)
     if len(mods) > _MAX_MODULES:
         p.add_row(_tx(f"… {len(mods) - _MAX_MODULES} more modules"), *[_tx("")] * 6)
     console.print(p)
+
+
+def module_size(m: dict[str, Any]) -> tuple[str, str]:
+    """The max abs and max rel cells of a row of ``module_table``: the numbers, ``checksum only``,
+    or ``shapes differ`` where outputs differ in shape and nothing else was measured (next to the
+    numbers, where something was: a shape mismatch has no number, so it never is the largest)."""
+    if m["shapes_differ"] and not m["max_abs"] and not m["max_rel"]:
+        return SHAPES_DIFFER, ""
+    if m["checksum_only"]:
+        return CHECKSUM_ONLY, ""
+    ab = format_number(m["max_abs"], 3)
+    return (f"{ab}, {SHAPES_DIFFER}" if m["shapes_differ"] else ab), format_number(m["max_rel"], 3)
 
 
 def compared_cell(c: Compared | None) -> str:
@@ -296,14 +327,53 @@ def states_noun(params: Sequence[ParamDiff]) -> str:
     return "buffers" if params and buffers == len(params) else "parameters and buffers" if buffers else "parameters"
 
 
-def differing_of(bad: Sequence[ParamDiff], params: Sequence[ParamDiff]) -> str:
-    """How many of the compared ``params`` differ (``bad``): ``4 of 4`` where there is no buffer,
-    else counted apart, ``21 of 21 parameters, 0 of 1 buffer``."""
-    if not any(p.buffer for p in params):
-        return f"{len(bad)} of {len(params)}"
+class StateCounts(NamedTuple):
+    """Parameters (or buffers) of a diff counted by what was done with them: ``compared`` by name,
+    the ones both traces have; ``differing`` of those; ``only_in_a``/``only_in_b`` the ones one
+    trace alone has, never compared, so in neither count (``buffer``: which kind)."""
+
+    buffer: bool
+    compared: int
+    differing: int
+    only_in_a: int
+    only_in_b: int
+
+
+def state_counts(params: Sequence[ParamDiff], buffer: bool) -> StateCounts:
+    """``params`` of one kind (``buffer``) counted as ``StateCounts``."""
+    own = [p for p in params if p.buffer == buffer]
+    both = [p for p in own if p.only_in is None]
+    return StateCounts(buffer, len(both), sum(1 for p in both if p.differs),
+                       sum(1 for p in own if p.only_in == "A"), sum(1 for p in own if p.only_in == "B"))
+
+
+def only_in_words(*counts: StateCounts) -> str:
+    """``2 only in B``, ``1 only in A, 2 only in B``; naming the kind where a diff has buffers:
+    ``2 parameters only in B, 1 buffer only in A``."""
+    named = any(c.buffer for c in counts)
     out = []
-    for kind, buffer in (("parameter", False), ("buffer", True)):
-        n = sum(1 for p in params if p.buffer == buffer)
-        if n:
-            out.append(f"{sum(1 for p in bad if p.buffer == buffer)} of {plural(n, kind)}")
+    for c in counts:
+        kind = "buffer" if c.buffer else "parameter"
+        for side, n in (("A", c.only_in_a), ("B", c.only_in_b)):
+            if n:
+                out.append(f"{plural(n, kind) if named else n} only in {side}")
     return ", ".join(out)
+
+
+def differing_of(bad: Sequence[ParamDiff], params: Sequence[ParamDiff], verb: str = "") -> str:
+    """How many of the ``params`` both traces have differ (``bad``): ``4 of 4`` where there is no
+    buffer, else counted apart, ``21 of 21 parameters, 0 of 1 buffer``. Those only one trace has
+    were not compared, so they are in neither number: said after them, ``4 of 4 in both traces;
+    2 only in B`` (an extra layer in B). ``verb`` (`` differ``) follows the counts it speaks of."""
+    has_buffers = any(p.buffer for p in params)
+    counts = [state_counts(params, buffer) for buffer in ((False, True) if has_buffers else (False,))]
+    out = []
+    for c in counts:
+        n = sum(1 for p in bad if p.buffer == c.buffer and p.only_in is None)
+        if not has_buffers:
+            out.append(f"{n} of {c.compared}")
+        elif c.compared:
+            out.append(f"{n} of {plural(c.compared, 'buffer' if c.buffer else 'parameter')}")
+    text = ", ".join(out) or "0 of 0"
+    one_side = only_in_words(*counts)
+    return f"{text} in both traces{verb}; {one_side}" if one_side else text + verb

@@ -112,7 +112,10 @@ class Comparer:
         if ra.uninitialized or rb.uninitialized:  # memory nobody wrote (torch.empty_like): never compared
             return Compared("skipped", why="uninitialised memory")
         if ra.shape != rb.shape:
-            return Compared("differ", INF, INF, f"shape {list(ra.shape)} vs {list(rb.shape)}", mismatch=True)
+            # No number: tensors of two shapes are not an infinite difference apart, and an inf
+            # would win every "largest difference" (a module's max abs, the verdict's largest).
+            return Compared("differ", None, None, f"shape {list(ra.shape)} vs {list(rb.shape)}", mismatch=True,
+                            shapes_differ=True)
         da, db = checksum(ra), checksum(rb)
         if ra.values is not None and rb.values is not None and comparable(ra.dtype, rb.dtype):
             return self._compare_values(ra, rb, da, db)
@@ -666,8 +669,8 @@ def _params(a: Trace, b: Trace, cmp: Comparer, notes: list[str]) -> list[ParamDi
         notes.append(f"A made {plural(steps_a, 'optimizer step')}, B {steps_b}: each parameter is compared "
                      f"after step {common}, the last both made")
     for p in pa:
-        if p not in in_b:
-            out.append(ParamDiff(p, Compared("unknown"), only_in="A"))
+        if p not in in_b:  # (a buffer only one trace has is counted as a buffer, not a parameter)
+            out.append(ParamDiff(p, Compared("unknown"), only_in="A", buffer=a.tensors[p].role == "buffer"))
             continue
         # The value the step read (a model built inside the step: the one its init made).
         seen_a, seen_b = read_a.get(p, p), read_b.get(p, p)
@@ -688,7 +691,8 @@ def _params(a: Trace, b: Trace, cmp: Comparer, notes: list[str]) -> list[ParamDi
             pd.updated = cmp(ua, ub) if ua and ub else Compared("differ", why="updated on one side only")
         out.append(pd)
     in_a = set(pa)
-    out += [ParamDiff(p, Compared("unknown"), only_in="B") for p in pb if p not in in_a]
+    out += [ParamDiff(p, Compared("unknown"), only_in="B", buffer=b.tensors[p].role == "buffer")
+            for p in pb if p not in in_a]
     return out
 
 

@@ -26,7 +26,7 @@ import os
 from collections import defaultdict
 from typing import Any
 
-from export.diff.console import record_line
+from export.diff.console import differing_of, record_line
 from export.diff.result import DiffResult, Divergence, Row, frame_json, module_table
 from export.html.template import fill, json_for_script, script, style
 from tracer.model import Call, Frame, GradNode, Trace
@@ -40,12 +40,12 @@ _DEPTH = 3    # levels drawn downstream of the origin
 def _row(r: Row, a: Trace, b: Trace) -> list[Any]:
     # basis: what max abs / max rel are differences of ("stats": min/max/mean/absmax only);
     # checksum_only: the checksums differ, every stat is equal (no number to show); line: the
-    # user's line of a record only one trace has.
+    # user's line of a record only one trace has; shapes: an output's shape mismatch (no number).
     line = None
     if r.status in ("inserted", "removed", "cast"):
         line = record_line(a, r.a) if r.a is not None else record_line(b, r.b)
     return [r.a, r.b, r.module, r.what, r.status, json_number(r.max_abs), json_number(r.max_rel), r.note,
-            r.basis or None, r.phase or None, r.checksum_only, line, r.rule or None]
+            r.basis or None, r.phase or None, r.checksum_only, line, r.rule or None, r.shapes or None]
 
 
 def _frames(frames: tuple[Frame, ...]) -> list[dict[str, Any]]:
@@ -220,6 +220,8 @@ def diff_payload(result: DiffResult, a: Trace, b: Trace) -> dict[str, Any]:
         "modules": [{**m, "max_abs": json_number(m["max_abs"]), "max_rel": json_number(m["max_rel"])}
                     for m in module_table(result)],
         "params": [p.to_json() for p in result.differing_params],
+        # how many differ of those both traces have, and those one alone has: the console's words
+        "params_of": differing_of(result.differing_params, result.params) if result.differing_params else None,
     }
 
 

@@ -61,7 +61,7 @@ def result_html(r: DiffResult) -> str:
              (r.forward.label, _section(r.forward)), (r.backward.label, _section(r.backward))]
     bad = r.differing_params
     if bad:
-        facts.append((states_noun(r.params), f"{esc(differing_of(bad, r.params))} differ: "
+        facts.append((states_noun(r.params), f"{esc(differing_of(bad, r.params, ' differ'))}: "
                                              f"{names_html([p.name for p in bad], TOP_PARAMS)}"))
     elif r.params:
         facts.append((states_noun(r.params), f"{esc(state_count(r.params))} compared, none differs"))

@@ -12,7 +12,7 @@ from typing import Any
 from rich.console import Console
 
 from export.diff import reprs
-from export.diff.console import differing_parts, render_diff, state_count
+from export.diff.console import differing_parts, render_diff, state_count, state_counts
 from export.diff.elements import STATS_WORDS, ElementDiff, difference_text
 from export.diff.rules import parted_earlier
 from tracer.analysis.numerics import NumericsReport, find_anomalies
@@ -44,7 +44,9 @@ class Compared:
     largest differences, and ``basis`` says of what: ``values`` (element-wise, both traces kept
     the values: ``elements`` has the details), ``stats`` (of min/max/mean/absmax only), or
     ``""`` (no number, or a shape or dtype mismatch). ``mismatch``: ``why`` is a shape or dtype
-    mismatch.
+    mismatch; ``shapes_differ``: a shape mismatch, which no number measures (``abs``/``rel`` are
+    None: two shapes are not infinitely far apart, and an ``inf`` would outrank every real
+    difference in a table's largest).
     """
 
     status: str
@@ -54,6 +56,7 @@ class Compared:
     basis: str = ""
     elements: ElementDiff | None = None
     mismatch: bool = False
+    shapes_differ: bool = False
 
     @property
     def checksum_only(self) -> bool:
@@ -72,6 +75,8 @@ class Compared:
         for an equal tensor (its stats match, and its checksums, or they are within tolerance)."""
         if self.status == "equal":
             return ""
+        if self.shapes_differ:  # no number: the shapes in words (``shape [2] vs [3]``)
+            return self.why
         return difference_text(self.abs, self.rel, self.basis, self.elements)
 
 
@@ -86,7 +91,8 @@ class Row:
     (only in A), ``cast`` (a dtype conversion only one side made, compared with a tolerance),
     ``unknown`` (could not be compared). ``rule`` names the rule of ``export.diff.rules`` that
     gave the status and the note; ``phase`` is the call's ``Call.phase`` (``backward`` for a grad
-    node's step).
+    node's step); ``shapes``: the first output whose shape differs, in words (``shape [3, 3] vs
+    [3, 5]``), which ``max_abs``/``max_rel`` do not measure.
     """
 
     a: str | None
@@ -102,6 +108,7 @@ class Row:
     elements: ElementDiff | None = None  # of the first output compared element-wise that differs
     rule: str = ""
     phase: str = ""
+    shapes: str = ""
 
     # One line in a REPL (export/diff/reprs.py).
     def __repr__(self) -> str:
@@ -109,11 +116,15 @@ class Row:
 
     @property
     def checksum_only(self) -> bool:
-        """It differs, and by checksums alone: every recorded stat of its outputs is equal."""
-        return self.differs and checksum_only(self.max_abs, self.basis)
+        """It differs, and by checksums alone: every recorded stat of its outputs is equal (and
+        every output's shape: else the shapes are what differs)."""
+        return self.differs and not self.shapes and checksum_only(self.max_abs, self.basis)
 
     def absorb(self, c: Compared) -> None:
-        """Take in one compared tensor of this record: the largest numbers, and their basis."""
+        """Take in one compared tensor of this record: the largest numbers, and their basis; a
+        shape mismatch (no number) is kept in words."""
+        if c.shapes_differ and not self.shapes:
+            self.shapes = c.why
         if c.abs is None and c.rel is None:
             return
         self.max_abs = c.abs if self.max_abs is None else self.max_abs if c.abs is None else max(self.max_abs, c.abs)
@@ -124,8 +135,12 @@ class Row:
             self.elements = c.elements
 
     def describe(self) -> str:
-        """The measured difference in words that say where it came from."""
-        return difference_text(self.max_abs, self.max_rel, self.basis, self.elements)
+        """The measured difference in words that say where it came from, and an output's shape
+        mismatch (``shape [3, 3] vs [3, 5]``)."""
+        if self.shapes and not self.max_abs:  # the outputs of one shape measured equal: the shapes differ
+            return self.shapes
+        return "; ".join(x for x in (self.shapes, difference_text(self.max_abs, self.max_rel, self.basis,
+                                                                   self.elements)) if x)
 
     @property
     def differs(self) -> bool:
@@ -136,7 +151,7 @@ class Row:
                 "max_abs": json_number(self.max_abs), "max_rel": json_number(self.max_rel), "note": self.note,
                 "basis": self.basis or None, "difference": self.describe() or None,
                 "elements": None if self.elements is None else self.elements.to_json(),
-                "rule": self.rule or None, "phase": self.phase or None}
+                "rule": self.rule or None, "phase": self.phase or None, "shapes": self.shapes or None}
 
 
 def checksum_only(max_abs: float | None, basis: str) -> bool:
@@ -152,9 +167,13 @@ class ModuleStat:
     max_rel: float = 0.0
     where: str | None = None
     basis: str = ""  # of max_abs/max_rel, as Row.basis
+    # Rows with an output whose shape differs: counted, not measured (no number for max_abs).
+    shapes: int = 0
 
     def add(self, row: Row) -> None:
         self.compared += 1
+        if row.shapes:
+            self.shapes += 1
         if row.basis:
             self.basis = row.basis if self.basis in ("", row.basis) else "mixed"
         if row.differs:
@@ -163,6 +182,28 @@ class ModuleStat:
             self.max_rel, self.where = row.max_rel, row.a
         if row.max_abs is not None:
             self.max_abs = max(self.max_abs, row.max_abs)
+
+
+@dataclass
+class PhaseCount:
+    """One phase's records in a section (``Divergence.phase_counts``): ``compared`` records both
+    traces have, ``differing`` of those (``Row.differs``), of which ``later`` carried on from an
+    origin or new after it (``LATER_DIFFERING``) and ``via_gradients`` differing only because
+    they read gradients; ``inserted`` only in B, ``removed`` only in A. The calls' section holds
+    every phase but backward: counted per phase, a row named ``optimizer`` counts the optimizer's
+    calls, not the forward's with them."""
+
+    phase: str
+    compared: int = 0
+    differing: int = 0
+    later: int = 0
+    via_gradients: int = 0
+    inserted: int = 0
+    removed: int = 0
+
+    def to_json(self) -> dict[str, int]:
+        return {"compared": self.compared, "differing": self.differing, "inserted": self.inserted,
+                "removed": self.removed}
 
 
 @dataclass
@@ -251,6 +292,43 @@ class Divergence:
                     "only because gradients differ")
         return f"equal ({self.compared} aligned)"
 
+    def phase_counts(self) -> list[PhaseCount]:
+        """The section's records counted per ``Row.phase``, in the order a step runs the phases.
+        The backward section is one phase, counted as a whole: its ``compared`` are the grad
+        nodes' steps (``Divergence.compared``), not the calls of their hooks among its rows."""
+        if self.section != "forward":
+            whole = PhaseCount(self.section, self.compared)
+            for r in self.rows:
+                _count(whole, r)
+            return [whole]
+        counts: dict[str, PhaseCount] = {}
+        for r in self.rows:
+            c = counts.setdefault(r.phase, PhaseCount(r.phase))
+            if r.a is not None and r.b is not None:  # an aligned call: what ``compared`` counts
+                c.compared += 1
+            _count(c, r)
+        return [counts[p] for p in sorted(counts, key=phase_key)]
+
+    def phase_summary(self, c: PhaseCount) -> str:
+        """One phase's words in the Summary table, where the section's calls span several phases:
+        the section's summary (the headline's words) on the row of the phase that holds the
+        origin; elsewhere what that phase's own records show, in the summary's words."""
+        if self.unrelated:
+            return self.unrelated
+        if self.origin is not None and self.origin.phase == c.phase:
+            return self.summary()
+        parts = []
+        if c.inserted or c.removed:
+            s = next(r for r in self.rows if r.phase == c.phase and r.status in ("inserted", "removed"))
+            parts.append(f"{c.inserted} inserted in B, {c.removed} removed from A; first {s.status}: {s.a or s.b} "
+                         f"({s.what} in {s.module or '<root>'})")
+        if c.later:
+            parts.append(f"{plural(c.later, 'later record')} contaminated" if self.origin is not None
+                         else plural_verb(c.later, "aligned record", "differs", "differ"))
+        if c.via_gradients:
+            parts.append(f"{plural_verb(c.via_gradients, 'call', 'differs', 'differ')} only because gradients differ")
+        return "; ".join(parts) or f"equal ({c.compared} aligned)"
+
     def _phases(self, statuses: frozenset[str]) -> str:
         """`` (3 forward, 2 optimizer)``: the rows of ``statuses`` per phase, in the order a step
         runs them, when they span more than one phase; else ``""``."""
@@ -274,11 +352,22 @@ class Divergence:
             "largest": None if self.largest is None else self.largest.to_json(),
             "within_before_origin": json_number(self.before_origin),
             "per_module": {m: {"compared": s.compared, "differing": s.differing, "max_abs": json_number(s.max_abs),
-                               "max_rel": json_number(s.max_rel), "basis": s.basis or None, "where": s.where}
+                               "max_rel": json_number(s.max_rel), "basis": s.basis or None, "where": s.where,
+                               "shapes_differ": s.shapes}
                            for m, s in sorted(self.per_module.items())},
             "records": [r.to_json() for r in self.rows if r.status != "equal"],
             "notes": self.notes,
+            "phases": {c.phase: c.to_json() for c in self.phase_counts()},
         }
+
+
+def _count(c: PhaseCount, r: Row) -> None:
+    """Count ``r`` in ``c`` by its status (``compared`` is the caller's)."""
+    c.differing += r.differs
+    c.later += r.status in LATER_DIFFERING
+    c.via_gradients += r.status == "gradient"
+    c.inserted += r.status == "inserted"
+    c.removed += r.status == "removed"
 
 
 @dataclass
@@ -432,13 +521,16 @@ class DiffResult:
 
     def to_json(self) -> dict[str, Any]:
         t = self.tolerance
+        params, buffers = state_counts(self.params, False), state_counts(self.params, True)
         return {"equal": self.equal, "exit_code": self.exit_code, "verdict": self.verdict(),
                 "a": self.a_label, "b": self.b_label, "mode": "exact" if t is None else "tolerance",
                 "rtol": None if t is None else t.rtol, "atol": None if t is None else t.atol,
                 "forward": self.forward.to_json(), "backward": self.backward.to_json(),
                 "params": [p.to_json() for p in self.differing_params],
-                "params_compared": sum(1 for p in self.params if not p.buffer),
-                "buffers_compared": sum(1 for p in self.params if p.buffer), "notes": self.notes,
+                # compared: by name, in both traces; those one trace alone has are counted apart
+                "params_compared": params.compared, "buffers_compared": buffers.compared,
+                "params_only_in": {"A": params.only_in_a, "B": params.only_in_b},
+                "buffers_only_in": {"A": buffers.only_in_a, "B": buffers.only_in_b}, "notes": self.notes,
                 "numerics": {side: r.to_json() for side, r in self.numerics().items()}}
 
     def numerics(self) -> dict[str, NumericsReport]:
@@ -475,7 +567,8 @@ def frame_json(f: Frame) -> dict[str, Any]:
 def module_table(result: DiffResult) -> list[dict[str, Any]]:
     """Per module: differing records forward/backward, after-backward calls, largest differences
     (``basis``: of what, ``stats``, ``values`` element-wise, or ``mixed``; ``checksum_only``:
-    records differ there by checksum alone, every stat equal).
+    records differ there by checksum alone, every stat equal; ``shapes_differ``: records with an
+    output whose shape differs, which the largest differences leave out: no number measures it).
 
     Only modules where something differs, or, with a tolerance, where any difference was measured;
     sorted by largest relative difference with a tolerance, by module path otherwise.
@@ -491,10 +584,13 @@ def module_table(result: DiffResult) -> list[dict[str, Any]]:
         ab = max((x.max_abs for x in stats), default=0.0)
         bases = {x.basis for x in stats if x.basis}
         basis = "" if not bases else bases.pop() if len(bases) == 1 else "mixed"
+        shapes = sum(x.shapes for x in stats)
         if fwd or bwd or after or (result.tolerance is not None and rel > 0):
             out.append({"module": m, "forward": fwd, "backward": bwd, "after_backward": after,
                         "max_abs": ab, "max_rel": rel, "basis": basis or None, "origin": m in origins,
-                        "checksum_only": bool(fwd or bwd or after) and checksum_only(ab, basis)})
+                        # (shapes that differ are a difference the checksums are not alone to see)
+                        "checksum_only": bool(fwd or bwd or after) and not shapes and checksum_only(ab, basis),
+                        "shapes_differ": shapes})
     if result.tolerance is not None:
         out.sort(key=lambda r: -r["max_rel"])
     return out

@@ -145,10 +145,16 @@ CAST_NODES = frozenset({"ToCopyBackward0"})
 
 
 # ---- the words ------------------------------------------------------------------------------------
+def _beyond(f: Facts) -> str:
+    """``rel 0.5``: how far outputs went beyond a tolerance; where nothing was measured beyond it,
+    the mismatch that was (a shape mismatch has no number: ``shape [3] vs [5]``)."""
+    return f.mismatch if f.mismatch and not f.rel else f"rel {format_number(f.rel, 3)}"
+
+
 def outputs_differ(f: Facts, what: str = "inputs") -> str:
     """``inputs match, outputs differ`` in the words of the comparison mode."""
     if f.tolerance:
-        return f"{what} within tolerance, outputs beyond it (rel {format_number(f.rel, 3)})"
+        return f"{what} within tolerance, outputs beyond it ({_beyond(f)})"
     return f"{what} match, outputs differ" + (f" ({f.mismatch})" if f.mismatch else "")
 
 
@@ -194,7 +200,7 @@ def _backward_only_note(f: Facts) -> str:
 def _arguments_note(f: Facts) -> str:
     if f.tolerance:
         return _where(f) + f"inputs within tolerance, arguments differ ({f.args}), outputs beyond it " \
-                           f"(rel {format_number(f.rel, 3)})"
+                           f"({_beyond(f)})"
     return _where(f) + f"inputs match, arguments differ ({f.args}), outputs differ" + \
         (f" ({f.mismatch})" if f.mismatch else "")
 
