@@ -274,3 +274,15 @@ def test_a_step_whose_recording_gradtrace_stopped_says_why():
     assert why_stopped(t) == "recording stopped at a bound"
     t.notes[0] = "recording stopped: gradtrace failed while recording (RecursionError: ... at tracer/x.py:1 (f)); ..."
     assert why_stopped(t) == "recording stopped: gradtrace failed, see the trace's notes"
+
+
+def test_a_program_option_that_prefixes_gradtrace_options_goes_to_the_program() -> None:
+    """Everything after the script is the program's: ``--opt`` (a prefix of ``--optimizer-ops``
+    and ``--optimizer-state``), ``--rep``, ``--max``, ``--no`` were refused as ambiguous, and an
+    unambiguous prefix (``--per``) would have been taken as gradtrace's own option."""
+    own = ["--opt", "adam", "--rep", "2", "--max", "9", "--ste", "1", "--no", "--per"]
+    args = build_parser().parse_args(["run", "--log", "x.gtsteps", "prog.py", *own])
+    assert args.program == ["prog.py", *own]
+    assert args.log == "x.gtsteps" and not args.per_step_files and args.repeats == 2
+    with pytest.raises(SystemExit):  # gradtrace's own options are spelled in full
+        build_parser().parse_args(["run", "--per-step", "prog.py"])

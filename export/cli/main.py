@@ -96,9 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"gradtrace {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for command in COMMANDS:
+        # Options are spelled in full (no prefixes): ``run``'s program takes every argument after
+        # the script, and a prefix match would read the program's ``--opt adam`` as gradtrace's
+        # ``--optimizer-ops`` (or refuse it as ambiguous) before the program saw it.
         options: dict[str, Any] = {
             "description": _paragraphs(command.description), "usage": command.usage, "epilog": command.epilog,
-            "formatter_class": argparse.RawDescriptionHelpFormatter}
+            "formatter_class": argparse.RawDescriptionHelpFormatter, "allow_abbrev": False}
         if not command.hidden:  # without help= argparse does not list a command
             options["help"] = command.help
         p = sub.add_parser(command.name, **options)
