@@ -384,3 +384,29 @@ def test_clamping_weights_at_the_top_of_a_step_is_still_optimizer_work() -> None
     phase = _phases(t)
     assert phase["clamp_0"] == phase["clamp_1"] == "optimizer"
     assert phase["add_0"] == phase["add_1"] == "optimizer"
+
+
+def test_a_batch_prepared_in_place_at_a_step_trace_s_start_is_the_step_s_data() -> None:
+    """A step trace begins right after the optimizer step before it, with the optimizer window
+    open (an EMA's ``mul_`` there is optimizer work): a batch the step makes and then writes in
+    place (``x[0, 0] = v``, data corrupted or masked before the forward) is the step's data, and
+    so is what reads it."""
+    torch.manual_seed(0)
+    data = torch.randn(16, 10)
+    model = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 4))
+    ema = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tracer.trace(steps=[1], hash="none") as steps:
+        for step in range(2):
+            for e, p in zip(ema, model.parameters()):
+                e.mul_(0.9).add_(p.detach(), alpha=0.1)  # the EMA of the step before: optimizer work
+            x = data[step * 8:(step + 1) * 8].clone()
+            x[0, 0] = 0.0  # the batch, prepared in place
+            xs = x[:8]
+            model(xs).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    t = steps.traces[1]
+    phases = {c.name: c.phase for c in t.calls}
+    assert [phases[n] for n in ("clone0", "setitem0", "getitem1")] == ["forward"] * 3
+    assert {phases[c.name] for c in t.calls if c.api in ("Tensor.mul_", "Tensor.add_")} == {"optimizer"}

@@ -26,7 +26,9 @@ The rules, in order (the first that applies decides; docs/trace-format.md "Phase
    or that torch's own optimizer, AMP or clipping code makes (GradScaler's ``found_inf``), is
    ``optimizer``; one that overwrites a tensor whole (``fill_``, ``zero_``, ``random_``,
    ``copy_``: the next batch's labels, a DataLoader's seed, a batch copied into a kept buffer)
-   reads nothing of it and decides nothing here;
+   reads nothing of it and decides nothing here, nor does one that writes only what the step's
+   data calls made since the window opened (``x = batch.clone(); x[0, 0] = v``; live only: a
+   file of version 2 is upgraded without it);
 7. anything else is ``forward``: the step's data (a batch made or prepared for the next
    micro-batch after the last one's backward), the loss kept for logging.
 

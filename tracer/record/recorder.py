@@ -308,7 +308,7 @@ class Recorder:
                                                                           mutated, produced,
                                                                           bool(kwargs) and "out" in kwargs)
         node_names = self.graph.link_call_nodes(produced, grad_fns, seq0, seq1, name, stack_id, names_of)
-        parent, module, phase = self._context(name, kind, in_names, produced, bool(mutated), api)
+        parent, module, phase = self._context(name, kind, in_names, produced, mutated_names, api)
         # Positional, in Call's field order: this runs for every recorded call.
         args_text = naming.short_args(args, kwargs) if kind != "optimizer" else \
             naming.short_args(args, kwargs, OPTIMIZER_ARGS_LIMIT)  # (its param groups' settings, whole)
@@ -320,7 +320,7 @@ class Recorder:
         return call
 
     def _context(self, name: str, kind: str, in_names: list[str], produced: list[torch.Tensor],
-                 wrote: bool, api: str = "") -> tuple[str | None, str, Phase]:
+                 wrote: list[str], api: str = "") -> tuple[str | None, str, Phase]:
         """Where the call ``name`` was made: its parent (the custom Function whose forward runs,
         else the grad node whose code or hook runs), its module (in backward: the module of
         the running node's forward call) and its phase (tracer.record.phases)."""
@@ -348,7 +348,7 @@ class Recorder:
             if self.phases.window_open:
                 self.phases.module_call()
         else:
-            phase = self.phases.outside_modules(name, kind, in_names, produced, wrote, api)
+            phase = self.phases.outside_modules(name, kind, in_names, produced, bool(wrote), api, wrote)
         return parent, module, phase
 
     # ---- the public recording API (features record their own calls through it) ---------------
@@ -505,7 +505,7 @@ class Recorder:
         with self.lock, torch._C.DisableTorchFunction():
             stack_id = self.stack_table.capture()
             name = self.counters.next(short)
-            parent, module, phase = self._context(name, kind, in_names, [], False)
+            parent, module, phase = self._context(name, kind, in_names, [], [])
             call = Call(name=name, api=api, module=module, inputs=in_names, outputs=[],
                         args=naming.short_args(args, kwargs), stack_id=stack_id, parent=parent,
                         kind=cast(CallKind, kind), phase=phase, seq=seq,
