@@ -75,6 +75,20 @@ def test_dropped_in_turn() -> None:
     assert report.clean and report.dropped == 1
 
 
+def test_selection_in_backward() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(4, 4, requires_grad=True)
+    x = torch.randn(2, 4)
+    # relu gives 0 almost everywhere, sqrt's gradient at 0 is +Inf, relu's backward zeroes it there
+    report = _checked(lambda: (torch.sqrt(torch.relu(x @ w - 100)).sum() + (x @ w).pow(2).mean()).backward())
+    assert w.grad is not None and bool(torch.isfinite(w.grad).all())
+    assert report.clean and report.dropped == 1
+    # An Inf gradient an accumulator keeps in .grad is reported: nothing selected it away.
+    leaf = torch.zeros(3, requires_grad=True)
+    kept = _checked(lambda: torch.sqrt(leaf).sum().backward())
+    assert kept.headline is not None and kept.headline.producer == "sqrt0/SqrtBackward0"
+
+
 def test_every_rule_has_its_test_here_and_a_line_in_the_docs() -> None:
     defined = {n.name for n in ast.parse(Path(__file__).read_text()).body if isinstance(n, ast.FunctionDef)}
     api = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")

@@ -490,10 +490,17 @@ def dropped_values(trace: Trace) -> set[str]:
     are dropped in turn (tracer.analysis.rules). A value nothing reads (a loss) is not dropped,
     nor one the program keeps past the block (``outliving_values``), nor what only those keep."""
     tensors = trace.tensors
-    readers: dict[str, list[Call]] = {}
+    readers: dict[str, list[Call | NodeRun]] = {}
     for c in trace.calls:
         for i in c.inputs:
             readers.setdefault(i, []).append(c)
+    # A gradient is read by the grad nodes it flows into (rule selection-in-backward):
+    # ReluBackward0 zeroes the +Inf that SqrtBackward0 made at sqrt(0), as where does in forward.
+    for run in trace.backward_runs:
+        for step in run.steps:
+            for g in step.grads_in:
+                if g is not None:
+                    readers.setdefault(g, []).append(step)
     # The program keeps the last value of each parameter, buffer and optimizer state past the
     # step (the next step reads it): never dropped, whoever reads it here (a NaN written into a
     # buffer that this step reads only through nan_to_num is still in the model).
@@ -507,7 +514,20 @@ def dropped_values(trace: Trace) -> set[str]:
             memo[name] = bool(users) and depth < MAX_DROP_DEPTH and all(drops(c, depth) for c in users)
         return memo[name]
 
-    def drops(c: Call, depth: int) -> bool:
+    def drops(c: Call | NodeRun, depth: int) -> bool:
+        if isinstance(c, NodeRun):
+            made = [g for g in c.grads_out if g is not None]
+            if not made:  # an accumulator: it keeps what it read in .grad
+                return False
+            for g in made:
+                r = tensors.get(g)
+                if r is None or r.stats is None:
+                    return False
+                # A node's finite gradient out of a non-finite one in: a selection (a product with
+                # an Inf is Inf or NaN, never finite); a non-finite one is dropped or not in turn.
+                if (r.stats.nan or r.stats.inf) and not dropped(g, depth + 1):
+                    return False
+            return True
         for o in [*c.outputs, *c.mutated]:
             r = tensors.get(o)
             if r is None or r.stats is None:
@@ -765,7 +785,7 @@ class _Walk:
         for kind, count in (("nan", _nan), ("inf", _inf)):
             bad_in = [g for g in step.grads_in if g is not None and (
                 count(tensors.get(g)) or (kind == "nan" and g not in self.intended and _inf(tensors.get(g))))]
-            bad_out = [g for g in step.grads_out if g is not None and count(tensors.get(g))]
+            bad_out = [g for g in step.grads_out if g is not None and count(tensors.get(g)) and g not in self.dropped]
             arrived = False
             if summed is not None and count(tensors.get(summed)):
                 bad_out = [summed]

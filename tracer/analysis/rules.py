@@ -66,7 +66,13 @@ DROPPED_IN_TURN = Rule(
     "makes values that are dropped in turn (at most 64 calls deep)",
     "T5: the integer bucket is itself selected away by where",
     "tests/test_rules.py::test_dropped_in_turn")
-DROPPING_RULES = (INTEGER_OUTPUT, SELECTION, SOFTMAX_OF_MASK, DROPPED_IN_TURN)
+SELECTION_IN_BACKWARD = Rule(
+    "selection-in-backward",
+    "is a grad node that makes only finite gradients from it (a product with an Inf is Inf or "
+    "NaN, never finite: the node selected it away), not an accumulator (it keeps it in .grad)",
+    "sqrt(relu(x)): SqrtBackward0 makes +Inf where relu gave 0, ReluBackward0 zeroes it there",
+    "tests/test_rules.py::test_selection_in_backward")
+DROPPING_RULES = (INTEGER_OUTPUT, SELECTION, SOFTMAX_OF_MASK, DROPPED_IN_TURN, SELECTION_IN_BACKWARD)
 
 RULES = (*INTENDED_INF_RULES, *DROPPING_RULES)
 
@@ -109,5 +115,6 @@ def keeps_finite_by_selection(api: str) -> bool:
 
 
 __all__ = ["CARRIES_INTENDED", "DROPPED_IN_TURN", "DROPPING_RULES", "FLOATING_DTYPES", "INF_CONSTANT",
-           "INTEGER_OUTPUT", "INTENDED_INF_RULES", "MAX_DROP_DEPTH", "RULES", "SELECTION", "SOFTMAX_OF_MASK", "Rule",
+           "INTEGER_OUTPUT", "INTENDED_INF_RULES", "MAX_DROP_DEPTH", "RULES", "SELECTION", "SELECTION_IN_BACKWARD",
+           "SOFTMAX_OF_MASK", "Rule",
            "carries_intended_inf", "has_inf_constant", "keeps_finite_by_selection"]
