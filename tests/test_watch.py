@@ -336,3 +336,30 @@ def test_bad_options_are_one_clear_error(kwargs, message):
     model = torch.nn.Linear(2, 2)
     with pytest.raises(TraceError, match=message):
         tracer.watch(model, torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
+
+
+def test_an_inf_written_into_batchnorm_running_stats_trips_the_watch_and_skip_restores_it(caplog) -> None:
+    """Loss, gradients and parameters stay finite; BatchNorm's running_var overflows to +Inf
+    (inputs of ~1e20: their square does not fit float32). Every later evaluation reads it, so the
+    step's end measures the buffers with the parameters, and ``policy="skip"`` puts them back."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 8) * 1e20
+
+    def step() -> torch.Tensor:
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    before = model[1].running_var.clone()
+    with caplog.at_level(logging.ERROR, logger="gradtrace.watch"):
+        watched = tracer.watch(model, opt, out=None, policy="skip", report=False)(step)
+        watched()
+        watched.watch.close()
+    [incident] = watched.watch.incidents
+    assert "the parameter norm (buffers included) at the end of the step is +Inf" in incident.reason
+    assert torch.equal(model[1].running_var, before)  # skipped: the buffer as the step found it
+    assert all(bool(p.isfinite().all()) for p in model.parameters())

@@ -52,8 +52,8 @@ class FlagValues:
     def reason(self) -> str:
         """What was not finite, in words."""
         parts = [f"{name} is {_word(v)}" for name, v in (("the loss", self.loss), ("the gradient norm", self.grad_norm),
-                                                           ("the parameter norm at the end of the step",
-                                                            self.param_norm))
+                                                           ("the parameter norm (buffers included) at the end of "
+                                                            "the step", self.param_norm))
                  if v is not None and not math.isfinite(v)]
         return ", ".join(parts)
 
@@ -134,6 +134,7 @@ class Sentinel:
         self._stepped = False  # the optimizer stepped in this step: measure the parameters at its end
         self._handles: list[Any] = []
         self._param_list: list[torch.Tensor] = []
+        self._buffer_list: list[torch.Tensor] = []
         if optimizer is not None:
             self._handles = [optimizer.register_step_pre_hook(self._before_optimizer),
                              optimizer.register_step_post_hook(self._after_optimizer)]
@@ -146,6 +147,10 @@ class Sentinel:
     def begin(self) -> None:
         self._losses, self._grad_norms, self._stepped = [], [], False
         self._param_list = model_parameters(self.model, self.optimizer)
+        # The floating buffers count with the parameters at the step's end: a NaN or Inf the step
+        # wrote into BatchNorm's running statistics poisons every later evaluation.
+        self._buffer_list = [b for b in self.model.buffers() if b.is_floating_point()] \
+            if self.model is not None else []
         self.active = True
 
     def abort(self) -> None:
@@ -184,7 +189,8 @@ class Sentinel:
                 self._losses.append(loss.detach().reshape(()).float())
             if not self._grad_norms and any(p.grad is not None for p in self._params()):
                 self._grad_norms.append(self._grad_norm())
-            param_norms = [_total_norm([p.detach() for p in self._params()])] if self._stepped else []
+            param_norms = [_total_norm([p.detach() for p in [*self._params(), *self._buffer_list]])] \
+                if self._stepped else []
             device = _device_of(self._losses, self._grad_norms, param_norms, self._params())
             slots = [_combine(self._losses, device, total=True), _combine(self._grad_norms, device),
                      _combine(param_norms, device)]
