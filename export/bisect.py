@@ -5,15 +5,18 @@ For each step both logs hold, in order:
 
 1. the parameters as the step begins: when they differ, the previous step's update differed (or,
    at step 0, the runs started from different parameters);
-2. what goes into the step: the batch, the random states, the learning rates and the other
-   optimizer settings;
-3. what the step computed: its losses and the gradients the optimizer read.
+2. what goes into the step: the batch (the tensors given to the model's outermost calls: the
+   labels a loop hands to the loss function are not among them), the random states, the learning
+   rates and the other optimizer settings;
+3. what the step computed: its losses and the gradients the optimizer read (as ``step()`` began:
+   after any clipping or scaling of ``.grad``; the log holds no gradient as backward ends).
 
 The runs part at the first step whose results (its loss, its gradients, or the update seen as
 the next step begins) differ; the verdict names the input that already differed there (the
 batch, the random state, a learning rate), or says that everything going in agreed and the
-computation itself changed. An input that differs without changing any result (an unseeded
-generator nothing draws from) is noted and the comparison goes on.
+computation itself changed, or an input the log does not digest (labels). An input that differs
+without changing any result (a generator the runs seeded or drew from differently, whose state no
+step's result depends on) is noted and the comparison goes on.
 
 A random generator that starts to differ at the step where the runs part is blamed only on
 evidence that the step used it. Its state moved before the next step in either run: blamed (the
@@ -61,7 +64,10 @@ class Parting:
     - ``layout``: the parameters' names, shapes or dtypes (not the same model);
     - ``batch``, ``rng``: an input of the step, and its results with it;
     - ``lr``, ``hyper``: a learning rate or another optimizer setting, seen in the update;
-    - ``loss``, ``grads``: the step's computation, with every input equal;
+    - ``loss``: the step's computation, or an input the log does not digest (the labels given
+      to the loss), with every input it digests equal;
+    - ``grads``: the gradients the optimizer read, with the inputs and the loss equal (the
+      backward pass, or a change to ``.grad`` between backward and ``step()``: clipping);
     - ``update``: the update, with the loss, gradients and settings equal;
     - ``length``: one log ends while the other goes on, every step both hold agreeing.
     """
@@ -99,14 +105,19 @@ class BisectResult:
         p = self.parting
         basis = f" within {self.tolerance}" if self.tolerance is not None else " bit for bit"
         if p is None:
-            text = (f"The logs agree on all {plural(self.compared, 'step')}{basis}: every loss, batch, learning rate, "
-                    "gradient and parameter, and the parameters after the last step.")
+            # No step in either log is bad input (``bisect`` refuses it): "agree" here means
+            # steps were compared. The batch is the model's inputs only (not the labels).
+            text = (f"The logs agree on all {plural(self.compared, 'step')}{basis}: every loss, model input, learning "
+                    "rate, gradient and parameter, and the parameters after the last step.")
+        elif p.kind == "length" and self.compared == 0:
+            text = f"{p.words[0].upper()}{p.words[1:]}: no step to compare."  # no "agree on the 0 steps"
         elif p.kind == "length":
             text = f"The logs agree on the {plural(self.compared, 'step')} both hold{basis}, but {p.words}."
         elif p.kind == "start":
             text = f"The runs part before step 0: {p.words}{_named(p)}."
         else:
-            before = f" Steps 0-{p.step - 1} agree{basis}." if p.step > 0 else ""
+            before = "" if p.step == 0 else f" Step 0 agrees{basis}." if p.step == 1 else \
+                f" Steps 0-{p.step - 1} agree{basis}."
             text = f"The runs part at step {p.step}: {p.words}{_named(p)}.{before}"
         notes = " ".join(self.notes)
         return text + (" " + notes if notes else "")
@@ -181,7 +192,13 @@ def bisect(a: str | os.PathLike[str], b: str | os.PathLike[str], *, rtol: float 
     if tol is not None and (not (tol.rtol >= 0 and tol.atol >= 0) or not all(map(math.isfinite, (tol.rtol, tol.atol)))):
         raise UserError("--rtol and --atol must be finite numbers >= 0")
     with StepLogReader(pa) as ra, StepLogReader(pb) as rb:
-        return _Bisection(ra, rb, tol).run()
+        result = _Bisection(ra, rb, tol).run()
+    if result.a_steps == 0 and result.b_steps == 0:
+        # "The logs agree on all 0 steps" would pass two empty logs (programs that stopped
+        # before their first optimizer step) as a match: bad input, as a missing file is.
+        raise UserError(f"neither step log holds a step ({pa}, {pb}): no optimizer step was logged in either run, "
+                        "nothing to compare")
+    return result
 
 
 class _Bisection:
@@ -239,10 +256,10 @@ class _Bisection:
             self._note(step, inputs)
             return None
         results = self._results_words(ea, eb, loss_differs, grads, total)
-        # A generator that differed already, without changing anything (an unseeded one the
-        # program never drew from until now, perhaps), is not blamed; nor is one the log shows
-        # unused by the step, or an unseeded one at step 0 the log cannot tell about: it is said
-        # beside (see the module docstring).
+        # A generator that differed already, without changing anything (one the programs seeded
+        # or drew from differently, and no step's result depended on until now), is not blamed;
+        # nor is one the log shows unused by the step, or an unseeded one at step 0 the log
+        # cannot tell about: it is said beside (see the module docstring).
         fresh = [g for k, w in inputs if k == "rng" for g in w.split(",") if g not in self._rng_differs]
         cause = next((w for k, w in inputs if k == "batch"), None)
         if cause is None and fresh:
@@ -253,11 +270,20 @@ class _Bisection:
         if cause is not None:
             kind = "batch" if any(k == "batch" for k, _ in inputs) else "rng"
             return Parting(step, kind, f"{cause}, and {results}", [names[i] for i in grads], total)
-        kind = "loss" if loss_differs else "grads"
         rng = "" if any(k == "rng" for k, _ in inputs) else ", the random state"
-        going_in = f"everything that goes into it agrees (the parameters, the batch, the learning rates{rng}), yet"
-        what = "the step's computation changed" if loss_differs else "the backward pass changed"
-        return Parting(step, kind, f"{going_in} {results}: {what}", [names[i] for i in grads], total)
+        # The batch digest covers the model's inputs only: labels handed to the loss function
+        # outside the model are not in the log, so a loss that differs may be theirs.
+        going_in = f"every input the log compares agrees (the parameters, the model's inputs, the learning rates{rng})"
+        if loss_differs:
+            return Parting(step, "loss", f"{going_in}, yet {results}: the step's computation changed, or an input "
+                                         "the log does not compare (the labels or targets the loss reads beside the "
+                                         "model's output)", [names[i] for i in grads], total)
+        # The gradients are read as ``step()`` begins, not as backward ends: clipping, scaling or
+        # anything else that rewrites ``.grad`` in between looks the same as another backward.
+        return Parting(step, "grads", f"{going_in} and so does its loss, yet the gradients the optimizer read "
+                                      "differ: the backward pass changed, or something changed the gradients between "
+                                      "backward and optimizer.step() (clipping, scaling, a hook)",
+                       [names[i] for i in grads], total)
 
     def _used(self, step: int, fresh: list[str], ea: StepEntry, eb: StepEntry,
               nxt: Pair | None) -> tuple[list[str], list[str]]:
@@ -298,9 +324,12 @@ class _Bisection:
                 if fresh:
                     self._rng_differs.update(fresh)
                     state, verb = ("states", "differ") if len(fresh) > 1 else ("state", "differs")
+                    # All the log knows: the state moved differently (another seed, an extra
+                    # draw outside the steps, no seed at all), and no result has shown it.
+                    it = "them" if len(fresh) > 1 else "it"
                     self.notes.append(f"(The random {state} of {_generators(fresh)} {verb} from step {step} on "
-                                      "without changing any result: an unseeded generator the steps do not draw "
-                                      "from.)")
+                                      f"without changing any result: the runs seeded {it} or drew from {it} "
+                                      f"differently, and no step's result depended on {it} so far.)")
             elif kind == "batch" and kind not in self._noted:
                 self._noted.add(kind)
                 self.notes.append(f"(At step {step} the batch differs, yet the loss and gradients agree.)")
@@ -334,8 +363,12 @@ class _Bisection:
     def _length(self, a_steps: int, b_steps: int) -> Parting:
         short, long_, n, m = ("B", "A", b_steps, a_steps) if b_steps < a_steps else ("A", "B", a_steps, b_steps)
         reader = self.rb if short == "B" else self.ra
-        how = "was cut off" if reader.truncated or not reader.ended else "ends"
-        return Parting(n, "length", f"{short}'s log {how} after {plural(n, 'step')} while {long_}'s holds {m:,} "
+        cut = reader.truncated or not reader.ended
+        if n == 0:
+            how = "was cut off before its first step" if cut else "holds no step"
+        else:
+            how = f"{'was cut off' if cut else 'ends'} after {plural(n, 'step')}"
+        return Parting(n, "length", f"{short}'s log {how} while {long_}'s holds {m:,} "
                                      f"({short}'s program stopped early, failed or was killed)")
 
     # ---- comparisons ------------------------------------------------------------------------------
@@ -399,7 +432,7 @@ class _Bisection:
                 parts.append(f"its loss differs{which}: {_num(ea.loss[i])} in A, {_num(eb.loss[i])} in B"
                              + _by(ea.loss[i], eb.loss[i]))
         else:
-            parts.append("its loss agrees but its gradients differ")
+            parts.append("its loss agrees but the gradients the optimizer read differ")
         return ", ".join(parts)
 
 

@@ -67,9 +67,9 @@ def test_a_layernorm_eps_change_parts_at_step_23_by_its_loss(logs):
     r = bisect(logs["none"], logs["eps"])
     assert (r.parting.step, r.parting.kind) == (23, "loss")
     text = r.describe()
-    assert text.startswith("The runs part at step 23: everything that goes into it agrees (the parameters, the batch, "
-                           "the learning rates, the random state), yet its loss differs: ")
-    assert "the step's computation changed" in text
+    assert text.startswith("The runs part at step 23: every input the log compares agrees (the parameters, the "
+                           "model's inputs, the learning rates, the random state), yet its loss differs: ")
+    assert "the step's computation changed, or an input the log does not compare (the labels" in text
 
 
 def test_the_commands_trace_the_step_in_both_runs(logs, capsys, monkeypatch):
@@ -97,8 +97,8 @@ def test_two_identical_runs_of_50_steps_agree(tmp_path, capsys):
     a, b = (_logged(tmp_path / f"{n}.gtsteps", "none", 50) for n in ("a", "b"))
     assert main(["bisect", a, b]) == 0
     out = capsys.readouterr().out
-    assert out == ("The logs agree on all 50 steps bit for bit: every loss, batch, learning rate, gradient and "
-                   "parameter, and the parameters after the last step.\n")
+    assert out == ("The logs agree on all 50 steps bit for bit: every loss, model input, learning rate, gradient "
+                   "and parameter, and the parameters after the last step.\n")
 
 
 def _float64_products(path, wide: bool) -> str:
@@ -161,7 +161,7 @@ def test_run_finds_the_step_then_the_op_and_line(tmp_path, monkeypatch, capsys):
     code = main(["bisect", "--run", f"python {SCRIPT} --steps 25", f"python {SCRIPT} --steps 25 --variant eps"])
     out, err = capsys.readouterr()
     assert code == 1
-    assert out.startswith("The runs part at step 23: everything that goes into it agrees")
+    assert out.startswith("The runs part at step 23: every input the log compares agrees")
     file, line = _ln_1_line()
     assert (f"The runs part at step 23, first at layer_norm2 (torch.nn.functional.layer_norm in transformer.h.1.ln_1, "
             f"forward) at {file}:{line} (hidden_states = self.ln_1(hidden_states)): inputs match, arguments differ "

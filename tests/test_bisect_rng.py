@@ -74,7 +74,10 @@ def _loss_words(a: str, b: str) -> str:
 GRADS = "the gradients of 4 of 4 parameters differ, first in execution order: 0.weight, 0.bias, 2.weight and 1 more"
 GRADS_DROPOUT = ("the gradients of 4 of 4 parameters differ, first in execution order: 0.weight, 0.bias, 3.weight "
                  "and 1 more")
-COMPUTATION = "The runs part at step 0: everything that goes into it agrees (the parameters, the batch, the learning rates), yet "
+COMPUTATION = ("The runs part at step 0: every input the log compares agrees (the parameters, the model's inputs, the "
+               "learning rates), yet ")
+CHANGED = ("the step's computation changed, or an input the log does not compare (the labels or targets the loss "
+           "reads beside the model's output)")
 
 
 def test_a_computation_change_at_step_0_is_not_blamed_on_unseeded_generators(tmp_path):
@@ -84,7 +87,7 @@ def test_a_computation_change_at_step_0_is_not_blamed_on_unseeded_generators(tmp
     assert sa[0].rng["torch"] == sb[0].rng["torch"]
     r = bisect(a, b)
     assert (r.exit_code, r.parting.step, r.parting.kind) == (1, 0, "loss")
-    assert r.describe() == (f"{COMPUTATION}{_loss_words(a, b)}: the step's computation changed; {GRADS}. "
+    assert r.describe() == (f"{COMPUTATION}{_loss_words(a, b)}: {CHANGED}; {GRADS}. "
                             f"{PY_NP_IDLE}")
     assert r.to_json()["kind"] == "loss"
 
@@ -94,7 +97,7 @@ def test_a_computation_change_in_a_one_step_log_is_the_computation_s_too(tmp_pat
     a, b = _run(tmp_path / "a.gtsteps", steps=1), _run(tmp_path / "b.gtsteps", steps=1, scale=1.001)
     r = bisect(a, b)
     assert (r.parting.step, r.parting.kind) == (0, "loss")
-    assert r.describe() == (f"{COMPUTATION}{_loss_words(a, b)}: the step's computation changed; {GRADS}. "
+    assert r.describe() == (f"{COMPUTATION}{_loss_words(a, b)}: {CHANGED}; {GRADS}. "
                             f"{PY_NP_UNKNOWN}")
 
 
