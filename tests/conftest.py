@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -16,6 +17,16 @@ os.environ.setdefault("GRADTRACE_STRICT", "1")
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--update-golden", action="store_true", default=False,
                      help="rewrite golden files under tests/golden from the current output")
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """torch on one CPU thread for the test (a module opts in with ``pytestmark``): step logs and
+    watches compare fingerprints, and the order of a multi-threaded reduction can change them."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture

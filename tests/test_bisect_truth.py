@@ -23,12 +23,7 @@ from tracer.model.steplog import read_steplog
 GRADS = "the gradients of 4 of 4 parameters differ, first in execution order: 0.weight, 0.bias, 2.weight and 1 more"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _run(path, *, steps: int = 4, flip_label_at: int | None = None, clip: float | None = None,

@@ -31,12 +31,7 @@ MODELS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "watch_models.
 STEPS, BAD = 60, 37
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: threads only add contention on a shared machine
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _lm_step(model, opt):

@@ -16,12 +16,7 @@ from tests.watch_models import checksum, line_of, tiny_gpt2
 HERE = os.path.abspath(__file__)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Poisonable(torch.nn.Module):
