@@ -358,3 +358,29 @@ def test_an_inf_written_into_batchnorm_running_stats_trips_the_watch_and_skip_re
     assert "the parameter norm (buffers included) at the end of the step is +Inf" in incident.reason
     assert torch.equal(model[1].running_var, before)  # skipped: the buffer as the step found it
     assert all(bool(p.isfinite().all()) for p in model.parameters())
+
+
+def test_a_norm_that_overflows_float32_is_said_to_overflow_not_to_hold_an_inf(tmp_path, caplog) -> None:
+    """lr=1e38: the weights reach ~5e37, finite; only their float32 norm overflows to +Inf. The
+    incident says no value holds an Inf (the replay's trace says every tensor is finite)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=1e38)
+    x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+
+    def step() -> torch.Tensor:
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    with caplog.at_level(logging.ERROR, logger="gradtrace.watch"):
+        watched = tracer.watch(model, opt, out=None, policy="skip", report=False)(step)
+        watched()
+        watched.watch.close()
+    [incident] = watched.watch.incidents
+    assert incident.anomaly is None and incident.numerics is not None and incident.numerics.clean
+    assert incident.original["param_norm"] == math.inf and incident.overflowed_norm()
+    assert ("no value of the replayed step holds a NaN or Inf: the norm itself overflowed float32"
+            in incident.describe().splitlines()[1])

@@ -33,6 +33,7 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
+import math
 import os
 import struct
 import warnings
@@ -108,6 +109,13 @@ class Incident:
         return (f"parameters, buffers, optimizer state and random state restored to before step {self.step}"
                 f"{undone}; {after}")
 
+    def overflowed_norm(self) -> bool:
+        """A norm tripped as +Inf while the replay found every checked value finite: the norm of
+        finite values overflowed (a diverging run), no tensor holds an Inf."""
+        norms = [self.original.get("grad_norm"), self.original.get("param_norm")]
+        return (self.numerics is not None and self.numerics.clean and self.numerics.checked > 0
+                and any(v is not None and v == math.inf for v in norms))
+
     def next_command(self) -> str | None:
         """What to run next to look at the incident."""
         if self.path is None:
@@ -123,6 +131,9 @@ class Incident:
             lines.append(self.numerics.describe())
         elif self.anomaly is not None:
             lines.append(self.anomaly.describe())
+        elif self.overflowed_norm():
+            lines.append("no value of the replayed step holds a NaN or Inf: the norm itself overflowed float32 (its "
+                         "squares summed past ~3.4e38, values above ~1.8e19): the run diverges")
         if not self.reproduced:
             lines.append("the replay did not reproduce it (" + _replay_words(self) + "); the trace holds the replayed "
                          "step anyway")
