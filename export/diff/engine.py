@@ -60,7 +60,7 @@ from export.errors import DiffError
 from export.load import load_with_notes
 from export.views import checksum
 from tracer.model import SCHEMA_VERSION, Call, GradNode, NodeRun, Stats, TensorRecord, Trace
-from tracer.model.display import param_module, plural
+from tracer.model.display import args_pair, param_module, plural
 from tracer.model.names import base_name, gradient_of
 
 INF = math.inf
@@ -361,39 +361,9 @@ def _forward(a: Trace, b: Trace, cmp: Comparer, rows: list[Pair]) -> tuple[Diver
 
 
 def _args_pair(ca: Call, cb: Call) -> str:
-    """``3`` vs ``5``: the two calls' argument texts, each cut to a readable length; of keyword
-    arguments both name the same (an optimizer step's settings), only those that differ:
-    ``'lr=0.1' vs 'lr=0.2'``."""
-    def cut(text: str) -> str:
-        return text if len(text) <= 40 else text[:39] + "…"
-    a, b = _keyword_items(ca.args), _keyword_items(cb.args)
-    if a is not None and b is not None and a.keys() == b.keys():
-        keys = [k for k in a if a[k] != b[k]]
-        if keys:
-            return (f"{cut(', '.join(f'{k}={a[k]}' for k in keys))!r} vs "
-                    f"{cut(', '.join(f'{k}={b[k]}' for k in keys))!r}")
-    return f"{cut(ca.args)!r} vs {cut(cb.args)!r}"
-
-
-def _keyword_items(text: str) -> dict[str, str] | None:
-    """``lr=0.1, betas=(0.9, 0.999)`` as ``{"lr": "0.1", "betas": "(0.9, 0.999)"}``; None when
-    the text is not all ``name=value`` items or was cut short (ends with ``…``)."""
-    if not text or text.endswith("…"):
-        return None
-    items: dict[str, str] = {}
-    depth, start = 0, 0
-    for i, ch in enumerate(text + ","):
-        if ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            key, sep, value = text[start:i].strip().partition("=")
-            if not sep or not key.replace(".", "").replace("_", "").isalnum():
-                return None
-            items[key] = value
-            start = i + 1
-    return items
+    """``3`` vs ``5``: the two calls' argument texts (``tracer.model.display.args_pair``, which
+    ``tracer.check_determinism`` words its ``arguments differ`` with too)."""
+    return args_pair(ca.args, cb.args)
 
 
 # ---- backward -----------------------------------------------------------------------------------

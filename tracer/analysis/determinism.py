@@ -15,7 +15,10 @@ A step whose records or their inputs already differ before any op could have mad
 difference (different parameters as the step begins, a different batch, another path through the
 code) is reported as such: that is nondeterminism before the step, not in it. A record that reads
 other tensors in two runs (other names: the parameters read in another order, as iterating a set
-of names does) took another path; its inputs are not compared as values.
+of names does) took another path; its inputs are not compared as values. A call whose inputs are
+bit-equal and whose outputs differ, but which was given other non-tensor arguments (``Call.args``:
+a warm-up factor from a Python counter, a learning rate a scheduler moved), is not a
+nondeterministic op either: the runs read Python state that differs, and that is what is said.
 """
 
 from __future__ import annotations
@@ -24,12 +27,21 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from tracer.model import Call, Frame, NodeRun, Trace
-from tracer.model.display import plural
+from tracer.model.display import args_pair, plural
 from tracer.model.frames import FRAMEWORK, frame_class
 
 SET_DETERMINISTIC = "torch.use_deterministic_algorithms(True)"
-# (words found in the op's API or node class, the usual cause, what to set)
+# A random op given its own generator: its args text names it (``generator=Generator``, see
+# tracer.record.naming.short_args). Checked first: the op is random, whatever else it is.
+PRIVATE_GENERATOR = (
+    "a random op drawing from a torch.Generator of its own (generator=): the check puts torch's default "
+    "generators back before each repeat, not a private one, so each repeat draws other numbers from where the "
+    "last one left it",
+    "re-seed the generator inside the step (g.manual_seed(seed)), or pass it so it can be restored: "
+    "tracer.check_determinism(step_fn, ..., generators=[g])")
+# (words found in the op's API or node class, or its arguments, the usual cause, what to set)
 CAUSES: tuple[tuple[tuple[str, ...], str, str], ...] = (
+    (("generator=",), *PRIVATE_GENERATOR),
     (("index_add",), "index_add_ adds rows with atomic operations on CUDA: where indices repeat, the order of the "
                      "additions (and so the rounding) changes from run to run",
      f"{SET_DETERMINISTIC} (a deterministic kernel), or sum repeated indices in a fixed order"),
@@ -208,6 +220,13 @@ def _compare(a: Trace, b: Trace, i: int) -> tuple[Nondeterministic | None, str |
                               f"{_label(xa)}): the runs do not start from the same state"), compared
             continue  # a difference made earlier reaches this record: not its own
         oa, ob = [_digest(a, n) for n in outs_a], [_digest(b, n) for n in outs_b]
+        if oa != ob and isinstance(xa, Call) and isinstance(xb, Call) and xa.args != xb.args:
+            # Bit-equal inputs, other arguments: the outputs differ because the call was asked for
+            # something else (Python state the runs do not share), not because the op is random.
+            return None, (f"run {i + 1} called {_label(xa)} with other arguments than run 1 at record {compared}: "
+                          f"inputs match, arguments differ ({args_pair(xa.args, xb.args)}), outputs differ (the "
+                          "step reads a Python value that changed between the runs, e.g. a counter, which the "
+                          "check does not put back: another path, not a nondeterministic op)"), compared
         if oa != ob:
             differing = [str(n) for n, x, y in zip(outs_a, oa, ob) if x != y]
             return _found(a, ka, xa, differing, i), None, compared
@@ -292,13 +311,15 @@ def _in_custom_backward(t: Trace, call: Call) -> bool:
 
 def usual_cause(text: str, custom: bool = False) -> tuple[str, str] | None:
     """(the usual cause, what to set) for an op or node whose API or class is in ``text`` (with its
-    arguments: ``accumulate=True``), or for a custom kernel (``custom``); None when none is known."""
+    arguments: ``accumulate=True``, ``generator=Generator``), or for a custom kernel (``custom``); None when none is known."""
     if "index_put" in text and "accumulate=True" not in text:
         text = text.replace("index_put", "")  # index_put_ without accumulate writes, it does not add
+    # generator=None (given explicitly) is the default generator, which the check does put back.
+    text = text.replace("generator=None", "")
     for words, cause, fix in CAUSES:
         if any(w in text for w in words):
             return cause, fix
     return CUSTOM if custom else None
 
 
-__all__ = ["CAUSES", "CUSTOM", "DeterminismReport", "Nondeterministic", "compare_runs", "usual_cause"]
+__all__ = ["CAUSES", "CUSTOM", "PRIVATE_GENERATOR", "DeterminismReport", "Nondeterministic", "compare_runs", "usual_cause"]

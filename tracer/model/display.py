@@ -157,6 +157,42 @@ def clip(text: str, limit: int = 40) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def args_pair(a: str, b: str) -> str:
+    """``'3' vs '5'``: two calls' argument texts, each cut to a readable length; of keyword
+    arguments both name the same (an optimizer step's settings), only those that differ:
+    ``'lr=0.1' vs 'lr=0.2'``."""
+    def cut(text: str) -> str:
+        return text if len(text) <= 40 else text[:39] + "…"
+    ka, kb = keyword_items(a), keyword_items(b)
+    if ka is not None and kb is not None and ka.keys() == kb.keys():
+        keys = [k for k in ka if ka[k] != kb[k]]
+        if keys:
+            return (f"{cut(', '.join(f'{k}={ka[k]}' for k in keys))!r} vs "
+                    f"{cut(', '.join(f'{k}={kb[k]}' for k in keys))!r}")
+    return f"{cut(a)!r} vs {cut(b)!r}"
+
+
+def keyword_items(text: str) -> dict[str, str] | None:
+    """``lr=0.1, betas=(0.9, 0.999)`` as ``{"lr": "0.1", "betas": "(0.9, 0.999)"}``; None when
+    the text is not all ``name=value`` items or was cut short (ends with ``…``)."""
+    if not text or text.endswith("…"):
+        return None
+    items: dict[str, str] = {}
+    depth, start = 0, 0
+    for i, ch in enumerate(text + ","):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            key, sep, value = text[start:i].strip().partition("=")
+            if not sep or not key.replace(".", "").replace("_", "").isalnum():
+                return None
+            items[key] = value
+            start = i + 1
+    return items
+
+
 # Characters of one free-text string of a trace (a source line, a module path, an args string) in
 # a page: a real one is a few hundred at most; a file may hold one of megabytes.
 LONG_TEXT_LIMIT = 2_000
