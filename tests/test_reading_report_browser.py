@@ -177,14 +177,16 @@ def test_enter_selects_the_call_not_the_module_it_sits_in(opened: Any) -> None:
 # ---- NaN badges and the first-NaN buttons -------------------------------------------------------------
 class ZeroNorm(nn.Module):
     """The norm of a zero vector: every forward value finite, the gradient of sqrt at 0 infinite
-    and NaN after it (the classic NaN that exists only in backward)."""
+    and NaN after it (the classic NaN that exists only in backward), down to the weights' grads.
+    (Through a ReLU that gave zeros the NaN would be selected away: dropped, not reported.)"""
 
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(4, 4)
-        self.act = nn.ReLU()
+        self.act = nn.Tanh()
         with torch.no_grad():
-            self.lin.bias.fill_(-100.0)  # every pre-activation negative: relu gives zeros
+            self.lin.weight.zero_()  # every pre-activation 0, tanh(0) = 0 exactly, its gradient 1
+            self.lin.bias.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.act(self.lin(x))
@@ -207,7 +209,9 @@ def test_nan_only_in_backward_badges_only_grad_nodes(opened: Any) -> None:
         model(torch.randn(3, 4)).sum().backward()
     assert not any(nonfinite(t, n) for c in t.calls for n in c.outputs)
     bad_nodes = {n.name for n in t.grad_nodes if any(nonfinite(t, g) for g in (*n.grads_in, *n.grads_out))}
-    assert bad_nodes == {"sqrt0/SqrtBackward0", "sum0/SumBackward1", "pow0/PowBackward0", "relu0/ReluBackward0"}
+    assert bad_nodes == {"sqrt0/SqrtBackward0", "sum0/SumBackward1", "pow0/PowBackward0", "tanh0/TanhBackward0",
+                         "linear0/AddmmBackward0", "linear0/TBackward0", "lin.weight/AccumulateGrad",
+                         "lin.bias/AccumulateGrad"}
     o = opened(t, "zeronorm.html")
     page = o.page
     assert drawn_bad(o, "f") == [] and page.locator('#gt-vp [data-key^="f"] .badtag').count() == 0
@@ -215,7 +219,7 @@ def test_nan_only_in_backward_badges_only_grad_nodes(opened: Any) -> None:
     assert page.locator('#gt-vp [data-key^="b"] .badtag').count() == len(bad_nodes)
     page.click("#gt-foldall")   # folded: the module's backward box is red, its forward box is not
     assert drawn_bad(o, "f") == []
-    assert set(drawn_bad(o, "b")) == {"m:act", "pow0/PowBackward0", "sum0/SumBackward1", "sqrt0/SqrtBackward0"}
+    assert set(drawn_bad(o, "b")) == {"m:act", "m:lin", "pow0/PowBackward0", "sum0/SumBackward1", "sqrt0/SqrtBackward0"}
     # the button finds the story's headline: the first bad node in the order backward ran them
     bwd = page.locator("#gt-nan-first")
     assert bwd.is_enabled()
