@@ -2,7 +2,7 @@
 
 Names are per-API counters, so one extra ``add`` shifts every later ``addN`` in the trace: names
 cannot be the join key between two runs. Calls are aligned instead on a key that survives that
-drift, ``(phase, kind, module path, api, input shapes, output shapes)``, by a longest-matching
+drift, ``(phase, kind, module path, api, input shapes, returned output shapes)``, by a longest-matching
 sequence alignment (``difflib.SequenceMatcher`` without its popularity heuristic, which would
 otherwise ignore the frequent keys a transformer repeats). The position of a call among its
 same-API siblings is left out of the key on purpose: the alignment itself supplies order, and a
@@ -124,9 +124,16 @@ def _shapes(trace: Trace, names: Sequence[str]) -> tuple[tuple[int, ...] | None,
 
 
 def call_key(trace: Trace, call: Call) -> Hashable:
-    """What identifies a call across two runs of the same program (its name does not)."""
+    """What identifies a call across two runs of the same program (its name does not).
+
+    Of its outputs, those it returned: the new versions of inputs it changed in place are left
+    out. Their shapes are their inputs' (already in the key), and whether a call updates its
+    inputs is what may differ between the runs: batch norm in ``train()`` updates its running
+    stats, in ``eval()`` not; keyed on them, the two calls never aligned, and the difference was
+    told as a removal and an insertion instead of ``arguments differ (training=True vs False)``."""
+    changed = set(call.mutated)
     return (call.phase, call.kind, call.module, call.api,
-            _shapes(trace, call.inputs), _shapes(trace, call.outputs))
+            _shapes(trace, call.inputs), _shapes(trace, [o for o in call.outputs if o not in changed]))
 
 
 def _checksums(trace: Trace, call: Call) -> tuple[str | None, ...]:

@@ -55,7 +55,17 @@ from export.diff.result import (
     Row,
     Tolerance,
 )
-from export.diff.rules import BACKWARD, CAST_APIS, CAST_NODES, FORWARD, SOURCE, STRUCTURE, Facts, classify
+from export.diff.rules import (
+    BACKWARD,
+    CAST_APIS,
+    CAST_NODES,
+    FORWARD,
+    SOURCE,
+    STRUCTURE,
+    Facts,
+    classify,
+    random_op,
+)
 from export.errors import DiffError
 from export.load import load_with_notes
 from export.views import checksum
@@ -299,6 +309,14 @@ def _forward(a: Trace, b: Trace, cmp: Comparer, rows: list[Pair]) -> tuple[Diver
         role = ra.role if ra is not None else "tensor"
         return SOURCE, f"{role} {na}"
 
+    # Random calls only one trace made, so far: each drew from the RNG, so a later random op
+    # both traces call draws other numbers for a known reason (B's extra layer's init first).
+    random_only: dict[str, list[str]] = {"A": [], "B": []}
+
+    def rng_advanced_by() -> str:
+        return "; ".join(f"{', '.join(names[:2])}{f' … {len(names) - 2} more' if len(names) > 2 else ''} "
+                         f"(only in {side})" for side, names in random_only.items() if names)
+
     for r in rows:
         # Calls a grad node's own code made (a custom backward) belong to the backward section;
         # every other phase's calls (forward, the optimizer's, any later one) to this one.
@@ -308,10 +326,14 @@ def _forward(a: Trace, b: Trace, cmp: Comparer, rows: list[Pair]) -> tuple[Diver
             assert r.a is not None
             c = a.calls[r.a]
             d.rows.append(_only_row(Row(c.name, None, c.module, c.api, phase=c.phase), "A", c.api in CAST_APIS, cmp))
+            if random_op(c.api) is not None:
+                random_only["A"].append(c.name)
             continue
         if r.a is None:
             c = b.calls[r.b]
             d.rows.append(_only_row(Row(None, c.name, c.module, c.api, phase=c.phase), "B", c.api in CAST_APIS, cmp))
+            if random_op(c.api) is not None:
+                random_only["B"].append(c.name)
             continue
         ca, cb = a.calls[r.a], b.calls[r.b]
         row = Row(ca.name, cb.name, ca.module, ca.api, phase=ca.phase)
@@ -339,7 +361,8 @@ def _forward(a: Trace, b: Trace, cmp: Comparer, rows: list[Pair]) -> tuple[Diver
                       sources=tuple(t for k, t in causes if k == SOURCE),
                       read_first_by=tuple(sorted({first_reader[n] for n in changed
                                                   if first_reader.get(n, ca.name) != ca.name})),
-                      structure=next((t for k, t in causes if k == STRUCTURE), ""))
+                      structure=next((t for k, t in causes if k == STRUCTURE), ""),
+                      rng_advanced_by=rng_advanced_by())
         status = _classify(row, facts)
         if status == "new":
             cause[ca.name] = FORWARD
@@ -383,6 +406,37 @@ def _node_kind(trace: Trace, name: str) -> tuple[GradNode | None, str]:
     return None, name.rsplit("/", 1)[-1]
 
 
+def _missing_gradients(a: Trace, b: Trace, sa: NodeRun, sb: NodeRun) -> str:
+    """The gradients a node makes on one side only, in words: ``B makes no gradient for 0.bias
+    (A does)`` (a bias frozen in B: autograd gives its slot no edge). Named by the tensor the
+    gradient is of, else by the accumulator its edge leads to, else by the output's place."""
+    out = []
+    for i, (x, y) in enumerate(zip(sa.grads_out, sb.grads_out)):
+        if (x is None) == (y is None):
+            continue
+        trace, name, node, none, made = (a, x, sa.node, "B", "A") if y is None else (b, y, sb.node, "A", "B")
+        assert name is not None
+        target = gradient_of(name)
+        if target is None:
+            g = trace.get(node)
+            nxt = g.next[i] if isinstance(g, GradNode) and i < len(g.next) else None
+            leaf = trace.get(nxt) if nxt else None
+            target = leaf.param if isinstance(leaf, GradNode) and leaf.param else None
+        out.append(f"{none} makes no gradient for {target or f'its output {i}'} ({made} does)")
+    return ", ".join(out)
+
+
+def _unaligned_call(b: Trace, call: str | None, sb: NodeRun, calls: dict[str, str], b_aligned: set[str]) -> str:
+    """``cross_entropy0 is only in A's forward, cross_entropy0 only in B's``: the node's forward
+    call, where it did not align with a call of B (another batch size changes its inputs'
+    shapes), else ``""``. Nothing then says the forward matched."""
+    if call is None or call in calls:
+        return ""
+    nb = b.get(sb.node)
+    cb = nb.call if isinstance(nb, GradNode) else None
+    return f"{call} is only in A's forward" + (f", {cb} only in B's" if cb and cb not in b_aligned else "")
+
+
 def _backward(a: Trace, b: Trace, cmp: Comparer, calls: dict[str, str],
               touched: dict[str, str]) -> Divergence:
     sec = _Section("backward")
@@ -390,6 +444,7 @@ def _backward(a: Trace, b: Trace, cmp: Comparer, calls: dict[str, str],
     cause: dict[str, str] = {}  # A node -> cause of its differing gradients
     hooked: set[str] = set()  # nodes whose hooks' calls were compared (at their first run)
     by_name = _Calls.of(a, b)
+    b_aligned = set(calls.values())
     rank = 0
     ranks: dict[int, int] = {}
     for ra, rb in pair_runs(a, b, calls):
@@ -436,11 +491,13 @@ def _backward(a: Trace, b: Trace, cmp: Comparer, calls: dict[str, str],
             ins = _compare_lists(cmp, sa.grads_in, sb.grads_in)
             outs = _compare_lists(cmp, sa.grads_out, sb.grads_out)
             sec.finish_row(row, outs)
+            row.missing = _missing_gradients(a, b, sa, sb)
             # Gradients in that differ only because the node's own hooks made them (a tensor hook's
             # result is what the node receives) leave the hook's call the origin.
             ins_match = not any(c.status == "differ" and not by_name.made_inside(a, x, sa.node) for x, _, c in ins)
             call = node.call if node is not None else None
             touched_call = touched.get(call, "") if call is not None else ""
+            unaligned = _unaligned_call(b, call, sb, calls, b_aligned)
             if inner is not None and ins_match and not any(c.status == "differ" for _, _, c in outs):
                 # (a hook of an accumulator, which produces nothing: its leaf's .grad differs)
                 irow, facts = inner
@@ -454,7 +511,7 @@ def _backward(a: Trace, b: Trace, cmp: Comparer, calls: dict[str, str],
                 continue
             if inner is not None and ins_match:
                 irow, facts = inner
-                _classify(irow, replace(facts, node_call=call, call_touched=touched_call))
+                _classify(irow, replace(facts, node_call=call, call_touched=touched_call, call_unaligned=unaligned))
                 cause[sa.node] = BACKWARD
                 row.status = "contaminated"
                 sec.candidates.append((ranks[id(irow)], irow, irow.note))
@@ -474,7 +531,7 @@ def _backward(a: Trace, b: Trace, cmp: Comparer, calls: dict[str, str],
                 else:
                     kinds.add(BACKWARD)  # a sum of edges' gradients (their nodes differ)
             facts = Facts("node", sa.node, kind, frozenset(kinds), cmp.tol is not None, row.max_rel, _mismatch(outs),
-                          node_call=call, call_touched=touched_call)
+                          node_call=call, call_touched=touched_call, missing=row.missing, call_unaligned=unaligned)
             if _classify(row, facts) == "new":
                 cause[sa.node] = BACKWARD
                 sec.candidates.append((ranks[id(row)], row, row.note))

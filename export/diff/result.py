@@ -92,7 +92,9 @@ class Row:
     ``unknown`` (could not be compared). ``rule`` names the rule of ``export.diff.rules`` that
     gave the status and the note; ``phase`` is the call's ``Call.phase`` (``backward`` for a grad
     node's step); ``shapes``: the first output whose shape differs, in words (``shape [3, 3] vs
-    [3, 5]``), which ``max_abs``/``max_rel`` do not measure.
+    [3, 5]``), which ``max_abs``/``max_rel`` do not measure; ``missing``: gradients a grad node
+    makes on one side only, in words (``B makes no gradient for 0.bias (A does)``), which no
+    number measures either.
     """
 
     a: str | None
@@ -109,6 +111,7 @@ class Row:
     rule: str = ""
     phase: str = ""
     shapes: str = ""
+    missing: str = ""
 
     # One line in a REPL (export/diff/reprs.py).
     def __repr__(self) -> str:
@@ -117,8 +120,8 @@ class Row:
     @property
     def checksum_only(self) -> bool:
         """It differs, and by checksums alone: every recorded stat of its outputs is equal (and
-        every output's shape: else the shapes are what differs)."""
-        return self.differs and not self.shapes and checksum_only(self.max_abs, self.basis)
+        every output's shape, and both sides make every output: else that is what differs)."""
+        return self.differs and not self.shapes and not self.missing and checksum_only(self.max_abs, self.basis)
 
     def absorb(self, c: Compared) -> None:
         """Take in one compared tensor of this record: the largest numbers, and their basis; a
@@ -137,10 +140,11 @@ class Row:
     def describe(self) -> str:
         """The measured difference in words that say where it came from, and an output's shape
         mismatch (``shape [3, 3] vs [3, 5]``)."""
-        if self.shapes and not self.max_abs:  # the outputs of one shape measured equal: the shapes differ
-            return self.shapes
-        return "; ".join(x for x in (self.shapes, difference_text(self.max_abs, self.max_rel, self.basis,
-                                                                   self.elements)) if x)
+        if (self.shapes or self.missing) and not self.max_abs:
+            # the outputs both make, of one shape, measured equal: the shapes or the missing ones differ
+            return "; ".join(x for x in (self.missing, self.shapes) if x)
+        return "; ".join(x for x in (self.missing, self.shapes, difference_text(self.max_abs, self.max_rel,
+                                                                                 self.basis, self.elements)) if x)
 
     @property
     def differs(self) -> bool:
@@ -151,7 +155,8 @@ class Row:
                 "max_abs": json_number(self.max_abs), "max_rel": json_number(self.max_rel), "note": self.note,
                 "basis": self.basis or None, "difference": self.describe() or None,
                 "elements": None if self.elements is None else self.elements.to_json(),
-                "rule": self.rule or None, "phase": self.phase or None, "shapes": self.shapes or None}
+                "rule": self.rule or None, "phase": self.phase or None, "shapes": self.shapes or None,
+                "missing": self.missing or None}
 
 
 def checksum_only(max_abs: float | None, basis: str) -> bool:
@@ -169,11 +174,15 @@ class ModuleStat:
     basis: str = ""  # of max_abs/max_rel, as Row.basis
     # Rows with an output whose shape differs: counted, not measured (no number for max_abs).
     shapes: int = 0
+    # Rows that make an output on one side only (a frozen parameter's gradient): not measured either.
+    missing: int = 0
 
     def add(self, row: Row) -> None:
         self.compared += 1
         if row.shapes:
             self.shapes += 1
+        if row.missing:
+            self.missing += 1
         if row.basis:
             self.basis = row.basis if self.basis in ("", row.basis) else "mixed"
         if row.differs:
@@ -266,6 +275,17 @@ class Divergence:
     def first_structural(self) -> Row | None:
         return next((r for r in self.rows if r.status in ("inserted", "removed")), None)
 
+    @property
+    def structure_first(self) -> Row | None:
+        """The first inserted or removed record, where it comes before the origin in the order
+        the records ran: the first difference of all, and the likelier cause (B's extra layer,
+        whose init drew from the RNG before the init both runs made), else None."""
+        s = self.first_structural
+        if s is None or self.origin is None:
+            return None
+        at = {id(r): i for i, r in enumerate(self.rows)}
+        return s if at[id(s)] < at.get(id(self.origin), len(self.rows)) else None
+
     def summary(self) -> str:
         """One phrase: where this section first diverges."""
         if self.unrelated:
@@ -278,7 +298,14 @@ class Divergence:
             tail = f"; {plural(n, 'later record')} contaminated{self._phases(LATER_DIFFERING)}" if n else ""
             tail += f"; {plural_verb(k, 'call after backward', 'differs', 'differ', 'calls after backward')} " \
                     "via gradients" if k else ""
-            return f"first at {where} ({o.what} in {o.module or '<root>'}{_phase_words(o.phase)}): {self.reason}{tail}"
+            at = f"at {where} ({o.what} in {o.module or '<root>'}{_phase_words(o.phase)}): {self.reason}{tail}"
+            s = self.structure_first
+            if s is not None:  # what ran first leads: the aligned origin may only follow from it
+                counts = ", ".join(f"{n} {w}" for n, w in ((len(self.inserted), "inserted in B"),
+                                                            (len(self.removed), "removed from A")) if n)
+                return (f"{counts}; first {s.status}: {s.a or s.b} ({s.what} in {s.module or '<root>'}"
+                        f"{_phase_words(s.phase)}), before the first aligned difference {at}")
+            return f"first {at}"
         if self.inserted or self.removed:
             s = self.first_structural
             first = "" if s is None else (f"; first {s.status}: {s.a or s.b} ({s.what} in {s.module or '<root>'}"
@@ -446,16 +473,14 @@ class DiffResult:
     def _changed_values(self) -> str:
         """The parameters whose value differs before the step, named (a handful, then how many
         more), the difference of the first when there is one alone, and, when forward found no
-        origin, the first call that read it (a change rounded away by that call)."""
-        changed = [p for p in self.params if p.value.status == "differ" or p.only_in]
+        origin, the first call that read it (a change rounded away by that call). Only those
+        both traces have, of one shape: the others are no value that differs (``_structure``)."""
+        changed = [p for p in self.params if same_parameter(p) and p.value.status == "differ"]
         if not changed:
             return ""
         n = len(changed)
-        text = ", ".join(p.name for p in changed[:TOP_NAMED]) + (f" … {n - TOP_NAMED} more" if n > TOP_NAMED else "")
-        buffers = sum(p.buffer for p in changed)
-        mixed = "parameters and buffers" if 0 < buffers < n else None  # (two at least)
-        head = f"{plural_verb(n, 'buffer' if buffers == n else 'parameter', 'differs', 'differ', mixed)}: {text}"
-        how = changed[0].value.describe() if n == 1 and not changed[0].only_in else ""
+        head = f"{plural_verb(n, _kind(changed), 'differs', 'differ', _kinds(changed))}: {_names(changed)}"
+        how = changed[0].value.describe() if n == 1 else ""
         if how:
             head += f" ({how})"
         if self.forward.origin is None and self.trace_a is not None:
@@ -467,13 +492,31 @@ class DiffResult:
                 head += f"; first read by {reader}" + (", whose outputs matched" if matched else "")
         return head
 
+    def _structure(self) -> str:
+        """The parameters and buffers that are no one parameter of both traces, named as what they
+        are: of another shape under one name, or in one trace only (a layer one run has, a buffer
+        only one run reads: batch norm's step counter in ``train()``). A change of structure: a
+        value of either says nothing of the other's."""
+        shaped = [p for p in self.params if p.only_in is None and p.value.shapes_differ]
+        parts = []
+        if shaped:
+            # (``shape [4, 16] vs [16, 16]``: the words of the comparison, without the first one)
+            names = ", ".join(f"{p.name} ({p.value.why.removeprefix('shape ')})" for p in shaped[:TOP_NAMED])
+            more = f" … {len(shaped) - TOP_NAMED} more" if len(shaped) > TOP_NAMED else ""
+            parts.append(f"{plural(len(shaped), _kind(shaped), _kinds(shaped))} of another shape: {names}{more}")
+        for side in ("A", "B"):
+            only = [p for p in self.params if p.only_in == side]
+            if only:
+                parts.append(f"{plural(len(only), _kind(only), _kinds(only))} only in {side}: {_names(only)}")
+        return "; ".join(parts)
+
     @property
     def parted_earlier(self) -> bool:
         """Every parameter (two or more; buffers aside: a step counter stays equal) already differed
         as the traced step began, in values from before the step: the runs parted at an earlier
         step, and the first call to read them is no origin worth a headline."""
         params = [p for p in self.params if not p.buffer]
-        return len(params) >= 2 and all(p.only_in is None and p.value.status == "differ" and not p.made_in_step
+        return len(params) >= 2 and all(same_parameter(p) and p.value.status == "differ" and not p.made_in_step
                                         for p in params)
 
     def verdict(self) -> str:
@@ -504,15 +547,19 @@ class DiffResult:
         if self.parted_earlier:  # the cause lies before this step: say so first, and how to find it
             parts.insert(0, parted_earlier(sum(1 for p in self.params if not p.buffer)))
         elif self.differing_params:
+            # Counted and named: only parameters both traces have, of one shape; the others are
+            # a change of structure, named apart after the sections (``_structure``).
+            bad = [p for p in self.differing_params if same_parameter(p)]
             changed = self._changed_values()
-            n = len(self.differing_params)
-            values = sum(1 for p in self.params if p.value.status == "differ" or p.only_in)
+            n = len(bad)
+            values = sum(1 for p in bad if p.value.status == "differ")
             if changed:  # the parameters that changed come first: they are what the user changed
-                parts.insert(0, changed + (f"; {n} differ in all ({differing_parts(self.differing_params)})"
-                                           if n > values else ""))
-            else:
-                parts.append(f"{state_count(self.differing_params)} {'differs' if n == 1 else 'differ'} "
-                             f"({differing_parts(self.differing_params)})")
+                parts.insert(0, changed + (f"; {n} differ in all ({differing_parts(bad)})" if n > values else ""))
+            last = [] if changed or not bad else [
+                f"{state_count(bad)} {'differs' if n == 1 else 'differ'} ({differing_parts(bad)})"]
+            structure = self._structure()
+            if last or structure:
+                parts.append("; ".join(last + ([structure] if structure else [])))
         head = "DIVERGED" if self.tolerance is None else f"BEYOND TOLERANCE ({self.tolerance})"
         if self.tolerance is not None and f.origin is not None:
             basis = "element-wise" if f.origin.basis == "values" else "by stats"
@@ -553,6 +600,28 @@ class DiffResult:
         return module_table(self)
 
 
+def same_parameter(p: ParamDiff) -> bool:
+    """Whether ``p`` is one parameter (or buffer) of both traces: in both, of one shape. Only such
+    a one differs in value; another is a change of structure (``DiffResult._structure``)."""
+    return p.only_in is None and not p.value.shapes_differ
+
+
+def _kind(params: list[ParamDiff]) -> str:
+    return "buffer" if all(p.buffer for p in params) else "parameter"
+
+
+def _kinds(params: list[ParamDiff]) -> str | None:
+    """The plural of a mix of parameters and buffers (two at least), else None."""
+    buffers = sum(p.buffer for p in params)
+    return "parameters and buffers" if 0 < buffers < len(params) else None
+
+
+def _names(params: list[ParamDiff]) -> str:
+    """A handful of names, then how many more."""
+    n = len(params)
+    return ", ".join(p.name for p in params[:TOP_NAMED]) + (f" … {n - TOP_NAMED} more" if n > TOP_NAMED else "")
+
+
 def _phase_words(phase: str) -> str:
     """``, optimizer`` after a module where a record's phase is not the section's plain one: the
     forward section's calls of a later phase (the optimizer's) and any phase a newer file names."""
@@ -585,11 +654,13 @@ def module_table(result: DiffResult) -> list[dict[str, Any]]:
         bases = {x.basis for x in stats if x.basis}
         basis = "" if not bases else bases.pop() if len(bases) == 1 else "mixed"
         shapes = sum(x.shapes for x in stats)
+        missing = sum(x.missing for x in stats)
         if fwd or bwd or after or (result.tolerance is not None and rel > 0):
             out.append({"module": m, "forward": fwd, "backward": bwd, "after_backward": after,
                         "max_abs": ab, "max_rel": rel, "basis": basis or None, "origin": m in origins,
                         # (shapes that differ are a difference the checksums are not alone to see)
-                        "checksum_only": bool(fwd or bwd or after) and not shapes and checksum_only(ab, basis),
+                        "checksum_only": bool(fwd or bwd or after) and not shapes and not missing
+                        and checksum_only(ab, basis),
                         "shapes_differ": shapes})
     if result.tolerance is not None:
         out.sort(key=lambda r: -r["max_rel"])

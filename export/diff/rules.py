@@ -73,6 +73,15 @@ class Facts:
     # Inputs that could not be compared, in words (``weight@grad (not hashed: sparse_coo layout)``):
     # a difference may have come in through them.
     unknown: tuple[str, ...] = ()
+    # Gradients a node makes on one side only, in words (``B makes no gradient for 0.bias``): a
+    # parameter frozen in one run. A change of structure, which no nondeterminism explains.
+    missing: str = ""
+    # ``node_call`` did not align with a call of B (``cross_entropy0 is only in A's forward, B's
+    # cross_entropy0 only in B's``: another batch size): nothing says its forward matched.
+    call_unaligned: str = ""
+    # A random op only one trace called before this one (``kaiming_uniform_1, only in B``): it
+    # drew from the RNG first, so this op's draws differ for a known reason.
+    rng_advanced_by: str = ""
 
     @property
     def inputs_match(self) -> bool:
@@ -176,7 +185,10 @@ def _is_random(f: Facts) -> bool:
 
 def _backward_only(f: Facts) -> bool:
     """A backward's own record whose gradients in match, of a node whose forward call matched:
-    the backward itself computed something else."""
+    the backward itself computed something else. (A forward call that did not align did not
+    match, and a gradient one side does not make is a change of structure: neither is this.)"""
+    if f.call_unaligned or f.missing:
+        return False
     if f.record == "call":
         return bool(f.inside) and not f.hook and f.inputs_match and f.node_call is not None and not f.call_touched
     return f.record == "node" and f.inputs <= {SOURCE} and f.node_call is not None and not f.call_touched
@@ -184,7 +196,9 @@ def _backward_only(f: Facts) -> bool:
 
 def _random_note(f: Facts) -> str:
     text = _where(f) + "random op with equal inputs: the RNG state differs"
-    if f.inside and not f.hook and f.node_call is not None and not f.call_touched:
+    if f.rng_advanced_by:  # (a known cause: the other trace's extra random op drew first)
+        text += f", advanced by {f.rng_advanced_by}, which drew from it before"
+    if f.inside and not f.hook and f.node_call is not None and not f.call_touched and not f.call_unaligned:
         return f"backward-only: {text} ({f.node_call} {_matched(f)} in forward)"
     return text
 
@@ -195,6 +209,17 @@ def _backward_only_note(f: Facts) -> str:
     text = _where(f) + outputs_differ(f) if f.record == "call" else outputs_differ(f, "gradients in")
     seed = "; the seed gradient differs" if SOURCE in f.inputs else ""
     return f"backward-only: {text} while {f.node_call} {_matched(f)} in forward (nondeterministic backward?){seed}"
+
+
+def _missing_note(f: Facts) -> str:
+    text = _where(f) + ("inputs match" if f.record == "call" else "gradients in match") + f", but {f.missing}"
+    return text + ("; the seed gradient differs" if SOURCE in f.inputs else "")
+
+
+def _unaligned_note(f: Facts) -> str:
+    text = _where(f) + outputs_differ(f) if f.record == "call" else outputs_differ(f, "gradients in")
+    return f"{text}; its forward call did not align: {f.call_unaligned}" + \
+        ("; the seed gradient differs" if SOURCE in f.inputs else "")
 
 
 def _arguments_note(f: Facts) -> str:
@@ -252,6 +277,19 @@ ROW_RULES: tuple[Rule, ...] = (
          "issue 42: dropout or randn with another seed read 'inputs match, outputs differ'",
          "tests/test_diff_story.py::test_a_random_op_with_equal_inputs_says_the_rng_state_differs", "new",
          _is_random, _random_note),
+    Rule("missing-gradient", "a record of a backward whose gradients in match (but for the run's seed gradient) "
+         "and that makes a gradient on one side only (an input that needs none in the other run)",
+         "a bias frozen in B: AddmmBackward0 made no bias gradient in B and was called 'backward-only ... "
+         "(nondeterministic backward?)', its difference 'only the checksums differ'",
+         "tests/test_diff_structure.py::test_a_frozen_bias_is_a_missing_gradient_not_nondeterminism", "new",
+         lambda f: f.record in ("node", "call") and bool(f.missing) and f.inputs <= {SOURCE}, _missing_note),
+    Rule("forward-call-unaligned", "a record of a backward whose gradients in match (but for the run's seed "
+         "gradient) and outputs differ, of a node whose forward call did not align with one of the other trace",
+         "batch size 8 against 16: NllLossBackward0 of cross_entropy0, removed and inserted in forward, was "
+         "'backward-only ... while cross_entropy0 matched in forward (nondeterministic backward?)'",
+         "tests/test_diff_structure.py::test_another_batch_size_is_no_nondeterministic_backward", "new",
+         lambda f: (f.record == "node" or (f.record == "call" and bool(f.inside) and not f.hook))
+         and bool(f.call_unaligned) and f.inputs <= {SOURCE}, _unaligned_note),
     Rule("backward-only", "a record of a backward (a call in a custom backward, or a node) whose gradients in "
          "match and whose node's forward call matched, while its outputs differ",
          "a custom Function whose backward scales by a factor its forward never sees: forward matched, "
