@@ -156,3 +156,16 @@ def traced_twin(recipe: Recipe, **trace_options: Any) -> tuple[nn.Module, nn.Mod
     with tracer.trace(**trace_options) as t:
         step()
     return plain, model, t
+
+
+def traced_sum_step(model: nn.Module, opt: torch.optim.Optimizer, shift: float = 0.0) -> Any:
+    """One step of ``model`` on a fixed 3 x 4 input (plus ``shift``): the sum's backward and
+    ``opt``'s step, traced with MD5s (the diff tests' runs that differ in one known way)."""
+    import tracer
+
+    x = torch.linspace(-1, 1, 12).view(3, 4) + shift
+    with tracer.trace(hash="md5") as t:
+        model(x).sum().backward()
+        opt.step()
+    return t
+

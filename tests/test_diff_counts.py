@@ -26,6 +26,7 @@ import tracer
 from export.cli import main
 from export.diff import diff, diff_html, diff_payload, module_table
 from tests.browser import opened
+from tests.models import traced_sum_step
 from tracer.model.display import format_number
 
 torch.set_num_threads(1)
@@ -61,12 +62,7 @@ def _step(lr: float = 0.1, shift: float = 0.0, width: int = 3, extra: bool = Fal
     or an extra layer."""
     torch.manual_seed(0)
     net = model if model is not None else _mlp(width, extra)
-    opt = torch.optim.SGD(net.parameters(), lr=lr)
-    x = torch.linspace(-1, 1, 12).view(3, 4) + shift
-    with tracer.trace(hash="md5") as t:
-        net(x).sum().backward()
-        opt.step()
-    return t
+    return traced_sum_step(net, torch.optim.SGD(net.parameters(), lr=lr), shift)
 
 
 @pytest.fixture(scope="module")

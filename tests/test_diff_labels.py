@@ -20,6 +20,7 @@ import tracer
 from export.cli import main
 from export.diff import diff, diff_html, diff_payload
 from tests.browser import opened
+from tests.models import traced_sum_step
 
 LR_REASON = "inputs match, arguments differ ('lr=0.001' vs 'lr=0.002'), outputs differ"
 
@@ -43,12 +44,7 @@ def _step(lr: float = 1e-3, shift: float = 0.0, scale: float = 1.0) -> tracer.Tr
     torch.manual_seed(0)
     model = Scaled()
     model.scale.mul_(scale)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    x = torch.linspace(-1, 1, 12).view(3, 4) + shift
-    with tracer.trace(hash="md5") as t:
-        model(x).sum().backward()
-        opt.step()
-    return t
+    return traced_sum_step(model, torch.optim.AdamW(model.parameters(), lr=lr), shift)
 
 
 @pytest.fixture(scope="module")
