@@ -6,6 +6,8 @@ read the ranking and the call counts, and take the undisturbed ratios from ``ove
 
     python benchmarks/step_profile.py --model resnet50 --device cuda --config check_numerics
     python benchmarks/step_profile.py --model tiny12 --device cpu --config stacks
+    python benchmarks/step_profile.py --model resnet50-tiny --sort cumtime --only tracer/
+    python benchmarks/step_profile.py --model resnet50-tiny --callers "method 'get' of 'dict'"
 """
 
 from __future__ import annotations
