@@ -143,8 +143,8 @@ def test_run_check_determinism_says_when_the_runs_differ_before_the_step(tmp_pat
     (tmp_path / "train.py").write_text(UNSEEDED_INIT)
     assert main(["run", "--check-determinism", "--steps", "2", "train.py"]) == 1
     out = capsys.readouterr().out
-    assert out.startswith("Step 2 does not start from the same state in every run: run 1 and run 2 part at step 0. "
-                          "The runs part before step 0: the parameters differ as step 0 begins")
+    assert out.startswith("Step 2 does not start from the same state in every run: run 1 and run 2 part at step 0 "
+                          "(A: run 1, B: run 2). The runs part before step 0: the parameters differ as step 0 begins")
     assert out.endswith("Check that step instead: gradtrace run --check-determinism --steps 0 ...\n")
 
 

@@ -63,8 +63,9 @@ def check_program(program: Program, args: argparse.Namespace) -> int:
         same = bisect(runs[0].log, run.log)
         p = same.parting
         if p is not None and (p.step < step or (p.step == step and p.kind in INPUT_KINDS)):
+            # (bisect's words call the two logs A and B: say which run each is)
             print(f"Step {step} does not start from the same state in every run: run 1 and {run.label} part at "
-                  f"step {p.step}. {inert(same.describe())}")
+                  f"step {p.step} (A: run 1, B: {run.label}). {inert(same.describe())}")
             if p.step < step:
                 print(f"Check that step instead: gradtrace run --check-determinism --steps {p.step} ...")
             return 1
