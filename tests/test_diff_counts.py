@@ -153,26 +153,29 @@ def test_the_forward_row_counts_only_the_forward_calls(traces: dict[str, Path], 
 def test_an_extra_layer_counts_the_parameters_both_have_and_those_only_in_b(
         traces: dict[str, Path], capsys: Any) -> None:
     text = _cli(capsys, str(traces["base"]), str(traces["extra"]))
-    # A: 0.weight, 0.bias, 2.weight, 2.bias; B: those (2.* of another shape) and 4.weight, 4.bias
-    assert "\nParameters that differ (4 of 4 in both traces; 2 only in B)" in text
+    # A: 0.weight, 0.bias, 2.weight, 2.bias; B: those (2.* of another shape) and 4.weight, 4.bias.
+    # 2.* of another shape are not one parameter changed: counted apart, as the verdict says.
+    assert "\nParameters that differ (2 of 2 in both traces; 2 of another shape, 2 only in B)" in text
     assert "6 of 6" not in text
     assert _table(text, "Summary")["parameters"] == [
-        "4", "4", "2", "0", "4 parameters differ (value, gradient, value after the step); 2 only in B"]
+        "2", "2", "2", "0", "2 parameters differ (gradient, value after the step); 2 of another shape, 2 only in B"]
     data = json.loads(_cli(capsys, str(traces["base"]), str(traces["extra"]), "--json"))
-    assert (data["params_compared"], data["buffers_compared"]) == (4, 0)
+    assert (data["params_compared"], data["buffers_compared"]) == (2, 0)
     assert (data["params_only_in"], data["buffers_only_in"]) == ({"A": 0, "B": 2}, {"A": 0, "B": 0})
+    assert (data["params_of_another_shape"], data["buffers_of_another_shape"]) == (2, 0)
     assert [(p["name"], p["only_in"]) for p in data["params"]] == [
         ("2.weight", None), ("2.bias", None), ("0.weight", None), ("0.bias", None), ("4.weight", "B"),
         ("4.bias", "B")]
     r = diff(traces["base"], traces["extra"])
     a, b = tracer.load(str(traces["base"])), tracer.load(str(traces["extra"]))
-    assert diff_payload(r, a, b)["params_of"] == "4 of 4 in both traces; 2 only in B"
-    assert ">parameters</th><td style=\"text-align:left\">4 of 4 in both traces differ; 2 only in B: " in r._repr_html_()
+    assert diff_payload(r, a, b)["params_of"] == "2 of 2 in both traces; 2 of another shape, 2 only in B"
+    assert (">parameters</th><td style=\"text-align:left\">2 of 2 in both traces differ; 2 of another shape, 2 only "
+            "in B: ") in r._repr_html_()
     # the other way round: B's extra layer is A's, removed
     back = _cli(capsys, str(traces["extra"]), str(traces["base"]))
-    assert "\nParameters that differ (4 of 4 in both traces; 2 only in A)" in back
+    assert "\nParameters that differ (2 of 2 in both traces; 2 of another shape, 2 only in A)" in back
     assert _table(back, "Summary")["parameters"] == [
-        "4", "4", "0", "2", "4 parameters differ (value, gradient, value after the step); 2 only in A"]
+        "2", "2", "0", "2", "2 parameters differ (gradient, value after the step); 2 of another shape, 2 only in A"]
 
 
 def test_a_buffer_only_in_one_trace_is_counted_as_a_buffer(traces: dict[str, Path], capsys: Any) -> None:
@@ -243,7 +246,7 @@ def test_the_html_page_says_the_same_counts(traces: dict[str, Path], tmp_path: P
         assert errors == []
         section = page.locator("section", has_text="Parameters that differ")
         assert section.locator("h2").inner_text() == "Parameters that differ"
-        assert section.locator(".note").first.inner_text() == "4 of 4 in both traces; 2 only in B"
+        assert section.locator(".note").first.inner_text() == "2 of 2 in both traces; 2 of another shape, 2 only in B"
         modules = page.locator("section", has_text="Per module")
         row = modules.locator("tr", has_text="shapes differ")
         assert row.count() == 1 and row.locator("td").nth(4).inner_text().endswith(", shapes differ")

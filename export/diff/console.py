@@ -82,12 +82,13 @@ def _summary_table(result: DiffResult, console: Console) -> None:
     # in "compared" or "differing".
     for kind, buffer in (("parameters", False), ("buffers", True)):
         n = state_counts(result.params, buffer)
-        if buffer and not (n.compared or n.only_in_a or n.only_in_b):
+        if buffer and not (n.compared or n.only_in_a or n.only_in_b or n.reshaped):
             continue
-        bad = [p for p in result.differing_params if p.buffer == buffer and p.only_in is None]
+        bad = [p for p in result.differing_params if p.buffer == buffer and p.only_in is None
+               and not p.value.shapes_differ]
         words = [f"{state_count(bad)} {'differs' if len(bad) == 1 else 'differ'} ({differing_parts(bad)})"
                  if bad else "equal" if n.compared else ""]
-        one_side = n.only_in_a or n.only_in_b
+        one_side = n.only_in_a or n.only_in_b or n.reshaped
         if one_side:
             words.append(only_in_words(n))
         t.add_row(_tx(kind), _tx(n.compared), _tx(n.differing), _tx(n.only_in_b if one_side else ""),
@@ -337,14 +338,18 @@ class StateCounts(NamedTuple):
     differing: int
     only_in_a: int
     only_in_b: int
+    # In both traces under one name, of another shape: not one parameter changed but a change of
+    # structure (an extra layer widens the next), so in neither count either (as the verdict says).
+    reshaped: int = 0
 
 
 def state_counts(params: Sequence[ParamDiff], buffer: bool) -> StateCounts:
     """``params`` of one kind (``buffer``) counted as ``StateCounts``."""
     own = [p for p in params if p.buffer == buffer]
-    both = [p for p in own if p.only_in is None]
+    both = [p for p in own if p.only_in is None and not p.value.shapes_differ]
     return StateCounts(buffer, len(both), sum(1 for p in both if p.differs),
-                       sum(1 for p in own if p.only_in == "A"), sum(1 for p in own if p.only_in == "B"))
+                       sum(1 for p in own if p.only_in == "A"), sum(1 for p in own if p.only_in == "B"),
+                       sum(1 for p in own if p.only_in is None and p.value.shapes_differ))
 
 
 def only_in_words(*counts: StateCounts) -> str:
@@ -354,6 +359,8 @@ def only_in_words(*counts: StateCounts) -> str:
     out = []
     for c in counts:
         kind = "buffer" if c.buffer else "parameter"
+        if c.reshaped:
+            out.append(f"{plural(c.reshaped, kind) if named else c.reshaped} of another shape")
         for side, n in (("A", c.only_in_a), ("B", c.only_in_b)):
             if n:
                 out.append(f"{plural(n, kind) if named else n} only in {side}")
@@ -369,7 +376,7 @@ def differing_of(bad: Sequence[ParamDiff], params: Sequence[ParamDiff], verb: st
     counts = [state_counts(params, buffer) for buffer in ((False, True) if has_buffers else (False,))]
     out = []
     for c in counts:
-        n = sum(1 for p in bad if p.buffer == c.buffer and p.only_in is None)
+        n = sum(1 for p in bad if p.buffer == c.buffer and p.only_in is None and not p.value.shapes_differ)
         if not has_buffers:
             out.append(f"{n} of {c.compared}")
         elif c.compared:

@@ -577,7 +577,10 @@ class DiffResult:
                 # compared: by name, in both traces; those one trace alone has are counted apart
                 "params_compared": params.compared, "buffers_compared": buffers.compared,
                 "params_only_in": {"A": params.only_in_a, "B": params.only_in_b},
-                "buffers_only_in": {"A": buffers.only_in_a, "B": buffers.only_in_b}, "notes": self.notes,
+                "buffers_only_in": {"A": buffers.only_in_a, "B": buffers.only_in_b},
+                # in both under one name, of another shape: a change of structure, never compared
+                "params_of_another_shape": params.reshaped, "buffers_of_another_shape": buffers.reshaped,
+                "notes": self.notes,
                 "numerics": {side: r.to_json() for side, r in self.numerics().items()}}
 
     def numerics(self) -> dict[str, NumericsReport]:
