@@ -718,3 +718,25 @@ def test_a_nan_left_in_grad_from_before_the_block_arrived_there() -> None:
             (model(torch.randn(3, 4)) * float("nan")).sum().backward()
     h = t.anomalies.headline
     assert h is not None and h.phase == "forward" and h.producer == "mul0"
+
+
+def test_accumulated_grads_are_checked_in_the_run_that_made_them() -> None:
+    """Two steps of two micro-batches: each second micro-batch adds into the .grad the first
+    made. The NaN enters the gradients in step 2's second micro-batch; the .grad version that
+    run made holds it, and no earlier accumulator run may be said to have made it."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tracer.NumericsWarning)
+        with tracer.trace(hash="none", check_numerics=True) as t:
+            for step in (1, 2):
+                for micro in (1, 2):
+                    scale = float("nan") if (step, micro) == (2, 2) else 1.0
+                    (model(torch.ones(2, 4)) * scale).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    h = t.anomalies.headline
+    assert h is not None and (h.phase, h.producer, h.origin) == ("forward", "mul3", True)
+    assert (h.step, h.steps, h.micro_batch, h.micro_batches) == (2, 2, 2, 2)
+    assert t.tensors["weight@grad#2@v1"].stats.nan and not t.tensors["weight@grad@v1"].stats.nan

@@ -600,8 +600,8 @@ class _Walk:
         # A step with a closure (LBFGS) evaluates it several times: its runs are no micro-batches.
         self.closure = stepped_with_closure(trace)
         self.open_block = open_block  # the block is still running: no totals (see Anomaly.steps)
-        self._made_by_nodes: dict[str, list[str]] | None = None  # see _accumulated
-        self._accumulator_runs: Counter[str] = Counter()
+        self._made_by_nodes: dict[str, dict[str, str]] | None = None  # see _accumulated
+        self._grad_now: dict[str, str | None] = {}  # accumulator -> the .grad after its last run walked
 
     def stack(self, stack_id: int | None, recorded: tuple[Frame, ...]) -> tuple[Frame, ...]:
         return self.frames_of(stack_id) if self.frames_of is not None and not recorded else recorded
@@ -764,18 +764,28 @@ class _Walk:
 
     def _accumulated(self, step: NodeRun) -> str | None:
         """The version of a ``.grad`` that this run of an accumulator made (it added the gradient
-        it received into the ``.grad`` there was): its k-th run made its k-th version."""
+        it received into the ``.grad`` there was), followed run by run: a run with no ``.grad``
+        before it makes none (the gradient it received becomes the ``.grad``); one with a
+        ``.grad`` makes the version whose ``previous`` that ``.grad`` is. The first run may add
+        into a ``.grad`` from before the block (a version whose ``previous`` no call made). Where
+        the chain is lost (``.grad`` changed by a call in between), None: not checked."""
         if self._made_by_nodes is None:
             self._made_by_nodes = {}
             for name, rec in self.tensors.items():
                 if rec.producer is not None and rec.producer not in self.calls and rec.previous is not None:
-                    self._made_by_nodes.setdefault(rec.producer, []).append(name)
+                    self._made_by_nodes.setdefault(rec.producer, {})[rec.previous] = name
         made = self._made_by_nodes.get(step.node)
-        if not made:
-            return None
-        k = self._accumulator_runs[step.node]
-        self._accumulator_runs[step.node] += 1
-        return made[k] if k < len(made) else None
+        received = next((g for g in step.grads_in if g is not None), None)
+        now = self._grad_now.get(step.node)
+        version = None
+        if made:
+            if now is not None:
+                version = made.get(now)
+            else:  # the first run seen: a .grad from before the block, if one was there
+                version = next((v for prev, v in made.items()
+                                if (r := self.tensors.get(prev)) is not None and r.producer is None), None)
+        self._grad_now[step.node] = version if version is not None else received
+        return version
 
     def check_step(self, run: str, step: NodeRun, node: GradNode | None, call: Call | None, module: str) -> None:
         tensors = self.tensors
