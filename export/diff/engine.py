@@ -357,7 +357,7 @@ def _forward(a: Trace, b: Trace, cmp: Comparer, rows: list[Pair]) -> tuple[Diver
         facts = Facts("call", ca.name, ca.api, kinds, cmp.tol is not None, row.max_rel, _mismatch(outs),
                       unknown=tuple(f"{x or y} ({c.why or 'not compared'})" for x, y, c in ins if c.status == "unknown"),
                       # (an index or a scalar the program chose differently)
-                      args=_args_pair(ca, cb) if ca.args != cb.args else "",
+                      args=args_pair(ca.args, cb.args) if ca.args != cb.args else "",
                       sources=tuple(t for k, t in causes if k == SOURCE),
                       read_first_by=tuple(sorted({first_reader[n] for n in changed
                                                   if first_reader.get(n, ca.name) != ca.name})),
@@ -381,12 +381,6 @@ def _forward(a: Trace, b: Trace, cmp: Comparer, rows: list[Pair]) -> tuple[Diver
         d.stack_a = getattr(oa, "stack", ())
         d.stack_b = getattr(ob, "stack", ())
     return d, touched
-
-
-def _args_pair(ca: Call, cb: Call) -> str:
-    """``3`` vs ``5``: the two calls' argument texts (``tracer.model.display.args_pair``, which
-    ``tracer.check_determinism`` words its ``arguments differ`` with too)."""
-    return args_pair(ca.args, cb.args)
 
 
 # ---- backward -----------------------------------------------------------------------------------
@@ -606,7 +600,7 @@ def _inner_origin(cmp: Comparer, sa: NodeRun, calls: dict[str, str], d: Divergen
             in_own_code = ca.name in sa.calls or _nested_in(ca, set(sa.calls), a_calls)
             return row, Facts("call", ca.name, ca.api, frozenset(), cmp.tol is not None, row.max_rel, _mismatch(outs),
                               inside=sa.node, hook=not in_own_code,
-                              args=_args_pair(ca, cb) if ca.args != cb.args else "")
+                              args=args_pair(ca.args, cb.args) if ca.args != cb.args else "")
     return None
 
 

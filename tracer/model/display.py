@@ -161,15 +161,13 @@ def args_pair(a: str, b: str) -> str:
     """``'3' vs '5'``: two calls' argument texts, each cut to a readable length; of keyword
     arguments both name the same (an optimizer step's settings), only those that differ:
     ``'lr=0.1' vs 'lr=0.2'``."""
-    def cut(text: str) -> str:
-        return text if len(text) <= 40 else text[:39] + "…"
     ka, kb = keyword_items(a), keyword_items(b)
     if ka is not None and kb is not None and ka.keys() == kb.keys():
         keys = [k for k in ka if ka[k] != kb[k]]
         if keys:
-            return (f"{cut(', '.join(f'{k}={ka[k]}' for k in keys))!r} vs "
-                    f"{cut(', '.join(f'{k}={kb[k]}' for k in keys))!r}")
-    return f"{cut(a)!r} vs {cut(b)!r}"
+            return (f"{clip(', '.join(f'{k}={ka[k]}' for k in keys))!r} vs "
+                    f"{clip(', '.join(f'{k}={kb[k]}' for k in keys))!r}")
+    return f"{clip(a)!r} vs {clip(b)!r}"
 
 
 def keyword_items(text: str) -> dict[str, str] | None:
