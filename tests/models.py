@@ -169,3 +169,21 @@ def traced_sum_step(model: nn.Module, opt: torch.optim.Optimizer, shift: float =
         opt.step()
     return t
 
+
+def saved(where: Any, traces: dict[str, Any]) -> dict[str, Any]:
+    """Each trace saved as ``where/<name>.gtrace``; the paths by name."""
+    out = {}
+    for name, t in traces.items():
+        out[name] = where / f"{name}.gtrace"
+        t.save(str(out[name]))
+    return out
+
+
+def diff_output(capsys: Any, *argv: str) -> str:
+    """What ``gradtrace diff ARGV`` prints for two traces that differ (exit status 1)."""
+    from export.cli.main import main
+
+    capsys.readouterr()
+    assert main(["diff", *argv]) == 1
+    return str(capsys.readouterr().out)
+

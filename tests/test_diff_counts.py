@@ -23,10 +23,9 @@ import torch
 import torch.nn as nn
 
 import tracer
-from export.cli import main
 from export.diff import diff, diff_html, diff_payload, module_table
 from tests.browser import opened
-from tests.models import traced_sum_step
+from tests.models import diff_output, saved, traced_sum_step
 from tracer.model.display import format_number
 
 torch.set_num_threads(1)
@@ -74,17 +73,10 @@ def traces(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     plain = _Scaled(False)
     torch.manual_seed(0)
     made |= {"plain": _step(model=plain), "buffered": _step(model=_Scaled(True))}
-    out = {}
-    for name, t in made.items():
-        out[name] = where / f"{name}.gtrace"
-        t.save(str(out[name]))
-    return out
+    return saved(where, made)
 
 
-def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
-    capsys.readouterr()
-    assert main(["diff", *argv]) == 1
-    return capsys.readouterr().out
+_cli = diff_output
 
 
 def _table(text: str, title: str) -> dict[str, list[str]]:

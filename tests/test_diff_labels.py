@@ -17,10 +17,9 @@ import torch
 import torch.nn as nn
 
 import tracer
-from export.cli import main
 from export.diff import diff, diff_html, diff_payload
 from tests.browser import opened
-from tests.models import traced_sum_step
+from tests.models import diff_output, saved, traced_sum_step
 
 LR_REASON = "inputs match, arguments differ ('lr=0.001' vs 'lr=0.002'), outputs differ"
 
@@ -50,18 +49,11 @@ def _step(lr: float = 1e-3, shift: float = 0.0, scale: float = 1.0) -> tracer.Tr
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     where = tmp_path_factory.mktemp("labels")
-    out = {}
-    for name, t in (("base", _step()), ("lr", _step(lr=2e-3)), ("input", _step(shift=0.5)),
-                    ("buffer", _step(scale=2.0))):
-        out[name] = where / f"{name}.gtrace"
-        t.save(str(out[name]))
-    return out
+    return saved(where, {"base": _step(), "lr": _step(lr=2e-3), "input": _step(shift=0.5),
+                         "buffer": _step(scale=2.0)})
 
 
-def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
-    capsys.readouterr()
-    assert main(["diff", *argv]) == 1
-    return capsys.readouterr().out
+_cli = diff_output
 
 
 def _verdict(text: str) -> str:

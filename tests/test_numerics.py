@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -514,6 +516,16 @@ def test_a_grad_scaler_overflow_is_said_to_be_one_and_what_it_explains():
     assert scaler.get_scale() == 2.0 ** 8
 
 
+@contextlib.contextmanager
+def _checked_quietly(**options: Any) -> Iterator[tracer.Trace]:
+    """A ``check_numerics`` trace without checksums whose ``NumericsWarning`` is not shown (the
+    tests read the story from the trace)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tracer.NumericsWarning)
+        with tracer.trace(hash="none", check_numerics=True, **options) as t:
+            yield t
+
+
 def _steps_with_a_nan(steps: int, micro_batches: int, bad: tuple[int, int]) -> tracer.Trace:
     """``steps`` optimizer steps of ``micro_batches`` backward runs each, in one block; the
     forward of micro-batch ``bad`` = (step, micro-batch), both 1-based, takes the log of a
@@ -521,16 +533,14 @@ def _steps_with_a_nan(steps: int, micro_batches: int, bad: tuple[int, int]) -> t
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # (lr 0: the NaN never reaches the weights)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", tracer.NumericsWarning)
-        with tracer.trace(hash="none", check_numerics=True) as t:
-            for step in range(1, steps + 1):
-                for micro in range(1, micro_batches + 1):
-                    shift = -100.0 if (step, micro) == bad else 1.0
-                    loss = torch.log(model(torch.ones(2, 4)).pow(2).mean() + shift)
-                    loss.backward()
-                opt.step()
-                opt.zero_grad()
+    with _checked_quietly() as t:
+        for step in range(1, steps + 1):
+            for micro in range(1, micro_batches + 1):
+                shift = -100.0 if (step, micro) == bad else 1.0
+                loss = torch.log(model(torch.ones(2, 4)).pow(2).mean() + shift)
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
     return t
 
 
@@ -625,10 +635,8 @@ def test_a_nan_made_around_a_custom_backward_s_own_autograd_grad_is_found_where_
     """The run a custom backward starts is met where it ran among that backward's own calls, not
     before all of them: a NaN made before it is the origin, not the inner node it reached."""
     x = torch.randn(3, requires_grad=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", tracer.NumericsWarning)
-        with tracer.trace(hash="none", check_numerics=True, raise_on_nonfinite=False) as t:
-            _GradOfInner.apply(x, spoil).sum().backward()
+    with _checked_quietly(raise_on_nonfinite=False) as t:
+        _GradOfInner.apply(x, spoil).sum().backward()
     h = t.anomalies.headline
     assert h is not None and (h.phase, h.kind, h.origin) == ("backward", "nan", True)
     assert h.producer == "mul0"  # (the inner run's ExpBackward0 is a built-in node: no call of its own)
@@ -671,15 +679,13 @@ def test_a_nan_after_the_last_step_is_after_it_not_in_it() -> None:
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", tracer.NumericsWarning)
-        with tracer.trace(hash="none", check_numerics=True) as t:
-            for _ in range(2):
-                model(torch.ones(2, 4)).pow(2).mean().backward()
-                opt.step()
-                opt.zero_grad()
-            with torch.no_grad():
-                torch.log(model(torch.ones(2, 4)).mean() - 100.0)  # an evaluation after step 2
+    with _checked_quietly() as t:
+        for _ in range(2):
+            model(torch.ones(2, 4)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        with torch.no_grad():
+            torch.log(model(torch.ones(2, 4)).mean() - 100.0)  # an evaluation after step 2
     h = t.anomalies.headline
     assert h is not None and h.producer == "log0"
     assert (h.step, h.steps, h.after_step, h.micro_batch) == (2, 2, True, None)
@@ -696,11 +702,9 @@ def test_a_nan_left_in_grad_from_before_the_block_arrived_there() -> None:
     model.weight.grad = torch.zeros_like(model.weight)
     model.weight.grad[0, 0] = float("nan")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", tracer.NumericsWarning)
-        with tracer.trace(hash="none", check_numerics=True) as t:
-            model(torch.randn(3, 4)).pow(2).mean().backward()  # the line that reads it
-            opt.step()
+    with _checked_quietly() as t:
+        model(torch.randn(3, 4)).pow(2).mean().backward()  # the line that reads it
+        opt.step()
     h = t.anomalies.headline
     assert h is not None and (h.phase, h.producer, h.arrived, h.origin) == ("backward", "weight/AccumulateGrad",
                                                                            True, False)
@@ -712,10 +716,8 @@ def test_a_nan_left_in_grad_from_before_the_block_arrived_there() -> None:
         "in backward")
     # A NaN the step's own gradient brings into a clean .grad is carried there, as before.
     model = nn.Linear(4, 2)  # (the step above wrote the NaN into the weight)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", tracer.NumericsWarning)
-        with tracer.trace(hash="none", check_numerics=True) as t:
-            (model(torch.randn(3, 4)) * float("nan")).sum().backward()
+    with _checked_quietly() as t:
+        (model(torch.randn(3, 4)) * float("nan")).sum().backward()
     h = t.anomalies.headline
     assert h is not None and h.phase == "forward" and h.producer == "mul0"
 
@@ -727,15 +729,13 @@ def test_accumulated_grads_are_checked_in_the_run_that_made_them() -> None:
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", tracer.NumericsWarning)
-        with tracer.trace(hash="none", check_numerics=True) as t:
-            for step in (1, 2):
-                for micro in (1, 2):
-                    scale = float("nan") if (step, micro) == (2, 2) else 1.0
-                    (model(torch.ones(2, 4)) * scale).sum().backward()
-                opt.step()
-                opt.zero_grad()
+    with _checked_quietly() as t:
+        for step in (1, 2):
+            for micro in (1, 2):
+                scale = float("nan") if (step, micro) == (2, 2) else 1.0
+                (model(torch.ones(2, 4)) * scale).sum().backward()
+            opt.step()
+            opt.zero_grad()
     h = t.anomalies.headline
     assert h is not None and (h.phase, h.producer, h.origin) == ("forward", "mul3", True)
     assert (h.step, h.steps, h.micro_batch, h.micro_batches) == (2, 2, 2, 2)
